@@ -1,0 +1,367 @@
+"""Typed job configuration: dataclasses, YAML loading, ``key=value`` overrides, validation.
+
+Every value that reaches the trainer passes through here. ``validate()`` runs before any
+model is built or data is read, and every error names the field at fault, so a bad
+config costs a second, not a queued GPU job.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message starts with the dotted field name."""
+
+
+@dataclass
+class ModelConfig:
+    # A named size from models/presets.py. Any field set below overrides the preset.
+    preset: Optional[str] = "tiny"
+    # A local Hugging Face model directory to start from (weights, config, tokenizer).
+    init_from: Optional[str] = None
+    # Directory holding tokenizer.json (defaults to init_from's, or the run's own).
+    tokenizer: Optional[str] = None
+    dim: Optional[int] = None
+    n_layers: Optional[int] = None
+    n_heads: Optional[int] = None
+    n_kv_heads: Optional[int] = None
+    vocab_size: Optional[int] = None
+    ffn_dim: Optional[int] = None
+    max_seq_len: Optional[int] = None
+    rope_theta: Optional[float] = None
+    norm_eps: Optional[float] = None
+    tie_embeddings: Optional[bool] = None
+
+
+@dataclass
+class DataConfig:
+    # stdlib: the Python standard library's sources (the CPU demo corpus);
+    # text: local .txt/.py/.md files or directories; pretrain / sft: see data/.
+    kind: str = "stdlib"
+    path: Optional[Any] = None  # a path or a list of paths
+    eval_path: Optional[Any] = None
+    # Fraction of documents held out for validation when no eval_path is given.
+    eval_fraction: float = 0.02
+    seq_len: int = 256
+    micro_batch_size: int = 8
+    # Sequences per optimizer step over all data-parallel ranks; None = micro_batch_size x dp.
+    global_batch_size: Optional[int] = None
+    # Tokenizer vocabulary when lmforge trains one on the corpus (no model.tokenizer given).
+    tokenizer_vocab_size: int = 2048
+    json_key: str = "text"
+    append_eod: bool = True
+    template: str = "plain"
+    blend: Optional[list] = None
+    document_mask: bool = False
+    pack: bool = False
+    num_workers: int = 0
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables clipping
+    warmup_steps: int = 20
+    schedule: str = "cosine"  # cosine | linear | constant
+    fused: Optional[bool] = None  # None: fused where the device supports it
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 300
+    seed: int = 1234
+    output_dir: str = "runs/demo"
+    log_every: int = 10
+    eval_every: int = 0  # 0: only at the end
+    eval_batches: int = 8
+    checkpoint_every: int = 0  # 0: only at the end
+    keep_last: int = 2
+    resume: Optional[str] = None  # auto | a checkpoint path
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
+    activation_checkpointing: str = "none"  # none | full
+    compile: bool = False
+    deterministic: bool = False
+    progress_bar: Optional[bool] = None  # None: on when stderr is a terminal
+    sample_prompt: str = "def "
+    sample_tokens: int = 48
+    threads: int = 0  # CPU threads for torch; 0 leaves torch's default
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: whatever is left of the world size
+    tp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1
+    zero: int = 3
+    sequence_parallel: bool = True
+    microbatches: Optional[int] = None
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def validate(self, world_size: int = 1) -> "JobConfig":
+        validate(self, world_size)
+        return self
+
+
+# ---------------------------------------------------------------------------- loading
+
+def load_config(path: Optional[str | Path] = None, overrides: list[str] = ()) -> JobConfig:
+    """YAML file (or the embedded demo when None) + ``section.key=value`` overrides."""
+    cfg = JobConfig()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path}: not found")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path}: not valid YAML ({_one_line(e)})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {path}: top level must be a mapping of sections")
+        apply_dict(cfg, raw)
+    for item in overrides:
+        apply_override(cfg, item)
+    return cfg
+
+
+def apply_dict(cfg: JobConfig, raw: dict) -> None:
+    for section, values in raw.items():
+        if not hasattr(cfg, section) or not dataclasses.is_dataclass(getattr(cfg, section)):
+            raise ConfigError(f"{section}: unknown config section "
+                              f"(known: {', '.join(f.name for f in dataclasses.fields(cfg))})")
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise ConfigError(f"{section}: must be a mapping of keys to values")
+        for key, value in values.items():
+            set_field(cfg, f"{section}.{key}", value)
+
+
+def apply_override(cfg: JobConfig, item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"{item}: overrides are written section.key=value")
+    key, text = item.split("=", 1)
+    try:
+        value = yaml.safe_load(text) if text != "" else None
+    except yaml.YAMLError:
+        value = text
+    set_field(cfg, key.strip(), value)
+
+
+def set_field(cfg: JobConfig, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    if len(parts) != 2:
+        raise ConfigError(f"{dotted}: keys are written section.key (e.g. optim.lr)")
+    section_name, key = parts
+    section = getattr(cfg, section_name, None)
+    if section is None or not dataclasses.is_dataclass(section):
+        raise ConfigError(f"{dotted}: unknown config section '{section_name}'")
+    hints = typing.get_type_hints(type(section))
+    if key not in hints:
+        known = ", ".join(f.name for f in dataclasses.fields(section))
+        raise ConfigError(f"{dotted}: unknown key (known in {section_name}: {known})")
+    setattr(section, key, _coerce(dotted, value, hints[key]))
+
+
+def _coerce(name: str, value: Any, hint: Any) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
+            return None
+        return _coerce(name, value, args[0])
+    if hint is Any or hint is list and isinstance(value, list):
+        return value
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{name}: expected true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{name}: expected an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)  # YAML 1.1 reads "3e-4" as a string
+            except ValueError:
+                pass
+        raise ConfigError(f"{name}: expected a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{name}: expected a string, got {value!r}")
+    if hint is list:
+        if isinstance(value, list):
+            return value
+        raise ConfigError(f"{name}: expected a list, got {value!r}")
+    return value
+
+
+def _one_line(err: Exception) -> str:
+    return " ".join(str(err).split())
+
+
+def save_config(cfg: JobConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+# ------------------------------------------------------------------------- validation
+
+_CHOICES = {
+    "data.kind": ("stdlib", "text", "pretrain", "sft"),
+    "data.template": ("plain", "llama2", "llama3"),
+    "optim.name": ("adamw",),
+    "optim.schedule": ("cosine", "linear", "constant"),
+    "train.device": ("auto", "cpu", "cuda"),
+    "train.dtype": ("auto", "fp32", "bf16"),
+    "train.activation_checkpointing": ("none", "full"),
+    "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b"),
+}
+
+
+def validate(cfg: JobConfig, world_size: int = 1) -> None:
+    """Refuse a bad config before any compute; every message names the field."""
+    for dotted, allowed in _CHOICES.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        if value not in allowed and not (dotted == "data.template" and "{" in str(value)):
+            raise ConfigError(f"{dotted}: {value!r} is not one of {', '.join(allowed)}")
+    _positive(cfg, "data.seq_len", "data.micro_batch_size", "train.max_steps",
+              "train.log_every", "data.tokenizer_vocab_size")
+    _non_negative(cfg, "optim.weight_decay", "optim.grad_clip", "optim.warmup_steps",
+                  "train.checkpoint_every", "train.eval_every", "train.keep_last",
+                  "train.threads", "data.num_workers")
+    if not cfg.optim.lr > 0:
+        raise ConfigError(f"optim.lr: must be > 0, got {cfg.optim.lr}")
+    if not 0 <= cfg.optim.min_lr_ratio <= 1:
+        raise ConfigError(f"optim.min_lr_ratio: must be in [0, 1], got {cfg.optim.min_lr_ratio}")
+    for beta in ("beta1", "beta2"):
+        if not 0 <= getattr(cfg.optim, beta) < 1:
+            raise ConfigError(f"optim.{beta}: must be in [0, 1)")
+    if not 0 <= cfg.data.eval_fraction < 1:
+        raise ConfigError(f"data.eval_fraction: must be in [0, 1), got {cfg.data.eval_fraction}")
+    if cfg.data.kind in ("text", "pretrain", "sft") and not cfg.data.path:
+        raise ConfigError(f"data.path: required when data.kind is {cfg.data.kind}")
+    _validate_batch(cfg, world_size)
+    _validate_model(cfg)
+
+
+def _validate_batch(cfg: JobConfig, world_size: int) -> None:
+    dp = data_parallel_size(cfg, world_size)
+    per_step = cfg.data.micro_batch_size * dp
+    gbs = cfg.data.global_batch_size
+    if gbs is not None and (gbs <= 0 or gbs % per_step):
+        raise ConfigError(f"data.global_batch_size: {gbs} must be a positive multiple of "
+                          f"micro_batch_size x data-parallel size = {per_step}")
+
+
+def data_parallel_size(cfg: JobConfig, world_size: int) -> int:
+    p = cfg.parallel
+    for name in ("dp_replicate", "tp", "pp"):
+        if getattr(p, name) < 1:
+            raise ConfigError(f"parallel.{name}: must be >= 1")
+    rest = world_size // (p.dp_replicate * p.tp * p.pp) if world_size else 0
+    dp_shard = rest if p.dp_shard == -1 else p.dp_shard
+    if dp_shard < 1 or p.dp_replicate * dp_shard * p.tp * p.pp != world_size:
+        raise ConfigError(
+            f"parallel.dp_shard: dp_replicate({p.dp_replicate}) x dp_shard({p.dp_shard}) x "
+            f"tp({p.tp}) x pp({p.pp}) must equal the world size {world_size}")
+    return p.dp_replicate * dp_shard
+
+
+def _validate_model(cfg: JobConfig) -> None:
+    from lmforge.models.presets import PRESETS  # a leaf module: no cycle
+
+    m = cfg.model
+    if m.preset is not None and m.preset not in PRESETS:
+        raise ConfigError(f"model.preset: unknown preset {m.preset!r} "
+                          f"(known: {', '.join(sorted(PRESETS))})")
+    if m.preset is None and m.init_from is None:
+        raise ConfigError("model.preset: set a preset or model.init_from")
+    if m.init_from is not None and not Path(m.init_from).is_dir():
+        raise ConfigError(f"model.init_from: {m.init_from} is not a directory")
+    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim",
+                 "max_seq_len"):
+        value = getattr(m, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"model.{name}: must be > 0, got {value}")
+    if m.init_from is not None:
+        return  # shape checks against config.json happen when the directory is read
+    args = model_args(cfg)
+    check_model_args(args, cfg.data.seq_len)
+
+
+def check_model_args(args, seq_len: Optional[int] = None) -> None:
+    if args.n_heads % args.n_kv_heads:
+        raise ConfigError(f"model.n_kv_heads: n_heads ({args.n_heads}) must be divisible "
+                          f"by n_kv_heads ({args.n_kv_heads})")
+    if args.dim % args.n_heads:
+        raise ConfigError(f"model.n_heads: dim ({args.dim}) must be divisible by "
+                          f"n_heads ({args.n_heads})")
+    if (args.dim // args.n_heads) % 2:
+        raise ConfigError("model.n_heads: head_dim = dim / n_heads must be even for RoPE")
+    if seq_len is not None and seq_len > args.max_seq_len:
+        raise ConfigError(f"data.seq_len: {seq_len} exceeds the model's max_seq_len "
+                          f"({args.max_seq_len})")
+
+
+_ARG_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim",
+               "max_seq_len", "rope_theta", "norm_eps", "tie_embeddings")
+
+
+def model_args(cfg: JobConfig, base=None):
+    """The model architecture: a preset (or ``base``, e.g. read from config.json) with the
+    fields set in ``model.*`` on top."""
+    from lmforge.models.presets import PRESETS
+
+    args = base if base is not None else PRESETS[cfg.model.preset]
+    changes = {k: getattr(cfg.model, k) for k in _ARG_FIELDS if getattr(cfg.model, k) is not None}
+    if "n_heads" in changes and "n_kv_heads" not in changes and args.n_kv_heads == args.n_heads:
+        changes["n_kv_heads"] = changes["n_heads"]
+    return dataclasses.replace(args, **changes)
+
+
+def _positive(cfg: JobConfig, *names: str) -> None:
+    for dotted in names:
+        section, key = dotted.split(".")
+        if getattr(getattr(cfg, section), key) <= 0:
+            raise ConfigError(f"{dotted}: must be > 0, got {getattr(getattr(cfg, section), key)}")
+
+
+def _non_negative(cfg: JobConfig, *names: str) -> None:
+    for dotted in names:
+        section, key = dotted.split(".")
+        if getattr(getattr(cfg, section), key) < 0:
+            raise ConfigError(f"{dotted}: must be >= 0, got {getattr(getattr(cfg, section), key)}")

@@ -1,0 +1,280 @@
+"""The Llama model: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
+
+Plain PyTorch, nothing about parallelism, LoRA or quantization: those are applied from
+outside by swapping modules. Layers sit in an ``nn.ModuleDict`` keyed by layer id and
+``forward`` skips a missing embedding, norm or head, so pipeline stages keep the same
+parameter names as the whole model.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3.1 frequency scaling for long contexts."""
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    ffn_dim: int
+    max_seq_len: int = 4096
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[RopeScaling] = None
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the activation dtype: bf16 squares lose too much.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+# ------------------------------------------------------------------------------ RoPE
+
+def rope_frequencies(args: LlamaArgs, device=None) -> torch.Tensor:
+    """Inverse frequencies theta^(-2i/d), with Llama-3 scaling when configured."""
+    d = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (
+        torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+    s = args.rope_scaling
+    if s is None:
+        return inv_freq
+    # Long wavelengths (low frequencies) are slowed by `factor`, short ones kept, and the
+    # band between the two thresholds interpolated smoothly.
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin(args: LlamaArgs, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables for integer ``positions`` (batch, seq) in the rotate-half layout."""
+    inv_freq = rope_frequencies(args, positions.device)
+    angles = positions.float()[..., None] * inv_freq  # (batch, seq, head_dim/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (batch, seq, head_dim)
+    return angles.cos(), angles.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (batch, heads, seq, head_dim); cos/sin: (batch, seq, head_dim)
+    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+# ------------------------------------------------------------------------- attention
+
+@dataclass
+class KVCache:
+    """Keys and values of past positions for incremental decoding, one per layer."""
+    k: torch.Tensor  # (batch, kv_heads, max_len, head_dim)
+    v: torch.Tensor
+    length: int = 0
+
+    @classmethod
+    def empty(cls, args: LlamaArgs, batch: int, max_len: int, device, dtype) -> "KVCache":
+        shape = (batch, args.n_kv_heads, max_len, args.head_dim)
+        return cls(torch.zeros(shape, device=device, dtype=dtype),
+                   torch.zeros(shape, device=device, dtype=dtype))
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.length + k.shape[2]
+        if end > self.k.shape[2]:
+            raise ValueError(f"KV cache full: {end} positions > {self.k.shape[2]}")
+        self.k[:, :, self.length:end] = k
+        self.v[:, :, self.length:end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x, cos, sin, mask=None, cache: Optional[KVCache] = None):
+        batch, seq, _ = x.shape
+        # -1 instead of the head counts: under tensor parallelism each rank holds a slice.
+        q = self.q_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)  # (b, h, s, hd)
+        k = self.k_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)  # (b, kv, s, hd)
+        v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)  # (b, kv, s, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        past = 0
+        if cache is not None:
+            past = cache.length
+            k, v = cache.append(k, v)  # (b, kv, past + s, hd)
+        gqa = q.shape[1] != k.shape[1]
+        if mask is None and past > 0 and seq > 1:
+            mask = _causal_mask(seq, past, x.device)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None and past == 0, enable_gqa=gqa)
+        out = out.transpose(1, 2).reshape(batch, seq, -1)  # (b, s, h * hd)
+        return self.o_proj(out)
+
+    def reset_parameters(self, std: float, out_std: float) -> None:
+        for proj in (self.q_proj, self.k_proj, self.v_proj):
+            nn.init.trunc_normal_(proj.weight, std=std, a=-3 * std, b=3 * std)
+        nn.init.trunc_normal_(self.o_proj.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+
+
+def _causal_mask(seq: int, past: int, device) -> torch.Tensor:
+    """(seq, past + seq) boolean mask: query i sees keys up to past + i."""
+    q_pos = torch.arange(past, past + seq, device=device)[:, None]
+    k_pos = torch.arange(past + seq, device=device)[None, :]
+    return k_pos <= q_pos
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.dim, args.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(args.dim, args.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(args.ffn_dim, args.dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def reset_parameters(self, std: float, out_std: float) -> None:
+        for proj, s in ((self.gate_proj, std), (self.up_proj, std), (self.down_proj, out_std)):
+            nn.init.trunc_normal_(proj.weight, std=s, a=-3 * s, b=3 * s)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: LlamaArgs, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x, cos, sin, mask=None, cache=None):
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask, cache)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def reset_parameters(self, std: float, n_layers: int) -> None:
+        # Residual-branch outputs shrink with depth so the residual stream keeps unit scale.
+        out_std = std / math.sqrt(2 * n_layers)
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.reset_parameters(std, out_std)
+        self.feed_forward.reset_parameters(std, out_std)
+
+
+class Llama(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i)
+                                     for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
+                mask: Optional[torch.Tensor] = None, caches: Optional[list[KVCache]] = None):
+        """tokens: (batch, seq) ids, or hidden states (batch, seq, dim) on a later pipeline
+        stage. positions: (batch, seq), defaults to 0..seq-1 after any cached ones. mask:
+        boolean (batch, 1, seq, keys), True = may attend; None = causal."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        batch, seq = h.shape[:2]
+        if positions is None:
+            start = caches[0].length if caches else 0
+            positions = torch.arange(start, start + seq, device=h.device).expand(batch, seq)
+        cos, sin = rope_cos_sin(self.args, positions)  # (batch, seq, head_dim)
+        for i, layer in enumerate(self.layers.values()):
+            h = layer(h, cos, sin, mask, caches[i] if caches else None)  # (batch, seq, dim)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h  # (batch, seq, vocab)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Random initialisation, called after ``to_empty`` on the target device."""
+        std = self.args.init_std
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight, std=1.0 if self.output is None else std)
+        for layer in self.layers.values():
+            layer.reset_parameters(std, self.args.n_layers)
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None and not self.args.tie_embeddings:
+            bound = 3 * std
+            nn.init.trunc_normal_(self.output.weight, std=std, a=-bound, b=bound)
+
+    def new_caches(self, batch: int, max_len: int) -> list[KVCache]:
+        p = next(self.parameters())
+        return [KVCache.empty(self.args, batch, max_len, p.device, p.dtype)
+                for _ in self.layers]
+
+
+def build_llama(args: LlamaArgs, device: str | torch.device = "meta") -> Llama:
+    """Construct on ``device`` (meta by default: no memory is touched, so a 70B preset is
+    free to build). Materialise with ``materialize``."""
+    with torch.device(device):
+        return Llama(args)
+
+
+def materialize(model: Llama, device: str | torch.device, init: bool = True) -> Llama:
+    """Allocate a meta-built model on ``device``; random-init unless weights come next."""
+    tied = model.args.tie_embeddings and model.output is not None
+    model.to_empty(device=device)
+    if tied:  # to_empty allocates the tied parameter once, but re-tie to be explicit
+        model.output.weight = model.tok_embeddings.weight
+    if init:
+        model.init_weights()
+    return model
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Distinct parameters (a tied embedding counts once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
