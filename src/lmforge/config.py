@@ -48,7 +48,7 @@ class DataConfig:
     path: Optional[Any] = None  # a path or a list of paths
     eval_path: Optional[Any] = None
     # Fraction of documents held out for validation when no eval_path is given.
-    eval_fraction: float = 0.02
+    eval_fraction: float = 0.05
     seq_len: int = 256
     micro_batch_size: int = 8
     # Sequences per optimizer step over all data-parallel ranks; None = micro_batch_size x dp.
@@ -67,7 +67,9 @@ class DataConfig:
 @dataclass
 class OptimConfig:
     name: str = "adamw"
-    lr: float = 3e-4
+    # The defaults are the CPU demo's (no config file = the demo): a 3M-parameter model
+    # takes a high peak LR. Recipes for real models set their own (1e-5 .. 3e-4).
+    lr: float = 2e-3
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     beta1: float = 0.9

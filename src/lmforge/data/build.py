@@ -1,0 +1,79 @@
+"""One entry point from the data config to the loaders the trainer pulls batches from."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+from lmforge.config import JobConfig
+from lmforge.data.text import PackedTokenLoader, corpus_files, tokenize_files
+from lmforge.data.tokenizer import Tokenizer, read_text, train_bpe
+
+
+@dataclass
+class DataBundle:
+    train: object  # has next_batch(), state_dict(), load_state_dict()
+    eval_batches: Optional[Callable[[], Iterator[dict]]]  # a fresh pass over held-out data
+    description: str
+
+
+def corpus_texts_for_tokenizer(cfg: JobConfig) -> Iterator[str]:
+    """The training texts, for training a tokenizer when the run has none."""
+    train_files, _ = corpus_files(cfg.data.kind, cfg.data.path, cfg.data.eval_path,
+                                  cfg.data.eval_fraction)
+    return (read_text(f) for f in train_files)
+
+
+def train_corpus_tokenizer(cfg: JobConfig) -> Tokenizer:
+    if cfg.data.kind not in ("stdlib", "text"):
+        raise ValueError("model.tokenizer: required for data.kind "
+                         f"{cfg.data.kind} (only raw-text corpora can train one)")
+    return train_bpe(corpus_texts_for_tokenizer(cfg), cfg.data.tokenizer_vocab_size)
+
+
+def build_data(cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int = 0, dp_size: int = 1,
+               cache_dir: Optional[Path] = None) -> DataBundle:
+    d = cfg.data
+    if d.kind in ("stdlib", "text"):
+        return _build_text(cfg, tokenizer, dp_rank, dp_size)
+    from lmforge.data.loader import build_dataset_loader
+
+    train = build_dataset_loader(cfg, tokenizer, dp_rank, dp_size, "train", cache_dir)
+    eval_batches = None
+    if d.eval_path:
+        eval_batches = lambda: _limited(  # noqa: E731
+            build_dataset_loader(cfg, tokenizer, dp_rank, dp_size, "eval", cache_dir),
+            cfg.train.eval_batches)
+    return DataBundle(train, eval_batches, f"{d.kind} data from {d.path}")
+
+
+def _build_text(cfg, tokenizer, dp_rank, dp_size) -> DataBundle:
+    d = cfg.data
+    train_files, eval_files = corpus_files(d.kind, d.path, d.eval_path, d.eval_fraction)
+    train_tokens = tokenize_files(train_files, tokenizer)
+    train = PackedTokenLoader(train_tokens, d.seq_len, d.micro_batch_size, cfg.train.seed,
+                              dp_rank, dp_size)
+    eval_batches = None
+    if eval_files:
+        eval_tokens = tokenize_files(eval_files, tokenizer)
+        if (len(eval_tokens) - 1) // d.seq_len >= 1:
+            def eval_batches():
+                loader = PackedTokenLoader(eval_tokens, d.seq_len, 1, 0, shuffle=False)
+                loader.micro_batch_size = d.micro_batch_size
+                return _limited_iter(loader.iter_once(), cfg.train.eval_batches)
+    where = "the Python standard library" if d.kind == "stdlib" else str(d.path)
+    desc = (f"{len(train_files)} files from {where}: {len(train_tokens):,} training tokens, "
+            f"{len(eval_files)} files held out")
+    return DataBundle(train, eval_batches, desc)
+
+
+def _limited_iter(it, n):
+    for i, batch in enumerate(it):
+        if i >= n:
+            return
+        yield batch
+
+
+def _limited(loader, n):
+    for _ in range(n):
+        yield loader.next_batch()

@@ -1,0 +1,145 @@
+"""Plain-text corpora tokenized in memory: the Python standard library (the CPU demo's
+corpus, present on every machine with Python) and local text files.
+
+For corpora larger than memory, preprocess them into an indexed dataset instead
+(``lmforge preprocess``, ``data.kind: pretrain``).
+"""
+from __future__ import annotations
+
+import sysconfig
+import zlib
+from pathlib import Path
+from typing import Iterable, Optional
+
+import numpy as np
+import torch
+
+from lmforge.data.tokenizer import Tokenizer, iter_text_files, read_text
+
+# The demo reads this much of the standard library: enough text for a few hundred steps,
+# small enough to tokenize in seconds on a laptop.
+STDLIB_CHAR_BUDGET = 4_000_000
+_STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3",
+                "__pycache__", "turtledemo", "ensurepip", "pydoc_data", "config-3"}
+
+
+def stdlib_files(char_budget: int = STDLIB_CHAR_BUDGET) -> list[Path]:
+    """The running interpreter's standard-library ``.py`` files, sorted, up to a size
+    budget. The same Python version gives the same list on every machine."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).parts
+        if any(part in _STDLIB_SKIP or part.startswith("config-") for part in rel[:-1]):
+            continue
+        size = path.stat().st_size
+        if total + size > char_budget:
+            continue
+        files.append(path)
+        total += size
+    if not files:
+        raise FileNotFoundError(f"{root}: no standard-library sources found")
+    return files
+
+
+def split_files(files: list[Path], eval_fraction: float) -> tuple[list[Path], list[Path]]:
+    """Deterministic train/held-out split by a hash of the file name."""
+    if eval_fraction <= 0:
+        return files, []
+    cut = int(eval_fraction * 10_000)
+    held = [f for f in files if zlib.crc32(f.name.encode()) % 10_000 < cut]
+    train = [f for f in files if f not in set(held)]
+    return train, held
+
+
+def corpus_files(kind: str, path, eval_path, eval_fraction: float
+                 ) -> tuple[list[Path], list[Path]]:
+    if kind == "stdlib":
+        return split_files(stdlib_files(), eval_fraction)
+    paths = path if isinstance(path, list) else [path]
+    files = list(iter_text_files(paths))
+    if not files:
+        raise FileNotFoundError(f"{', '.join(map(str, paths))}: no .txt/.md/.py/.rst files")
+    if eval_path:
+        eval_paths = eval_path if isinstance(eval_path, list) else [eval_path]
+        return files, list(iter_text_files(eval_paths))
+    return split_files(files, eval_fraction)
+
+
+def tokenize_files(files: Iterable[Path], tokenizer: Tokenizer) -> np.ndarray:
+    """All documents concatenated, each followed by the end-of-document token."""
+    texts = [read_text(f) for f in files]
+    eod = tokenizer.eos_id
+    pieces = []
+    for ids in tokenizer.encode_batch(texts):
+        pieces.append(np.asarray(ids + ([eod] if eod is not None else []), dtype=np.int32))
+    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
+
+
+class PackedTokenLoader:
+    """Windows of ``seq_len + 1`` tokens over one token stream, served in a seeded
+    shuffled order, split across data-parallel ranks without overlap, resumable.
+
+    Sample ``i`` covers tokens ``[i * seq_len, (i + 1) * seq_len + 1)``; inputs are its
+    first ``seq_len`` tokens and labels its last ``seq_len``.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, micro_batch_size: int, seed: int,
+                 dp_rank: int = 0, dp_size: int = 1, shuffle: bool = True):
+        self.tokens, self.seq_len, self.micro_batch_size = tokens, seq_len, micro_batch_size
+        self.seed, self.dp_rank, self.dp_size, self.shuffle = seed, dp_rank, dp_size, shuffle
+        self.num_samples = (len(tokens) - 1) // seq_len
+        if self.num_samples < micro_batch_size * dp_size:
+            raise ValueError(f"data: {len(tokens)} tokens make {self.num_samples} windows of "
+                             f"data.seq_len={seq_len}, fewer than one batch")
+        self.consumed = 0  # samples consumed by all ranks together
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if getattr(self, "_cached_epoch", None) != epoch:
+            self._cached_order = np.random.default_rng([self.seed, epoch]).permutation(
+                self.num_samples)
+            self._cached_epoch = epoch
+        return self._cached_order
+
+    def next_batch(self) -> dict:
+        global_batch = self.micro_batch_size * self.dp_size
+        per_epoch = self.num_samples - self.num_samples % global_batch
+        ids = []
+        for j in range(self.micro_batch_size):
+            position = self.consumed + self.dp_rank * self.micro_batch_size + j
+            epoch, offset = divmod(position, per_epoch)
+            ids.append(int(self._order(epoch)[offset]) if self.shuffle else offset)
+        self.consumed += global_batch
+        return self.batch_for(ids)
+
+    def batch_for(self, sample_ids: list[int]) -> dict:
+        windows = np.stack([self.tokens[i * self.seq_len:(i + 1) * self.seq_len + 1]
+                            for i in sample_ids]).astype(np.int64)
+        window = torch.from_numpy(windows)
+        return {"input_ids": window[:, :-1], "labels": window[:, 1:].clone(),
+                "sample_ids": torch.tensor(sample_ids)}
+
+    def iter_once(self):
+        """Every window once, in order (evaluation)."""
+        for start in range(0, self.num_samples, self.micro_batch_size):
+            yield self.batch_for(list(range(start, min(start + self.micro_batch_size,
+                                                         self.num_samples))))
+
+    def state_dict(self) -> dict:
+        return {"consumed": self.consumed, "seed": self.seed, "num_samples": self.num_samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["num_samples"] != self.num_samples:
+            raise ValueError(f"data: checkpoint was taken on {state['num_samples']} samples, "
+                             f"the data now has {self.num_samples}")
+        self.consumed, self.seed = state["consumed"], state["seed"]
+
+
+def text_windows_for_eval(tokens: np.ndarray, seq_len: int, batch_size: int,
+                          max_batches: Optional[int] = None):
+    loader = PackedTokenLoader(tokens, seq_len, 1, seed=0, shuffle=False)
+    loader.micro_batch_size = batch_size
+    for i, batch in enumerate(loader.iter_once()):
+        if max_batches is not None and i >= max_batches:
+            return
+        yield batch

@@ -1,0 +1,44 @@
+"""Optimizer and learning-rate schedule."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from lmforge.config import OptimConfig
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW over trainable parameters; matrices decay, norms and biases do not."""
+    params = {id(p): p for p in model.parameters() if p.requires_grad}.values()
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    fused = cfg.fused
+    if fused is None:  # the fused kernel exists for CUDA tensors; CPU uses foreach
+        fused = all(p.is_cuda for p in params) and len(decay) > 0
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             fused=fused or None)
+
+
+def lr_multiplier(step: int, cfg: OptimConfig, max_steps: int) -> float:
+    """Linear warmup to the peak, then cosine or linear decay to ``min_lr_ratio``.
+    ``step`` counts optimizer steps already taken (0 for the first)."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    decay_steps = max(1, max_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
+    if cfg.schedule == "cosine":
+        shape = 0.5 * (1 + math.cos(math.pi * progress))
+    else:
+        shape = 1 - progress
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_multiplier(step, cfg, max_steps))

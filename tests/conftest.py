@@ -1,0 +1,7 @@
+"""Makes ``src/`` importable when the package is not installed (e.g. PYTHONPATH-less runs)."""
+import sys
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+if str(SRC) not in sys.path:
+    sys.path.insert(0, str(SRC))

@@ -1,0 +1,43 @@
+"""Generation: greedy decoding with the KV cache equals re-running the whole sequence."""
+import torch
+
+from lmforge.generate import generate
+from lmforge.models.llama import LlamaArgs, build_llama, materialize
+
+ARGS = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=53, ffn_dim=64,
+                 max_seq_len=64)
+
+
+def _model():
+    torch.manual_seed(3)
+    return materialize(build_llama(ARGS), "cpu").eval()
+
+
+def test_greedy_with_cache_equals_recomputing_everything():
+    model = _model()
+    prompt = [1, 5, 9, 2]
+    cached = generate(model, prompt, 12, greedy=True)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(12):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    assert cached == ids[len(prompt):]
+
+
+def test_sampling_is_reproducible_from_a_seed_and_stops_on_a_stop_id():
+    model = _model()
+    a = generate(model, [1, 2], 10, greedy=False, top_k=5, top_p=0.9,
+                 generator=torch.Generator().manual_seed(0))
+    b = generate(model, [1, 2], 10, greedy=False, top_k=5, top_p=0.9,
+                 generator=torch.Generator().manual_seed(0))
+    assert a == b and len(a) == 10
+    stop = a[3]
+    c = generate(model, [1, 2], 10, greedy=False, top_k=5, top_p=0.9, stop_ids=(stop,),
+                 generator=torch.Generator().manual_seed(0))
+    assert c[-1] == stop and len(c) == a.index(stop) + 1
+
+
+def test_generation_never_runs_past_max_seq_len():
+    model = _model()
+    out = generate(model, [i % 50 for i in range(60)], 50, greedy=True)
+    assert len(out) == ARGS.max_seq_len - 60
