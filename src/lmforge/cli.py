@@ -40,7 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval(sub)
     _add_generate(sub)
     _add_tokenizer(sub)
-    _add_optional(sub, "lmforge.data.preprocess")
+    for module in ("lmforge.data.preprocess", "lmforge.estimate", "lmforge.report",
+                   "lmforge.peft.cli"):
+        _add_optional(sub, module)
     return parser
 
 

@@ -118,9 +118,17 @@ def prepare_tokenizer(cfg: JobConfig, out_dir: Path) -> Tokenizer:
 
 def resolve_model_args(cfg: JobConfig, tokenizer: Tokenizer) -> LlamaArgs:
     if cfg.model.init_from:
-        from lmforge.models.hf import read_hf_config
+        from lmforge.models.hf import args_from_hf_config, read_hf_config
 
-        args = model_args(cfg, base=read_hf_config(cfg.model.init_from))
+        base = args_from_hf_config(read_hf_config(cfg.model.init_from))
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim",
+                     "tie_embeddings"):
+            value = getattr(cfg.model, name)
+            if value is not None and value != getattr(base, name):
+                raise ConfigError(f"model.{name}: {value} differs from {getattr(base, name)} "
+                                  f"in {cfg.model.init_from}/config.json (shapes come from "
+                                  "the checkpoint)")
+        args = model_args(cfg, base=base)
     else:
         args = model_args(cfg)
         if cfg.model.vocab_size is None:  # a from-scratch model takes the tokenizer's size
@@ -138,7 +146,10 @@ def build_model(cfg: JobConfig, args: LlamaArgs, device: torch.device) -> Llama:
     if cfg.model.init_from:
         from lmforge.models.hf import load_hf_model
 
-        model = load_hf_model(cfg.model.init_from, device=device, args=args)
+        # fp32 master weights whatever the stored dtype; autocast computes in bf16.
+        model = load_hf_model(cfg.model.init_from, device=device, dtype=torch.float32)
+        if model.args != args:  # e.g. a longer max_seq_len or another rope theta
+            model.args = args
     else:
         model = materialize(build_llama(args), device)
     model.train()

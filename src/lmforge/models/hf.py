@@ -1,0 +1,541 @@
+"""Hugging Face and Meta checkpoints <-> lmforge's ``Llama``.
+
+The mapping is a pure function over state dicts: names only for Hugging Face (our q/k use
+HF's rotate-half RoPE layout), names plus a q/k row permutation for Meta's original
+``consolidated.*.pth`` (interleaved layout). Every source tensor must be used exactly once
+and every target filled with the expected shape, so a wrong checkpoint fails loudly here
+rather than as a silently bad model later. Weights are read from safetensors only (Meta's
+.pth through ``torch.load(weights_only=True)``), never by plain unpickling.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from lmforge.models.llama import Llama, LlamaArgs, RopeScaling, build_llama, materialize
+
+
+class HFCheckpointError(ValueError):
+    """A model directory, config or state dict cannot be read; the message names the file,
+    field or keys at fault."""
+
+
+# ------------------------------------------------------------------------ config.json
+
+_LAYER_NAMES = {  # ours -> Hugging Face, inside layers.{i}
+    "attention.q_proj.weight": "self_attn.q_proj.weight",
+    "attention.k_proj.weight": "self_attn.k_proj.weight",
+    "attention.v_proj.weight": "self_attn.v_proj.weight",
+    "attention.o_proj.weight": "self_attn.o_proj.weight",
+    "feed_forward.gate_proj.weight": "mlp.gate_proj.weight",
+    "feed_forward.up_proj.weight": "mlp.up_proj.weight",
+    "feed_forward.down_proj.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+
+_LLAMA_DEFAULTS = {  # transformers' LlamaConfig defaults for fields a config may omit
+    "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "tie_word_embeddings": False, "initializer_range": 0.02,
+}
+
+
+def args_from_hf_config(cfg: dict, source: str = "config.json") -> LlamaArgs:
+    """A transformers ``LlamaConfig`` dict (v4 or v5 layout) -> ``LlamaArgs``.
+
+    Refuses, naming the field, anything our model would compute differently."""
+    def field(name):
+        if cfg.get(name) is None:
+            raise HFCheckpointError(f"{source}: {name} is missing")
+        return cfg[name]
+
+    for name, wanted in (("model_type", "llama"), ("hidden_act", "silu"),
+                         ("attention_bias", False), ("mlp_bias", False)):
+        value = cfg.get(name, wanted if name != "model_type" else None)
+        if value != wanted:
+            raise HFCheckpointError(f"{source}: {name} = {value!r} is not supported "
+                                    f"(lmforge's Llama needs {wanted!r})")
+    dim, n_heads = int(field("hidden_size")), int(field("num_attention_heads"))
+    if dim % n_heads:
+        raise HFCheckpointError(f"{source}: hidden_size {dim} is not a multiple of "
+                                f"num_attention_heads {n_heads}")
+    if cfg.get("head_dim") not in (None, dim // n_heads):
+        raise HFCheckpointError(f"{source}: head_dim = {cfg['head_dim']} is not supported "
+                                f"(lmforge's Llama uses hidden_size / num_attention_heads "
+                                f"= {dim // n_heads})")
+
+    def get(name):
+        return cfg[name] if cfg.get(name) is not None else _LLAMA_DEFAULTS[name]
+
+    return LlamaArgs(
+        dim=dim, n_layers=int(field("num_hidden_layers")), n_heads=n_heads,
+        n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+        vocab_size=int(field("vocab_size")), ffn_dim=int(field("intermediate_size")),
+        max_seq_len=int(get("max_position_embeddings")),
+        rope_theta=float(_rope_theta(cfg)), rope_scaling=_rope_scaling(cfg, source),
+        norm_eps=float(get("rms_norm_eps")), tie_embeddings=bool(get("tie_word_embeddings")),
+        init_std=float(get("initializer_range")))
+
+
+def _rope_theta(cfg: dict) -> float:
+    # transformers 5 moved rope_theta into rope_parameters; 4.x keeps it at the top level.
+    if cfg.get("rope_theta") is not None:
+        return cfg["rope_theta"]
+    return (cfg.get("rope_parameters") or {}).get("rope_theta", _LLAMA_DEFAULTS["rope_theta"])
+
+
+def _rope_scaling(cfg: dict, source: str) -> Optional[RopeScaling]:
+    name = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    rope = cfg.get(name) or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise HFCheckpointError(f"{source}: {name}.rope_type = {kind!r} is not supported "
+                                f"(lmforge supports 'default' and 'llama3')")
+    try:
+        return RopeScaling(float(rope["factor"]), float(rope["low_freq_factor"]),
+                           float(rope["high_freq_factor"]),
+                           int(rope["original_max_position_embeddings"]))
+    except KeyError as e:
+        raise HFCheckpointError(f"{source}: {name}.{e.args[0]} is missing") from None
+
+
+def hf_config_from_args(args: LlamaArgs, **extra) -> dict:
+    """``LlamaArgs`` -> a config.json dict that transformers 4.45+ and 5.x load. ``extra``
+    adds or overrides fields (``torch_dtype``, ``bos_token_id``, ...); None ids are left
+    out."""
+    s = args.rope_scaling
+    rope_scaling = None if s is None else {
+        "rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+        "high_freq_factor": s.high_freq_factor,
+        "original_max_position_embeddings": s.original_max_position_embeddings}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": args.dim, "intermediate_size": args.ffn_dim,
+        "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size, "max_position_embeddings": args.max_seq_len,
+        "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
+        "rope_scaling": rope_scaling, "tie_word_embeddings": args.tie_embeddings,
+        "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
+        "mlp_bias": False, "initializer_range": args.init_std, "use_cache": True,
+        "torch_dtype": "float32",
+    }
+    cfg.update(extra)
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if cfg.get(name, 0) is None:
+            del cfg[name]
+    return cfg
+
+
+# ----------------------------------------------------------------- state-dict mapping
+
+def hf_names(args: LlamaArgs) -> dict[str, str]:
+    """Our parameter name -> HF name for every tensor an HF checkpoint holds."""
+    names = {"tok_embeddings.weight": "model.embed_tokens.weight",
+             "norm.weight": "model.norm.weight"}
+    for i in range(args.n_layers):
+        for ours, theirs in _LAYER_NAMES.items():
+            names[f"layers.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
+    if not args.tie_embeddings:  # a tied HF checkpoint has no lm_head
+        names["output.weight"] = "lm_head.weight"
+    return names
+
+
+def param_shapes(args: LlamaArgs) -> dict[str, tuple[int, ...]]:
+    """Our parameter name -> shape, read off a meta-device model (costs no memory)."""
+    return {k: tuple(v.shape) for k, v in build_llama(args, "meta").state_dict().items()}
+
+
+def from_hf_state_dict(sd: dict, args: LlamaArgs, source: str = "HF state dict") -> dict:
+    """HF names -> ours. Tied: ``output.weight`` is the embedding tensor itself."""
+    names = hf_names(args)
+    shapes = param_shapes(args)
+    sd = _drop_tied_head(sd, "lm_head.weight", "model.embed_tokens.weight", args, source)
+    out = _remap(sd, {hf: ours for ours, hf in names.items()},
+                 {hf: shapes[ours] for ours, hf in names.items()}, source,
+                 hint=_untied_hint(args))
+    if args.tie_embeddings:
+        out["output.weight"] = out["tok_embeddings.weight"]
+    return out
+
+
+def to_hf_state_dict(sd: dict, args: LlamaArgs, source: str = "lmforge state dict") -> dict:
+    """Ours -> HF names. Tied: ``output.weight`` is dropped (HF stores the embedding once)."""
+    names = hf_names(args)
+    shapes = param_shapes(args)
+    sd = _drop_tied_head(sd, "output.weight", "tok_embeddings.weight", args, source)
+    return _remap(sd, names, {ours: shapes[ours] for ours in names}, source)
+
+
+def _untied_hint(args: LlamaArgs) -> str:
+    if args.tie_embeddings:
+        return ""
+    return ("; lm_head.weight is required because tie_word_embeddings is false")
+
+
+def _drop_tied_head(sd: dict, head: str, embed: str, args: LlamaArgs, source: str) -> dict:
+    """A tied checkpoint may still carry the head; accept it only as a copy of the
+    embedding."""
+    if not args.tie_embeddings or head not in sd:
+        return sd
+    if embed in sd and not _same_tensor(sd[head], sd[embed]):
+        raise HFCheckpointError(f"{source}: tie_embeddings is set but {head} differs from "
+                                f"{embed}")
+    return {k: v for k, v in sd.items() if k != head}
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape:
+        return False
+    if a.device == b.device and a.data_ptr() == b.data_ptr():
+        return True
+    return torch.equal(a, b.to(a.device))
+
+
+def _remap(sd: dict, names: dict[str, str], shapes: dict[str, tuple], source: str,
+           hint: str = "") -> dict:
+    """Rename ``sd`` by ``names`` (source -> target); every source key used exactly once,
+    every expected key present with ``shapes[source key]``."""
+    missing = [k for k in names if k not in sd]
+    unexpected = [k for k in sd if k not in names]
+    misshaped = [f"{k} {tuple(sd[k].shape)} (expected {shapes[k]})"
+                 for k in names if k in sd and tuple(sd[k].shape) != shapes[k]]
+    problems = [f"{label}: {_truncate(keys)}" for label, keys in (
+        ("missing", missing), ("unexpected", unexpected), ("misshaped", misshaped)) if keys]
+    if problems:
+        extra = hint if any(k.startswith(("lm_head", "output")) for k in missing) else ""
+        raise HFCheckpointError(f"{source}: " + "; ".join(problems) + extra)
+    return {target: sd[src] for src, target in names.items()}
+
+
+def _truncate(keys: list[str], limit: int = 6) -> str:
+    shown = ", ".join(keys[:limit])
+    return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
+
+
+# --------------------------------------------------------------- model directories
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def read_hf_config(model_dir: str | Path) -> dict:
+    root = Path(model_dir)
+    if not root.is_dir():
+        raise HFCheckpointError(f"{root}: model directory not found")
+    return _read_json(root / CONFIG_NAME, "a Hugging Face model directory needs config.json")
+
+
+def read_hf_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of ``model.safetensors`` or of the shards an index names (CPU)."""
+    root = Path(model_dir)
+    if (root / WEIGHTS_NAME).is_file():
+        files = [root / WEIGHTS_NAME]
+    elif (root / INDEX_NAME).is_file():
+        index = _read_json(root / INDEX_NAME, "")
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise HFCheckpointError(f"{root / INDEX_NAME}: no weight_map")
+        files = [root / name for name in sorted(set(weight_map.values()))]
+    else:
+        pickled = [p.name for p in root.glob("pytorch_model*.bin")]
+        why = (f" (found {pickled[0]}: lmforge reads safetensors only)" if pickled else "")
+        raise HFCheckpointError(f"{root}: no {WEIGHTS_NAME} or {INDEX_NAME}{why}")
+    sd: dict[str, torch.Tensor] = {}
+    for path in files:
+        sd.update(_load_safetensors(path))
+    return sd
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    if not path.is_file():
+        raise HFCheckpointError(f"{path}: weight shard not found")
+    try:
+        return load_file(str(path))
+    except Exception as e:  # safetensors raises its own error type on a corrupt header
+        raise HFCheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def _read_json(path: Path, why_needed: str) -> dict:
+    if not path.is_file():
+        raise HFCheckpointError(f"{path}: not found" + (f" ({why_needed})" if why_needed else ""))
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HFCheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise HFCheckpointError(f"{path}: top level must be a JSON object")
+    return data
+
+
+def load_hf_model(model_dir: str | Path, device: str | torch.device = "cpu",
+                  dtype: Optional[torch.dtype] = None) -> Llama:
+    """A Hugging Face Llama directory -> ``Llama`` on ``device``. ``dtype`` None keeps the
+    dtype the weights are stored in."""
+    root = Path(model_dir)
+    args = args_from_hf_config(read_hf_config(root), source=str(root / CONFIG_NAME))
+    hf_sd = read_hf_state_dict(root)
+    weights = root / (WEIGHTS_NAME if (root / WEIGHTS_NAME).is_file() else INDEX_NAME)
+    sd = from_hf_state_dict(hf_sd, args, source=str(weights))
+    return _load_into_model(args, sd, device, dtype)
+
+
+def _load_into_model(args: LlamaArgs, sd: dict, device, dtype) -> Llama:
+    model = build_llama(args, "meta").to(dtype=dtype or sd["tok_embeddings.weight"].dtype)
+    materialize(model, device, init=False)
+    model.load_state_dict(sd, strict=True)
+    return model
+
+
+def save_hf_model(model: Llama, out_dir: str | Path, tokenizer=None,
+                  max_shard_bytes: int = 5 * 1000**3, dtype: Optional[torch.dtype] = None,
+                  generation_config: Optional[dict] = None) -> Path:
+    """Write a directory ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
+
+    Everything is written to a temporary sibling and renamed into place at the end, so a
+    reader never sees half a model. An existing ``out_dir`` is replaced only when it is
+    empty or a model directory (has config.json)."""
+    out = Path(out_dir)
+    _check_replaceable(out)
+    sd = to_hf_state_dict(model.state_dict(), model.args)
+    sd = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in sd.items()}
+    ids = {} if tokenizer is None else {
+        "bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+    stored_dtype = str(next(iter(sd.values())).dtype).removeprefix("torch.")
+    config = hf_config_from_args(model.args, torch_dtype=stored_dtype, **ids)
+    generation = {k: v for k, v in ids.items() if v is not None} | (generation_config or {})
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        _write_json(tmp / CONFIG_NAME, config)
+        _write_json(tmp / "generation_config.json", generation)
+        write_safetensors_shards(sd, tmp, max_shard_bytes)
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def write_safetensors_shards(sd: dict[str, torch.Tensor], out_dir: Path,
+                             max_shard_bytes: int) -> list[str]:
+    """``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` + index when the
+    tensors exceed ``max_shard_bytes`` (a tensor larger than that gets a shard alone)."""
+    from safetensors.torch import save_file
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in sd.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    if len(shards) == 1:
+        names = [WEIGHTS_NAME]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                 for i in range(len(shards))]
+        total = sum(t.numel() * t.element_size() for t in sd.values())
+        weight_map = {k: name for name, shard in zip(names, shards) for k in shard}
+        _write_json(out_dir / INDEX_NAME,
+                    {"metadata": {"total_size": total}, "weight_map": weight_map})
+    for name, shard in zip(names, shards):
+        save_file(shard, str(out_dir / name), metadata={"format": "pt"})
+    return names
+
+
+def _check_replaceable(out: Path) -> None:
+    if out.exists() and not (out.is_dir() and (
+            (out / CONFIG_NAME).is_file() or not any(out.iterdir()))):
+        raise HFCheckpointError(f"{out}: exists and is not a model directory; "
+                                f"refusing to replace it")
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+    os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+# ------------------------------------------------------------------ Meta checkpoints
+
+_META_LAYER_NAMES = {  # Meta -> ours, inside layers.{i}
+    "attention.wq.weight": "attention.q_proj.weight",
+    "attention.wk.weight": "attention.k_proj.weight",
+    "attention.wv.weight": "attention.v_proj.weight",
+    "attention.wo.weight": "attention.o_proj.weight",
+    "feed_forward.w1.weight": "feed_forward.gate_proj.weight",
+    "feed_forward.w3.weight": "feed_forward.up_proj.weight",
+    "feed_forward.w2.weight": "feed_forward.down_proj.weight",
+    "attention_norm.weight": "attention_norm.weight",
+    "ffn_norm.weight": "ffn_norm.weight",
+}
+# Model-parallel shards: column-parallel weights split their output rows (dim 0),
+# row-parallel ones their input columns (dim 1); norms are replicated. The embedding is
+# split by columns in Llama 2 (ParallelEmbedding) and by rows in Llama 3
+# (VocabParallelEmbedding): _merge_meta_shards tells them apart by shape.
+_META_SHARD_DIM = {"wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "output": 0,
+                   "wo": 1, "w2": 1}
+
+
+def meta_ffn_dim(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[float]) -> int:
+    """The SwiGLU hidden size Meta's code derives from params.json."""
+    hidden = int(2 * 4 * dim / 3)
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * math.ceil(hidden / multiple_of)
+
+
+def args_from_meta_params(params: dict, vocab_size: Optional[int] = None,
+                          tie_embeddings: bool = False,
+                          source: str = "params.json") -> LlamaArgs:
+    """params.json -> ``LlamaArgs``. Llama 2 writes vocab_size -1: pass the real one.
+    params.json has no context length; the released one for the family is assumed."""
+    try:
+        dim, n_heads = int(params["dim"]), int(params["n_heads"])
+        ffn_dim = meta_ffn_dim(dim, int(params.get("multiple_of", 256)),
+                               params.get("ffn_dim_multiplier"))
+        n_layers = int(params["n_layers"])
+    except KeyError as e:
+        raise HFCheckpointError(f"{source}: {e.args[0]} is missing") from None
+    vocab = params.get("vocab_size", -1)
+    vocab = vocab if vocab and vocab > 0 else vocab_size
+    if vocab is None:
+        raise HFCheckpointError(f"{source}: vocab_size is {params.get('vocab_size')} and "
+                                f"could not be read from the weights")
+    theta = float(params.get("rope_theta", 10000.0))
+    scaling = None
+    if params.get("use_scaled_rope"):
+        scaling = RopeScaling(factor=float(params.get("rope_scaling_factor", 8.0)),
+                              high_freq_factor=float(params.get("high_freq_factor", 4.0)))
+    max_seq_len = params.get("max_seq_len") or (
+        131072 if scaling else 8192 if theta >= 500000 else 4096)
+    return LlamaArgs(dim=dim, n_layers=n_layers, n_heads=n_heads,
+                     n_kv_heads=int(params.get("n_kv_heads") or n_heads), vocab_size=vocab,
+                     ffn_dim=ffn_dim, max_seq_len=int(max_seq_len), rope_theta=theta,
+                     rope_scaling=scaling, norm_eps=float(params.get("norm_eps", 1e-5)),
+                     tie_embeddings=tie_embeddings)
+
+
+def _meta_names(args: LlamaArgs) -> dict[str, str]:
+    """Meta name -> ours (Meta checkpoints always carry output.weight)."""
+    names = {"tok_embeddings.weight": "tok_embeddings.weight", "norm.weight": "norm.weight",
+             "output.weight": "output.weight"}
+    for i in range(args.n_layers):
+        for meta, ours in _META_LAYER_NAMES.items():
+            names[f"layers.{i}.{meta}"] = f"layers.{i}.{ours}"
+    return names
+
+
+def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Reorder q/k rows within each head from pairs (0,1),(2,3),... to halves (0,d/2),...
+    (HF's convert_llama_weights_to_hf ``permute``)."""
+    rows, cols = w.shape
+    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    rows, cols = w.shape
+    return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def _permute_qk(sd: dict, args: LlamaArgs, fn) -> dict:
+    out = dict(sd)
+    for i in range(args.n_layers):
+        q, k = f"layers.{i}.attention.q_proj.weight", f"layers.{i}.attention.k_proj.weight"
+        out[q], out[k] = fn(sd[q], args.n_heads), fn(sd[k], args.n_kv_heads)
+    return out
+
+
+def from_meta_state_dict(sd: dict, args: LlamaArgs, source: str = "Meta state dict") -> dict:
+    """Meta names and interleaved q/k -> ours. Tied: output.weight, when present, must
+    equal the embedding."""
+    sd = {k: v for k, v in sd.items() if k != "rope.freqs"}  # a buffer in Llama 1/2 files
+    names = _meta_names(args)
+    shapes = param_shapes(args)
+    if args.tie_embeddings:
+        sd = _drop_tied_head(sd, "output.weight", "tok_embeddings.weight", args, source)
+        del names["output.weight"]
+    out = _remap(sd, names, {meta: shapes[ours] for meta, ours in names.items()}, source)
+    if args.tie_embeddings:
+        out["output.weight"] = out["tok_embeddings.weight"]
+    return _permute_qk(out, args, interleaved_to_half)
+
+
+def to_meta_state_dict(sd: dict, args: LlamaArgs) -> dict:
+    """Ours -> Meta names and interleaved q/k (output.weight always written)."""
+    ours_to_meta = {ours: meta for meta, ours in _meta_names(args).items()}
+    sd = _permute_qk(sd, args, half_to_interleaved)
+    return {ours_to_meta.get(k, k): v for k, v in sd.items()}
+
+
+def _merge_meta_shards(shards: list[dict], vocab_size: Optional[int]) -> dict:
+    if len(shards) == 1:
+        return dict(shards[0])
+    merged = {}
+    for key, first in shards[0].items():
+        kind = key.split(".")[-2]  # wq, w1, output, tok_embeddings, ..._norm
+        if key == "tok_embeddings.weight":
+            # Llama 2 splits the embedding by columns, Llama 3 by rows.
+            dim = 1 if vocab_size and first.shape[0] == vocab_size else 0
+        else:
+            dim = _META_SHARD_DIM.get(kind)
+        parts = [s[key] for s in shards]
+        merged[key] = first if dim is None or first.ndim < 2 else torch.cat(parts, dim=dim)
+    return merged
+
+
+def load_meta_checkpoint(ckpt_dir: str | Path, device: str | torch.device = "cpu",
+                         dtype: Optional[torch.dtype] = None) -> Llama:
+    """Meta's original layout (params.json + consolidated.NN.pth) -> ``Llama``."""
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        raise HFCheckpointError(f"{root}: checkpoint directory not found")
+    params = _read_json(root / "params.json", "a Meta checkpoint needs params.json")
+    files = sorted(root.glob("consolidated.*.pth"))
+    if not files:
+        raise HFCheckpointError(f"{root}: no consolidated.*.pth files")
+    shards = [_torch_load(p) for p in files]
+    vocab = params.get("vocab_size", -1)
+    if not vocab or vocab <= 0:  # Llama 2: read it off the (row-split) output layer
+        vocab = sum(s["output.weight"].shape[0] for s in shards if "output.weight" in s) or None
+    sd = _merge_meta_shards(shards, vocab)
+    # Meta always writes output.weight; a copy of the embedding means a tied model.
+    tied = ("output.weight" in sd and "tok_embeddings.weight" in sd
+            and _same_tensor(sd["output.weight"], sd["tok_embeddings.weight"]))
+    args = args_from_meta_params(params, vocab, tied, source=str(root / "params.json"))
+    sd = from_meta_state_dict(sd, args, source=f"{root} weights")
+    return _load_into_model(args, sd, device, dtype)
+
+
+def _torch_load(path: Path) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # weights_only refuses arbitrary pickles; corrupt zips too
+        raise HFCheckpointError(f"{path}: cannot be read as a weights-only checkpoint "
+                                f"({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+                                ) from None
