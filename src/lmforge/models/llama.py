@@ -268,7 +268,7 @@ def materialize(model: Llama, device: str | torch.device, init: bool = True) -> 
     """Allocate a meta-built model on ``device``; random-init unless weights come next."""
     tied = model.args.tie_embeddings and model.output is not None
     model.to_empty(device=device)
-    if tied:  # to_empty allocates the tied parameter once, but re-tie to be explicit
+    if tied:  # to_empty allocates each reference separately, which unties them
         model.output.weight = model.tok_embeddings.weight
     if init:
         model.init_weights()
