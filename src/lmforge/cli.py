@@ -40,8 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval(sub)
     _add_generate(sub)
     _add_tokenizer(sub)
-    for module in ("lmforge.data.preprocess", "lmforge.estimate", "lmforge.report",
-                   "lmforge.peft.cli"):
+    for module in ("lmforge.data.preprocess", "lmforge.checkpoint", "lmforge.estimate",
+                   "lmforge.report", "lmforge.launch", "lmforge.peft.cli"):
         _add_optional(sub, module)
     return parser
 

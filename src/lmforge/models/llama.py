@@ -131,22 +131,27 @@ class KVCache:
 class Attention(nn.Module):
     def __init__(self, args: LlamaArgs):
         super().__init__()
+        self.args = args
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x, cos, sin, mask=None, cache: Optional[KVCache] = None):
+    def forward(self, x, positions=None, mask=None, cache: Optional[KVCache] = None):
         batch, seq, _ = x.shape
+        past = cache.length if cache is not None else 0
+        if positions is None:
+            positions = torch.arange(past, past + seq, device=x.device).expand(batch, seq)
+        # Computed here, from the full sequence, because under sequence parallelism the
+        # block's input is only this rank's slice of it.
+        cos, sin = rope_cos_sin(self.args, positions)  # (batch, seq, head_dim)
         # -1 instead of the head counts: under tensor parallelism each rank holds a slice.
         q = self.q_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)  # (b, h, s, hd)
         k = self.k_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)  # (b, kv, s, hd)
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)  # (b, kv, s, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        past = 0
         if cache is not None:
-            past = cache.length
             k, v = cache.append(k, v)  # (b, kv, past + s, hd)
         gqa = q.shape[1] != k.shape[1]
         if mask is None and past > 0 and seq > 1:
@@ -195,8 +200,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x, cos, sin, mask=None, cache=None):
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask, cache)
+    def forward(self, x, positions=None, mask=None, cache=None):
+        h = x + self.attention(self.attention_norm(x), positions, mask, cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def reset_parameters(self, std: float, n_layers: int) -> None:
@@ -223,16 +228,11 @@ class Llama(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
                 mask: Optional[torch.Tensor] = None, caches: Optional[list[KVCache]] = None):
         """tokens: (batch, seq) ids, or hidden states (batch, seq, dim) on a later pipeline
-        stage. positions: (batch, seq), defaults to 0..seq-1 after any cached ones. mask:
+        stage. positions: (batch, seq), default 0..seq-1 after any cached ones. mask:
         boolean (batch, 1, seq, keys), True = may attend; None = causal."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        batch, seq = h.shape[:2]
-        if positions is None:
-            start = caches[0].length if caches else 0
-            positions = torch.arange(start, start + seq, device=h.device).expand(batch, seq)
-        cos, sin = rope_cos_sin(self.args, positions)  # (batch, seq, head_dim)
         for i, layer in enumerate(self.layers.values()):
-            h = layer(h, cos, sin, mask, caches[i] if caches else None)  # (batch, seq, dim)
+            h = layer(h, positions, mask, caches[i] if caches else None)  # (batch, seq, dim)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h  # (batch, seq, vocab)

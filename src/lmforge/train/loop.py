@@ -13,22 +13,26 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import torch
-from torch import nn
-from torch.utils.checkpoint import checkpoint
+import torch.distributed as dist
 
-from lmforge.config import ConfigError, JobConfig, check_model_args, model_args, save_config
+from lmforge.config import (ConfigError, JobConfig, check_model_args, check_parallel_fits,
+                            model_args, save_config)
 from lmforge.data.build import DataBundle, build_data, train_corpus_tokenizer
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
 from lmforge.models.llama import Llama, LlamaArgs, build_llama, count_parameters, materialize
+from lmforge.parallel.mesh import (DistEnv, ParallelDims, build_mesh, init_distributed,
+                                   parallel_dims, read_dist_env)
 from lmforge.train import metrics as M
+from lmforge.train.model_setup import (TrainModel, build_train_model, clip_grad_norm,
+                                       gather_full_state_dict)
 from lmforge.train.optim import build_optimizer, build_scheduler
-from lmforge.train.step import accumulate_gradients, count_valid_tokens, evaluate
+from lmforge.train.step import count_valid_tokens
 
 
 @dataclass
@@ -37,51 +41,71 @@ class Runtime:
     autocast: object  # a context-manager factory
     rank: int = 0
     world_size: int = 1
-    dp_rank: int = 0
-    dp_size: int = 1
+    mesh: object = None  # DeviceMesh when world_size > 1
+    dims: ParallelDims = field(default_factory=ParallelDims)
+    param_dtype: Optional[torch.dtype] = None  # FSDP's compute dtype for parameters
 
     @property
     def is_logging_rank(self) -> bool:
         return self.rank == 0
 
+    @property
+    def dp_rank(self) -> int:
+        return self.dims.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp
+
 
 def train(cfg: JobConfig) -> dict:
     """Runs the job described by ``cfg``; returns a summary of what happened."""
-    cfg.validate(world_size=1)
-    rt = init_runtime(cfg)
-    out_dir = prepare_output_dir(cfg)
-    tokenizer = prepare_tokenizer(cfg, out_dir)
+    env = read_dist_env()
+    cfg.validate(world_size=env.world_size)
+    rt = init_runtime(cfg, env)
+    out_dir = prepare_output_dir(cfg, rt)
+    tokenizer = prepare_tokenizer(cfg, out_dir, rt)
     args = resolve_model_args(cfg, tokenizer)
     data = build_data(cfg, tokenizer, rt.dp_rank, rt.dp_size, cache_dir=out_dir / "cache")
-    model = build_model(cfg, args, rt.device)
-    apply_training_wraps(model, cfg)
+    model = build_train_model(cfg, args, rt.device, rt.mesh, rt.param_dtype)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
-    _say(rt, f"model: {count_parameters(model):,} parameters ({_describe(args)}) on "
-             f"{rt.device}; data: {data.description}")
+    _say(rt, f"model: {count_parameters(build_llama(args)):,} parameters ({_describe(args)}) "
+             f"on {rt.world_size} x {rt.device.type} ({_layout(rt)}); data: {data.description}")
     history = run_loop(cfg, rt, model, optimizer, scheduler, data, out_dir)
     summary = finish(cfg, rt, model, tokenizer, data, out_dir, history)
+    if rt.world_size > 1:
+        dist.barrier()
+        dist.destroy_process_group()
     return summary
 
 
 # ---------------------------------------------------------------------------- set-up
 
-def init_runtime(cfg: JobConfig) -> Runtime:
+def init_runtime(cfg: JobConfig, env: DistEnv) -> Runtime:
     t = cfg.train
     if t.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device: cuda requested but no GPU is visible")
-    device = torch.device("cuda" if t.device == "auto" and torch.cuda.is_available()
-                          else ("cpu" if t.device == "auto" else t.device))
+    device_type = ("cuda" if torch.cuda.is_available() else "cpu") if t.device == "auto" \
+        else t.device
+    device = torch.device(device_type, env.local_rank) if device_type == "cuda" \
+        else torch.device("cpu")
     if t.threads:
         torch.set_num_threads(t.threads)
     seed_everything(t.seed)
     if t.deterministic:
         torch.use_deterministic_algorithms(True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    init_distributed(env, device_type)
+    mesh = build_mesh(cfg.parallel, env.world_size, device_type) if env.world_size > 1 else None
+    dims = parallel_dims(mesh)
     use_bf16 = t.dtype == "bf16" or (t.dtype == "auto" and device.type == "cuda")
+    # Under FSDP, parameters are cast to bf16 when gathered; elsewhere autocast does it.
+    param_dtype = torch.bfloat16 if use_bf16 and dims.dp > 1 else None
     autocast = (functools.partial(torch.autocast, device.type, dtype=torch.bfloat16)
-                if use_bf16 else contextlib.nullcontext)
-    return Runtime(device=device, autocast=autocast)
+                if use_bf16 and param_dtype is None else contextlib.nullcontext)
+    return Runtime(device=device, autocast=autocast, rank=env.rank,
+                   world_size=env.world_size, mesh=mesh, dims=dims, param_dtype=param_dtype)
 
 
 def seed_everything(seed: int) -> None:
@@ -90,30 +114,37 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def prepare_output_dir(cfg: JobConfig) -> Path:
+def prepare_output_dir(cfg: JobConfig, rt: Runtime) -> Path:
     out = Path(cfg.train.output_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out / "config.yaml")
-    except OSError as e:
-        raise ConfigError(f"train.output_dir: cannot write to {out} ({e.strerror})") from None
-    # A fresh run starts fresh logs; resuming (a later issue) appends.
-    if not cfg.train.resume:
-        (out / "metrics.jsonl").unlink(missing_ok=True)
+    if rt.is_logging_rank:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, out / "config.yaml")
+        except OSError as e:
+            raise ConfigError(f"train.output_dir: cannot write to {out} ({e.strerror})") from None
+        # A fresh run starts fresh logs; a resumed one appends.
+        if not cfg.train.resume:
+            (out / "metrics.jsonl").unlink(missing_ok=True)
+    _barrier(rt)
     return out
 
 
-def prepare_tokenizer(cfg: JobConfig, out_dir: Path) -> Tokenizer:
+def prepare_tokenizer(cfg: JobConfig, out_dir: Path, rt: Runtime) -> Tokenizer:
     """The model's tokenizer, or one trained on the corpus (and saved in the run dir)."""
     source = cfg.model.tokenizer or cfg.model.init_from
     if source:
         return load_tokenizer(source)
     saved = out_dir / "tokenizer"
-    if (saved / "tokenizer.json").is_file() and cfg.train.resume:
-        return load_tokenizer(saved)
-    tokenizer = train_corpus_tokenizer(cfg)
-    tokenizer.save(saved)
+    reuse = (saved / "tokenizer.json").is_file() and cfg.train.resume
+    if rt.is_logging_rank and not reuse:  # one rank trains it, all load the same file
+        train_corpus_tokenizer(cfg).save(saved)
+    _barrier(rt)
     return load_tokenizer(saved)
+
+
+def _barrier(rt: Runtime) -> None:
+    if rt.world_size > 1:
+        dist.barrier()
 
 
 def resolve_model_args(cfg: JobConfig, tokenizer: Tokenizer) -> LlamaArgs:
@@ -134,46 +165,11 @@ def resolve_model_args(cfg: JobConfig, tokenizer: Tokenizer) -> LlamaArgs:
         if cfg.model.vocab_size is None:  # a from-scratch model takes the tokenizer's size
             args = type(args)(**{**args.__dict__, "vocab_size": tokenizer.vocab_size})
     check_model_args(args, cfg.data.seq_len)
+    check_parallel_fits(cfg, args)
     if tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(f"model.vocab_size: {args.vocab_size} is smaller than the "
                           f"tokenizer's {tokenizer.vocab_size} tokens")
     return args
-
-
-def build_model(cfg: JobConfig, args: LlamaArgs, device: torch.device) -> Llama:
-    """Built on the meta device, then materialised where it lives: random init, or the
-    weights of ``model.init_from``."""
-    if cfg.model.init_from:
-        from lmforge.models.hf import load_hf_model
-
-        # fp32 master weights whatever the stored dtype; autocast computes in bf16.
-        model = load_hf_model(cfg.model.init_from, device=device, dtype=torch.float32)
-        if model.args != args:  # e.g. a longer max_seq_len or another rope theta
-            model.args = args
-    else:
-        model = materialize(build_llama(args), device)
-    model.train()
-    return model
-
-
-def apply_training_wraps(model: Llama, cfg: JobConfig) -> None:
-    """Activation checkpointing then compile, per block, keeping parameter names."""
-    for layer in model.layers.values():
-        if cfg.train.activation_checkpointing == "full":
-            _checkpoint_forward(layer)
-        if cfg.train.compile:
-            layer.compile()
-
-
-def _checkpoint_forward(module: nn.Module) -> None:
-    # Replacing the instance's forward (instead of wrapping the module) keeps the
-    # parameter names, so checkpoints do not depend on this setting.
-    inner = module.forward
-
-    def forward(*args, **kwargs):
-        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
-
-    module.forward = forward
 
 
 # ------------------------------------------------------------------------------ loop
@@ -183,11 +179,10 @@ def grad_accumulation_steps(cfg: JobConfig, dp_size: int) -> int:
     return (cfg.data.global_batch_size or per_micro_step) // per_micro_step
 
 
-def run_loop(cfg: JobConfig, rt: Runtime, model: Llama, optimizer, scheduler,
+def run_loop(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizer, scheduler,
              data: DataBundle, out_dir: Path) -> list[dict]:
     t = cfg.train
     accum = grad_accumulation_steps(cfg, rt.dp_size)
-    params = [p for p in model.parameters() if p.requires_grad]
     throughput = M.Throughput(M.flops_per_token(model.args, cfg.data.seq_len),
                               M.device_peak_flops(rt.device), rt.world_size)
     logger = M.MetricsLogger(out_dir, enabled=rt.is_logging_rank)
@@ -195,24 +190,26 @@ def run_loop(cfg: JobConfig, rt: Runtime, model: Llama, optimizer, scheduler,
     history, tokens_seen = [], 0
     for step in range(1, t.max_steps + 1):
         micro_batches = [data.train.next_batch() for _ in range(accum)]
-        n_valid = count_valid_tokens(micro_batches)
-        loss = accumulate_gradients(model, micro_batches, rt.device, rt.autocast, n_valid)
-        grad_norm = _clip(params, cfg.optim.grad_clip)
+        n_valid = global_count(rt, count_valid_tokens(micro_batches))
+        local_loss = model.forward_backward(micro_batches, n_valid, rt.device, rt.autocast)
+        loss = global_loss(rt, local_loss)
+        grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        tokens_seen += sum(b["input_ids"].numel() for b in micro_batches) * rt.dp_size
-        throughput.add(sum(b["input_ids"].numel() for b in micro_batches) * rt.dp_size)
+        step_tokens = sum(b["input_ids"].numel() for b in micro_batches) * rt.dp_size
+        tokens_seen += step_tokens
+        throughput.add(step_tokens)
         if step % t.log_every == 0 or step == 1 or step == t.max_steps:
             record = {"loss": float(loss), "lr": lr, "grad_norm": float(grad_norm),
                       **throughput.report(), "peak_mem_gib": M.peak_memory_gib(rt.device),
                       "tokens": tokens_seen, "valid_tokens": n_valid}
             if not math.isfinite(record["loss"]):
                 raise FloatingPointError(f"step {step}: loss is {record['loss']}")
-            if t.eval_every and step % t.eval_every == 0 and data.eval_batches:
-                record["eval_loss"] = evaluate(model, data.eval_batches(), rt.device,
-                                               rt.autocast)[0]
+            if t.eval_every and step % t.eval_every == 0 and data.eval_batches and model.whole:
+                record["eval_loss"] = model.evaluate(data.eval_batches(), rt.device,
+                                                     rt.autocast)[0]
             logger.log(step, record)
             history.append({"step": step, **record})
             _report(rt, bar, step, record)
@@ -224,31 +221,53 @@ def run_loop(cfg: JobConfig, rt: Runtime, model: Llama, optimizer, scheduler,
     return history
 
 
-def _clip(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    # max_norm=inf still returns the total norm, which is logged whether or not we clip.
-    return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+def global_count(rt: Runtime, local: int) -> int:
+    """Valid tokens of the step on all data-parallel ranks. Every tp and pp rank of a
+    data-parallel group loads the same batch, so the world sum counts each tp x pp times."""
+    if rt.world_size == 1:
+        return local
+    total = torch.tensor(local, dtype=torch.int64, device=rt.device)
+    dist.all_reduce(total)
+    return int(total) // (rt.dims.tp * rt.dims.pp)
+
+
+def global_loss(rt: Runtime, local: torch.Tensor) -> torch.Tensor:
+    """The step loss, the same on every rank: each rank holds its token-loss sum over the
+    global count; tp ranks hold copies, and only last pipeline stages hold any."""
+    if rt.world_size == 1:
+        return local
+    total = local.detach().clone().float()
+    dist.all_reduce(total)
+    return total / rt.dims.tp
 
 
 # ------------------------------------------------------------------------- finishing
 
-def finish(cfg: JobConfig, rt: Runtime, model: Llama, tokenizer: Tokenizer, data: DataBundle,
-           out_dir: Path, history: list[dict]) -> dict:
+def finish(cfg: JobConfig, rt: Runtime, model: TrainModel, tokenizer: Tokenizer,
+           data: DataBundle, out_dir: Path, history: list[dict]) -> dict:
     from lmforge.generate import generate
     from lmforge.models.hf import save_hf_model
 
     summary = {"first_loss": history[0]["loss"], "last_loss": history[-1]["loss"],
                "steps": cfg.train.max_steps, "hf_dir": str(out_dir / "hf")}
-    if data.eval_batches:
-        summary["eval_loss"], summary["eval_tokens"] = evaluate(
-            model, data.eval_batches(), rt.device, rt.autocast)
+    if data.eval_batches and model.whole is not None:
+        summary["eval_loss"], summary["eval_tokens"] = model.evaluate(
+            data.eval_batches(), rt.device, rt.autocast)
         _say(rt, f"held-out loss {summary['eval_loss']:.4f} "
                  f"(perplexity {math.exp(summary['eval_loss']):.2f})")
+    full_sd = gather_full_state_dict(model)
     if rt.is_logging_rank:
-        save_hf_model(model, out_dir / "hf", tokenizer=tokenizer)
+        export = _plain_model(model, full_sd)
+        save_hf_model(export, out_dir / "hf", tokenizer=tokenizer)
+        if "eval_loss" not in summary and data.eval_batches:  # pipelined: evaluate the export
+            from lmforge.train.step import evaluate
+
+            summary["eval_loss"], summary["eval_tokens"] = evaluate(
+                export, data.eval_batches(), torch.device("cpu"))
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         prompt = tokenizer.encode(cfg.train.sample_prompt, bos=True)
         stops = tuple(i for i in (tokenizer.eos_id,) if i is not None)
-        new = generate(model, prompt, cfg.train.sample_tokens, greedy=False, temperature=0.8,
+        new = generate(export, prompt, cfg.train.sample_tokens, greedy=False, temperature=0.8,
                        top_k=50, stop_ids=stops,
                        generator=torch.Generator().manual_seed(cfg.train.seed))
         summary["sample"] = cfg.train.sample_prompt + tokenizer.decode(new)
@@ -256,6 +275,15 @@ def finish(cfg: JobConfig, rt: Runtime, model: Llama, tokenizer: Tokenizer, data
         print(f"sample ({cfg.train.sample_tokens} tokens, temperature 0.8):\n"
               f"{summary['sample']}", flush=True)
     return summary
+
+
+def _plain_model(model: TrainModel, full_sd: dict) -> Llama:
+    """A plain single-device model holding the trained weights (for export/sampling)."""
+    if model.mesh is None:
+        return model.parts[0]
+    plain = materialize(build_llama(model.args), "cpu", init=False)
+    plain.load_state_dict(full_sd, strict=True)
+    return plain
 
 
 def _progress_bar(cfg: JobConfig, rt: Runtime):
@@ -282,6 +310,11 @@ def _report(rt: Runtime, bar, step: int, record: dict) -> None:
 def _say(rt: Runtime, message: str) -> None:
     if rt.is_logging_rank:
         print(message, flush=True)
+
+
+def _layout(rt: Runtime) -> str:
+    d = rt.dims
+    return (f"pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x tp {d.tp}")
 
 
 def _describe(args: LlamaArgs) -> str:

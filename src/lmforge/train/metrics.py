@@ -1,75 +1,363 @@
-"""Throughput, FLOPs, MFU and memory; the loggers that write them.
+"""Training FLOPs, MFU, throughput, memory, and the loggers that write them.
 
-FLOPs per token (training, forward + backward = 3x forward):
-    6 * N_matmul + 6 * n_layers * seq_len * dim
-N_matmul counts the weights that take part in matrix multiplies (every linear layer and the
-output head; the embedding lookup does none). The attention term is 12 * L * S * d for
-the score and value products of full attention, halved because a causal mask skips the
-upper triangle. docs/metrics.md derives both terms.
+FLOPs are *model* FLOPs: the matrix multiplies a training step needs, counted from the
+model's shape and from which weights take gradients (docs/metrics.md derives them). For
+full training they reduce to the familiar
+
+    6 * N_matmul + 6 * n_layers * seq_len * dim              per token, causal attention
+
+where N_matmul counts the weights that take part in matrix multiplies (every linear layer
+and the output head; the embedding lookup does none) and the attention term is the
+12 * L * S * d of the score and value products halved because a causal mask leaves the
+upper triangle out. Frozen weights (LoRA/QLoRA base) cost no weight-gradient FLOPs, and no
+input gradient is computed where nothing upstream needs one. Recomputation under activation
+checkpointing is not model FLOPs, so MFU does not count it.
 """
 from __future__ import annotations
 
 import json
+import math
+import os
 import resource
 import sys
 import time
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Iterable, Optional
 
 import torch
 
 from lmforge.models.llama import LlamaArgs
 
-# Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s, from the vendors' data sheets.
-PEAK_BF16_TFLOPS = {
-    "H200": 989.0,
-    "H100 SXM": 989.0, "H100 80GB HBM3": 989.0,
-    "H100 PCIe": 756.0, "H100 NVL": 835.0,
-    "A100": 312.0,
-    "L40S": 362.0,
-    "L4": 121.0,
-    "A10G": 70.0, "A10": 125.0,
-    "MI300X": 1307.0,
-}
+# --------------------------------------------------------------------------- peaks
+
+# Dense (no 2:4 sparsity) bf16 tensor-core peaks in TFLOP/s from the vendors' data sheets
+# (the sheets print the sparse figure first; these are half of it). A rule matches when
+# every one of its words is a word of torch.cuda.get_device_name(); the first match wins,
+# so the more specific rules come first.
+PEAK_BF16_TFLOPS: list[tuple[tuple[str, ...], float]] = [
+    (("GB200",), 2500.0),
+    (("B200",), 2250.0),
+    (("GH200",), 989.0),
+    (("H200", "NVL"), 835.0),
+    (("H200",), 989.0),
+    (("H100", "NVL"), 835.0),
+    (("H100", "PCIe"), 756.0),
+    (("H100", "SXM5"), 989.0),
+    (("H100", "SXM"), 989.0),
+    (("H100", "HBM3"), 989.0),  # "NVIDIA H100 80GB HBM3" is the SXM5 part
+    (("H800", "PCIe"), 756.0),
+    (("H800",), 989.0),
+    (("A100",), 312.0),
+    (("A800",), 312.0),
+    (("L40S",), 362.0),
+    (("L40",), 181.0),
+    (("L4",), 121.0),
+    (("A10",), 125.0),
+    (("MI325X",), 1307.0),
+    (("MI300X",), 1307.0),
+    (("MI250X",), 383.0),
+    (("MI250",), 362.0),
+]
+PEAK_ENV = "LMFORGE_PEAK_TFLOPS"
 
 
-def matmul_params(args: LlamaArgs) -> int:
-    attn = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.n_kv_heads)
-    ffn = 3 * args.dim * args.ffn_dim
-    return args.n_layers * (attn + ffn) + args.dim * args.vocab_size
+def _words(name: str) -> set[str]:
+    return set(name.replace("-", " ").replace("_", " ").upper().split())
 
 
-def flops_per_token(args: LlamaArgs, seq_len: int) -> float:
-    return 6.0 * matmul_params(args) + 6.0 * args.n_layers * seq_len * args.dim
-
-
-def device_peak_flops(device: torch.device) -> Optional[float]:
-    """bf16 dense peak of one device in FLOP/s, or None (with a warning) when unknown."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):
-        if all(word in name for word in key.split()):
-            return PEAK_BF16_TFLOPS[key] * 1e12
-    warnings.warn(f"unknown accelerator {name!r}: MFU is not reported (add its dense bf16 "
-                  "peak to PEAK_BF16_TFLOPS in lmforge/train/metrics.py)")
+def match_peak_tflops(device_name: str) -> Optional[float]:
+    """Dense bf16 peak (TFLOP/s) of a device called ``device_name``, None when unknown."""
+    words = _words(device_name)
+    for rule, tflops in PEAK_BF16_TFLOPS:
+        if all(w.upper() in words for w in rule):
+            return tflops
     return None
 
 
+def device_peak_flops(device: torch.device) -> Optional[float]:
+    """Dense bf16 peak of one device in FLOP/s, or None: on the CPU (no MFU), and on an
+    accelerator not in the table, with a warning saying MFU is omitted and how to set it.
+    ``LMFORGE_PEAK_TFLOPS`` overrides the table (for an unknown part, or other clocks)."""
+    device = torch.device(device)
+    override = os.environ.get(PEAK_ENV)
+    if override:
+        try:
+            value = float(override)
+        except ValueError:
+            raise ValueError(f"{PEAK_ENV}={override!r}: expected a number of TFLOP/s") from None
+        return value * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    tflops = match_peak_tflops(name)
+    if tflops is None:
+        warnings.warn(f"MFU omitted: accelerator {name!r} is not in the dense bf16 peak "
+                      f"table (lmforge/train/metrics.py PEAK_BF16_TFLOPS); set {PEAK_ENV} "
+                      "to its dense bf16 peak in TFLOP/s to report MFU", stacklevel=2)
+        return None
+    return tflops * 1e12
+
+
+# ------------------------------------------------------------------- trainability
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_ALIASES = {
+    "q": "q_proj", "wq": "q_proj", "k": "k_proj", "wk": "k_proj", "v": "v_proj",
+    "wv": "v_proj", "o": "o_proj", "wo": "o_proj", "gate": "gate_proj", "w1": "gate_proj",
+    "up": "up_proj", "w3": "up_proj", "down": "down_proj", "w2": "down_proj",
+}
+_GROUPS = {
+    "all": PROJECTIONS, "all-linear": PROJECTIONS, "all_linear": PROJECTIONS,
+    "attention": PROJECTIONS[:4], "attn": PROJECTIONS[:4],
+    "mlp": PROJECTIONS[4:], "ffn": PROJECTIONS[4:], "feed_forward": PROJECTIONS[4:],
+}
+DEFAULT_LORA_TARGETS = ("q_proj", "v_proj")  # PEFT's default for Llama
+
+
+def normalize_targets(targets: Any) -> tuple[str, ...]:
+    """LoRA target names (``q_proj``, ``wq``, ``attention.q_proj``, ``all-linear``, ...) as
+    the model's projection names, in model order."""
+    if targets is None:
+        return DEFAULT_LORA_TARGETS
+    items = [targets] if isinstance(targets, str) else list(targets)
+    found: set[str] = set()
+    for item in items:
+        key = str(item).strip().lower()
+        if key in _GROUPS:
+            found.update(_GROUPS[key])
+            continue
+        key = key.rsplit(".", 1)[-1]
+        key = _ALIASES.get(key, key)
+        if key not in PROJECTIONS:
+            raise ValueError(f"lora.targets: unknown target {item!r} (known: "
+                             f"{', '.join(PROJECTIONS)}, all-linear, attention, mlp)")
+        found.add(key)
+    return tuple(p for p in PROJECTIONS if p in found)
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """What the estimate and the FLOPs count need to know about LoRA/QLoRA."""
+    rank: int = 8
+    targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    quantize: Optional[str] = None  # None | "nf4" | "int8"
+    dropout: float = 0.0
+    base_dtype: Optional[str] = None  # storage of unquantized frozen weights; None: auto
+
+
+def lora_spec(cfg: Any) -> Optional[LoraSpec]:
+    """The ``lora`` section of a JobConfig as a LoraSpec; None when absent or disabled.
+    Read defensively: the section's fields are optional here."""
+    section = getattr(cfg, "lora", None)
+    if section is None or not getattr(section, "enabled", True):
+        return None
+    rank = getattr(section, "rank", None) or getattr(section, "r", None) or 8
+    quantize = getattr(section, "quantize", None)
+    if isinstance(quantize, str) and quantize.lower() in ("", "none", "null", "bf16"):
+        quantize = None
+    if quantize is not None and str(quantize).lower() not in ("nf4", "int8"):
+        raise ValueError(f"lora.quantize: {quantize!r} is not one of nf4, int8, none")
+    return LoraSpec(rank=int(rank), targets=normalize_targets(getattr(section, "targets", None)),
+                    quantize=None if quantize is None else str(quantize).lower(),
+                    dropout=float(getattr(section, "dropout", 0.0) or 0.0),
+                    base_dtype=getattr(section, "base_dtype", None))
+
+
+@dataclass(frozen=True)
+class Trainability:
+    """Which weights take gradients, and which projections carry a LoRA adapter."""
+    embedding: bool = True
+    norms: bool = True
+    head: bool = True
+    linears: frozenset = field(default_factory=lambda: frozenset(PROJECTIONS))
+    adapters: tuple = ()  # ((projection, rank), ...)
+
+    @classmethod
+    def full(cls) -> "Trainability":
+        return cls()
+
+    @classmethod
+    def lora(cls, spec: LoraSpec) -> "Trainability":
+        return cls(embedding=False, norms=False, head=False, linears=frozenset(),
+                   adapters=tuple((t, spec.rank) for t in spec.targets))
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "Trainability":
+        spec = lora_spec(cfg)
+        return cls.full() if spec is None else cls.lora(spec)
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module) -> "Trainability":
+        """Read from a built model: ``requires_grad`` of each weight, and LoRA adapters
+        (``lora_a``/``lora_b`` beside a projection's ``weight``, modules or tensors)."""
+        layer = next(iter(model.layers.values()))
+        linears, adapters = set(), []
+        for group in (layer.attention, layer.feed_forward):
+            for name in PROJECTIONS:
+                proj = getattr(group, name, None)
+                if proj is None:
+                    continue
+                weight = getattr(proj, "weight", None)
+                if isinstance(weight, torch.nn.Parameter) and weight.requires_grad:
+                    linears.add(name)
+                lora_a = getattr(proj, "lora_a", None)
+                if lora_a is not None:
+                    a = getattr(lora_a, "weight", lora_a)
+                    adapters.append((name, int(min(a.shape))))
+        emb = model.tok_embeddings
+        head = model.output
+        emb_rg = emb is not None and emb.weight.requires_grad
+        head_rg = head is not None and getattr(head, "weight", None) is not None \
+            and head.weight.requires_grad
+        return cls(embedding=emb_rg, norms=layer.attention_norm.weight.requires_grad,
+                   head=head_rg, linears=frozenset(linears), adapters=tuple(adapters))
+
+    def rank(self, projection: str) -> int:
+        return dict(self.adapters).get(projection, 0)
+
+    def trains(self, projection: str) -> bool:
+        return projection in self.linears
+
+
+# -------------------------------------------------------------------------- FLOPs
+
+def projection_shapes(args: LlamaArgs) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each projection of one block."""
+    d, hd = args.dim, args.head_dim
+    return {"q_proj": (d, args.n_heads * hd), "k_proj": (d, args.n_kv_heads * hd),
+            "v_proj": (d, args.n_kv_heads * hd), "o_proj": (args.n_heads * hd, d),
+            "gate_proj": (d, args.ffn_dim), "up_proj": (d, args.ffn_dim),
+            "down_proj": (args.ffn_dim, d)}
+
+
+def matmul_params(args: LlamaArgs) -> int:
+    block = sum(i * o for i, o in projection_shapes(args).values())
+    return args.n_layers * block + args.dim * args.vocab_size
+
+
+@dataclass
+class FlopsBreakdown:
+    """Training FLOPs per token, by kind. ``forward``/``backward_*`` are the weight
+    matmuls (LoRA adapters included); ``attention_*`` the score and value products."""
+    forward: float = 0.0
+    backward_input: float = 0.0
+    backward_weight: float = 0.0
+    attention_forward: float = 0.0
+    attention_backward: float = 0.0
+
+    @property
+    def matmul(self) -> float:
+        return self.forward + self.backward_input + self.backward_weight
+
+    @property
+    def attention(self) -> float:
+        return self.attention_forward + self.attention_backward
+
+    @property
+    def total(self) -> float:
+        return self.matmul + self.attention
+
+    def as_dict(self) -> dict:
+        return {"forward": self.forward, "backward_input": self.backward_input,
+                "backward_weight": self.backward_weight,
+                "attention_forward": self.attention_forward,
+                "attention_backward": self.attention_backward, "total": self.total}
+
+
+def _linear(fl: FlopsBreakdown, shape: tuple[int, int], rg_in: bool, trains: bool,
+            rank: int) -> bool:
+    """Adds y = W x (+ B A x) to ``fl``; returns whether y requires grad."""
+    n_in, n_out = shape
+    fl.forward += 2 * n_in * n_out + 2 * rank * (n_in + n_out)
+    if rg_in:  # dx = W^T dy (+ A^T d(Ax))
+        fl.backward_input += 2 * n_in * n_out + 2 * rank * n_in
+    if trains:  # dW = dy x^T
+        fl.backward_weight += 2 * n_in * n_out
+    if rank:  # dB = dy (Ax)^T, d(Ax) = B^T dy, dA = d(Ax) x^T
+        fl.backward_input += 2 * rank * n_out
+        fl.backward_weight += 2 * rank * (n_in + n_out)
+    return rg_in or trains or rank > 0
+
+
+def flops_breakdown(args: LlamaArgs, seq_len: int, trainable: Optional[Trainability] = None,
+                    causal: bool = True) -> FlopsBreakdown:
+    """Model FLOPs per token of one training step (forward + backward) at ``seq_len``.
+
+    Follows autograd: a gradient is computed for an input only when something upstream of
+    it takes gradients (with a frozen embedding and frozen norms, the first block's q/k/v
+    need no input gradient), and for a weight only when it trains. ``causal`` halves the
+    attention products (each query sees on average S/2 keys); ``causal=False`` counts the
+    full S x S products, which is what torch's FlopCounterMode reports."""
+    tr = trainable or Trainability.full()
+    shapes = projection_shapes(args)
+    fl = FlopsBreakdown()
+    keys = seq_len / 2 if causal else seq_len
+    per_product = 2 * keys * args.n_heads * args.head_dim  # one of Q K^T, P V, per token
+
+    rg = tr.embedding  # the residual stream
+    for _ in range(args.n_layers):
+        n1 = rg or tr.norms
+        q, k, v = (_linear(fl, shapes[p], n1, tr.trains(p), tr.rank(p))
+                   for p in ("q_proj", "k_proj", "v_proj"))
+        fl.attention_forward += 2 * per_product
+        fl.attention_backward += per_product * ((q or k) + v + q + k)  # dP, dV, dQ, dK
+        attn = q or k or v
+        o = _linear(fl, shapes["o_proj"], attn, tr.trains("o_proj"), tr.rank("o_proj"))
+        rg = rg or o
+        n2 = rg or tr.norms
+        g = _linear(fl, shapes["gate_proj"], n2, tr.trains("gate_proj"), tr.rank("gate_proj"))
+        u = _linear(fl, shapes["up_proj"], n2, tr.trains("up_proj"), tr.rank("up_proj"))
+        down = _linear(fl, shapes["down_proj"], g or u, tr.trains("down_proj"),
+                       tr.rank("down_proj"))
+        rg = rg or down
+    _linear(fl, (args.dim, args.vocab_size), rg or tr.norms, tr.head, 0)
+    return fl
+
+
+def flops_per_token(args: LlamaArgs, seq_len: int, trainable: Optional[Trainability] = None,
+                    lora: Optional[LoraSpec] = None) -> float:
+    """Training model FLOPs per token; full training unless ``trainable``/``lora`` say."""
+    if trainable is None and lora is not None:
+        trainable = Trainability.lora(lora)
+    return flops_breakdown(args, seq_len, trainable).total
+
+
+def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
+    """Training FLOPs per token of a built model, reading what trains from the model."""
+    return flops_breakdown(model.args, seq_len, Trainability.from_model(model)).total
+
+
+# ------------------------------------------------------------------------- memory
+
 def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory so far: on a GPU the caching allocator's peak *allocated* bytes; on the
+    CPU the process's peak resident set (which includes Python and the libraries)."""
+    device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    # CPU: the process's peak resident set (Linux reports KiB, macOS bytes).
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux KiB, macOS bytes
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
 
 
+def memory_metrics(device: torch.device) -> dict:
+    """``peak_mem_gib`` (allocated) and ``peak_reserved_gib`` (held by the caching
+    allocator: what nvidia-smi shows, less the CUDA context); reserved is None on CPU."""
+    device = torch.device(device)
+    reserved = (torch.cuda.max_memory_reserved(device) / 2**30
+                if device.type == "cuda" else None)
+    return {"peak_mem_gib": peak_memory_gib(device), "peak_reserved_gib": reserved}
+
+
+# --------------------------------------------------------------------- throughput
+
 class Throughput:
-    """Tokens/s and MFU over the steps since the last report."""
+    """Tokens/s, TFLOP/s per device and MFU over the steps since the last report."""
 
     def __init__(self, flops_per_token: float, peak_flops: Optional[float], n_devices: int = 1):
-        self.flops_per_token, self.peak_flops, self.n_devices = flops_per_token, peak_flops, n_devices
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.n_devices = max(1, n_devices)
         self.reset()
 
     def reset(self) -> None:
@@ -81,36 +369,112 @@ class Throughput:
     def report(self) -> dict:
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         tokens_per_s = self.tokens / elapsed
-        tflops = tokens_per_s * self.flops_per_token / self.n_devices / 1e12
-        mfu = tflops * 1e12 / self.peak_flops if self.peak_flops else None
+        flops_per_device = tokens_per_s * self.flops_per_token / self.n_devices
+        mfu = flops_per_device / self.peak_flops if self.peak_flops else None
         self.reset()
-        return {"tokens_per_s": tokens_per_s, "tflops_per_device": tflops, "mfu": mfu}
+        return {"tokens_per_s": tokens_per_s, "tflops_per_device": flops_per_device / 1e12,
+                "mfu": mfu}
+
+
+# ------------------------------------------------------------------------ loggers
+
+WANDB_ENV = "LMFORGE_WANDB_PROJECT"
+_TB_GROUPS = {"loss": "loss", "eval_loss": "loss", "lr": "optim", "grad_norm": "optim",
+              "tokens_per_s": "perf", "tflops_per_device": "perf", "mfu": "perf",
+              "tokens": "progress", "valid_tokens": "progress"}
+
+
+def tensorboard_tag(key: str) -> str:
+    """``loss/loss``, ``perf/mfu``, ``memory/peak_mem_gib``, ...: grouped in the UI."""
+    group = _TB_GROUPS.get(key) or ("memory" if key.endswith("_gib") else "train")
+    return f"{group}/{key}"
+
+
+def _is_number(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
 
 
 class MetricsLogger:
-    """metrics.jsonl + TensorBoard, written by the logging rank only."""
+    """metrics.jsonl + TensorBoard (+ Weights & Biases when asked), logging rank only.
 
-    def __init__(self, out_dir: Path, enabled: bool = True):
+    W&B is on when ``wandb_project`` is given or ``LMFORGE_WANDB_PROJECT`` is set; the
+    ``wandb`` package is imported only then, and its absence is a one-line error."""
+
+    def __init__(self, out_dir: Path, enabled: bool = True, wandb_project: Optional[str] = None,
+                 run_name: Optional[str] = None, config: Optional[dict] = None):
         self.enabled = enabled
-        self._jsonl = self._tb = None
-        if enabled:
-            self._jsonl = open(out_dir / "metrics.jsonl", "a")
-            from torch.utils.tensorboard import SummaryWriter
+        self._jsonl = self._tb = self._wandb = None
+        if not enabled:
+            return
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        wandb_project = wandb_project or os.environ.get(WANDB_ENV)
+        if wandb_project:
+            self._wandb = _start_wandb(wandb_project, run_name or out_dir.name, out_dir, config)
+        self._jsonl = open(out_dir / "metrics.jsonl", "a")
+        from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(out_dir / "tensorboard"))
+        self._tb = SummaryWriter(str(out_dir / "tensorboard"))
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
             return
         record = {"step": step, **metrics}
-        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.write(json.dumps(record, default=_json_default) + "\n")
         self._jsonl.flush()
-        for key, value in metrics.items():
-            if isinstance(value, (int, float)) and value is not None:
-                self._tb.add_scalar(key, value, step)
+        numbers = {k: float(v) for k, v in metrics.items() if _is_number(v)}
+        for key, value in numbers.items():
+            self._tb.add_scalar(tensorboard_tag(key), value, step)
         self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log({tensorboard_tag(k): v for k, v in numbers.items()}, step=step)
 
     def close(self) -> None:
-        if self.enabled:
-            self._jsonl.close()
-            self._tb.close()
+        if not self.enabled:
+            return
+        self._jsonl.close()
+        self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        self.enabled = False
+
+
+def _json_default(value: Any):
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    return str(value)
+
+
+def _start_wandb(project: str, name: str, out_dir: Path, config: Optional[dict]):
+    try:
+        import wandb
+    except ImportError:
+        raise ValueError(f"W&B logging was asked for (project {project!r}) but the wandb "
+                         f"package is not installed: pip install wandb, or unset "
+                         f"{WANDB_ENV}") from None
+    return wandb.init(project=project, name=name, dir=str(out_dir), config=config or {})
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The records of ``RUN_DIR/metrics.jsonl`` (or of a metrics.jsonl path), in order."""
+    path = Path(run_dir)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no metrics.jsonl (is this a run directory?)")
+    records = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{number}: not a JSON object ({e.msg})") from None
+    return records
+
+
+def iter_numbers(records: Iterable[dict], key: str) -> list[tuple[float, float]]:
+    """(step, value) pairs of ``key`` where it is a finite number."""
+    return [(r["step"], float(r[key])) for r in records if _is_number(r.get(key))]

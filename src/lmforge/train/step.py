@@ -22,6 +22,11 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+def _plain(x: torch.Tensor) -> torch.Tensor:
+    """A loss computed under tensor parallelism is a replicated DTensor; take its value."""
+    return x.full_tensor() if hasattr(x, "full_tensor") else x
+
+
 def count_valid_tokens(batches: Iterable[dict]) -> int:
     return int(sum((b["labels"] != IGNORE_INDEX).sum().item() for b in batches))
 
@@ -51,7 +56,7 @@ def accumulate_gradients(model: nn.Module, micro_batches: list[dict], device: to
             logits = model(**model_inputs(batch, device))  # (batch, seq, vocab)
         micro_loss = token_loss_sum(logits, batch["labels"].to(device))
         (micro_loss / n_valid).backward()
-        loss_sum += micro_loss.detach()
+        loss_sum += _plain(micro_loss.detach())
     return loss_sum / n_valid
 
 
@@ -66,7 +71,7 @@ def evaluate(model: nn.Module, batches: Iterable[dict], device: torch.device,
     for batch in batches:
         with autocast():
             logits = model(**model_inputs(batch, device))
-        total += token_loss_sum(logits, batch["labels"].to(device)).double()
+        total += _plain(token_loss_sum(logits, batch["labels"].to(device))).double()
         tokens += int((batch["labels"] != IGNORE_INDEX).sum())
     model.train(was_training)
     if tokens == 0:

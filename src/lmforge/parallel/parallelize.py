@@ -1,0 +1,56 @@
+"""Apply parallelism and training wraps to a plain Llama (or a pipeline stage of one), in
+a fixed order: tensor + sequence parallel -> activation checkpointing -> per-block
+compile -> FSDP2. Parameter names never change, so checkpoints do not depend on it."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lmforge.config import JobConfig
+from lmforge.parallel.mesh import parallel_dims
+
+
+def parallelize_llama(model: nn.Module, mesh, cfg: JobConfig,
+                      param_dtype: Optional[torch.dtype] = None) -> None:
+    apply_model_parallel(model, mesh, cfg)
+    apply_data_parallel(model, mesh, cfg, param_dtype)
+
+
+def apply_model_parallel(model: nn.Module, mesh, cfg: JobConfig) -> None:
+    """Tensor + sequence parallel, then activation checkpointing and compile per block."""
+    if parallel_dims(mesh).tp > 1:
+        from lmforge.parallel.tensor import apply_tensor_parallel
+
+        apply_tensor_parallel(model, mesh["tp"], cfg.parallel.sequence_parallel)
+    for layer in model.layers.values():
+        if cfg.train.activation_checkpointing == "full":
+            checkpoint_forward(layer)
+        if cfg.train.compile:
+            layer.compile()
+
+
+def apply_data_parallel(model: nn.Module, mesh, cfg: JobConfig,
+                        param_dtype: Optional[torch.dtype] = None) -> None:
+    """FSDP2 over the data-parallel dimensions (HSDP when both are > 1)."""
+    dims = parallel_dims(mesh)
+    if dims.dp > 1:
+        from lmforge.parallel.fsdp import apply_fsdp
+
+        dp_mesh = mesh["dp_shard"] if dims.dp_replicate == 1 else mesh["dp_replicate", "dp_shard"]
+        apply_fsdp(model, dp_mesh, cfg.parallel.zero, param_dtype)
+
+
+def checkpoint_forward(module: nn.Module) -> None:
+    """Recompute ``module``'s activations in backward instead of storing them.
+
+    Replacing the instance's forward (rather than wrapping the module in another) keeps
+    the parameter names, so checkpoints do not depend on this setting."""
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward

@@ -1,0 +1,251 @@
+"""From model args to a trainable, possibly parallel model on its device.
+
+The model is built on the meta device, split into pipeline stages if pp > 1, then
+parallelized (TP -> activation checkpointing -> compile -> FSDP2), materialised with
+``to_empty`` and given weights: those of ``model.init_from``, or a seeded initialisation
+of the whole model, sliced into each rank's shards, so that the starting weights do not
+depend on the parallel layout (models above ``LAYOUT_INDEPENDENT_INIT_BYTES`` are
+initialised shard by shard instead, which needs no full copy but is layout dependent).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lmforge.config import JobConfig
+from lmforge.models.llama import Llama, LlamaArgs, build_llama, count_parameters, materialize
+from lmforge.parallel.mesh import ParallelDims, group, parallel_dims
+from lmforge.parallel.parallelize import apply_data_parallel, apply_model_parallel
+from lmforge.train.step import accumulate_gradients, evaluate, token_loss_sum
+
+LAYOUT_INDEPENDENT_INIT_BYTES = 4 * 2**30
+
+
+@dataclass
+class TrainModel:
+    """This rank's part of the model and how to run a step on it."""
+    parts: list[nn.Module]  # one module, or this rank's pipeline stages
+    args: LlamaArgs
+    dims: ParallelDims
+    mesh: object = None
+    schedule: object = None  # pipeline schedule when pp > 1
+    stage_ids: list[int] = field(default_factory=list)
+    _n_valid: int = 1
+
+    @property
+    def whole(self) -> Optional[Llama]:
+        return self.parts[0] if self.dims.pp == 1 else None
+
+    def parameters(self):
+        seen = {}
+        for part in self.parts:
+            for p in part.parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def train(self, mode: bool = True) -> None:
+        for part in self.parts:
+            part.train(mode)
+
+    def loss_context(self):
+        if self.dims.tp > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    def forward_backward(self, micro_batches: list[dict], n_valid: int,
+                         device: torch.device, autocast) -> torch.Tensor:
+        """This rank's share of the step loss (sum of its token losses / n_valid)."""
+        with self.loss_context():
+            if self.schedule is None:
+                return accumulate_gradients(self.parts[0], micro_batches, device, autocast,
+                                            n_valid)
+            return self._pipeline_step(micro_batches, n_valid, device, autocast)
+
+    def _pipeline_step(self, micro_batches, n_valid, device, autocast) -> torch.Tensor:
+        from lmforge.parallel.pipeline import has_first_stage, has_last_stage
+
+        self._n_valid = max(n_valid, 1)
+        parts = list(zip(self.stage_ids, self.parts))
+        n_stages = self.dims.pp * len(self.parts)
+        inputs = torch.cat([b["input_ids"] for b in micro_batches]).to(device)
+        targets = torch.cat([b["labels"] for b in micro_batches]).to(device)
+        losses: list = []
+        kwargs = {}
+        if has_last_stage(parts, n_stages):
+            kwargs = {"target": targets, "losses": losses}
+        with autocast():
+            if has_first_stage(parts):
+                self.schedule.step(inputs, **kwargs)
+            else:
+                self.schedule.step(**kwargs)
+        total = torch.zeros((), device=device)
+        for loss in losses:
+            total += _local(loss).detach()
+        return total
+
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return token_loss_sum(output, target) / self._n_valid
+
+    def evaluate(self, batches, device, autocast) -> tuple[float, int]:
+        with self.loss_context():
+            return evaluate(self.parts[0], batches, device, autocast)
+
+
+def _local(x: torch.Tensor) -> torch.Tensor:
+    return x.full_tensor() if hasattr(x, "full_tensor") else x
+
+
+def build_train_model(cfg: JobConfig, args: LlamaArgs, device: torch.device, mesh,
+                      param_dtype: Optional[torch.dtype] = None) -> TrainModel:
+    dims = parallel_dims(mesh)
+    model = build_llama(args)  # meta: nothing allocated yet
+    if dims.pp > 1:
+        from lmforge.parallel.pipeline import split_model
+
+        stages = split_model(model, dims.pp_rank, dims.pp, cfg.parallel.pp_virtual_stages)
+    else:
+        stages = [(0, model)]
+    tm = TrainModel([part for _, part in stages], args, dims, mesh,
+                    stage_ids=[i for i, _ in stages])
+    for part in tm.parts:
+        apply_model_parallel(part, mesh, cfg)
+    full_sd = initial_state_dict(cfg, args, mesh)
+    small = 4 * count_parameters(model) <= LAYOUT_INDEPENDENT_INIT_BYTES
+    if full_sd is not None and small:
+        # Load while only tensor-parallel sharded (a full copy / tp per rank), then shard
+        # over data parallelism: this also handles sizes that do not divide evenly.
+        _materialize_all(tm, device)
+        load_full_state_dict(tm, full_sd)
+        _apply_data_parallel_all(tm, cfg, param_dtype)
+    else:
+        _apply_data_parallel_all(tm, cfg, param_dtype)
+        _materialize_all(tm, device)
+        if full_sd is not None:
+            load_full_state_dict(tm, full_sd)
+        else:
+            # Too large for a full copy per rank: each rank initialises its own shards.
+            torch.manual_seed(cfg.train.seed + dims.pp_rank)
+            for part in tm.parts:
+                part.init_weights()
+    if dims.pp > 1:
+        from lmforge.parallel.pipeline import build_schedule
+
+        n_micro = cfg.parallel.microbatches or _grad_accum(cfg, dims.dp)
+        tm.schedule = build_schedule(list(zip(tm.stage_ids, tm.parts)),
+                                     dims.pp * len(tm.parts), cfg.parallel.pp_schedule,
+                                     n_micro, tm.pipeline_loss, device, group(mesh, "pp"))
+    tm.train()
+    return tm
+
+
+def _materialize_all(tm: TrainModel, device: torch.device) -> None:
+    for part in tm.parts:
+        _materialize(part, device)
+
+
+def _apply_data_parallel_all(tm: TrainModel, cfg: JobConfig, param_dtype) -> None:
+    for part in tm.parts:
+        apply_data_parallel(part, tm.mesh, cfg, param_dtype)
+
+
+def initial_state_dict(cfg: JobConfig, args: LlamaArgs, mesh) -> Optional[dict]:
+    """Full starting weights when they are affordable on every rank: a local HF model,
+    or (with several processes) a seeded initialisation of the whole model, the same
+    draws as a single process makes. None: initialise in place / per shard."""
+    if cfg.model.init_from:
+        from lmforge.models.hf import from_hf_state_dict, read_hf_state_dict
+
+        sd = from_hf_state_dict(read_hf_state_dict(cfg.model.init_from), args,
+                                source=f"{cfg.model.init_from} weights")
+        return {k: v.float() for k, v in sd.items()}
+    if mesh is None or 4 * count_parameters(build_llama(args)) > LAYOUT_INDEPENDENT_INIT_BYTES:
+        return None
+    torch.manual_seed(cfg.train.seed)
+    return materialize(build_llama(args), "cpu").state_dict()
+
+
+def _grad_accum(cfg: JobConfig, dp: int) -> int:
+    per_micro_step = cfg.data.micro_batch_size * dp
+    return (cfg.data.global_batch_size or per_micro_step) // per_micro_step
+
+
+def _materialize(part: nn.Module, device: torch.device) -> None:
+    tied = (part.tok_embeddings is not None and part.output is not None
+            and part.args.tie_embeddings)
+    part.to_empty(device=device)
+    if tied:  # to_empty allocates each reference separately, which unties them
+        part.output.weight = part.tok_embeddings.weight
+
+
+def load_full_state_dict(tm: TrainModel, sd: dict) -> None:
+    """Full (unsharded) tensors -> each part's shards."""
+    for part in tm.parts:
+        wanted = {k: sd[k] for k in part.state_dict()}
+        if tm.mesh is None:
+            part.load_state_dict(wanted, strict=True)
+            continue
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(part, wanted,
+                             options=StateDictOptions(full_state_dict=True, strict=True))
+
+
+def gather_full_state_dict(tm: TrainModel) -> Optional[dict]:
+    """The whole model's tensors on CPU, on global rank 0 (None elsewhere). Collective."""
+    if tm.mesh is None:
+        return {k: v.detach().cpu() for k, v in tm.parts[0].state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = {}
+    for part in tm.parts:
+        full = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
+        sd.update({k: _local(v).detach().cpu() for k, v in full.items()})
+    if tm.dims.pp == 1:
+        return sd if dist.get_rank() == 0 else None
+    # One representative per stage (dp and tp coordinates 0) sends its stage to rank 0.
+    if tm.dims.dp_rank != 0 or tm.dims.tp_rank != 0:
+        return None
+    pp_group = group(tm.mesh, "pp")
+    gathered = [None] * tm.dims.pp if dist.get_rank() == 0 else None
+    dist.gather_object(sd, gathered, dst=0, group=pp_group)
+    if dist.get_rank() != 0:
+        return None
+    merged = {}
+    for stage_sd in gathered:
+        merged.update(stage_sd)
+    return merged
+
+
+def clip_grad_norm(tm: TrainModel, max_norm: float) -> torch.Tensor:
+    """Total gradient norm over every rank's parameters, then clipping (max_norm > 0).
+
+    Sharded (DTensor) gradients are reduced over their mesh; pipeline stages hold
+    disjoint parameters, so their squared norms are summed across the pp group."""
+    grads = [p.grad for p in tm.parameters() if p.grad is not None]
+    by_mesh: dict = {}
+    for g in grads:
+        key = id(g.device_mesh) if hasattr(g, "device_mesh") else None
+        by_mesh.setdefault(key, []).append(g)
+    squared = None
+    for group_grads in by_mesh.values():
+        norm = _local(torch.nn.utils.get_total_norm(group_grads, 2.0)).float()
+        squared = norm ** 2 if squared is None else squared + norm ** 2
+    if squared is None:
+        squared = torch.zeros((), device=next(iter(tm.parameters())).device)
+    if tm.dims.pp > 1:
+        dist.all_reduce(squared, group=group(tm.mesh, "pp"))
+    total = squared.sqrt()
+    if max_norm > 0:
+        # A Python float scales plain and sharded gradients alike.
+        coef = min(1.0, max_norm / (float(total) + 1e-6))
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+    return total

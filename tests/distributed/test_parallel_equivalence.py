@@ -1,0 +1,99 @@
+"""Every parallel layout trains exactly like one process: same per-step losses (1e-5
+relative) and final weights (1e-4), on CPU with gloo. A tiny Llama with a vocabulary
+(301) that tp=2 does not divide, fp32, same seed, data and global batch."""
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lmforge.data.tokenizer import train_bpe
+
+pytestmark = pytest.mark.slow
+STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("equiv")
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "tensor", "pipeline", "shard", "mesh",
+             "token", "layer", "norm", "rotary", "loss", "grad", "step", "rank"]
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 15)))
+             for _ in range(600)]
+    (root / "corpus.txt").write_text("\n".join(lines))
+    train_bpe(lines, vocab_size=301).save(root / "tok")
+    base = ["model.preset=debug", "model.n_layers=4", "model.vocab_size=301",
+            f"model.tokenizer={root / 'tok'}", "data.kind=text",
+            f"data.path={root / 'corpus.txt'}", "data.eval_fraction=0", "data.seq_len=32",
+            "data.micro_batch_size=2", "data.global_batch_size=8",
+            f"train.max_steps={STEPS}", "train.log_every=1", "optim.lr=1e-2",
+            "optim.warmup_steps=0", "optim.grad_clip=0.5", "train.sample_tokens=1",
+            "model.tie_embeddings=false"]
+    reference = _train(root / "single", base, nproc=1)
+    return root, base, reference
+
+
+def _train(out, overrides, nproc):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    args = ["train", *overrides, f"train.output_dir={out}"]
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "lmforge.cli", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", "-m", "lmforge.cli", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # The gradient norm is compared too: Adam and clipping hide a uniform gradient scale.
+    losses = [(r["loss"], r["grad_norm"]) for r in records]
+    return losses, load_file(out / "hf" / "model.safetensors")
+
+
+LAYOUTS = {
+    "fsdp_zero3_dp2": (2, ["parallel.dp_shard=2", "parallel.zero=3"]),
+    "fsdp_zero2_dp2": (2, ["parallel.dp_shard=2", "parallel.zero=2"]),
+    "ddp_dp2": (2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"]),
+    "hsdp_2x2": (4, ["parallel.dp_replicate=2", "parallel.dp_shard=2"]),
+    "tp2_sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "tp2_no_sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=false"]),
+    "pp2_gpipe": (2, ["parallel.pp=2", "parallel.pp_schedule=gpipe"]),
+    "pp2_1f1b": (2, ["parallel.pp=2", "parallel.pp_schedule=1f1b"]),
+    "pp2_interleaved": (2, ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
+                            "parallel.pp_virtual_stages=2"]),
+    "dp2_tp2": (4, ["parallel.dp_shard=2", "parallel.tp=2"]),
+    "pp2_dp2": (4, ["parallel.pp=2", "parallel.dp_shard=2"]),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_process(setup, name):
+    root, base, (ref_losses, ref_weights) = setup
+    nproc, layout = LAYOUTS[name]
+    losses, weights = _train(root / name, base + layout, nproc)
+    assert len(losses) == len(ref_losses) == STEPS
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(losses, ref_losses), 1):
+        assert loss == pytest.approx(ref_loss, rel=1e-5), f"step {step}: loss {loss} vs {ref_loss}"
+        assert norm == pytest.approx(ref_norm, rel=1e-4), f"step {step}: grad norm {norm} vs {ref_norm}"
+    assert weights.keys() == ref_weights.keys()
+    for key in ref_weights:
+        torch.testing.assert_close(weights[key], ref_weights[key], rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"{key}: {m}")
+
+
+def test_layout_that_does_not_fit_is_refused_before_any_process_group(tmp_path, setup):
+    root, base, _ = setup
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0", "WORLD_SIZE": "3",
+           "LOCAL_RANK": "0"}
+    env.pop("MASTER_ADDR", None)  # any process-group work would fail on this
+    proc = subprocess.run(
+        [sys.executable, "-m", "lmforge.cli", "train", *base, "parallel.tp=3",
+         f"train.output_dir={tmp_path}/run"], capture_output=True, text=True, env=env,
+        timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("lmforge: error: parallel.tp:")
+    assert "\n" not in proc.stderr.strip()
