@@ -101,6 +101,9 @@ class TrainConfig:
     sample_prompt: str = "def "
     sample_tokens: int = 48
     threads: int = 0  # CPU threads for torch; 0 leaves torch's default
+    # Write checkpoints in the background (training waits only for the copy to CPU).
+    async_checkpoint: bool = False
+    on_nonfinite: str = "stop"  # a NaN/Inf loss or grad norm: skip the step | stop
 
 
 @dataclass
@@ -116,6 +119,25 @@ class ParallelConfig:
     microbatches: Optional[int] = None
 
 
+LORA_TARGET_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                     "down_proj")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA / QLoRA fine-tuning (peft/). Off unless ``enabled``."""
+    enabled: bool = False
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    # Module names from LORA_TARGET_NAMES, or "all-linear" for all seven (typed Any so a
+    # plain string is accepted on the command line).
+    targets: Any = field(default_factory=lambda: ["q_proj", "v_proj"])
+    rslora: bool = False  # scale by alpha / sqrt(rank) instead of alpha / rank
+    quantize: Optional[str] = None  # frozen base weights: nf4 (QLoRA) | int8
+    adapter_from: Optional[str] = None  # a PEFT adapter directory to start from
+
+
 @dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -123,6 +145,7 @@ class JobConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -249,6 +272,7 @@ _CHOICES = {
     "train.device": ("auto", "cpu", "cuda"),
     "train.dtype": ("auto", "fp32", "bf16"),
     "train.activation_checkpointing": ("none", "full"),
+    "train.on_nonfinite": ("skip", "stop"),
     "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b"),
 }
 
@@ -278,6 +302,7 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
         raise ConfigError(f"data.path: required when data.kind is {cfg.data.kind}")
     _validate_batch(cfg, world_size)
     _validate_model(cfg)
+    _validate_lora(cfg.lora)
 
 
 def _validate_batch(cfg: JobConfig, world_size: int) -> None:
@@ -323,6 +348,66 @@ def _validate_model(cfg: JobConfig) -> None:
         return  # shape checks against config.json happen when the directory is read
     args = model_args(cfg)
     check_model_args(args, cfg.data.seq_len)
+    check_parallel_fits(cfg, args)
+
+
+def _validate_lora(lora: LoraConfig) -> None:
+    if lora.rank <= 0:
+        raise ConfigError(f"lora.rank: must be > 0, got {lora.rank}")
+    if not lora.alpha > 0:
+        raise ConfigError(f"lora.alpha: must be > 0, got {lora.alpha}")
+    if not 0 <= lora.dropout < 1:
+        raise ConfigError(f"lora.dropout: must be in [0, 1), got {lora.dropout}")
+    targets = [lora.targets] if isinstance(lora.targets, str) else lora.targets
+    if not isinstance(targets, list) or not targets:
+        raise ConfigError(f"lora.targets: expected a list of module names or 'all-linear', "
+                          f"got {lora.targets!r}")
+    for name in targets:
+        if name != "all-linear" and name not in LORA_TARGET_NAMES:
+            raise ConfigError(f"lora.targets: unknown module {name!r} (known: "
+                              f"{', '.join(LORA_TARGET_NAMES)}, all-linear)")
+    if lora.quantize not in (None, "nf4", "int8"):
+        raise ConfigError(f"lora.quantize: {lora.quantize!r} is not one of nf4, int8")
+    if lora.quantize and not lora.enabled:
+        raise ConfigError("lora.quantize: a quantized base trains nothing without adapters "
+                          "(set lora.enabled=true)")
+    if lora.adapter_from is not None:
+        if not lora.enabled:
+            raise ConfigError("lora.adapter_from: set lora.enabled=true to load an adapter")
+        if not (Path(lora.adapter_from) / "adapter_config.json").is_file():
+            raise ConfigError(f"lora.adapter_from: {lora.adapter_from} has no "
+                              f"adapter_config.json (a PEFT adapter directory)")
+
+
+def check_parallel_fits(cfg: JobConfig, args) -> None:
+    """Layout checks that need the model shape; run before any process group work."""
+    p = cfg.parallel
+    if p.zero not in (2, 3):
+        raise ConfigError(f"parallel.zero: {p.zero} is not 2 or 3")
+    if args.n_heads % p.tp or args.n_kv_heads % p.tp:
+        raise ConfigError(f"parallel.tp: {p.tp} must divide n_heads ({args.n_heads}) and "
+                          f"n_kv_heads ({args.n_kv_heads}); kv heads are not replicated")
+    if p.pp_virtual_stages < 1:
+        raise ConfigError("parallel.pp_virtual_stages: must be >= 1")
+    if p.pp_schedule == "interleaved_1f1b" and p.pp > 1 and p.pp_virtual_stages < 2:
+        raise ConfigError("parallel.pp_virtual_stages: interleaved_1f1b needs >= 2 stages "
+                          "per rank")
+    if p.pp_schedule != "interleaved_1f1b" and p.pp_virtual_stages != 1:
+        raise ConfigError(f"parallel.pp_virtual_stages: only interleaved_1f1b uses virtual "
+                          f"stages (pp_schedule is {p.pp_schedule})")
+    if p.pp > 1:
+        n_stages = p.pp * p.pp_virtual_stages
+        if args.n_layers % n_stages:
+            raise ConfigError(f"parallel.pp: {args.n_layers} layers do not split evenly into "
+                              f"{n_stages} stages (pp x pp_virtual_stages)")
+        if args.tie_embeddings:
+            raise ConfigError("parallel.pp: tied embeddings (model.tie_embeddings) put the "
+                              "embedding and the head on different stages; untie them")
+        if cfg.data.document_mask or cfg.data.pack:
+            raise ConfigError("parallel.pp: document masking / SFT packing is not supported "
+                              "with pipeline parallelism yet")
+    if p.microbatches is not None and p.microbatches < 1:
+        raise ConfigError("parallel.microbatches: must be >= 1")
 
 
 def check_model_args(args, seq_len: Optional[int] = None) -> None:
