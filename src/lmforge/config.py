@@ -94,7 +94,8 @@ class TrainConfig:
     resume: Optional[str] = None  # auto | a checkpoint path
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
-    activation_checkpointing: str = "none"  # none | full
+    activation_checkpointing: str = "none"  # none | full | selective (every n-th block)
+    activation_checkpointing_every: int = 2
     compile: bool = False
     deterministic: bool = False
     progress_bar: Optional[bool] = None  # None: on when stderr is a terminal
@@ -271,7 +272,7 @@ _CHOICES = {
     "optim.schedule": ("cosine", "linear", "constant"),
     "train.device": ("auto", "cpu", "cuda"),
     "train.dtype": ("auto", "fp32", "bf16"),
-    "train.activation_checkpointing": ("none", "full"),
+    "train.activation_checkpointing": ("none", "full", "selective"),
     "train.on_nonfinite": ("skip", "stop"),
     "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b"),
 }
@@ -285,6 +286,7 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
         if value not in allowed and not (dotted == "data.template" and "{" in str(value)):
             raise ConfigError(f"{dotted}: {value!r} is not one of {', '.join(allowed)}")
     _positive(cfg, "data.seq_len", "data.micro_batch_size", "train.max_steps",
+              "train.activation_checkpointing_every",
               "train.log_every", "data.tokenizer_vocab_size")
     _non_negative(cfg, "optim.weight_decay", "optim.grad_clip", "optim.warmup_steps",
                   "train.checkpoint_every", "train.eval_every", "train.keep_last",

@@ -6,6 +6,11 @@ communication of one block overlaps the computation of the next (FSDP2 prefetche
 next block's all-gather in both directions). ZeRO-3 frees the gathered parameters after
 forward; ZeRO-2 keeps them until backward, trading memory for one all-gather less. With
 dp_replicate > 1 the same call gives HSDP: sharded within a group, replicated across.
+
+FSDP averages gradients over the data-parallel ranks. Our loss is already divided by the
+global token count, so the trainer multiplies each rank's loss by the data-parallel size
+before backward (``TrainModel.grad_scale``) to turn that average into the needed sum; a
+divide factor of 1 would do the same but needs PREMUL_SUM, which gloo lacks.
 """
 from __future__ import annotations
 
@@ -23,11 +28,34 @@ def apply_fsdp(model: nn.Module, dp_mesh, zero: int, param_dtype: Optional[torch
     reshard = zero == 3
     for layer in model.layers.values():
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
-        _sum_gradients(layer)
     # The root unit holds the embedding, final norm and head. Its parameters are needed
     # again first in backward, so keeping them gathered after forward costs nothing extra.
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
-    _sum_gradients(model)
+    _prefetch_neighbours(list(model.layers.values()))
+
+
+def _prefetch_neighbours(layers: list[nn.Module]) -> None:
+    """Issue the all-gather of the next block (previous one in backward) while the
+    current one computes, explicitly rather than relying on FSDP's implicit ordering."""
+    if not layers or not hasattr(layers[0], "set_modules_to_forward_prefetch"):
+        return
+    for i, layer in enumerate(layers):
+        if i + 1 < len(layers):
+            layer.set_modules_to_forward_prefetch([layers[i + 1]])
+        if i > 0:
+            layer.set_modules_to_backward_prefetch([layers[i - 1]])
+
+
+def _prefetch_neighbours(layers: list[nn.Module]) -> None:
+    """Issue the all-gather of the next block (previous one in backward) while the
+    current one computes, explicitly rather than relying on FSDP's implicit ordering."""
+    if not layers or not hasattr(layers[0], "set_modules_to_forward_prefetch"):
+        return
+    for i, layer in enumerate(layers):
+        if i + 1 < len(layers):
+            layer.set_modules_to_forward_prefetch([layers[i + 1]])
+        if i > 0:
+            layer.set_modules_to_backward_prefetch([layers[i - 1]])
 
 
 def _sum_gradients(module: nn.Module) -> None:

@@ -26,7 +26,7 @@ def apply_model_parallel(model: nn.Module, mesh, cfg: JobConfig) -> None:
 
         apply_tensor_parallel(model, mesh["tp"], cfg.parallel.sequence_parallel)
     for layer in model.layers.values():
-        if cfg.train.activation_checkpointing == "full":
+        if _checkpointed(cfg, int(layer.layer_id)):
             checkpoint_forward(layer)
         if cfg.train.compile:
             layer.compile()
@@ -41,6 +41,13 @@ def apply_data_parallel(model: nn.Module, mesh, cfg: JobConfig,
 
         dp_mesh = mesh["dp_shard"] if dims.dp_replicate == 1 else mesh["dp_replicate", "dp_shard"]
         apply_fsdp(model, dp_mesh, cfg.parallel.zero, param_dtype)
+
+
+def _checkpointed(cfg: JobConfig, layer_id: int) -> bool:
+    mode = cfg.train.activation_checkpointing
+    # selective: every n-th block recomputes, trading part of the memory saving for speed.
+    return mode == "full" or (mode == "selective"
+                              and layer_id % cfg.train.activation_checkpointing_every == 0)
 
 
 def checkpoint_forward(module: nn.Module) -> None:

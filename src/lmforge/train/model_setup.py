@@ -59,13 +59,18 @@ class TrainModel:
             return loss_parallel()
         return contextlib.nullcontext()
 
+    @property
+    def grad_scale(self) -> float:
+        """FSDP averages gradients over dp ranks; scaling the loss by dp makes it a sum."""
+        return float(self.dims.dp)
+
     def forward_backward(self, micro_batches: list[dict], n_valid: int,
                          device: torch.device, autocast) -> torch.Tensor:
         """This rank's share of the step loss (sum of its token losses / n_valid)."""
         with self.loss_context():
             if self.schedule is None:
                 return accumulate_gradients(self.parts[0], micro_batches, device, autocast,
-                                            n_valid)
+                                            n_valid, self.grad_scale)
             return self._pipeline_step(micro_batches, n_valid, device, autocast)
 
     def _pipeline_step(self, micro_batches, n_valid, device, autocast) -> torch.Tensor:
@@ -88,10 +93,10 @@ class TrainModel:
         total = torch.zeros((), device=device)
         for loss in losses:
             total += _local(loss).detach()
-        return total
+        return total / self.grad_scale
 
     def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return token_loss_sum(output, target) / self._n_valid
+        return token_loss_sum(output, target) * (self.grad_scale / self._n_valid)
 
     def evaluate(self, batches, device, autocast) -> tuple[float, int]:
         with self.loss_context():

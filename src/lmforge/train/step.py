@@ -40,12 +40,14 @@ def model_inputs(batch: dict, device: torch.device) -> dict:
 
 
 def accumulate_gradients(model: nn.Module, micro_batches: list[dict], device: torch.device,
-                         autocast=contextlib.nullcontext, n_valid: int | None = None
-                         ) -> torch.Tensor:
+                         autocast=contextlib.nullcontext, n_valid: int | None = None,
+                         grad_scale: float = 1.0) -> torch.Tensor:
     """Forward/backward over the micro-batches of one step; returns the step's loss.
 
     ``n_valid`` is the token count the loss is divided by: this step's valid tokens on
     every data-parallel rank together (the caller all-reduces it), else this rank's own.
+    ``grad_scale`` multiplies what is back-propagated (not the returned loss), to undo a
+    data-parallel wrapper's gradient averaging.
     """
     if n_valid is None:
         n_valid = count_valid_tokens(micro_batches)
@@ -55,7 +57,7 @@ def accumulate_gradients(model: nn.Module, micro_batches: list[dict], device: to
         with autocast():
             logits = model(**model_inputs(batch, device))  # (batch, seq, vocab)
         micro_loss = token_loss_sum(logits, batch["labels"].to(device))
-        (micro_loss / n_valid).backward()
+        (micro_loss * (grad_scale / n_valid)).backward()
         loss_sum += _plain(micro_loss.detach())
     return loss_sum / n_valid
 
