@@ -25,11 +25,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args) or 0
     except USER_ERRORS as e:
-        if os.environ.get("LMFORGE_DEBUG"):
-            raise
-        message = " ".join(str(e).split()) or type(e).__name__
-        print(f"lmforge: error: {message}", file=sys.stderr)
-        return 2
+        return _fail(e, 2)
+    except FloatingPointError as e:  # train.on_nonfinite=stop: the run diverged
+        return _fail(e, 3)
+
+
+def _fail(error: Exception, code: int) -> int:
+    if os.environ.get("LMFORGE_DEBUG"):
+        raise error
+    message = " ".join(str(error).split()) or type(error).__name__
+    print(f"lmforge: error: {message}", file=sys.stderr)
+    return code
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -91,6 +91,9 @@ class TrainConfig:
     eval_batches: int = 8
     checkpoint_every: int = 0  # 0: only at the end
     keep_last: int = 2
+    # End this invocation after this step (checkpointed), keeping the schedule of
+    # max_steps: for time-limited cluster jobs that resume with train.resume=auto.
+    stop_at_step: Optional[int] = None
     resume: Optional[str] = None  # auto | a checkpoint path
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
@@ -99,6 +102,7 @@ class TrainConfig:
     compile: bool = False
     deterministic: bool = False
     progress_bar: Optional[bool] = None  # None: on when stderr is a terminal
+    log_sample_ids: bool = False  # write rank 0's sample ids of each logged step
     sample_prompt: str = "def "
     sample_tokens: int = 48
     threads: int = 0  # CPU threads for torch; 0 leaves torch's default
@@ -298,6 +302,8 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
     for beta in ("beta1", "beta2"):
         if not 0 <= getattr(cfg.optim, beta) < 1:
             raise ConfigError(f"optim.{beta}: must be in [0, 1)")
+    if cfg.train.stop_at_step is not None and cfg.train.stop_at_step < 1:
+        raise ConfigError(f"train.stop_at_step: must be >= 1, got {cfg.train.stop_at_step}")
     if not 0 <= cfg.data.eval_fraction < 1:
         raise ConfigError(f"data.eval_fraction: must be in [0, 1), got {cfg.data.eval_fraction}")
     if cfg.data.kind in ("text", "pretrain", "sft") and not cfg.data.path:

@@ -1,9 +1,7 @@
 """Every parallel layout trains exactly like one process: same per-step losses (1e-5
 relative) and final weights (1e-4), on CPU with gloo. A tiny Llama with a vocabulary
 (301) that tp=2 does not divide, fp32, same seed, data and global batch."""
-import json
 import os
-import random
 import subprocess
 import sys
 
@@ -11,46 +9,23 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lmforge.data.tokenizer import train_bpe
+from helpers.runs import read_metrics, run_lmforge, tiny_overrides
 
 pytestmark = pytest.mark.slow
 STEPS = 5
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("equiv")
-    rng = random.Random(0)
-    words = ["alpha", "beta", "gamma", "delta", "tensor", "pipeline", "shard", "mesh",
-             "token", "layer", "norm", "rotary", "loss", "grad", "step", "rank"]
-    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 15)))
-             for _ in range(600)]
-    (root / "corpus.txt").write_text("\n".join(lines))
-    train_bpe(lines, vocab_size=301).save(root / "tok")
-    base = ["model.preset=debug", "model.n_layers=4", "model.vocab_size=301",
-            f"model.tokenizer={root / 'tok'}", "data.kind=text",
-            f"data.path={root / 'corpus.txt'}", "data.eval_fraction=0", "data.seq_len=32",
-            "data.micro_batch_size=2", "data.global_batch_size=8",
-            f"train.max_steps={STEPS}", "train.log_every=1", "optim.lr=1e-2",
-            "optim.warmup_steps=0", "optim.grad_clip=0.5", "train.sample_tokens=1",
-            "model.tie_embeddings=false"]
-    reference = _train(root / "single", base, nproc=1)
-    return root, base, reference
+def setup(tiny_corpus, tmp_path_factory):
+    base = tiny_overrides(tiny_corpus, STEPS)
+    reference = _train(tmp_path_factory.mktemp("single"), base, nproc=1)
+    return tmp_path_factory.mktemp("layouts"), base, reference
 
 
 def _train(out, overrides, nproc):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    args = ["train", *overrides, f"train.output_dir={out}"]
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "lmforge.cli", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", "-m", "lmforge.cli", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    run_lmforge(out, overrides, nproc)
     # The gradient norm is compared too: Adam and clipping hide a uniform gradient scale.
-    losses = [(r["loss"], r["grad_norm"]) for r in records]
+    losses = [(r["loss"], r["grad_norm"]) for r in read_metrics(out)]
     return losses, load_file(out / "hf" / "model.safetensors")
 
 

@@ -1,7 +1,8 @@
 """The training entry point: config in, trained model and run directory out.
 
 ``train(cfg)`` reads top to bottom as the run happens: runtime, output directory,
-tokenizer, data, model, optimizer, the loop, then evaluation, export and a sample.
+tokenizer, data, model, optimizer, resume, the loop (with checkpoints), then evaluation,
+export and a sample.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from lmforge.parallel.mesh import (DistEnv, ParallelDims, build_mesh, init_distr
 from lmforge.train import metrics as M
 from lmforge.train.model_setup import (TrainModel, build_train_model, clip_grad_norm,
                                        gather_full_state_dict)
-from lmforge.train.optim import build_optimizer, build_scheduler
+from lmforge.train.optim import Optimizers
 from lmforge.train.step import count_valid_tokens
 
 
@@ -68,16 +69,28 @@ def train(cfg: JobConfig) -> dict:
     args = resolve_model_args(cfg, tokenizer)
     data = build_data(cfg, tokenizer, rt.dp_rank, rt.dp_size, cache_dir=out_dir / "cache")
     model = build_train_model(cfg, args, rt.device, rt.mesh, rt.param_dtype)
-    optimizer = build_optimizer(model, cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.max_steps)
+    optimizers = Optimizers(model.parts, cfg.optim, cfg.train.max_steps)
     _say(rt, f"model: {count_parameters(build_llama(args)):,} parameters ({_describe(args)}) "
              f"on {rt.world_size} x {rt.device.type} ({_layout(rt)}); data: {data.description}")
-    history = run_loop(cfg, rt, model, optimizer, scheduler, data, out_dir)
+    checkpoints = Checkpoints(cfg, rt, out_dir)
+    start_step = checkpoints.resume(model, optimizers, data)
+    end_step = min(cfg.train.max_steps, cfg.train.stop_at_step or cfg.train.max_steps)
+    history = run_loop(cfg, rt, model, optimizers, data, out_dir, checkpoints, start_step,
+                       end_step)
+    if end_step < cfg.train.max_steps:
+        _say(rt, f"stopped after step {end_step} of {cfg.train.max_steps} "
+                 f"(train.stop_at_step); continue with train.resume=auto")
+        _shutdown(rt)
+        return {"stopped_at": end_step, "history": history}
     summary = finish(cfg, rt, model, tokenizer, data, out_dir, history)
+    _shutdown(rt)
+    return summary
+
+
+def _shutdown(rt: "Runtime") -> None:
     if rt.world_size > 1:
         dist.barrier()
         dist.destroy_process_group()
-    return summary
 
 
 # ---------------------------------------------------------------------------- set-up
@@ -179,46 +192,134 @@ def grad_accumulation_steps(cfg: JobConfig, dp_size: int) -> int:
     return (cfg.data.global_batch_size or per_micro_step) // per_micro_step
 
 
-def run_loop(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizer, scheduler,
-             data: DataBundle, out_dir: Path) -> list[dict]:
+def run_loop(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optimizers,
+             data: DataBundle, out_dir: Path, checkpoints: "Checkpoints",
+             start_step: int = 0, end_step: Optional[int] = None) -> list[dict]:
     t = cfg.train
     accum = grad_accumulation_steps(cfg, rt.dp_size)
     throughput = M.Throughput(M.flops_per_token(model.args, cfg.data.seq_len),
                               M.device_peak_flops(rt.device), rt.world_size)
     logger = M.MetricsLogger(out_dir, enabled=rt.is_logging_rank)
-    bar = _progress_bar(cfg, rt)
-    history, tokens_seen = [], 0
-    for step in range(1, t.max_steps + 1):
+    bar = _progress_bar(cfg, rt, start_step)
+    history, nonfinite_steps = [], 0
+    end_step = end_step or t.max_steps
+    for step in range(start_step + 1, end_step + 1):
         micro_batches = [data.train.next_batch() for _ in range(accum)]
         n_valid = global_count(rt, count_valid_tokens(micro_batches))
         local_loss = model.forward_backward(micro_batches, n_valid, rt.device, rt.autocast)
         loss = global_loss(rt, local_loss)
         grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
-        lr = optimizer.param_groups[0]["lr"]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        lr = optimizers.lr
+        finite = check_finite(rt, step, local_loss, loss, grad_norm, micro_batches, t)
+        nonfinite_steps += not finite
+        optimizers.step(update=finite)
         step_tokens = sum(b["input_ids"].numel() for b in micro_batches) * rt.dp_size
-        tokens_seen += step_tokens
         throughput.add(step_tokens)
-        if step % t.log_every == 0 or step == 1 or step == t.max_steps:
+        if step % t.log_every == 0 or step == start_step + 1 or step == end_step:
             record = {"loss": float(loss), "lr": lr, "grad_norm": float(grad_norm),
                       **throughput.report(), "peak_mem_gib": M.peak_memory_gib(rt.device),
-                      "tokens": tokens_seen, "valid_tokens": n_valid}
-            if not math.isfinite(record["loss"]):
-                raise FloatingPointError(f"step {step}: loss is {record['loss']}")
+                      "tokens": step * cfg.data.seq_len * _samples_per_step(cfg, rt),
+                      "valid_tokens": n_valid, "nonfinite_steps": nonfinite_steps,
+                      "consumed_samples": _consumed(data)}
+            if t.log_sample_ids:
+                record["sample_ids"] = [int(i) for b in micro_batches
+                                        for i in b.get("sample_ids", [])]
             if t.eval_every and step % t.eval_every == 0 and data.eval_batches and model.whole:
                 record["eval_loss"] = model.evaluate(data.eval_batches(), rt.device,
                                                      rt.autocast)[0]
             logger.log(step, record)
             history.append({"step": step, **record})
             _report(rt, bar, step, record)
+        checkpoints.after_step(step, model, optimizers, data, final=step == end_step)
         if bar is not None:
             bar.update(1)
+    checkpoints.wait()
     if bar is not None:
         bar.close()
     logger.close()
     return history
+
+
+def _samples_per_step(cfg: JobConfig, rt: Runtime) -> int:
+    return cfg.data.global_batch_size or cfg.data.micro_batch_size * rt.dp_size
+
+
+def _consumed(data: DataBundle) -> int:
+    state = data.train.state_dict()
+    return int(state.get("consumed_samples", state.get("consumed", 0)))
+
+
+class NonFiniteError(FloatingPointError):
+    """A NaN/Inf loss or gradient norm under ``train.on_nonfinite: stop``."""
+
+
+def check_finite(rt: Runtime, step: int, local_loss: torch.Tensor, loss: torch.Tensor,
+                 grad_norm: torch.Tensor, micro_batches: list[dict], t) -> bool:
+    """True when the step may update the weights. Every rank reaches the same verdict
+    (loss and grad norm are global); each rank whose own loss is non-finite says so with
+    its sample ids, so the bad data can be found."""
+    if math.isfinite(float(loss)) and math.isfinite(float(grad_norm)):
+        return True
+    if not math.isfinite(float(local_loss)):
+        ids = [int(i) for b in micro_batches for i in b.get("sample_ids", [])]
+        print(f"rank {rt.rank}: step {step}: non-finite loss {float(local_loss)} on samples "
+              f"{ids}", file=sys.stderr, flush=True)
+    what = f"step {step}: non-finite loss ({float(loss)}) or grad norm ({float(grad_norm)})"
+    if t.on_nonfinite == "stop":
+        raise NonFiniteError(f"{what}; stopped without saving (train.on_nonfinite=stop)")
+    if rt.is_logging_rank:
+        print(f"{what}; update skipped (train.on_nonfinite=skip)", file=sys.stderr, flush=True)
+    return False
+
+
+class Checkpoints:
+    """When to save, resume and prune; the mechanics live in lmforge.checkpoint."""
+
+    def __init__(self, cfg: JobConfig, rt: Runtime, out_dir: Path):
+        from lmforge.checkpoint import AsyncCheckpointer, clean_stale_tmp
+
+        self.cfg, self.rt = cfg, rt
+        self.root = out_dir / "checkpoints"
+        if rt.is_logging_rank:
+            clean_stale_tmp(self.root)
+        _barrier(rt)
+        self.writer = AsyncCheckpointer(self.root, keep_last=cfg.train.keep_last,
+                                        use_async=cfg.train.async_checkpoint)
+
+    def resume(self, model: TrainModel, optimizers: Optimizers, data: DataBundle) -> int:
+        """Loads ``train.resume`` (auto: the newest complete checkpoint) on any layout;
+        returns the step to continue after (0 for a fresh start)."""
+        from lmforge.checkpoint import load_checkpoint, read_meta, resolve_resume, restore_rng
+
+        path = resolve_resume(self.cfg.train.resume, self.root)
+        if path is None:
+            return 0
+        extra, rank_state = load_checkpoint(path, model.parts, optimizers.optimizers)
+        optimizers.load_scheduler_state(extra["scheduler"])
+        data.train.load_state_dict(extra["data"])
+        step = int(extra["step"])
+        if rank_state is not None and read_meta(path).get("world_size") == self.rt.world_size:
+            restore_rng(rank_state)
+        else:  # another layout: the old per-rank generators do not map onto the new ranks
+            seed_everything(self.cfg.train.seed + step)
+        _say(self.rt, f"resumed from {path} (step {step})")
+        return step
+
+    def after_step(self, step: int, model: TrainModel, optimizers: Optimizers,
+                   data: DataBundle, final: bool = False) -> None:
+        self.writer.maybe_finalize()
+        every = self.cfg.train.checkpoint_every
+        if not (final or (every and step % every == 0)):
+            return
+        from lmforge.checkpoint import capture_rng
+
+        extra = {"step": step, "scheduler": optimizers.scheduler_state(),
+                 "data": data.train.state_dict()}
+        self.writer.save(step, model.parts, optimizers.optimizers, extra, capture_rng(),
+                         self.cfg.to_dict())
+
+    def wait(self) -> None:
+        self.writer.wait()
 
 
 def global_count(rt: Runtime, local: int) -> int:
@@ -248,7 +349,8 @@ def finish(cfg: JobConfig, rt: Runtime, model: TrainModel, tokenizer: Tokenizer,
     from lmforge.generate import generate
     from lmforge.models.hf import save_hf_model
 
-    summary = {"first_loss": history[0]["loss"], "last_loss": history[-1]["loss"],
+    summary = {"first_loss": history[0]["loss"] if history else None,
+               "last_loss": history[-1]["loss"] if history else None,
                "steps": cfg.train.max_steps, "hf_dir": str(out_dir / "hf")}
     if data.eval_batches and model.whole is not None:
         summary["eval_loss"], summary["eval_tokens"] = model.evaluate(
@@ -286,7 +388,7 @@ def _plain_model(model: TrainModel, full_sd: dict) -> Llama:
     return plain
 
 
-def _progress_bar(cfg: JobConfig, rt: Runtime):
+def _progress_bar(cfg: JobConfig, rt: Runtime, start_step: int = 0):
     show = cfg.train.progress_bar
     if show is None:
         show = sys.stderr.isatty()
@@ -294,7 +396,7 @@ def _progress_bar(cfg: JobConfig, rt: Runtime):
         return None
     from tqdm import tqdm
 
-    return tqdm(total=cfg.train.max_steps, unit="step", dynamic_ncols=True)
+    return tqdm(total=cfg.train.max_steps, initial=start_step, unit="step", dynamic_ncols=True)
 
 
 def _report(rt: Runtime, bar, step: int, record: dict) -> None:

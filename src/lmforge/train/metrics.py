@@ -189,10 +189,13 @@ class Trainability:
         return cls.full() if spec is None else cls.lora(spec)
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module) -> "Trainability":
-        """Read from a built model: ``requires_grad`` of each weight, and LoRA adapters
-        (``lora_a``/``lora_b`` beside a projection's ``weight``, modules or tensors)."""
-        layer = next(iter(model.layers.values()))
+    def from_model(cls, model: Any) -> "Trainability":
+        """Read from a built model (a ``Llama``, a pipeline stage of one, or the trainer's
+        ``TrainModel`` holding ``parts``): ``requires_grad`` of each weight, and LoRA
+        adapters (``lora_a``/``lora_b`` beside a projection's ``weight``, modules or
+        tensors). Parts this rank does not hold are taken to train like its norms."""
+        parts = list(getattr(model, "parts", None) or [model])
+        layer = next(iter(layer for part in parts for layer in part.layers.values()))
         linears, adapters = set(), []
         for group in (layer.attention, layer.feed_forward):
             for name in PROJECTIONS:
@@ -206,13 +209,18 @@ class Trainability:
                 if lora_a is not None:
                     a = getattr(lora_a, "weight", lora_a)
                     adapters.append((name, int(min(a.shape))))
-        emb = model.tok_embeddings
-        head = model.output
-        emb_rg = emb is not None and emb.weight.requires_grad
-        head_rg = head is not None and getattr(head, "weight", None) is not None \
-            and head.weight.requires_grad
-        return cls(embedding=emb_rg, norms=layer.attention_norm.weight.requires_grad,
-                   head=head_rg, linears=frozenset(linears), adapters=tuple(adapters))
+        norms = layer.attention_norm.weight.requires_grad
+
+        def trains(attr: str) -> bool:
+            for part in parts:
+                module = getattr(part, attr, None)
+                weight = getattr(module, "weight", None) if module is not None else None
+                if weight is not None:
+                    return bool(weight.requires_grad)
+            return norms
+
+        return cls(embedding=trains("tok_embeddings"), norms=norms, head=trains("output"),
+                   linears=frozenset(linears), adapters=tuple(adapters))
 
     def rank(self, projection: str) -> int:
         return dict(self.adapters).get(projection, 0)
@@ -324,8 +332,9 @@ def flops_per_token(args: LlamaArgs, seq_len: int, trainable: Optional[Trainabil
     return flops_breakdown(args, seq_len, trainable).total
 
 
-def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
-    """Training FLOPs per token of a built model, reading what trains from the model."""
+def model_flops_per_token(model: Any, seq_len: int) -> float:
+    """Training FLOPs per token of a built model (or the trainer's ``TrainModel``),
+    reading what trains from the model itself."""
     return flops_breakdown(model.args, seq_len, Trainability.from_model(model)).total
 
 

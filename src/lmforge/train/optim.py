@@ -42,3 +42,37 @@ def lr_multiplier(step: int, cfg: OptimConfig, max_steps: int) -> float:
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_multiplier(step, cfg, max_steps))
+
+
+class Optimizers:
+    """One optimizer and LR schedule per model part (pipeline stage), stepped together,
+    so each part's optimizer state maps onto that part's parameter names."""
+
+    def __init__(self, parts: list[nn.Module], cfg: OptimConfig, max_steps: int):
+        self.optimizers = [build_optimizer(part, cfg) for part in parts]
+        self.schedulers = [build_scheduler(o, cfg, max_steps) for o in self.optimizers]
+
+    @property
+    def lr(self) -> float:
+        return self.optimizers[0].param_groups[0]["lr"]
+
+    def step(self, update: bool = True) -> None:
+        """``update=False`` skips the parameter update (a non-finite step) but still
+        advances the schedule, so the LR stays a function of the step number."""
+        if update:
+            for o in self.optimizers:
+                o.step()
+        for s in self.schedulers:
+            s.step()
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=True)
+
+    def scheduler_state(self) -> dict:
+        return self.schedulers[0].state_dict()
+
+    def load_scheduler_state(self, state: dict) -> None:
+        for s in self.schedulers:
+            s.load_state_dict(state)

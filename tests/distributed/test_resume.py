@@ -1,0 +1,133 @@
+"""Checkpoints in real runs: bit-exact resume, crash safety, resharding, NaN policy,
+export of a sharded checkpoint."""
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers.runs import read_metrics, run_lmforge, tiny_overrides
+
+pytestmark = pytest.mark.slow
+
+
+def _weights_digest(out) -> str:
+    sd = load_file(out / "hf" / "model.safetensors")
+    h = hashlib.sha256()
+    for key in sorted(sd):
+        h.update(key.encode())
+        h.update(sd[key].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize("nproc, layout", [(1, []), (2, ["parallel.dp_shard=2"])],
+                         ids=["single", "fsdp_dp2"])
+def test_resume_is_bit_exact(tiny_corpus, tmp_path, nproc, layout):
+    base = tiny_overrides(tiny_corpus, 6) + layout + ["train.deterministic=true",
+                                                      "train.log_sample_ids=true"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    run_lmforge(straight, base, nproc)
+    run_lmforge(split, base + ["train.stop_at_step=3"], nproc)
+    assert not (split / "hf").exists()  # a stop is not the end of training
+    run_lmforge(split, base + ["train.resume=auto"], nproc)
+    a, b = read_metrics(straight), read_metrics(split)
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert [r["sample_ids"] for r in a] == [r["sample_ids"] for r in b]
+    assert _weights_digest(straight) == _weights_digest(split)
+
+
+def test_sigkill_during_checkpoint_write_keeps_the_previous_one(tiny_corpus, tmp_path):
+    base = tiny_overrides(tiny_corpus, 6) + ["train.checkpoint_every=2",
+                                             "train.deterministic=true", "train.keep_last=5"]
+    signal_file = tmp_path / "in-commit"
+    crashed = tmp_path / "crashed"
+    proc = run_lmforge(crashed, base, fault="hang_commit:4", background=True,
+                       env={"LMFORGE_TEST_SIGNAL": str(signal_file)})
+    deadline = time.time() + 300
+    while not signal_file.exists():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() < deadline, "the trainer never reached the step-4 commit"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    ckpts = crashed / "checkpoints"
+    assert (ckpts / "step-0000002").is_dir()
+    assert (ckpts / "step-0000004.tmp").is_dir(), "killed mid-write, as intended"
+    assert not (ckpts / "step-0000004").exists()
+
+    resumed = run_lmforge(crashed, base + ["train.resume=auto"])
+    assert "resumed from" in resumed.stdout and "step-0000002" in resumed.stdout
+    straight = tmp_path / "straight"
+    run_lmforge(straight, base)
+    after = {r["step"]: r["loss"] for r in read_metrics(crashed)}
+    for record in read_metrics(straight):
+        if record["step"] > 2:
+            assert after[record["step"]] == record["loss"]
+    assert not (ckpts / "step-0000004.tmp").exists(), "stale partial save cleaned up"
+
+
+RESHARD_MODEL = ["model.n_heads=4", "model.n_kv_heads=4"]  # tp=4 divides the heads
+
+
+def test_resume_on_other_layouts_reshards_model_and_optimizer(tiny_corpus, tmp_path):
+    base = tiny_overrides(tiny_corpus, 3) + RESHARD_MODEL
+    saved = tmp_path / "saved"
+    run_lmforge(saved, base + ["parallel.dp_shard=2", "parallel.tp=2",
+                               "train.stop_at_step=2"], nproc=4)
+    layouts = {"same": ["parallel.dp_shard=2", "parallel.tp=2"],
+               "dp4": ["parallel.dp_shard=4"],
+               "tp4": ["parallel.tp=4"],
+               "pp2_dp2": ["parallel.pp=2", "parallel.dp_shard=2"]}
+    step3 = {}
+    for name, layout in layouts.items():
+        out = tmp_path / name
+        shutil.copytree(saved, out)
+        run_lmforge(out, base + layout + ["train.resume=auto"], nproc=4)
+        step3[name] = read_metrics(out)[-1]
+        assert step3[name]["step"] == 3
+    for name in ("dp4", "tp4", "pp2_dp2"):
+        assert step3[name]["loss"] == pytest.approx(step3["same"]["loss"], rel=1e-5), name
+        assert step3[name]["grad_norm"] == pytest.approx(step3["same"]["grad_norm"], rel=1e-4)
+
+    # The tp=2 x dp=2 run's final checkpoint, exported offline, equals its own export.
+    transformers = pytest.importorskip("transformers")
+    exported = tmp_path / "exported"
+    proc = subprocess.run([sys.executable, "-m", "lmforge.cli", "export",
+                           str(tmp_path / "same" / "checkpoints" / "step-0000003"),
+                           str(exported), "--format", "hf"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ids = torch.randint(0, 301, (2, 24), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for model_dir in (exported, tmp_path / "same" / "hf"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+        with torch.no_grad():
+            logits.append(model(input_ids=ids).logits)
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("policy", ["skip", "stop"])
+def test_nan_on_one_rank_is_caught(tiny_corpus, tmp_path, policy):
+    out = tmp_path / policy
+    base = tiny_overrides(tiny_corpus, 5) + ["parallel.dp_shard=2", "train.checkpoint_every=2",
+                                             f"train.on_nonfinite={policy}"]
+    proc = run_lmforge(out, base, nproc=2, fault="nan:1:3", check=False)
+    assert "rank 1: step 3: non-finite loss nan on samples [" in proc.stderr
+    if policy == "skip":
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        records = read_metrics(out)
+        assert [r["nonfinite_steps"] for r in records] == [0, 0, 1, 1, 1]
+        assert all(torch.isfinite(t).all() for t in load_file(out / "hf" / "model.safetensors").values())
+    else:
+        assert proc.returncode != 0
+        assert "train.on_nonfinite=stop" in proc.stderr
+        names = sorted(p.name for p in (out / "checkpoints").iterdir())
+        assert names == ["step-0000002"], names
+        assert not (out / "hf").exists()

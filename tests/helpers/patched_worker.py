@@ -1,0 +1,52 @@
+"""`lmforge` with one fault injected, chosen by LMFORGE_TEST_FAULT (tests only):
+
+  nan:RANK:STEP      that rank's loss and gradients become NaN at that step
+  hang_commit:STEP   the checkpoint of that step stalls just before its commit (after
+                     every data file is written), touching LMFORGE_TEST_SIGNAL first
+"""
+import os
+import sys
+import time
+
+import torch
+
+fault = os.environ.get("LMFORGE_TEST_FAULT", "")
+kind, *params = fault.split(":")
+
+if kind == "nan":
+    import lmforge.train.model_setup as model_setup
+
+    bad_rank, bad_step = int(params[0]), int(params[1])
+    original = model_setup.accumulate_gradients
+    calls = {"n": 0}
+
+    def poisoned(model, *args, **kwargs):
+        loss = original(model, *args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] == bad_step and int(os.environ.get("RANK", 0)) == bad_rank:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.fill_(float("nan"))
+            return torch.full_like(loss, float("nan"))
+        return loss
+
+    model_setup.accumulate_gradients = poisoned
+
+elif kind == "hang_commit":
+    import lmforge.checkpoint as checkpoint
+
+    hang_step = int(params[0])
+    original_commit = checkpoint._commit
+
+    def stalled_commit(tmp, final):
+        if checkpoint.checkpoint_step(final) == hang_step:
+            open(os.environ["LMFORGE_TEST_SIGNAL"], "w").close()
+            time.sleep(600)
+        return original_commit(tmp, final)
+
+    checkpoint._commit = stalled_commit
+
+if __name__ == "__main__":
+    from lmforge.cli import main
+
+    sys.exit(main(sys.argv[1:]))

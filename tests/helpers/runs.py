@@ -1,0 +1,63 @@
+"""Helpers to run `lmforge train` in fresh processes (one, or several under torchrun).
+The ``tiny_corpus`` fixture is re-exported by the conftest files that use it."""
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmforge.data.tokenizer import train_bpe
+
+WORKER = Path(__file__).with_name("patched_worker.py")
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory):
+    """A generated text file and a 301-token BPE tokenizer trained on it."""
+    root = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "tensor", "pipeline", "shard", "mesh",
+             "token", "layer", "norm", "rotary", "loss", "grad", "step", "rank"]
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 15)))
+             for _ in range(600)]
+    (root / "corpus.txt").write_text("\n".join(lines))
+    train_bpe(lines, vocab_size=301).save(root / "tok")
+    return root
+
+
+def tiny_overrides(corpus: Path, steps: int) -> list[str]:
+    return ["model.preset=debug", "model.n_layers=4", "model.vocab_size=301",
+            f"model.tokenizer={corpus / 'tok'}", "data.kind=text",
+            f"data.path={corpus / 'corpus.txt'}", "data.eval_fraction=0", "data.seq_len=32",
+            "data.micro_batch_size=2", "data.global_batch_size=8",
+            f"train.max_steps={steps}", "train.log_every=1", "optim.lr=1e-2",
+            "optim.warmup_steps=0", "optim.grad_clip=0.5", "train.sample_tokens=1",
+            "model.tie_embeddings=false"]
+
+
+def run_lmforge(out, overrides, nproc=1, fault=None, check=True, timeout=600, **popen):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if fault:
+        env["LMFORGE_TEST_FAULT"] = fault
+    env.update(popen.pop("env", {}))
+    entry = [str(WORKER)] if fault else ["-m", "lmforge.cli"]
+    args = ["train", *overrides, f"train.output_dir={out}"]
+    if nproc == 1:
+        cmd = [sys.executable, *entry, *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", *entry, *args]
+    if popen.pop("background", False):
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    if check:
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc
+
+
+def read_metrics(out) -> list[dict]:
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]

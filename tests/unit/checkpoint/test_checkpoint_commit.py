@@ -1,0 +1,276 @@
+"""Atomic commit, discovery, retention, failure handling and asynchronous saves."""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+
+import pytest
+import torch
+
+import lmforge.checkpoint as ckpt
+from lmforge.checkpoint import (AsyncCheckpointer, CheckpointError, clean_stale_tmp,
+                                latest_checkpoint, list_checkpoints, load_checkpoint,
+                                prune_checkpoints, resolve_resume, save_checkpoint)
+from lmforge.models.llama import LlamaArgs, build_llama, materialize
+
+ARGS = LlamaArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=32, ffn_dim=32,
+                 max_seq_len=32)
+
+
+def make_model(seed: int = 0):
+    torch.manual_seed(seed)
+    model = materialize(build_llama(ARGS, "meta"), "cpu")
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def save(root, step, model, optimizer, **kwargs):
+    return save_checkpoint(root, step, model, optimizer, {"step": step}, None,
+                           {"train": {"max_steps": 5}}, **kwargs)
+
+
+def weights(model) -> dict:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def assert_loads(path, expected: dict):
+    model, optimizer = make_model(seed=123)
+    extra, _ = load_checkpoint(path, model, optimizer)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+    return extra
+
+
+def steps(root) -> list[int]:
+    return [ckpt.checkpoint_step(p) for p in list_checkpoints(root)]
+
+
+# ---------------------------------------------------------------- discovery
+
+def test_incomplete_directories_are_never_listed(tmp_path):
+    model, optimizer = make_model()
+    save(tmp_path, 2, model, optimizer)
+    shutil.copytree(tmp_path / "step-0000002", tmp_path / "step-0000009.tmp")  # has marker
+    shutil.copytree(tmp_path / "step-0000002", tmp_path / "step-0000008")
+    (tmp_path / "step-0000008" / ckpt.MARKER).unlink()  # no marker
+    (tmp_path / "step-0000007").mkdir()
+    (tmp_path / "notes").mkdir()
+    assert steps(tmp_path) == [2]
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-0000002"
+    assert resolve_resume("auto", tmp_path) == tmp_path / "step-0000002"
+    for bad in ("step-0000009.tmp", "step-0000008", "step-0000007"):
+        with pytest.raises(CheckpointError) as err:
+            resolve_resume(str(tmp_path / bad), tmp_path)
+        assert bad in str(err.value) and "\n" not in str(err.value)
+        with pytest.raises(CheckpointError):
+            load_checkpoint(tmp_path / bad, model, optimizer)
+
+
+def test_resolve_resume(tmp_path):
+    assert resolve_resume(None, tmp_path) is None
+    assert resolve_resume("auto", tmp_path) is None  # nothing yet: a fresh start
+    assert resolve_resume("auto", tmp_path / "missing") is None
+    with pytest.raises(CheckpointError, match="train.resume: .*nowhere: not found"):
+        resolve_resume(str(tmp_path / "nowhere"), tmp_path)
+    model, optimizer = make_model()
+    save(tmp_path, 1, model, optimizer)
+    save(tmp_path, 12, model, optimizer)
+    assert resolve_resume("auto", tmp_path) == tmp_path / "step-0000012"
+    assert resolve_resume(str(tmp_path / "step-0000001"), tmp_path) == tmp_path / "step-0000001"
+    with pytest.raises(CheckpointError, match="newest one inside is .*step-0000012"):
+        resolve_resume(str(tmp_path), tmp_path)
+
+
+def test_sorted_by_step_not_by_name(tmp_path):
+    model, optimizer = make_model()
+    for step in (10, 9, 10_000_000, 100):
+        save(tmp_path, step, model, optimizer)
+    assert steps(tmp_path) == [9, 10, 100, 10_000_000]
+
+
+def test_saving_a_step_again_replaces_it(tmp_path):
+    model, optimizer = make_model()
+    save(tmp_path, 3, model, optimizer)
+    with torch.no_grad():
+        model.norm.weight.add_(1)
+    save(tmp_path, 3, model, optimizer)
+    assert steps(tmp_path) == [3]
+    assert_loads(tmp_path / "step-0000003", weights(model))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-0000003"]
+
+
+# ---------------------------------------------------------------- retention
+
+def test_keep_last_prunes_oldest_after_commit(tmp_path):
+    model, optimizer = make_model()
+    for step in (1, 2, 3, 4):
+        save(tmp_path, step, model, optimizer, keep_last=2)
+    assert steps(tmp_path) == [3, 4]
+    (tmp_path / "step-0000005.tmp").mkdir()  # another save in flight: not touched
+    assert prune_checkpoints(tmp_path, 1) == [tmp_path / "step-0000003"]
+    assert steps(tmp_path) == [4]
+    assert (tmp_path / "step-0000005.tmp").is_dir()
+    assert prune_checkpoints(tmp_path, 0) == []  # 0 keeps everything
+    assert prune_checkpoints(tmp_path, 1) == []  # never the newest
+
+
+def test_clean_stale_tmp(tmp_path):
+    model, optimizer = make_model()
+    save(tmp_path, 1, model, optimizer)
+    for name in ("step-0000002.tmp", ".step-0000001.deleting-abcd1234", "keep.tmp"):
+        (tmp_path / name).mkdir()
+    removed = clean_stale_tmp(tmp_path)
+    assert sorted(p.name for p in removed) == [".step-0000001.deleting-abcd1234",
+                                               "step-0000002.tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.tmp", "step-0000001"]
+
+
+# ----------------------------------------------------------------- failures
+
+def test_unwritable_root_is_one_line_naming_it(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    model, optimizer = make_model()
+    root = blocker / "checkpoints"  # mkdir fails under a regular file, even as root
+    with pytest.raises(CheckpointError) as err:
+        save(root, 1, model, optimizer)
+    message = str(err.value)
+    assert str(root) in message and "\n" not in message
+
+
+@pytest.mark.parametrize("fail_in", ["fsync", "write"])
+def test_disk_full_keeps_the_previous_checkpoint(tmp_path, monkeypatch, fail_in):
+    model, optimizer = make_model()
+    save(tmp_path, 1, model, optimizer, keep_last=1)
+    good = weights(model)
+    with torch.no_grad():
+        model.norm.weight.add_(1)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    if fail_in == "fsync":  # every file, DCP's and ours, is fsynced before the commit
+        monkeypatch.setattr(os, "fsync", full)
+    else:  # a failure inside DCP's own writer
+        import torch.distributed.checkpoint.filesystem as fs
+        monkeypatch.setattr(fs, "_write_item", full)
+    with pytest.raises(CheckpointError) as err:
+        save(tmp_path, 2, model, optimizer, keep_last=1)
+    message = str(err.value)
+    assert "step-0000002" in message and "No space left on device" in message
+    assert "\n" not in message
+    monkeypatch.undo()
+    assert steps(tmp_path) == [1]  # not pruned: pruning follows a successful commit only
+    assert not (tmp_path / "step-0000002.tmp").exists()
+    assert_loads(tmp_path / "step-0000001", good)
+
+
+def test_crash_mid_write_leaves_no_visible_checkpoint(tmp_path, monkeypatch):
+    model, optimizer = make_model()
+    save(tmp_path, 1, model, optimizer)
+
+    # The process dies after the DCP files and the marker exist, before the rename: a
+    # BaseException that nothing catches, as a kill would leave it.
+    def crash(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(KeyboardInterrupt):
+        save(tmp_path, 2, model, optimizer)
+    monkeypatch.undo()
+    tmp = tmp_path / "step-0000002.tmp"
+    assert (tmp / ".metadata").is_file() and (tmp / ckpt.MARKER).is_file()
+    assert steps(tmp_path) == [1]
+    assert resolve_resume("auto", tmp_path) == tmp_path / "step-0000001"
+    with pytest.raises(CheckpointError):
+        resolve_resume(str(tmp), tmp_path)
+    assert clean_stale_tmp(tmp_path) == [tmp]
+    save(tmp_path, 2, model, optimizer)  # and the next save works
+    assert steps(tmp_path) == [1, 2]
+
+
+def test_crash_before_the_marker(tmp_path, monkeypatch):
+    model, optimizer = make_model()
+    real = ckpt._write_side_files
+
+    def side_files_then_die(tmp, *args):
+        real(tmp, *args)
+        raise SystemExit(1)
+
+    monkeypatch.setattr(ckpt, "_write_side_files", side_files_then_die)
+    with pytest.raises(SystemExit):
+        save(tmp_path, 1, model, optimizer)
+    assert (tmp_path / "step-0000001.tmp" / "extra.json").is_file()
+    assert list_checkpoints(tmp_path) == [] and latest_checkpoint(tmp_path) is None
+
+
+# -------------------------------------------------------------------- async
+
+def test_async_save_completes_and_loads(tmp_path):
+    model, optimizer = make_model()
+    checkpointer = AsyncCheckpointer(tmp_path, keep_last=2)
+    saved = {}
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            model.norm.weight.add_(1)
+        assert checkpointer.save(step, model, optimizer, {"step": step}, ckpt.capture_rng(),
+                                 None) is None or not checkpointer.use_async
+        saved[step] = weights(model)
+        # Training goes on while the write runs: the staged copy must not see this.
+        with torch.no_grad():
+            model.norm.weight.add_(100)
+        checkpointer.maybe_finalize()
+    assert checkpointer.wait() in (None, tmp_path / "step-0000003")
+    assert checkpointer.wait() is None  # nothing pending any more
+    assert steps(tmp_path) == [2, 3]
+    extra = assert_loads(tmp_path / "step-0000003", saved[3])
+    assert extra == {"step": 3}
+    assert_loads(tmp_path / "step-0000002", saved[2])
+
+
+def test_async_maybe_finalize_commits_without_wait(tmp_path):
+    model, optimizer = make_model()
+    checkpointer = AsyncCheckpointer(tmp_path)
+    checkpointer.save(5, model, optimizer, {}, None, None)
+    assert checkpointer.pending_step in (5, None)
+    for _ in range(500):
+        if checkpointer.maybe_finalize() is not None or checkpointer.pending_step is None:
+            break
+        torch.randn(64, 64) @ torch.randn(64, 64)  # "training"
+        import time
+        time.sleep(0.01)
+    assert checkpointer.pending_step is None
+    assert steps(tmp_path) == [5]
+
+
+def test_async_failure_surfaces_and_keeps_previous(tmp_path, monkeypatch):
+    model, optimizer = make_model()
+    checkpointer = AsyncCheckpointer(tmp_path, keep_last=1)
+    checkpointer.save(1, model, optimizer, {}, None, None)
+    checkpointer.wait()
+    import torch.distributed.checkpoint.filesystem as fs
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(fs, "_write_item", full)
+    for step in (2, 3):
+        checkpointer.save(step, model, optimizer, {}, None, None)
+        with pytest.raises(CheckpointError, match=f"step-000000{step}.*No space left"):
+            if step == 2:
+                checkpointer.wait()
+            else:  # found by maybe_finalize (a warning), raised by the next wait/save
+                with pytest.warns(UserWarning, match="asynchronous checkpoint failed"):
+                    while checkpointer.pending_step is not None:
+                        assert checkpointer.maybe_finalize() is None
+                checkpointer.save(4, model, optimizer, {}, None, None)
+        assert steps(tmp_path) == [1]
+        assert not (tmp_path / f"step-000000{step}.tmp").exists()
+    checkpointer.wait()  # the error was raised once, not again
+
+
+def test_sync_fallback(tmp_path):
+    model, optimizer = make_model()
+    checkpointer = AsyncCheckpointer(tmp_path, use_async=False)
+    assert checkpointer.save(1, model, optimizer, {}, None, None) == tmp_path / "step-0000001"
+    assert steps(tmp_path) == [1]
