@@ -79,6 +79,9 @@ class OptimConfig:
     warmup_steps: int = 20
     schedule: str = "cosine"  # cosine | linear | constant
     fused: Optional[bool] = None  # None: fused where the device supports it
+    # Step each parameter as soon as its gradient is ready and free the gradient
+    # (low-memory full fine-tuning; no clipping or accumulation, one process).
+    in_backward: bool = False
 
 
 @dataclass
@@ -97,6 +100,7 @@ class TrainConfig:
     resume: Optional[str] = None  # auto | a checkpoint path
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
+    param_dtype: str = "fp32"  # fp32 master weights | bf16 weights (with optim.name=adamw_bf16)
     activation_checkpointing: str = "none"  # none | full | selective (every n-th block)
     activation_checkpointing_every: int = 2
     compile: bool = False
@@ -272,7 +276,8 @@ def save_config(cfg: JobConfig, path: str | Path) -> None:
 _CHOICES = {
     "data.kind": ("stdlib", "text", "pretrain", "sft"),
     "data.template": ("plain", "llama2", "llama3"),
-    "optim.name": ("adamw",),
+    "optim.name": ("adamw", "adamw_bf16"),
+    "train.param_dtype": ("fp32", "bf16"),
     "optim.schedule": ("cosine", "linear", "constant"),
     "train.device": ("auto", "cpu", "cuda"),
     "train.dtype": ("auto", "fp32", "bf16"),
@@ -309,6 +314,7 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
     if cfg.data.kind in ("text", "pretrain", "sft") and not cfg.data.path:
         raise ConfigError(f"data.path: required when data.kind is {cfg.data.kind}")
     _validate_batch(cfg, world_size)
+    _validate_in_backward(cfg, world_size)
     _validate_model(cfg)
     _validate_lora(cfg.lora)
 
@@ -320,6 +326,27 @@ def _validate_batch(cfg: JobConfig, world_size: int) -> None:
     if gbs is not None and (gbs <= 0 or gbs % per_step):
         raise ConfigError(f"data.global_batch_size: {gbs} must be a positive multiple of "
                           f"micro_batch_size x data-parallel size = {per_step}")
+
+
+def _validate_in_backward(cfg: JobConfig, world_size: int) -> None:
+    if cfg.train.param_dtype == "bf16" and world_size != 1:
+        raise ConfigError("train.param_dtype: bf16 weights are for one process; with "
+                          "several, FSDP2 keeps fp32 shards and computes in bf16")
+    if not cfg.optim.in_backward:
+        return
+    # The update happens during backward, before the step's total gradient is known.
+    if cfg.optim.grad_clip:
+        raise ConfigError("optim.grad_clip: must be 0 with optim.in_backward (the total "
+                          "gradient norm is not known when each parameter is updated)")
+    gbs = cfg.data.global_batch_size
+    if gbs is not None and gbs != cfg.data.micro_batch_size * world_size:
+        raise ConfigError("data.global_batch_size: gradient accumulation is impossible "
+                          "with optim.in_backward (each backward updates the weights)")
+    if world_size != 1:
+        raise ConfigError("optim.in_backward: supported in a single process only")
+    if cfg.train.on_nonfinite != "stop":
+        raise ConfigError("train.on_nonfinite: skip cannot undo an update made in "
+                          "backward; use stop with optim.in_backward")
 
 
 def data_parallel_size(cfg: JobConfig, world_size: int) -> int:

@@ -208,7 +208,8 @@ def run_loop(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optimiz
         n_valid = global_count(rt, count_valid_tokens(micro_batches))
         local_loss = model.forward_backward(micro_batches, n_valid, rt.device, rt.autocast)
         loss = global_loss(rt, local_loss)
-        grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
+        # With the update fused into backward no gradient outlives its parameter's step.
+        grad_norm = None if cfg.optim.in_backward else clip_grad_norm(model, cfg.optim.grad_clip)
         lr = optimizers.lr
         finite = check_finite(rt, step, local_loss, loss, grad_norm, micro_batches, t)
         nonfinite_steps += not finite
@@ -216,7 +217,8 @@ def run_loop(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optimiz
         step_tokens = sum(b["input_ids"].numel() for b in micro_batches) * rt.dp_size
         throughput.add(step_tokens)
         if step % t.log_every == 0 or step == start_step + 1 or step == end_step:
-            record = {"loss": float(loss), "lr": lr, "grad_norm": float(grad_norm),
+            record = {"loss": float(loss), "lr": lr,
+                      "grad_norm": None if grad_norm is None else float(grad_norm),
                       **throughput.report(), "peak_mem_gib": M.peak_memory_gib(rt.device),
                       "tokens": step * cfg.data.seq_len * _samples_per_step(cfg, rt),
                       "valid_tokens": n_valid, "nonfinite_steps": nonfinite_steps,
@@ -258,13 +260,13 @@ def check_finite(rt: Runtime, step: int, local_loss: torch.Tensor, loss: torch.T
     """True when the step may update the weights. Every rank reaches the same verdict
     (loss and grad norm are global); each rank whose own loss is non-finite says so with
     its sample ids, so the bad data can be found."""
-    if math.isfinite(float(loss)) and math.isfinite(float(grad_norm)):
+    if math.isfinite(float(loss)) and (grad_norm is None or math.isfinite(float(grad_norm))):
         return True
     if not math.isfinite(float(local_loss)):
         ids = [int(i) for b in micro_batches for i in b.get("sample_ids", [])]
         print(f"rank {rt.rank}: step {step}: non-finite loss {float(local_loss)} on samples "
               f"{ids}", file=sys.stderr, flush=True)
-    what = f"step {step}: non-finite loss ({float(loss)}) or grad norm ({float(grad_norm)})"
+    what = f"step {step}: non-finite loss ({float(loss)}) or grad norm ({grad_norm})"
     if t.on_nonfinite == "stop":
         raise NonFiniteError(f"{what}; stopped without saving (train.on_nonfinite=stop)")
     if rt.is_logging_rank:
@@ -405,8 +407,12 @@ def _report(rt: Runtime, bar, step: int, record: dict) -> None:
         return
     mfu = f" mfu {record['mfu']:.1%}" if record.get("mfu") is not None else ""
     _say(rt, f"step {step:6d}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
-             f"grad_norm {record['grad_norm']:.3f}  tokens/s {record['tokens_per_s']:.0f}"
+             f"grad_norm {_fmt(record['grad_norm'])}  tokens/s {record['tokens_per_s']:.0f}"
              f"{mfu}  mem {record['peak_mem_gib']:.2f} GiB")
+
+
+def _fmt(value) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
 
 
 def _say(rt: Runtime, message: str) -> None:

@@ -139,6 +139,9 @@ def build_train_model(cfg: JobConfig, args: LlamaArgs, device: torch.device, mes
             torch.manual_seed(cfg.train.seed + dims.pp_rank)
             for part in tm.parts:
                 part.init_weights()
+    if cfg.train.param_dtype == "bf16":  # low-memory training: weights stored in bf16
+        for part in tm.parts:
+            part.to(torch.bfloat16)
     if dims.pp > 1:
         from lmforge.parallel.pipeline import build_schedule
 

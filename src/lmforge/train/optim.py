@@ -16,6 +16,10 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
+    if cfg.name == "adamw_bf16":
+        from lmforge.train.low_memory import AdamWBF16
+
+        return AdamWBF16(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     fused = cfg.fused
     if fused is None:  # the fused kernel exists for CUDA tensors; CPU uses foreach
         fused = all(p.is_cuda for p in params) and len(decay) > 0
@@ -51,6 +55,12 @@ class Optimizers:
     def __init__(self, parts: list[nn.Module], cfg: OptimConfig, max_steps: int):
         self.optimizers = [build_optimizer(part, cfg) for part in parts]
         self.schedulers = [build_scheduler(o, cfg, max_steps) for o in self.optimizers]
+        self.in_backward = cfg.in_backward
+        if self.in_backward:
+            from lmforge.train.low_memory import fuse_step_into_backward
+
+            for o in self.optimizers:
+                fuse_step_into_backward(o)
 
     @property
     def lr(self) -> float:
@@ -59,7 +69,7 @@ class Optimizers:
     def step(self, update: bool = True) -> None:
         """``update=False`` skips the parameter update (a non-finite step) but still
         advances the schedule, so the LR stays a function of the step number."""
-        if update:
+        if update and not self.in_backward:  # in_backward: already applied
             for o in self.optimizers:
                 o.step()
         for s in self.schedulers:

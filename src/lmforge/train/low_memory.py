@@ -1,0 +1,103 @@
+"""Low-memory full fine-tuning: bf16 weights, an AdamW whose states are bf16 too, and the
+optimizer step fused into the backward pass.
+
+Memory per parameter for AdamW: fp32 weights + grads + two fp32 moments = 16 bytes;
+this path needs 2 (bf16 weights) + 4 (two bf16 moments) + the gradient of one parameter
+at a time, about 6 bytes: a 7B model's training state drops from ~108 GiB to ~40 GiB
+before sharding.
+
+bf16 has an 8-bit mantissa: an update smaller than half a unit in the last place of the
+weight is rounded away every time, and fine-tuning updates (lr ~1e-5) mostly are.
+Stochastic rounding rounds up with probability equal to the discarded fraction, so the
+expected stored value equals the exact fp32 result and small updates accumulate.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+
+def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator | None = None
+                             ) -> torch.Tensor:
+    """fp32 -> bf16, rounding up or down at random in proportion to the remainder."""
+    bits = x.float().contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, bits.shape, device=x.device, dtype=torch.int32,
+                          generator=generator)
+    # Adding noise below the kept 16 bits and truncating carries into the kept part
+    # with probability (dropped bits / 2^16). Non-finite values pass through unchanged.
+    rounded = ((bits + noise) & -65536).view(torch.float32)
+    rounded = torch.where(torch.isfinite(x), rounded, x.float())
+    return rounded.to(torch.bfloat16)
+
+
+class AdamWBF16(torch.optim.Optimizer):
+    """AdamW for bf16 parameters with bf16 moments; the arithmetic is done in fp32 and
+    stored back with stochastic rounding (fp32 parameters are updated exactly)."""
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, seed: int = 0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self._seed = seed
+        self._generators: dict = {}
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self._seed)
+        return self._generators[device]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.step_param(p, group)
+
+    @torch.no_grad()
+    def step_param(self, p: torch.Tensor, group: dict) -> None:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16)
+        beta1, beta2 = group["betas"]
+        state["step"] += 1
+        step = float(state["step"])
+        g = p.grad.float()
+        m = state["exp_avg"].float().mul_(beta1).add_(g, alpha=1 - beta1)
+        v = state["exp_avg_sq"].float().mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        gen = self._generator(p.device)
+        state["exp_avg"].copy_(stochastic_round_to_bf16(m, gen))
+        state["exp_avg_sq"].copy_(stochastic_round_to_bf16(v, gen))
+        bias1, bias2 = 1 - beta1 ** step, 1 - beta2 ** step
+        w = p.float()
+        w.mul_(1 - group["lr"] * group["weight_decay"])
+        w.addcdiv_(m, v.div_(bias2).sqrt_().add_(group["eps"]), value=-group["lr"] / bias1)
+        if p.dtype == torch.bfloat16:
+            p.copy_(stochastic_round_to_bf16(w, gen))
+        else:
+            p.copy_(w)
+
+
+def fuse_step_into_backward(optimizer: torch.optim.Optimizer) -> None:
+    """Update each parameter as soon as its gradient is complete, then free that
+    gradient, so full-model gradients never exist at once. Works for optimizers with a
+    per-parameter ``step_param(p, group)`` (AdamWBF16); torch optimizers are stepped
+    through a one-parameter view of their group."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.register_post_accumulate_grad_hook(_make_hook(optimizer, group))
+
+
+def _make_hook(optimizer, group):
+    def hook(p: torch.Tensor) -> None:
+        if hasattr(optimizer, "step_param"):
+            optimizer.step_param(p, group)
+        else:
+            saved = group["params"]
+            group["params"] = [p]
+            optimizer.step()
+            group["params"] = saved
+        p.grad = None
+
+    return hook
