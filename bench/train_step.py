@@ -1,0 +1,230 @@
+"""Training-step speed and memory of lmforge against Hugging Face transformers (+ peft),
+same shapes, dtype policy and batch, back to back in one invocation.
+
+    python bench/train_step.py --preset tiny --device cpu
+    python bench/train_step.py --preset llama3.2-1b --seq-len 2048 --batch 1 --device cuda
+    python bench/train_step.py --preset llama2-7b --method qlora --seq-len 2048 --batch 4
+
+Each side runs in its own child process, so its peak memory is its own: on CUDA the
+allocator's peak (torch.cuda.max_memory_allocated), on CPU the child's peak resident
+set. Steps are timed after warm-up, synchronised with the device, and the median is
+reported. Weights are random (no download). The reference is LlamaForCausalLM with SDPA
+attention and torch.optim.AdamW; for lora/qlora, peft's LoRA on the same modules
+(qlora's reference needs bitsandbytes, which is CUDA-only).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from lmforge.models.llama import LlamaArgs, build_llama, materialize  # noqa: E402
+from lmforge.models.presets import PRESETS  # noqa: E402
+from lmforge.train import metrics as M  # noqa: E402
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--method", default="full", choices=("full", "lora", "qlora"))
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=8, help="timed steps")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--compile", action="store_true", help="torch.compile lmforge's blocks")
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--json", help="also write the results here")
+    p.add_argument("--side", choices=("lmforge", "reference"), help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def device_of(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def autocast(device: torch.device):
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+# ------------------------------------------------------------------------ the two sides
+
+def build_lmforge(args, model_args: LlamaArgs, device):
+    from lmforge.config import JobConfig
+    from lmforge.parallel.parallelize import apply_model_parallel
+
+    torch.manual_seed(0)
+    model = build_llama(model_args)
+    cfg = JobConfig()
+    cfg.train.compile = args.compile
+    cfg.train.activation_checkpointing = "full" if args.activation_checkpointing else "none"
+    if args.method != "full":
+        from lmforge.config import LoraConfig
+        from lmforge.peft import lora as L
+
+        lcfg = LoraConfig(enabled=True, rank=args.lora_rank, alpha=2 * args.lora_rank,
+                          targets=LORA_TARGETS,
+                          quantize="nf4" if args.method == "qlora" else None)
+        L.prepare_model_for_lora(model, lcfg)
+        materialize(model, device)
+        L.after_materialize(model, lcfg)
+    else:
+        materialize(model, device)
+    apply_model_parallel(model, None, cfg)
+    from lmforge.train.step import token_loss_sum
+
+    def step(ids, labels):
+        with autocast(device):
+            logits = model(ids)
+        loss = token_loss_sum(logits, labels) / labels.numel()
+        loss.backward()
+        return loss
+
+    return model, step
+
+
+def build_reference(args, model_args: LlamaArgs, device):
+    import transformers
+
+    from lmforge.models.hf import hf_config_from_args
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**hf_config_from_args(model_args))
+    config._attn_implementation = "sdpa"
+    model = transformers.LlamaForCausalLM(config).to(device)
+    if args.activation_checkpointing:
+        model.gradient_checkpointing_enable()
+    if args.method != "full":
+        import peft
+
+        if args.method == "qlora":
+            raise RuntimeError("the qlora reference (bitsandbytes 4-bit) needs CUDA")
+        lcfg = peft.LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
+                               target_modules=LORA_TARGETS, lora_dropout=0.0)
+        model = peft.get_peft_model(model, lcfg)
+
+    def step(ids, labels):
+        with autocast(device):
+            logits = model(input_ids=ids).logits
+        loss = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / labels.numel()
+        loss.backward()
+        return loss
+
+    return model, step
+
+
+def run_side(args) -> dict:
+    device = device_of(args.device)
+    model_args = PRESETS[args.preset]
+    build = build_lmforge if args.side == "lmforge" else build_reference
+    model, step = build(args, model_args, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = device.type == "cuda" and args.side == "lmforge"
+    optimizer = torch.optim.AdamW(params, lr=1e-5, fused=fused or None)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model_args.vocab_size, (args.batch, args.seq_len + 1), generator=g)
+    ids = ids.to(device)
+    inputs, labels = ids[:, :-1], ids[:, 1:]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for i in range(args.warmup + args.steps):
+        _sync(device)
+        start = time.perf_counter()
+        step(inputs, labels)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _sync(device)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    tokens_per_s = args.batch * args.seq_len / seconds
+    flops = M.flops_per_token(model_args, args.seq_len)
+    peak = M.device_peak_flops(device)
+    return {"side": args.side, "step_s": seconds, "tokens_per_s": tokens_per_s,
+            "tflops": tokens_per_s * flops / 1e12,
+            "mfu": tokens_per_s * flops / peak if peak else None,
+            "peak_mem_gib": M.peak_memory_gib(device),
+            "trainable": sum(p.numel() for p in params)}
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------------------- driver
+
+def run_child(argv: list[str], side: str) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--side", side]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"side": side, "error": proc.stderr.strip().splitlines()[-1]
+                if proc.stderr.strip() else f"exit {proc.returncode}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.side:
+        print(json.dumps(run_side(args)))
+        return 0
+    device = device_of(args.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    print(f"{args.preset} {args.method}, seq {args.seq_len}, batch {args.batch}, "
+          f"{args.steps} timed steps after {args.warmup} warm-up, on {name}")
+    results = [run_child(argv, "lmforge"), run_child(argv, "reference")]
+    print(format_table(results))
+    ours, ref = results
+    if "error" not in ours and "error" not in ref:
+        print(f"speed ratio lmforge/reference: {ours['tokens_per_s'] / ref['tokens_per_s']:.2f}x"
+              f"   peak memory ratio: {ours['peak_mem_gib'] / ref['peak_mem_gib']:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "device": name,
+                                               "results": results}, indent=2))
+    return 0 if "error" not in ours else 1
+
+
+def format_table(results: list[dict]) -> str:
+    rows = ["| side | tokens/s | TFLOP/s | MFU | peak mem (GiB) | trainable params |",
+            "|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r:
+            rows.append(f"| {r['side']} | n/a ({r['error']}) | | | | |")
+            continue
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a (CPU)"
+        rows.append(f"| {r['side']} | {r['tokens_per_s']:.0f} | {r['tflops']:.3f} | {mfu} | "
+                    f"{r['peak_mem_gib']:.2f} | {r['trainable']:,} |")
+    return "\n".join(rows)
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"CPU ({line.split(':', 1)[1].strip()}, {os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return f"CPU ({os.cpu_count()} cores)"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

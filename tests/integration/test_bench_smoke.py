@@ -1,0 +1,21 @@
+"""The training-step benchmark runs on CPU and prints both columns and the ratio (a smoke
+test: no timing is asserted, CI machines vary)."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "train_step.py"
+
+
+@pytest.mark.slow
+def test_bench_train_step_tiny_cpu(tmp_path):
+    proc = subprocess.run([sys.executable, str(BENCH), "--preset", "tiny", "--device", "cpu",
+                           "--seq-len", "64", "--batch", "2", "--steps", "2", "--warmup", "1",
+                           "--json", str(tmp_path / "r.json")],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| lmforge |" in proc.stdout and "| reference |" in proc.stdout
+    assert "speed ratio lmforge/reference:" in proc.stdout
+    assert (tmp_path / "r.json").is_file()
