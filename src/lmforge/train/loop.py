@@ -197,9 +197,9 @@ def run_loop(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optimiz
              start_step: int = 0, end_step: Optional[int] = None) -> list[dict]:
     t = cfg.train
     accum = grad_accumulation_steps(cfg, rt.dp_size)
-    throughput = M.Throughput(M.flops_per_token(model.args, cfg.data.seq_len),
+    throughput = M.Throughput(M.model_flops_per_token(model, cfg.data.seq_len),
                               M.device_peak_flops(rt.device), rt.world_size)
-    logger = M.MetricsLogger(out_dir, enabled=rt.is_logging_rank)
+    logger = M.MetricsLogger(out_dir, enabled=rt.is_logging_rank, config=cfg.to_dict())
     bar = _progress_bar(cfg, rt, start_step)
     history, nonfinite_steps = [], 0
     end_step = end_step or t.max_steps
@@ -219,7 +219,7 @@ def run_loop(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optimiz
         if step % t.log_every == 0 or step == start_step + 1 or step == end_step:
             record = {"loss": float(loss), "lr": lr,
                       "grad_norm": None if grad_norm is None else float(grad_norm),
-                      **throughput.report(), "peak_mem_gib": M.peak_memory_gib(rt.device),
+                      **throughput.report(), **M.memory_metrics(rt.device),
                       "tokens": step * cfg.data.seq_len * _samples_per_step(cfg, rt),
                       "valid_tokens": n_valid, "nonfinite_steps": nonfinite_steps,
                       "consumed_samples": _consumed(data)}

@@ -1,0 +1,150 @@
+"""The memory model's terms and the `lmforge estimate` command (no model is allocated)."""
+import argparse
+import dataclasses
+import json
+
+import pytest
+
+from lmforge import estimate as E
+from lmforge.config import ConfigError, load_config
+from lmforge.models.llama import build_llama, count_parameters
+from lmforge.models.presets import PRESETS
+from lmforge.train import metrics as M
+
+GiB = 2**30
+
+
+def setup_7b(**changes) -> E.Setup:
+    base = E.Setup(args=PRESETS["llama2-7b"], seq_len=2048, micro_batch=1, device="cuda",
+                   compute="bf16")
+    return dataclasses.replace(base, **changes)
+
+
+def test_weights_count_every_parameter_of_the_model():
+    for name in ("tiny", "llama2-7b", "llama3-8b"):
+        args = PRESETS[name]
+        w = E.stage_weights(E.Setup(args=args, seq_len=128, micro_batch=1), 0)
+        assert w.trainable_params == count_parameters(build_llama(args))
+        assert w.trainable_bytes == 4 * w.trainable_params
+
+
+def test_full_training_static_memory_is_16_bytes_per_parameter():
+    est = E.estimate_memory(setup_7b())
+    n = count_parameters(build_llama(PRESETS["llama2-7b"]))
+    c = est.components
+    assert c["weights (trainable)"] == 4 * n and c["optimizer states"] == 8 * n
+    phases = E.estimate_stage(setup_7b(), 0)
+    assert phases.phases["optimizer step"] == pytest.approx(16 * n)  # + grads, fused AdamW
+
+
+def test_zero_sharding_and_tensor_parallel_divide_the_static_terms():
+    one = E.estimate_memory(setup_7b())
+    eight = E.estimate_memory(setup_7b(dp_shard=8))
+    assert eight.components["optimizer states"] == pytest.approx(
+        one.components["optimizer states"] / 8)
+    assert eight.components["weights (trainable)"] == pytest.approx(
+        one.components["weights (trainable)"] / 8)
+    tp = E.estimate_memory(setup_7b(tp=2, dp_shard=4))
+    # tp=2 halves the matrices (not the norms) of a dp_shard=4 layout
+    assert tp.components["optimizer states"] == pytest.approx(
+        eight.components["optimizer states"], rel=0.01)
+    # sequence parallelism shards the norm/residual activations as well
+    sp = E.activation_model(setup_7b(tp=4, sequence_parallel=True)).other_layers
+    no_sp = E.activation_model(setup_7b(tp=4, sequence_parallel=False)).other_layers
+    full = E.activation_model(setup_7b()).other_layers
+    assert sp < no_sp < full
+
+
+def test_checkpointing_keeps_one_layer_input_per_layer():
+    none = E.estimate_stage(setup_7b(micro_batch=8), 0)
+    full = E.estimate_stage(setup_7b(micro_batch=8, checkpointing="full"), 0)
+    assert full.peak_bytes < none.peak_bytes
+    act = full.activations
+    # FSDP-free bf16 autocast: the residual stream is fp32 -> 4 bytes x dim per token
+    assert act.layer_input == 4 * 4096
+
+
+def test_activations_scale_with_micro_batch_and_sequence():
+    a = E.estimate_stage(setup_7b(micro_batch=1, seq_len=1024), 0).phases["forward end"]
+    b = E.estimate_stage(setup_7b(micro_batch=2, seq_len=1024), 0).phases["forward end"]
+    c = E.estimate_stage(setup_7b(micro_batch=1, seq_len=2048), 0).phases["forward end"]
+    assert b - a == pytest.approx(c - a)  # flash attention: linear in tokens
+
+
+def test_eager_attention_adds_the_quadratic_term():
+    sdpa = E.activation_model(setup_7b(seq_len=1024)).other_layers
+    eager = E.activation_model(setup_7b(seq_len=1024, attention="eager")).other_layers
+    heads = PRESETS["llama2-7b"].n_heads
+    assert eager - sdpa > (4 + 2) * heads * 1024 * 0.9  # softmax fp32 + probs bf16
+
+
+def test_lora_and_quantized_base():
+    spec = M.LoraSpec(rank=8, targets=("q_proj", "v_proj"))
+    lora = setup_7b(lora=spec, trainable=M.Trainability.lora(spec))
+    w = E.stage_weights(lora, 0)
+    assert w.trainable_params == 32 * 2 * 8 * (4096 + 4096)
+    int8 = dataclasses.replace(spec, quantize="int8")
+    nf4 = dataclasses.replace(spec, quantize="nf4")
+    bf16 = dataclasses.replace(spec, base_dtype="bf16")
+    sizes = {name: E.stage_weights(dataclasses.replace(lora, lora=s), 0).frozen_bytes / GiB
+             for name, s in (("fp32", spec), ("bf16", bf16), ("int8", int8), ("nf4", nf4))}
+    assert sizes["fp32"] > sizes["bf16"] > sizes["int8"] > sizes["nf4"]
+    assert 3.3 < sizes["nf4"] < 4.5 and 6.0 < sizes["int8"] < 7.5  # + embedding/head fp32
+
+
+def test_largest_micro_batch_that_fits():
+    s = setup_7b(lora=M.LoraSpec(quantize="nf4"),
+                 trainable=M.Trainability.lora(M.LoraSpec()), seq_len=512)
+    fit = E.max_micro_batch(s, 40)
+    assert fit >= 1
+    assert E.estimate_memory(dataclasses.replace(s, micro_batch=fit)).total_bytes <= 40 * GiB
+    assert E.estimate_memory(dataclasses.replace(s, micro_batch=fit + 1)).total_bytes > 40 * GiB
+    assert E.max_micro_batch(setup_7b(), 16) == 0  # full 7B training needs > 100 GiB
+
+
+def test_pipeline_stages():
+    s = setup_7b(pp=4, microbatches=8)
+    first, last = E.estimate_stage(s, 0), E.estimate_stage(s, 3)
+    assert "loss head (logits, log-softmax)" not in first.components
+    assert E.in_flight(s, 0) == 4 and E.in_flight(s, 3) == 1
+    assert E.estimate_memory(s).total_bytes == max(first.total_bytes, last.total_bytes)
+
+
+def cli(argv: list[str], capsys) -> tuple[int, str]:
+    parser = argparse.ArgumentParser(prog="lmforge")
+    E.add_cli(parser.add_subparsers())
+    ns = parser.parse_args(["estimate", *argv])
+    code = ns.func(ns)
+    return code, capsys.readouterr().out
+
+
+def test_cli_table_and_json(capsys):
+    code, out = cli(["model.preset=llama2-7b", "model.vocab_size=32000", "data.seq_len=512",
+                     "data.micro_batch_size=4", "lora.enabled=true", "lora.quantize=int8",
+                     "--device", "cuda", "--device-memory-gib", "40"], capsys)
+    assert code == 0
+    assert "peak allocated" in out and "largest micro-batch that fits" in out
+    code, out = cli(["model.preset=llama2-7b", "model.vocab_size=32000", "parallel.dp_shard=-1",
+                     "--device", "cuda", "--json", "--device-memory-gib", "80",
+                     "--world-size", "8"], capsys)
+    data = json.loads(out)
+    assert data["setup"]["dp_shard"] == 8 and data["fits"] in (True, False)
+    assert data["total_gib"] > data["peak_allocated_gib"] > 0
+    assert isinstance(data["max_micro_batch"], int)
+
+
+def test_cli_huge_model_is_free(capsys):
+    """70B on the meta device: nothing is allocated, the answer comes at once."""
+    code, out = cli(["model.preset=llama3-70b", "parallel.dp_shard=-1", "parallel.tp=8",
+                     "--device", "cuda", "--json", "--world-size", "64"], capsys)
+    assert code == 0 and json.loads(out)["setup"]["tp"] == 8
+
+
+def test_cli_bad_input_names_the_field(capsys):
+    with pytest.raises(ConfigError, match="data.seq_len"):
+        cli(["data.seq_len=0"], capsys)
+    with pytest.raises(ValueError, match="--device-memory-gib"):
+        cli(["--device-memory-gib", "-1"], capsys)
+    with pytest.raises(ConfigError, match="parallel.tp"):
+        E.setup_from_config(load_config(None, ["parallel.tp=3", "parallel.dp_shard=1"]),
+                            world_size=3)

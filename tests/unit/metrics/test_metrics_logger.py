@@ -1,0 +1,130 @@
+"""metrics.jsonl, TensorBoard (read back with tensorboard's own reader) and the optional W&B
+logger; and a real training run writing them."""
+import json
+import sys
+import types
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from lmforge.train import metrics as M
+
+RUN_KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu",
+            "peak_mem_gib", "tokens")
+
+
+def read_tensorboard(run_dir) -> dict[str, list[tuple[int, float]]]:
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)]
+            for tag in acc.Tags()["scalars"]}
+
+
+def test_logger_writes_jsonl_and_tensorboard(tmp_path, monkeypatch):
+    monkeypatch.delenv(M.WANDB_ENV, raising=False)
+    logger = M.MetricsLogger(tmp_path)
+    logger.log(1, {"loss": 2.5, "lr": 1e-3, "mfu": None, "tokens_per_s": 100.0,
+                   "peak_mem_gib": 1.5, "grad_norm": torch.tensor(0.5), "note": "x"})
+    logger.log(2, {"loss": 2.0, "lr": 1e-3, "mfu": 0.4, "tokens_per_s": 120.0,
+                   "peak_mem_gib": 1.5, "grad_norm": 0.25, "loss_nan": float("nan")})
+    logger.close()
+    logger.close()  # closing twice is harmless
+    records = M.read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2]
+    assert records[0]["mfu"] is None and records[0]["grad_norm"] == 0.5
+    scalars = read_tensorboard(tmp_path)
+    assert scalars["loss/loss"] == [(1, 2.5), (2, 2.0)]
+    assert scalars["perf/mfu"] == [(2, pytest.approx(0.4))]  # None is not written
+    assert scalars["memory/peak_mem_gib"][0] == (1, 1.5)
+    assert scalars["optim/lr"][1][0] == 2
+    assert "train/loss_nan" not in scalars  # non-finite values stay out of TensorBoard
+
+
+def test_disabled_logger_writes_nothing(tmp_path):
+    logger = M.MetricsLogger(tmp_path / "off", enabled=False)
+    logger.log(1, {"loss": 1.0})
+    logger.close()
+    assert not (tmp_path / "off").exists()
+
+
+def test_wandb_missing_is_a_clear_message(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
+    monkeypatch.setenv(M.WANDB_ENV, "my-project")
+    with pytest.raises(ValueError, match="pip install wandb"):
+        M.MetricsLogger(tmp_path)
+
+
+def test_wandb_logs_the_same_scalars(tmp_path, monkeypatch):
+    calls = []
+
+    class FakeRun:
+        def log(self, data, step):
+            calls.append(("log", step, data))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: calls.append(("init", kw)) or FakeRun()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.delenv(M.WANDB_ENV, raising=False)
+    logger = M.MetricsLogger(tmp_path, wandb_project="proj", config={"a": 1})
+    logger.log(3, {"loss": 1.25, "mfu": None})
+    logger.close()
+    assert calls[0][0] == "init" and calls[0][1]["project"] == "proj"
+    assert calls[1] == ("log", 3, {"loss/loss": 1.25})
+    assert calls[-1] == ("finish",)
+
+
+def test_memory_metrics_on_cpu():
+    mem = M.memory_metrics(torch.device("cpu"))
+    assert mem["peak_mem_gib"] > 0 and mem["peak_reserved_gib"] is None
+
+
+def test_read_metrics_names_the_bad_line(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\nnot json\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2"):
+        M.read_metrics(tmp_path)
+    with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
+        M.read_metrics(tmp_path / "nowhere")
+
+
+def test_a_training_run_writes_the_metrics(tmp_path, monkeypatch):
+    """A real (tiny) run: every logged step carries the metrics, and TensorBoard holds the
+    same values as metrics.jsonl."""
+    from lmforge.config import load_config
+    from lmforge.train.loop import train
+
+    monkeypatch.delenv(M.WANDB_ENV, raising=False)
+    corpus = tmp_path / "corpus.txt"
+    words = "the quick brown fox jumps over a lazy dog while cats sleep".split()
+    corpus.write_text("\n".join(" ".join(words[(i + j) % len(words)] for j in range(16))
+                                for i in range(200)))
+    out = tmp_path / "run"
+    cfg = load_config(None, [
+        "model.preset=debug", "data.kind=text", f"data.path={corpus}", "data.seq_len=32",
+        "data.micro_batch_size=2", "data.tokenizer_vocab_size=259", "train.max_steps=3",
+        "train.log_every=1", f"train.output_dir={out}", "train.sample_tokens=2",
+        "train.progress_bar=false", "optim.warmup_steps=1", "train.device=cpu"])
+    train(cfg)
+    records = M.read_metrics(out)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for record in records:
+        for key in RUN_KEYS:
+            assert key in record, key
+        assert record["tokens_per_s"] > 0 and record["tflops_per_device"] > 0
+        assert record["mfu"] is None  # CPU: no peak, no MFU
+    scalars = read_tensorboard(out)
+    assert [s for s, _ in scalars["loss/loss"]] == [1, 2, 3]
+    assert scalars["loss/loss"][-1][1] == pytest.approx(records[-1]["loss"], rel=1e-6)
+    assert scalars["optim/grad_norm"][0][1] == pytest.approx(records[0]["grad_norm"], rel=1e-6)
+    assert "perf/tokens_per_s" in scalars and "memory/peak_mem_gib" in scalars
+    # TFLOP/s come from our count for the run's model (full training at seq 32)
+    from lmforge.models.hf import args_from_hf_config
+
+    args = args_from_hf_config(json.loads((out / "hf" / "config.json").read_text()))
+    per_token = M.flops_per_token(args, 32)
+    for record in records:
+        assert record["tflops_per_device"] == pytest.approx(
+            record["tokens_per_s"] * per_token / 1e12, rel=1e-9)
