@@ -736,14 +736,14 @@ def _tokenizer_source(ckpt_dir: Path, tokenizer_dir, cfg) -> Optional[Path]:
     return None
 
 
-def _generation_config(cfg, tokenizer) -> Optional[dict]:
+def generation_config_for(cfg, tokenizer) -> Optional[dict]:
     """Chat-tuned models must stop on the template's end-of-turn token."""
     if cfg is None or tokenizer is None or cfg.data.kind != "sft":
         return None
     try:
         from lmforge.data.sft import end_of_turn_token
         eot = tokenizer.token_to_id(end_of_turn_token(cfg.data.template, tokenizer))
-    except Exception:
+    except (ValueError, KeyError):  # a template without a special end-of-turn token
         return None
     if eot is None or eot == tokenizer.eos_id:
         return None
@@ -776,7 +776,7 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, fmt: str = "hf"
         from lmforge.data.tokenizer import load_tokenizer
         tokenizer = load_tokenizer(source)
     torch_dtype = _DTYPES[dtype] if dtype else None
-    generation = _generation_config(cfg, tokenizer)
+    generation = generation_config_for(cfg, tokenizer)
     lora_keys = [k for k in sd if _is_lora_key(k)]
     if fmt == "peft" and not lora_keys:
         raise CheckpointError(f"{path}: --format peft needs LoRA parameters and this "

@@ -317,6 +317,11 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
     _validate_in_backward(cfg, world_size)
     _validate_model(cfg)
     _validate_lora(cfg.lora)
+    if cfg.lora.enabled and cfg.parallel.tp > 1:
+        raise ConfigError("parallel.tp: LoRA under tensor parallelism is not supported yet "
+                          "(use data parallelism / FSDP2 for LoRA)")
+    if cfg.lora.quantize and world_size > 1:
+        raise ConfigError("lora.quantize: quantized (QLoRA) bases train in one process")
 
 
 def _validate_batch(cfg: JobConfig, world_size: int) -> None:

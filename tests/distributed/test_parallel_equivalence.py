@@ -72,3 +72,18 @@ def test_layout_that_does_not_fit_is_refused_before_any_process_group(tmp_path, 
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("lmforge: error: parallel.tp:")
     assert "\n" not in proc.stderr.strip()
+
+
+def test_lora_under_fsdp_matches_single_process(tiny_corpus, tmp_path):
+    base = tiny_overrides(tiny_corpus, STEPS) + ["lora.enabled=true", "lora.targets=all-linear",
+                                                 "lora.rank=4"]
+    ref_losses, ref_weights = _train(tmp_path / "single", base, nproc=1)
+    losses, weights = _train(tmp_path / "fsdp", base + ["parallel.dp_shard=2"], nproc=2)
+    for (loss, norm), (ref_loss, ref_norm) in zip(losses, ref_losses):
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        assert norm == pytest.approx(ref_norm, rel=1e-4)
+    adapters = [load_file(tmp_path / d / "adapter" / "adapter_model.safetensors")
+                for d in ("single", "fsdp")]
+    assert adapters[0].keys() == adapters[1].keys() and adapters[0]
+    for key in adapters[0]:
+        torch.testing.assert_close(adapters[1][key], adapters[0][key], rtol=1e-4, atol=1e-4)

@@ -72,6 +72,13 @@ def train(cfg: JobConfig) -> dict:
     optimizers = Optimizers(model.parts, cfg.optim, cfg.train.max_steps)
     _say(rt, f"model: {count_parameters(build_llama(args)):,} parameters ({_describe(args)}) "
              f"on {rt.world_size} x {rt.device.type} ({_layout(rt)}); data: {data.description}")
+    if cfg.lora.enabled:
+        from lmforge.peft.lora import trainable_summary
+
+        _say(rt, f"LoRA rank {cfg.lora.rank} on {cfg.lora.targets}"
+                 f"{', ' + cfg.lora.quantize + ' base' if cfg.lora.quantize else ''}: "
+                 f"{trainable_summary(model.parts[0])}"
+                 f"{' (stage 0)' if len(model.parts) > 1 or rt.dims.pp > 1 else ''}")
     checkpoints = Checkpoints(cfg, rt, out_dir)
     start_step = checkpoints.resume(model, optimizers, data)
     end_step = min(cfg.train.max_steps, cfg.train.stop_at_step or cfg.train.max_steps)
@@ -349,7 +356,6 @@ def global_loss(rt: Runtime, local: torch.Tensor) -> torch.Tensor:
 def finish(cfg: JobConfig, rt: Runtime, model: TrainModel, tokenizer: Tokenizer,
            data: DataBundle, out_dir: Path, history: list[dict]) -> dict:
     from lmforge.generate import generate
-    from lmforge.models.hf import save_hf_model
 
     summary = {"first_loss": history[0]["loss"] if history else None,
                "last_loss": history[-1]["loss"] if history else None,
@@ -361,8 +367,8 @@ def finish(cfg: JobConfig, rt: Runtime, model: TrainModel, tokenizer: Tokenizer,
                  f"(perplexity {math.exp(summary['eval_loss']):.2f})")
     full_sd = gather_full_state_dict(model)
     if rt.is_logging_rank:
-        export = _plain_model(model, full_sd)
-        save_hf_model(export, out_dir / "hf", tokenizer=tokenizer)
+        export = _plain_model(model, full_sd, cfg)
+        export_hf(cfg, export, tokenizer, out_dir)
         if "eval_loss" not in summary and data.eval_batches:  # pipelined: evaluate the export
             from lmforge.train.step import evaluate
 
@@ -381,13 +387,35 @@ def finish(cfg: JobConfig, rt: Runtime, model: TrainModel, tokenizer: Tokenizer,
     return summary
 
 
-def _plain_model(model: TrainModel, full_sd: dict) -> Llama:
-    """A plain single-device model holding the trained weights (for export/sampling)."""
+def _plain_model(model: TrainModel, full_sd: dict, cfg: JobConfig) -> Llama:
+    """A single-device model holding the trained weights (for export/sampling)."""
     if model.mesh is None:
         return model.parts[0]
-    plain = materialize(build_llama(model.args), "cpu", init=False)
+    plain = build_llama(model.args)
+    if cfg.lora.enabled:
+        from lmforge.peft.lora import prepare_model_for_lora
+
+        prepare_model_for_lora(plain, cfg.lora)
+    materialize(plain, "cpu", init=False)
     plain.load_state_dict(full_sd, strict=True)
     return plain
+
+
+def export_hf(cfg: JobConfig, model: Llama, tokenizer: Tokenizer, out_dir: Path) -> None:
+    """``hf/``: a transformers-loadable model (adapters merged in); with LoRA also
+    ``adapter/`` in PEFT layout. Chat fine-tunes stop on their end-of-turn token."""
+    from lmforge.checkpoint import generation_config_for
+    from lmforge.models.hf import save_hf_model
+
+    generation = generation_config_for(cfg, tokenizer)
+    if not cfg.lora.enabled:
+        save_hf_model(model, out_dir / "hf", tokenizer=tokenizer, generation_config=generation)
+        return
+    from lmforge.peft.adapters import export_merged, save_adapter
+
+    save_adapter(model, out_dir / "adapter", base_model_path=cfg.model.init_from,
+                 lora_cfg=cfg.lora)
+    export_merged(model, out_dir / "hf", tokenizer=tokenizer, generation_config=generation)
 
 
 def _progress_bar(cfg: JobConfig, rt: Runtime, start_step: int = 0):

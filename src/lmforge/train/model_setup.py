@@ -119,6 +119,11 @@ def build_train_model(cfg: JobConfig, args: LlamaArgs, device: torch.device, mes
         stages = [(0, model)]
     tm = TrainModel([part for _, part in stages], args, dims, mesh,
                     stage_ids=[i for i, _ in stages])
+    if cfg.lora.enabled:  # module swap on the meta model, before any sharding
+        from lmforge.peft.lora import prepare_model_for_lora
+
+        for part in tm.parts:
+            prepare_model_for_lora(part, cfg.lora)
     for part in tm.parts:
         apply_model_parallel(part, mesh, cfg)
     full_sd = initial_state_dict(cfg, args, mesh)
@@ -128,6 +133,7 @@ def build_train_model(cfg: JobConfig, args: LlamaArgs, device: torch.device, mes
         # over data parallelism: this also handles sizes that do not divide evenly.
         _materialize_all(tm, device)
         load_full_state_dict(tm, full_sd)
+        _finish_lora(tm, cfg)
         _apply_data_parallel_all(tm, cfg, param_dtype)
     else:
         _apply_data_parallel_all(tm, cfg, param_dtype)
@@ -139,6 +145,7 @@ def build_train_model(cfg: JobConfig, args: LlamaArgs, device: torch.device, mes
             torch.manual_seed(cfg.train.seed + dims.pp_rank)
             for part in tm.parts:
                 part.init_weights()
+        _finish_lora(tm, cfg)
     if cfg.train.param_dtype == "bf16":  # low-memory training: weights stored in bf16
         for part in tm.parts:
             part.to(torch.bfloat16)
@@ -151,6 +158,18 @@ def build_train_model(cfg: JobConfig, args: LlamaArgs, device: torch.device, mes
                                      n_micro, tm.pipeline_loss, device, group(mesh, "pp"))
     tm.train()
     return tm
+
+
+def _finish_lora(tm: TrainModel, cfg: JobConfig) -> None:
+    """Adapter init (B = 0, so training starts from the base model exactly), optional
+    NF4/int8 quantization of the frozen base, optional adapter load."""
+    if not cfg.lora.enabled:
+        return
+    from lmforge.peft.lora import after_materialize
+
+    torch.manual_seed(cfg.train.seed + 1)
+    for part in tm.parts:
+        after_materialize(part, cfg.lora)
 
 
 def _materialize_all(tm: TrainModel, device: torch.device) -> None:
@@ -194,15 +213,20 @@ def _materialize(part: nn.Module, device: torch.device) -> None:
 
 def load_full_state_dict(tm: TrainModel, sd: dict) -> None:
     """Full (unsharded) tensors -> each part's shards."""
+    from lmforge.peft.lora import is_lora_param
+
     for part in tm.parts:
-        wanted = {k: sd[k] for k in part.state_dict()}
+        # Adapter weights are not in a base checkpoint; they are initialised afterwards.
+        wanted = {k: sd[k] for k in part.state_dict() if not is_lora_param(k)}
+        strict = len(wanted) == len(part.state_dict())
         if tm.mesh is None:
-            part.load_state_dict(wanted, strict=True)
+            missing, unexpected = part.load_state_dict(wanted, strict=strict)
+            assert not unexpected and all(is_lora_param(k) for k in missing)
             continue
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         set_model_state_dict(part, wanted,
-                             options=StateDictOptions(full_state_dict=True, strict=True))
+                             options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
 def gather_full_state_dict(tm: TrainModel) -> Optional[dict]:

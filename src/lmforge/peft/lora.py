@@ -1,0 +1,330 @@
+"""LoRA: low-rank adapters on chosen linear layers, applied from outside by module swap.
+
+``LoraLinear`` is an ``nn.Linear`` (so ``weight``/``bias`` keep their names and base
+checkpoints load unchanged, and tensor parallelism's Colwise/RowwiseParallel accept it)
+with two more parameters beside the weight::
+
+    y = x W^T + b + scaling * (dropout(x) A^T) B^T      A: (rank, in)  B: (out, rank)
+    scaling = alpha / rank    (rsLoRA: alpha / sqrt(rank))
+
+A is Kaiming-uniform and B zero at initialisation, as in peft, so a fresh adapter leaves
+the model's outputs unchanged. The order of work in a trainer::
+
+    model = build_llama(args)                     # meta device
+    prepare_model_for_lora(model, cfg.lora)       # swap + freeze (meta or real)
+    ... parallelize, to_empty, init_weights() or load weights ...
+    after_materialize(model, cfg.lora)            # init A/B, quantize the base if asked
+    print(trainable_summary(model))               # "4.2M trainable / 6.74B total (0.06%)"
+
+Under tensor parallelism ColwiseParallel shards A and B on dim 0 and RowwiseParallel
+replicates them; DTensor then computes the adapter path exactly either way. Under FSDP2
+the frozen base and the adapters are sharded alike and only the adapters get gradients.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_PARAM_NAMES = ("lora_a", "lora_b")
+
+
+class LoraError(ValueError):
+    """A LoRA request cannot be honoured; the message names the field or module."""
+
+
+class LoraLinear(nn.Linear):
+    """A linear layer plus a low-rank update. ``merged``: the update has been added into
+    ``weight`` (and is skipped in forward). ``quantized``: a ``QuantizedLinear`` child
+    holding the frozen base instead of ``weight`` (QLoRA); ``weight`` is then None."""
+
+    def __init__(self, in_features: int, out_features: int, rank: int, alpha: float,
+                 dropout: float = 0.0, rslora: bool = False, bias: bool = False,
+                 device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        if rank <= 0:
+            raise LoraError(f"lora.rank: must be > 0, got {rank}")
+        self.rank, self.alpha, self.rslora, self.dropout = rank, float(alpha), rslora, dropout
+        self.lora_a = nn.Parameter(torch.empty(rank, in_features, device=device, dtype=dtype))
+        self.lora_b = nn.Parameter(torch.empty(out_features, rank, device=device, dtype=dtype))
+        self.merged = False
+        self.quantized: Optional[nn.Module] = None
+        if not self.lora_a.is_meta:
+            self.reset_lora_parameters()
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module, rank: int, alpha: float, dropout: float = 0.0,
+                    rslora: bool = False) -> "LoraLinear":
+        """Wrap an existing ``nn.Linear`` (or ``QuantizedLinear``), reusing its weight and
+        bias tensors: no copy, on whatever device (meta included) they live."""
+        from lmforge.peft.quant import QuantizedLinear
+
+        quantized = isinstance(linear, QuantizedLinear)
+        if quantized:  # adapters train in fp32 beside a quantized base
+            device = next(iter(linear.quantized_tensors().values())).device
+            dtype = linear.bias.dtype if linear.bias is not None else torch.float32
+        else:
+            device, dtype = linear.weight.device, linear.weight.dtype
+        # Built on meta so nothing is allocated for a weight that is replaced right away.
+        new = cls(linear.in_features, linear.out_features, rank, alpha, dropout, rslora,
+                  bias=linear.bias is not None, device="meta", dtype=dtype)
+        new.bias = linear.bias
+        if quantized:
+            linear.bias = None  # the bias moves up here, beside the adapter
+            new.weight = None
+            new.quantized = linear
+        else:
+            new.weight = linear.weight
+        new.lora_a = nn.Parameter(torch.empty_like(new.lora_a, device=device))
+        new.lora_b = nn.Parameter(torch.empty_like(new.lora_b, device=device))
+        if device.type != "meta":
+            new.reset_lora_parameters()
+        return new
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+    @torch.no_grad()
+    def reset_lora_parameters(self) -> None:
+        """peft's default: A Kaiming-uniform (a = sqrt(5), as nn.Linear), B zero."""
+        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_b)
+        self.merged = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            base = self.quantized(x)
+            if self.bias is not None:
+                base = base + self.bias.to(base.dtype)
+        else:
+            base = F.linear(x, self.weight, self.bias)
+        if self.merged:
+            return base
+        h = F.dropout(x, self.dropout, self.training) if self.dropout else x
+        update = F.linear(F.linear(h.to(self.lora_a.dtype), self.lora_a), self.lora_b)
+        return base + (update * self.scaling).to(base.dtype)
+
+    def delta_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """scaling * B A, the (out, in) update merging adds to the weight."""
+        return ((self.lora_b.to(dtype) @ self.lora_a.to(dtype)) * self.scaling)
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Add the update into ``weight``; forward then skips the adapter path."""
+        if self.merged:
+            return
+        self._refuse_quantized("merge")
+        self.weight.add_(_like(self.delta_weight(), self.weight))
+        self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Subtract the update again (exact up to floating-point rounding)."""
+        if not self.merged:
+            return
+        self._refuse_quantized("unmerge")
+        self.weight.sub_(_like(self.delta_weight(), self.weight))
+        self.merged = False
+
+    def base_weight(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The frozen base weight, dequantized when quantized (in ``dtype``)."""
+        if self.quantized is not None:
+            return self.quantized.dequantize(dtype or torch.float32)
+        w = self.weight.detach()
+        return w if dtype is None else w.to(dtype)
+
+    def quantize_base(self, fmt: str, double_quant: bool = True, device=None) -> None:
+        from lmforge.peft.quant import QuantizedLinear
+
+        if self.merged:
+            raise LoraError(f"{fmt} quantization of a merged LoRA layer would bake the "
+                            f"adapter into the frozen base; unmerge first")
+        plain = nn.Linear(self.in_features, self.out_features, bias=False, device="meta")
+        plain.weight, plain.bias = self.weight, None  # the bias stays here, unquantized
+        self.quantized = QuantizedLinear.from_linear(plain, fmt, double_quant, device)
+        self.weight = None
+
+    def dequantize_base(self, dtype: torch.dtype = torch.bfloat16) -> None:
+        if self.quantized is None:
+            return
+        self.weight = nn.Parameter(self.quantized.dequantize(dtype), requires_grad=False)
+        self.quantized = None
+
+    def _refuse_quantized(self, action: str) -> None:
+        if self.quantized is not None:
+            raise LoraError(f"cannot {action} LoRA into a {self.quantized.fmt}-quantized base "
+                            f"weight; dequantize it to 16-bit first (dequantize_base) or "
+                            f"export with export_merged, which does")
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, rank={self.rank}, alpha={self.alpha:g}, "
+                f"rslora={self.rslora}, dropout={self.dropout:g}, merged={self.merged}"
+                + (f", base={self.quantized.fmt}" if self.quantized is not None else ""))
+
+
+def _like(delta: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``delta`` in ``weight``'s dtype and, for DTensors, its placements."""
+    delta = delta.to(weight.dtype)
+    placements = getattr(weight, "placements", None)
+    if placements is not None and getattr(delta, "placements", None) != placements:
+        delta = delta.redistribute(weight.device_mesh, placements)
+    return delta
+
+
+# ------------------------------------------------------------------ whole-model API
+
+def resolve_targets(targets: Iterable[str] | str) -> tuple[str, ...]:
+    """Config targets -> module leaf names ("all-linear" = the seven projections)."""
+    items = [targets] if isinstance(targets, str) else list(targets)
+    if not items:
+        raise LoraError("lora.targets: empty (name modules or use 'all-linear')")
+    if "all-linear" in items:
+        return LORA_TARGETS
+    unknown = [t for t in items if t not in LORA_TARGETS]
+    if unknown:
+        raise LoraError(f"lora.targets: unknown module {unknown[0]!r} "
+                        f"(known: {', '.join(LORA_TARGETS)}, all-linear)")
+    return tuple(dict.fromkeys(items))
+
+
+def apply_lora(model: nn.Module, cfg, module_names: Optional[Iterable[str]] = None
+               ) -> list[str]:
+    """Swap every target linear of ``model`` for a ``LoraLinear`` (meta or real model).
+
+    ``cfg`` has ``rank``, ``alpha``, ``dropout``, ``rslora`` and ``targets`` (a
+    ``lmforge.config.LoraConfig``). ``module_names`` (full module names) overrides
+    ``targets``. Layers already LoRA are left alone. Returns the swapped module names."""
+    from lmforge.peft.quant import QuantizedLinear
+
+    if module_names is not None:
+        wanted = set(module_names)
+        match = lambda name: name in wanted  # noqa: E731
+    else:
+        leaves = set(resolve_targets(cfg.targets))
+        match = lambda name: name.rsplit(".", 1)[-1] in leaves  # noqa: E731
+    swapped = []
+    for name, module in list(model.named_modules()):
+        if not match(name) or isinstance(module, LoraLinear):
+            continue
+        if type(module) is not nn.Linear and not isinstance(module, QuantizedLinear):
+            raise LoraError(f"lora.targets: {name} is a {type(module).__name__}, not a linear "
+                            f"layer")
+        new = LoraLinear.from_linear(module, cfg.rank, cfg.alpha, cfg.dropout, cfg.rslora)
+        _set_module(model, name, new)
+        swapped.append(name)
+    if not swapped and not any(isinstance(m, LoraLinear) for m in model.modules()):
+        what = sorted(module_names) if module_names is not None else cfg.targets
+        raise LoraError(f"lora.targets: no module of the model matches {what}")
+    return swapped
+
+
+def freeze_base(model: nn.Module) -> None:
+    """Only LoRA parameters train; everything else is frozen."""
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_lora_param(name))
+
+
+def is_lora_param(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in LORA_PARAM_NAMES
+
+
+def lora_layers(model: nn.Module) -> dict[str, LoraLinear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLinear)}
+
+
+@torch.no_grad()
+def init_lora_weights(model: nn.Module) -> None:
+    """A Kaiming-uniform, B zero in every LoRA layer: call after ``to_empty``."""
+    for layer in lora_layers(model).values():
+        layer.reset_lora_parameters()
+
+
+def merge_lora(model: nn.Module) -> int:
+    """Merge every adapter into its base weight; returns how many layers were merged.
+    Refuses a quantized base (see ``dequantize_base`` / ``export_merged``)."""
+    layers = lora_layers(model)
+    for layer in layers.values():
+        layer.merge()
+    return len(layers)
+
+
+def unmerge_lora(model: nn.Module) -> int:
+    layers = lora_layers(model)
+    for layer in layers.values():
+        layer.unmerge()
+    return len(layers)
+
+
+def prepare_model_for_lora(model: nn.Module, cfg) -> list[str]:
+    """Swap target linears for LoRA layers and freeze everything else. Works on a meta
+    model (call ``after_materialize`` once the weights are real) or a loaded one."""
+    swapped = apply_lora(model, cfg)
+    freeze_base(model)
+    return swapped
+
+
+def after_materialize(model: nn.Module, cfg, init_lora: bool = True) -> None:
+    """After ``to_empty`` + weight init/load: initialise A and B (skip with
+    ``init_lora=False`` when an adapter or checkpoint is loaded next) and quantize the
+    frozen base when ``cfg.quantize`` is set. Freezes the base again (quantization adds
+    new frozen parameters). Then ``load_adapter`` if ``cfg.adapter_from`` is set.
+
+    Quantization needs real, unsharded weights: with ``cfg.quantize`` call this before
+    tensor parallelism / FSDP2 (load -> after_materialize -> fully_shard). Without it, it
+    may run after sharding too (initialising sharded adapters is fine)."""
+    if init_lora:
+        init_lora_weights(model)
+    if getattr(cfg, "quantize", None):
+        from lmforge.peft.quant import quantize_base
+
+        quantize_base(model, cfg.quantize, "all-linear")
+    freeze_base(model)
+    if getattr(cfg, "adapter_from", None):
+        from lmforge.peft.adapters import load_adapter
+
+        load_adapter(model, cfg.adapter_from)
+
+
+def count_trainable(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts. Tied tensors count once; a quantized layer
+    counts the weights it stands for, not its packed bytes."""
+    from lmforge.peft.quant import QuantizedLinear
+
+    seen: dict[int, torch.Tensor] = {}
+    storage: set[int] = set()
+    total = 0
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear):
+            total += m.in_features * m.out_features
+            storage.update(id(t) for t in m.quantized_tensors().values())
+    for p in model.parameters():
+        if id(p) not in storage:
+            seen[id(p)] = p
+    total += sum(p.numel() for p in seen.values())
+    trainable = sum(p.numel() for p in seen.values() if p.requires_grad)
+    return trainable, total
+
+
+def trainable_summary(model: nn.Module) -> str:
+    """e.g. ``4.19M trainable / 6.74B total (0.06%)``."""
+    trainable, total = count_trainable(model)
+    share = 100.0 * trainable / max(total, 1)
+    return f"{_human(trainable)} trainable / {_human(total)} total ({share:.2f}%)"
+
+
+def _human(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
+
+
+def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, leaf, new)

@@ -1,0 +1,77 @@
+"""Shared helpers for the peft tests: tiny Llamas (ours and transformers') and adapters
+with non-zero weights, so an adapter actually changes the logits. Tests reach the helpers
+through the ``lib`` fixture (pytest runs with --import-mode=importlib, so this module cannot
+be imported by name)."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from lmforge.config import LoraConfig
+from lmforge.models.llama import LlamaArgs, build_llama, materialize
+from lmforge.peft import lora_layers
+
+VOCAB = 96
+# ffn_dim 176 is not a multiple of the NF4 block (64): the padded last block is exercised.
+TINY = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, ffn_dim=176,
+                 max_seq_len=64, norm_eps=1e-5)
+
+
+def lora_cfg(**kw) -> LoraConfig:
+    base = dict(enabled=True, rank=4, alpha=8.0, targets=["q_proj", "v_proj"])
+    base.update(kw)
+    return LoraConfig(**base)
+
+
+def tiny_model(args: LlamaArgs = TINY, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return materialize(build_llama(args), "cpu").eval()
+
+
+@torch.no_grad()
+def randomize_adapters(model: torch.nn.Module, seed: int = 1, scale: float = 0.2) -> None:
+    """Fresh adapters are a no-op (B = 0); give B (and A) values that matter."""
+    g = torch.Generator().manual_seed(seed)
+    for layer in lora_layers(model).values():
+        layer.lora_a.copy_(torch.randn(layer.lora_a.shape, generator=g) * scale)
+        layer.lora_b.copy_(torch.randn(layer.lora_b.shape, generator=g) * scale)
+
+
+def tokens(batch: int = 2, seq: int = 16, seed: int = 3) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.fixture
+def hf_llama_dir(tmp_path):
+    """A random fp32 transformers Llama saved to disk: (model, directory)."""
+    transformers = pytest.importorskip("transformers")
+    return make_hf_llama(tmp_path / "base", transformers)
+
+
+def make_hf_llama(path, transformers, seed: int = 0, **overrides):
+    kwargs = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=176, vocab_size=VOCAB,
+                  max_position_embeddings=64, rms_norm_eps=1e-5, initializer_range=0.2,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                  attn_implementation="eager")
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model, path
+
+
+@pytest.fixture
+def lib():
+    """This module: ``lib.tiny_model()``, ``lib.lora_cfg(rank=8)``, ..."""
+    return sys.modules[__name__]

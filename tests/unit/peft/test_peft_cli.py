@@ -1,0 +1,56 @@
+"""`lmforge lora merge` and `lmforge lora eval` end to end on a tiny saved model."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from lmforge.cli import build_parser, main
+from lmforge.data.tokenizer import train_bpe
+from lmforge.models.hf import load_hf_model, save_hf_model
+from lmforge.peft import apply_lora, save_adapter
+
+
+def _saved_model_and_adapter(lib, tmp_path):
+    records = [{"prompt": f"Dialogue:\nA: hello {i}\nSummary:", "response": f"A greets {i}."}
+               for i in range(4)]
+    data = tmp_path / "valid.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tok = train_bpe([json.dumps(r) for r in records] * 20, 300)
+    args = lib.TINY.__class__(**{**lib.TINY.__dict__, "vocab_size": tok.vocab_size})
+    save_hf_model(lib.tiny_model(args), tmp_path / "base", tokenizer=tok)
+    model = load_hf_model(tmp_path / "base")
+    apply_lora(model, lib.lora_cfg())
+    lib.randomize_adapters(model)
+    save_adapter(model, tmp_path / "adapter", base_model_path=str(tmp_path / "base"))
+    return model, data
+
+
+def test_lora_commands_are_registered():
+    help_text = build_parser().format_help()
+    assert "lora" in help_text
+
+
+def test_lora_merge_writes_a_model_equal_to_base_plus_adapter(lib, tmp_path, capsys):
+    model, _ = _saved_model_and_adapter(lib, tmp_path)
+    assert main(["lora", "merge", "--model", str(tmp_path / "base"), "--adapter",
+                 str(tmp_path / "adapter"), "--output", str(tmp_path / "merged")]) == 0
+    merged = load_hf_model(tmp_path / "merged").eval()
+    assert (tmp_path / "merged" / "tokenizer.json").is_file()
+    x = lib.tokens(seq=8) % merged.args.vocab_size
+    with torch.no_grad():
+        assert lib.max_rel_err(merged(x), model.eval()(x)) < 1e-5
+
+
+def test_lora_eval_with_and_without_adapter(lib, tmp_path, capsys):
+    _, data = _saved_model_and_adapter(lib, tmp_path)
+    out = tmp_path / "r.json"
+    for extra in ([], ["--adapter", str(tmp_path / "adapter")]):
+        assert main(["lora", "eval", "--model", str(tmp_path / "base"), "--data", str(data),
+                     "--max-new-tokens", "3", "--output", str(out), *extra]) == 0
+        result = json.loads(out.read_text())
+        assert result["samples"] == 4 and 0 <= result["rouge_l"] <= 1
+        assert result["adapter"] == (extra[1] if extra else None)
+    assert main(["lora", "eval", "--model", str(tmp_path / "base"), "--data",
+                 str(tmp_path / "missing.jsonl")]) == 2
+    assert "missing.jsonl" in capsys.readouterr().err
