@@ -377,9 +377,10 @@ def finish(cfg: JobConfig, rt: Runtime, model: TrainModel, tokenizer: Tokenizer,
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         prompt = tokenizer.encode(cfg.train.sample_prompt, bos=True)
         stops = tuple(i for i in (tokenizer.eos_id,) if i is not None)
-        new = generate(export, prompt, cfg.train.sample_tokens, greedy=False, temperature=0.8,
-                       top_k=50, stop_ids=stops,
-                       generator=torch.Generator().manual_seed(cfg.train.seed))
+        with rt.autocast():
+            new = generate(export, prompt, cfg.train.sample_tokens, greedy=False,
+                           temperature=0.8, top_k=50, stop_ids=stops,
+                           generator=torch.Generator().manual_seed(cfg.train.seed))
         summary["sample"] = cfg.train.sample_prompt + tokenizer.decode(new)
         print(f"\nHugging Face export: {out_dir / 'hf'}")
         print(f"sample ({cfg.train.sample_tokens} tokens, temperature 0.8):\n"
@@ -415,7 +416,10 @@ def export_hf(cfg: JobConfig, model: Llama, tokenizer: Tokenizer, out_dir: Path)
 
     save_adapter(model, out_dir / "adapter", base_model_path=cfg.model.init_from,
                  lora_cfg=cfg.lora)
-    export_merged(model, out_dir / "hf", tokenizer=tokenizer, generation_config=generation)
+    # A base stored in bf16 (frozen weights under bf16 compute) is exported in bf16.
+    bf16 = any(p.dtype == torch.bfloat16 for p in model.parameters())
+    export_merged(model, out_dir / "hf", tokenizer=tokenizer, generation_config=generation,
+                  dtype=torch.bfloat16 if bf16 else None)
 
 
 def _progress_bar(cfg: JobConfig, rt: Runtime, start_step: int = 0):

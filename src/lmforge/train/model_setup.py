@@ -170,6 +170,25 @@ def _finish_lora(tm: TrainModel, cfg: JobConfig) -> None:
     torch.manual_seed(cfg.train.seed + 1)
     for part in tm.parts:
         after_materialize(part, cfg.lora)
+        if _computes_in_bf16(cfg, next(part.parameters()).device) and not cfg.lora.quantize:
+            frozen_linears_to_bf16(part)
+
+
+def _computes_in_bf16(cfg: JobConfig, device: torch.device) -> bool:
+    return cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and device.type == "cuda")
+
+
+def frozen_linears_to_bf16(model: nn.Module) -> None:
+    """Store frozen projection weights in bf16 when computing in bf16 anyway: autocast
+    would otherwise keep a bf16 copy of every frozen fp32 weight until backward (half
+    again the base model's size). Embeddings, norms and a tied head stay fp32."""
+    tied = getattr(model, "output", None) is not None and model.args.tie_embeddings
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or module.weight.requires_grad:
+            continue
+        if tied and module is model.output:
+            continue
+        module.weight.data = module.weight.data.to(torch.bfloat16)
 
 
 def _materialize_all(tm: TrainModel, device: torch.device) -> None:
