@@ -1,0 +1,330 @@
+"""Packed pretraining samples over Megatron indexed datasets.
+
+One epoch is one pass over every document. Epoch ``e`` orders the documents by a
+permutation drawn from ``(seed, e)``, concatenates them (their EOD tokens, when written by
+``preprocess --append-eod``, separate them), and cuts the stream into windows of
+``seq_len + 1`` tokens, window ``j`` starting at token ``j * seq_len`` (so consecutive
+windows share one token and every token but the first is a target once). The tokens left
+over at the end of an epoch (fewer than ``seq_len``) are dropped. The windows of an epoch
+are then visited in a second permutation drawn from ``(seed, e)``. Global sample ``k`` is
+position ``k % N`` of epoch ``k // N``: the stream never ends and is a pure function of
+``(data, seq_len, seed)``.
+
+Window starts are found with a binary search over the documents' cumulative lengths
+(Megatron's "sample index"); that index and the two permutations are cached as ``.npy``
+files in ``PREFIX.lmforge-index/`` next to the data, keyed by the parameters and by the
+data files' size and modification time, so a change to either builds a new index (stale
+ones are removed). When the data directory is not writable the cache goes to the run's
+cache directory (or the system temporary directory). Every rank builds and writes the
+same bytes under a temporary name and renames it, so ranks need no coordination and a
+node-local disk works.
+
+With ``document_mask`` a window carries a segment id per position: positions restart at
+0 at each document start (the first piece restarts at 0 too), attention stays inside a
+document (a block-causal mask, built by the loader), and the target that would cross
+from one document into the next is ignored (-100). The window's loss and gradients are
+then exactly those of its document pieces run separately, weighted by their tokens.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections import OrderedDict
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from lmforge.data.errors import DataError
+from lmforge.data.indexed import IndexedDataset, bin_path, idx_path, strip_suffix, tmp_tag
+
+IGNORE_INDEX = -100
+INDEX_VERSION = 1
+
+
+# ------------------------------------------------------------------------------ rows
+
+def make_row(pieces: Sequence[np.ndarray], seq_len: int, document_mask: bool = False,
+             pad_id: int = 0) -> dict:
+    """One training row from consecutive token pieces (at most ``seq_len + 1`` tokens).
+
+    Returns numpy ``input_ids`` and ``labels`` (seq_len,), and with ``document_mask``
+    ``positions`` and ``segments`` (a segment id per position; the loader turns it into a
+    block-causal mask). Missing tokens at the end are padding: label -100, a segment of
+    their own.
+    """
+    tokens = np.concatenate([np.asarray(p, dtype=np.int64) for p in pieces]) if pieces \
+        else np.empty(0, dtype=np.int64)
+    n = len(tokens)
+    if n > seq_len + 1:
+        raise ValueError(f"{n} tokens do not fit a row of seq_len + 1 = {seq_len + 1}")
+    input_ids = np.full(seq_len, pad_id, dtype=np.int64)
+    labels = np.full(seq_len, IGNORE_INDEX, dtype=np.int64)
+    real = min(n, seq_len)  # positions holding a real token
+    input_ids[:real] = tokens[:real]
+    labels[:max(n - 1, 0)] = tokens[1:n]  # a short row's last token has no target
+    row = {"input_ids": input_ids, "labels": labels}
+    if not document_mask:
+        return row
+    lengths = np.array([len(p) for p in pieces if len(p)], dtype=np.int64)
+    seg = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)  # per token
+    segments = np.full(seq_len, len(lengths), dtype=np.int64)  # padding: its own segment
+    segments[:real] = seg[:real]
+    # A target belongs to the document of its input; one from the next document is dropped.
+    if n > 1:
+        crossing = np.zeros(seq_len, dtype=bool)
+        crossing[:n - 1] = seg[1:n] != seg[:n - 1]
+        labels[crossing] = IGNORE_INDEX
+    row["positions"] = positions_from_segments(segments)
+    row["segments"] = segments
+    return row
+
+
+def positions_from_segments(segments: np.ndarray) -> np.ndarray:
+    """0, 1, 2, ... restarting wherever the segment id changes."""
+    n = len(segments)
+    starts = np.flatnonzero(np.r_[True, segments[1:] != segments[:-1]])
+    run_lengths = np.diff(np.r_[starts, n])
+    return np.arange(n, dtype=np.int64) - np.repeat(starts, run_lengths)
+
+
+# ----------------------------------------------------------------------------- cache
+
+def data_stamp(*paths: str) -> dict:
+    """What identifies the data files cheaply: sizes and modification times."""
+    stamp = {}
+    for p in paths:
+        st = os.stat(p)
+        stamp[os.path.basename(p)] = [st.st_size, st.st_mtime_ns]
+    return stamp
+
+
+def cache_dir_for(data_path: str, suffix: str, fallback: Optional[Path]) -> Path:
+    """``DATA{suffix}/`` next to the data when writable, else under ``fallback`` (or the
+    system temporary directory), named by a hash of the data's absolute path."""
+    primary = Path(f"{data_path}{suffix}")
+    try:
+        primary.mkdir(parents=True, exist_ok=True)
+        probe = primary / f".probe{tmp_tag()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+        return primary
+    except OSError:
+        root = Path(fallback) if fallback is not None else \
+            Path(tempfile.gettempdir()) / "lmforge-cache"
+        tag = hashlib.sha1(os.path.abspath(data_path).encode()).hexdigest()[:16]
+        out = root / "data-index" / f"{Path(data_path).name}-{tag}"
+        out.mkdir(parents=True, exist_ok=True)
+        return out
+
+
+def keyed_dir(root: Path, params: dict, stamp: dict) -> Path:
+    """``root/<hash of params and data stamp>/`` with a meta.json; removes sibling
+    directories built for other versions of the same data (the data changed)."""
+    key = hashlib.sha1(json.dumps([params, stamp], sort_keys=True).encode()).hexdigest()[:16]
+    out = root / key
+    meta = out / "meta.json"
+    if not meta.is_file():
+        out.mkdir(parents=True, exist_ok=True)
+        _atomic_write(meta, json.dumps({"params": params, "data": stamp}, indent=1).encode())
+        for other in root.iterdir():
+            if other == out or not other.is_dir():
+                continue
+            try:
+                old = json.loads((other / "meta.json").read_text())
+                if old.get("data") != stamp:
+                    shutil.rmtree(other, ignore_errors=True)
+            except (OSError, ValueError):
+                pass
+    return out
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + tmp_tag())
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def save_npy(path: Path, array: np.ndarray) -> None:
+    tmp = path.with_name(path.name + tmp_tag())
+    with open(tmp, "wb") as f:
+        np.save(f, array)
+    os.replace(tmp, path)
+
+
+def load_or_build(path: Path, build) -> np.ndarray:
+    """The cached array at ``path`` (memory-mapped), built and saved on a miss."""
+    if path.is_file():
+        try:
+            return np.load(path, mmap_mode="r")
+        except (OSError, ValueError):
+            pass  # a damaged cache file is rebuilt
+    array = build()
+    try:
+        save_npy(path, array)
+    except OSError:
+        pass  # caching is an optimisation; a full disk must not stop training
+    return array
+
+
+def rng_for(seed: int, epoch: int, purpose: int) -> np.random.Generator:
+    return np.random.default_rng([seed, epoch, purpose])
+
+
+# ---------------------------------------------------------------------------- dataset
+
+class PretrainDataset:
+    """The never-ending sample stream of one indexed dataset; ``ds[k]`` is a row dict."""
+
+    _DOCS, _SAMPLES = 1, 2  # rng purposes
+
+    def __init__(self, prefix: str | Path, seq_len: int, seed: int = 0,
+                 document_mask: bool = False, pad_id: int = 0,
+                 cache_dir: Optional[Path] = None):
+        self.prefix = strip_suffix(prefix)
+        self.data = IndexedDataset(self.prefix)
+        self.seq_len, self.seed = int(seq_len), int(seed)
+        self.document_mask, self.pad_id = document_mask, int(pad_id)
+        total = self.data.num_tokens
+        self.samples_per_epoch = (total - 1) // self.seq_len if total else 0
+        if self.samples_per_epoch < 1:
+            raise DataError(f"{self.prefix}: {total} tokens, fewer than one window of "
+                            f"seq_len + 1 = {self.seq_len + 1}")
+        params = {"kind": "pretrain", "version": INDEX_VERSION, "seq_len": self.seq_len,
+                  "seed": self.seed}
+        root = cache_dir_for(self.prefix, ".lmforge-index", cache_dir)
+        self.cache = keyed_dir(root, params, data_stamp(idx_path(self.prefix),
+                                                        bin_path(self.prefix)))
+        self._epochs: OrderedDict[int, tuple] = OrderedDict()
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_epochs"] = OrderedDict()
+        return state
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Document lengths: one document per sequence, as in Megatron's GPTDataset."""
+        return self.data.sequence_lengths
+
+    @property
+    def num_tokens(self) -> int:
+        return self.data.num_tokens
+
+    def fingerprint(self) -> list:
+        return [self.samples_per_epoch, self.data.num_documents]
+
+    # -- the per-epoch index
+    def epoch_index(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(document order, window start locations (N, 2): [position in order, offset],
+        window visiting order) of ``epoch``."""
+        if epoch in self._epochs:
+            self._epochs.move_to_end(epoch)
+            return self._epochs[epoch]
+        order = load_or_build(self.cache / f"epoch-{epoch:06d}-docs.npy",
+                              lambda: self._doc_order(epoch))
+        starts = load_or_build(self.cache / f"epoch-{epoch:06d}-starts.npy",
+                               lambda: self._window_starts(order))
+        visit = load_or_build(self.cache / f"epoch-{epoch:06d}-visit.npy",
+                              lambda: self._visit_order(epoch))
+        self._epochs[epoch] = (order, starts, visit)
+        while len(self._epochs) > 2:
+            self._epochs.popitem(last=False)
+        return self._epochs[epoch]
+
+    def _doc_order(self, epoch: int) -> np.ndarray:
+        n = len(self.lengths)
+        dtype = np.int32 if n < 2 ** 31 else np.int64
+        return rng_for(self.seed, epoch, self._DOCS).permutation(n).astype(dtype)
+
+    def _window_starts(self, order: np.ndarray) -> np.ndarray:
+        cum = np.zeros(len(order) + 1, dtype=np.int64)
+        np.cumsum(self.lengths[order], out=cum[1:])
+        starts = np.arange(self.samples_per_epoch, dtype=np.int64) * self.seq_len
+        doc = np.searchsorted(cum, starts, side="right") - 1  # skips empty documents
+        return np.stack([doc, starts - cum[doc]], axis=1)
+
+    def _visit_order(self, epoch: int) -> np.ndarray:
+        return rng_for(self.seed, epoch, self._SAMPLES).permutation(self.samples_per_epoch)
+
+    # -- samples
+    def window_pieces(self, epoch: int, window: int) -> list[np.ndarray]:
+        """The document pieces that make up window ``window`` of ``epoch``."""
+        order, starts, _ = self.epoch_index(epoch)
+        pos, offset = int(starts[window, 0]), int(starts[window, 1])
+        need, pieces = self.seq_len + 1, []
+        while need > 0 and pos < len(order):
+            doc = self.data[int(order[pos])]
+            piece = doc[offset:offset + need]
+            if len(piece):
+                pieces.append(piece)
+                need -= len(piece)
+            pos, offset = pos + 1, 0
+        return pieces
+
+    def locate(self, k: int) -> tuple[int, int]:
+        """Global sample ``k`` -> (epoch, window)."""
+        epoch, position = divmod(int(k), self.samples_per_epoch)
+        return epoch, int(self.epoch_index(epoch)[2][position])
+
+    def __getitem__(self, k: int) -> dict:
+        epoch, window = self.locate(k)
+        return make_row(self.window_pieces(epoch, window), self.seq_len,
+                        self.document_mask, self.pad_id)
+
+
+class BlendedDataset:
+    """Several sample streams mixed by weight, deterministically.
+
+    The stream is cut into blocks of ``block`` samples. After ``b`` blocks dataset ``d``
+    has given exactly its largest-remainder share of ``w_d * b * block`` samples, and
+    inside a block its samples are spread evenly; so any ``k`` is found from its block
+    alone (no walk from the start) and the mix is exact to within one sample per block.
+    """
+
+    def __init__(self, datasets: list, weights: Sequence[float], block: int = 4096):
+        w = np.asarray(weights, dtype=np.float64)
+        if len(datasets) != len(w) or not len(w) or (w <= 0).any() or \
+                not np.isfinite(w).all():
+            raise DataError("data.blend: weights must be positive numbers, one per dataset")
+        self.datasets, self.weights = datasets, w / w.sum()
+        self.block = max(int(block), math.ceil(1 / self.weights.min()))
+        self._blocks: OrderedDict[int, tuple] = OrderedDict()
+
+    def fingerprint(self) -> list:
+        return [x for d in self.datasets for x in d.fingerprint()]
+
+    def _taken(self, blocks: int) -> np.ndarray:
+        """Samples given by each dataset after ``blocks`` blocks."""
+        exact = self.weights * (blocks * self.block)
+        taken = np.floor(exact).astype(np.int64)
+        short = blocks * self.block - int(taken.sum())
+        taken[np.argsort(-(exact - taken), kind="stable")[:short]] += 1
+        return taken
+
+    def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        if b not in self._blocks:
+            first, last = self._taken(b), self._taken(b + 1)
+            counts = last - first
+            which = np.repeat(np.arange(len(counts)), counts)
+            rank = np.concatenate([np.arange(n) for n in counts])
+            times = (rank + 0.5) / np.repeat(np.maximum(counts, 1), counts)
+            order = np.lexsort((which, times))
+            self._blocks[b] = (which[order], (first[which] + rank)[order])
+            while len(self._blocks) > 4:
+                self._blocks.popitem(last=False)
+        return self._blocks[b]
+
+    def source(self, k: int) -> tuple[int, int]:
+        """Global sample ``k`` -> (dataset, its own sample index)."""
+        b, i = divmod(int(k), self.block)
+        which, local = self._block(b)
+        return int(which[i]), int(local[i])
+
+    def __getitem__(self, k: int) -> dict:
+        d, local = self.source(k)
+        return self.datasets[d][local]

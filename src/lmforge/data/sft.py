@@ -1,0 +1,430 @@
+"""Supervised fine-tuning samples: chat templates, loss masks, packing.
+
+Input: JSON Lines, one sample per line, either ``{"prompt": ..., "response": ...}``
+(optional ``"system"``) or ``{"messages": [{"role": "system"|"user"|"assistant",
+"content": ...}, ...]}`` (an optional system message first, then user and assistant
+turns alternating; a trailing user turn has nothing to learn from and is dropped).
+
+Templates (``data.template``):
+
+* ``plain``   BOS, ``{system}\\n\\n``, ``{user}\\n``, ``{assistant}`` EOS per turn.
+* ``llama2``  ``<s>[INST] <<SYS>>\\n{system}\\n<</SYS>>\\n\\n{user} [/INST] {assistant}</s>``,
+  one ``<s>...</s>`` per turn (Meta's format; BOS/EOS are the tokenizer's).
+* ``llama3``  ``<|begin_of_text|>`` then per message ``<|start_header_id|>{role}
+  <|end_header_id|>\\n\\n{content}<|eot_id|>`` (the tokenizer must have those tokens).
+* a format string with ``{prompt}`` then ``{response}``, e.g.
+  ``"### Question:\\n{prompt}\\n\\n### Answer:\\n{response}"``, applied to each
+  user/assistant pair (a system message goes before the first prompt, ``{system}\\n\\n``)
+  and followed by EOS. Plain substitution, no Jinja; other braces are literal.
+
+Labels are -100 on every BOS, system, user and header token: only the assistant's
+content and its end-of-turn token (EOS, or ``<|eot_id|>`` for llama3) are trained on.
+Text pieces are tokenized one by one, as an inference server renders a prompt.
+
+Truncation: a sample longer than ``seq_len + 1`` tokens keeps its first ``seq_len + 1``
+(the end of the last answer is cut); a sample left with no trained target is dropped, and
+the count is reported. Batches are padded to ``seq_len`` (fixed shapes), with label -100.
+
+Packing (``data.pack``): samples are placed first-fit into rows of ``seq_len`` positions
+(16 rows open at a time, in the epoch's shuffled order). Each sample keeps its own
+positions from 0, attends only to itself (block-causal mask) and has no target from
+another sample, so a packed row gives the same loss and gradients as its samples alone.
+
+Tokenized samples and packing plans are cached like the pretraining index
+(``FILE.lmforge-sft/`` next to the data, or the fallback cache directory).
+"""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import warnings
+from collections import OrderedDict
+from pathlib import Path
+from typing import Iterator, Optional, Union
+
+import numpy as np
+
+from lmforge.data.errors import DataError
+from lmforge.data.indexed import IndexedDataset, IndexedDatasetWriter, exists, token_dtype
+from lmforge.data.pretrain import (
+    IGNORE_INDEX, cache_dir_for, data_stamp, keyed_dir, load_or_build,
+    positions_from_segments, rng_for, save_npy)
+
+TEMPLATES = ("plain", "llama2", "llama3")
+ROLES = ("system", "user", "assistant")
+SFT_CACHE_VERSION = 1
+LLAMA3_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+
+Piece = Union[str, int]  # text to tokenize, or a token id
+
+
+# --------------------------------------------------------------------------- records
+
+def record_messages(obj, where: str) -> list[dict]:
+    """A record as a checked list of messages; DataError ``where: reason`` if bad."""
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected a JSON object")
+    if "messages" in obj:
+        messages = obj["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise DataError(f"{where}: 'messages' must be a non-empty list")
+    elif "prompt" in obj or "response" in obj:
+        for key in ("prompt", "response"):
+            if not isinstance(obj.get(key), str):
+                raise DataError(f"{where}: {key!r} must be a string")
+        messages = [{"role": "user", "content": obj["prompt"]},
+                    {"role": "assistant", "content": obj["response"]}]
+        if obj.get("system") is not None:
+            messages.insert(0, {"role": "system", "content": obj["system"]})
+    else:
+        raise DataError(f"{where}: expected keys 'prompt' and 'response', or 'messages'")
+    out = []
+    for i, m in enumerate(messages, 1):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: message {i} needs a string 'content'")
+        role = m.get("role")
+        if role not in ROLES:
+            raise DataError(f"{where}: message {i} has role {role!r} (use "
+                            f"{', '.join(ROLES)})")
+        expected = ("system", "user") if not out else \
+            ("assistant",) if out[-1]["role"] == "user" else ("user",)
+        if role not in expected:
+            raise DataError(f"{where}: message {i} is {role!r}, expected "
+                            f"{' or '.join(map(repr, expected))} (a system message first, "
+                            "then user and assistant alternating)")
+        out.append({"role": role, "content": m["content"]})
+    while out and out[-1]["role"] != "assistant":
+        out.pop()
+    if not out:
+        raise DataError(f"{where}: no assistant message to train on")
+    return out
+
+
+# ------------------------------------------------------------------------- templates
+
+class ChatTemplate:
+    """Renders messages as (piece, trained) pairs; ``encode`` tokenizes them."""
+
+    def __init__(self, name: str):
+        self.name = name
+        if name not in TEMPLATES:
+            if "{" not in name:
+                raise DataError(f"data.template: {name!r} is not one of "
+                                f"{', '.join(TEMPLATES)} nor a format string")
+            p, r = name.find("{prompt}"), name.find("{response}")
+            if name.count("{prompt}") != 1 or name.count("{response}") != 1 or p > r:
+                raise DataError("data.template: a format string needs {prompt} and then "
+                                "{response}, once each")
+
+    # -- special tokens
+    def end_of_turn(self, tok) -> str:
+        """The token string that ends an assistant turn (for generation_config)."""
+        if self.name == "llama3":
+            return "<|eot_id|>"
+        return tok.decode([self._eos(tok)], skip_special=False)
+
+    def end_of_turn_id(self, tok) -> int:
+        if self.name == "llama3":
+            return self._special(tok, "<|eot_id|>")
+        return self._eos(tok)
+
+    def _eos(self, tok) -> int:
+        if tok.eos_id is None:
+            raise DataError(f"data.template: {self.name} needs an end-of-text token, and "
+                            "the tokenizer has none")
+        return tok.eos_id
+
+    def _special(self, tok, text: str) -> int:
+        i = tok.token_to_id(text)
+        if i is None:
+            raise DataError(f"data.template: {self.name} needs the token {text!r}, which the "
+                            "tokenizer lacks (use a Llama-3 tokenizer or another template)")
+        return i
+
+    # -- rendering
+    def pieces(self, messages: list[dict], tok) -> list[tuple[Piece, bool]]:
+        if self.name == "llama3":
+            return self._llama3(messages, tok)
+        system = messages[0]["content"] if messages[0]["role"] == "system" else None
+        turns = [m for m in messages if m["role"] != "system"]
+        pairs = [(turns[i]["content"], turns[i + 1]["content"])
+                 for i in range(0, len(turns), 2)]
+        out: list[tuple[Piece, bool]] = []
+        bos, eos = tok.bos_id, self._eos(tok)
+        if self.name == "llama2":
+            for n, (user, answer) in enumerate(pairs):
+                sys_text = f"<<SYS>>\n{system.strip()}\n<</SYS>>\n\n" if n == 0 and system \
+                    else ""
+                if bos is not None:
+                    out.append((bos, False))
+                out += [(f"[INST] {sys_text}{user.strip()} [/INST]", False),
+                        (f" {answer.strip()}", True), (eos, True)]
+            return out
+        if bos is not None:
+            out.append((bos, False))
+        if self.name == "plain":
+            if system:
+                out.append((f"{system}\n\n", False))
+            for user, answer in pairs:
+                out += [(f"{user}\n", False), (answer, True), (eos, True)]
+            return out
+        cut = self.name.index("{response}")
+        prompt_part, answer_suffix = self.name[:cut], self.name[cut + len("{response}"):]
+        for n, (user, answer) in enumerate(pairs):
+            prompt = f"{system}\n\n{user}" if n == 0 and system else user
+            out += [(prompt_part.replace("{prompt}", prompt), False),
+                    (answer + answer_suffix, True), (eos, True)]
+        return out
+
+    def _llama3(self, messages: list[dict], tok) -> list[tuple[Piece, bool]]:
+        start, end, eot = (self._special(tok, t) for t in LLAMA3_TOKENS)
+        out: list[tuple[Piece, bool]] = []
+        if tok.bos_id is not None:
+            out.append((tok.bos_id, False))
+        for m in messages:
+            trained = m["role"] == "assistant"
+            out += [(start, False), (m["role"], False), (end, False), ("\n\n", False),
+                    (m["content"], trained), (eot, trained)]
+        return out
+
+    def encode(self, messages: list[dict], tok) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids, trained flags) of one sample."""
+        return encode_many([self.pieces(messages, tok)], tok)[0]
+
+
+def encode_many(rendered: list[list[tuple[Piece, bool]]], tok
+                ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Tokenizes many rendered samples with one batched tokenizer call."""
+    texts = [p for pieces in rendered for p, _ in pieces if isinstance(p, str) and p]
+    encoded = iter(tok.encode_batch(texts)) if texts else iter(())
+    out = []
+    for pieces in rendered:
+        ids: list[int] = []
+        trained: list[bool] = []
+        for piece, flag in pieces:
+            part = [piece] if isinstance(piece, int) else (next(encoded) if piece else [])
+            ids += part
+            trained += [flag] * len(part)
+        out.append((np.asarray(ids, dtype=np.int64), np.asarray(trained, dtype=bool)))
+    return out
+
+
+def get_template(name: str) -> ChatTemplate:
+    return ChatTemplate(name)
+
+
+def end_of_turn_token(template: str, tokenizer) -> str:
+    """The string generation must stop on for models trained with ``template``."""
+    return ChatTemplate(template).end_of_turn(tokenizer)
+
+
+# ---------------------------------------------------------------------------- reading
+
+def iter_jsonl(path: Path) -> Iterator[tuple[int, object]]:
+    """(line number, parsed object) for each non-blank line; DataError file:line."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{n}: not valid UTF-8 (byte "
+                                f"0x{e.object[e.start]:02x} at column {e.start + 1})") from None
+            try:
+                yield n, json.loads(text)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{n}: not valid JSON ({e.msg}, column "
+                                f"{e.colno})") from None
+
+
+def tokenizer_fingerprint(tok) -> str:
+    inner = getattr(tok, "_tok", None)
+    text = inner.to_str() if inner is not None else repr(
+        (tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id))
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def tokenize_file(path: Path, template: ChatTemplate, tok, out_dir: Path,
+                  batch: int = 256) -> None:
+    """Writes ``tokens`` and ``trained`` indexed datasets and ``first_trained.npy``
+    (index of each sample's first trained token after the first, -1 if none)."""
+    dtype = token_dtype(tok.vocab_size)
+    first: list[int] = []
+    with IndexedDatasetWriter(out_dir / "tokens", dtype) as tokens, \
+            IndexedDatasetWriter(out_dir / "trained", np.uint8) as trained:
+        pending: list = []
+
+        def flush():
+            for ids, flags in encode_many(pending, tok):
+                tokens.add_document(ids)
+                trained.add_document(flags.astype(np.uint8))
+                hits = np.flatnonzero(flags[1:])
+                first.append(int(hits[0]) + 1 if len(hits) else -1)
+            pending.clear()
+
+        for n, obj in iter_jsonl(path):
+            pending.append(template.pieces(record_messages(obj, f"{path}:{n}"), tok))
+            if len(pending) >= batch:
+                flush()
+        flush()
+    save_npy(out_dir / "first_trained.npy", np.asarray(first, dtype=np.int64))
+
+
+# -------------------------------------------------------------------------- rows
+
+def sft_row(samples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int,
+            packed: bool) -> dict:
+    """A padded row from one sample, or several packed ones (with segments/positions)."""
+    inputs, labels, lengths = [], [], []
+    for ids, trained in samples:
+        ids = np.asarray(ids[:seq_len + 1], dtype=np.int64)  # stored as uint16/int32
+        trained = np.asarray(trained[:seq_len + 1], dtype=bool)
+        inputs.append(ids[:-1])
+        labels.append(np.where(trained[1:], ids[1:], IGNORE_INDEX))
+        lengths.append(len(ids) - 1)
+    n = sum(lengths)
+    if n > seq_len:
+        raise ValueError(f"{n} positions do not fit seq_len {seq_len}")
+    input_ids = np.full(seq_len, pad_id, dtype=np.int64)
+    label_row = np.full(seq_len, IGNORE_INDEX, dtype=np.int64)
+    if n:
+        input_ids[:n] = np.concatenate(inputs)
+        label_row[:n] = np.concatenate(labels)
+    row = {"input_ids": input_ids, "labels": label_row}
+    if packed:
+        segments = np.full(seq_len, len(samples), dtype=np.int64)  # padding: own segment
+        segments[:n] = np.repeat(np.arange(len(samples)), lengths)
+        row["segments"] = segments
+        row["positions"] = positions_from_segments(segments)
+    return row
+
+
+def pack_first_fit(order: np.ndarray, sizes: np.ndarray, capacity: int,
+                   open_rows: int = 16) -> tuple[np.ndarray, np.ndarray]:
+    """Places samples (in ``order``) first-fit into rows of ``capacity`` positions,
+    keeping ``open_rows`` rows open. Returns (row offsets (rows + 1,), sample ids)."""
+    rows: list[list[int]] = []
+    used: list[int] = []
+    open_ids: list[int] = []
+    for i in order.tolist():
+        size = int(sizes[i])
+        for r in open_ids:
+            if used[r] + size <= capacity:
+                rows[r].append(i)
+                used[r] += size
+                break
+        else:
+            rows.append([i])
+            used.append(size)
+            open_ids.append(len(rows) - 1)
+            if len(open_ids) > open_rows:
+                open_ids.pop(0)
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum([len(r) for r in rows], out=offsets[1:])
+    items = np.fromiter((i for r in rows for i in r), dtype=np.int64, count=int(offsets[-1]))
+    return offsets, items
+
+
+# -------------------------------------------------------------------------- dataset
+
+class SFTDataset:
+    """The never-ending stream of SFT rows: epoch ``e`` shuffles the samples with
+    ``(seed, e)`` (and packs them when ``pack``); ``ds[k]`` is global row ``k``."""
+
+    _ORDER = 3  # rng purpose
+
+    def __init__(self, path: str | Path, tokenizer, template: str, seq_len: int,
+                 seed: int = 0, pack: bool = False, cache_dir: Optional[Path] = None):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise DataError(f"data.path: {self.path}: no such file (SFT data is JSON Lines)")
+        self.template = ChatTemplate(template)
+        self.seq_len, self.seed, self.pack = int(seq_len), int(seed), bool(pack)
+        self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
+        self.end_of_turn_id = self.template.end_of_turn_id(tokenizer)
+        params = {"kind": "sft", "version": SFT_CACHE_VERSION, "template": template,
+                  "tokenizer": tokenizer_fingerprint(tokenizer)}
+        root = cache_dir_for(str(self.path), ".lmforge-sft", cache_dir)
+        self.cache = keyed_dir(root, params, data_stamp(str(self.path)))
+        if not (exists(self.cache / "tokens") and exists(self.cache / "trained")
+                and (self.cache / "first_trained.npy").is_file()):
+            tokenize_file(self.path, self.template, tokenizer, self.cache)
+        self.tokens = IndexedDataset(self.cache / "tokens")
+        self.trained = IndexedDataset(self.cache / "trained")
+        first = np.load(self.cache / "first_trained.npy")
+        # A sample is usable if a trained token survives truncation to seq_len + 1.
+        self.rows = np.flatnonzero((first >= 1) & (first <= self.seq_len))
+        self.dropped = len(first) - len(self.rows)
+        if not len(self.rows):
+            raise DataError(f"{self.path}: no sample has a trained token within the first "
+                            f"seq_len + 1 = {self.seq_len + 1} tokens")
+        if self.dropped:
+            warnings.warn(f"{self.path}: {self.dropped} of {len(first)} samples dropped (no "
+                          f"assistant token within seq_len + 1 = {self.seq_len + 1} tokens)",
+                          stacklevel=2)
+        self.sizes = np.minimum(self.tokens.sequence_lengths.astype(np.int64),
+                                self.seq_len + 1) - 1  # positions each sample fills
+        self._epoch_starts = [0]  # global index of each epoch's first row
+        self._epochs: OrderedDict[int, tuple] = OrderedDict()
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_epochs"] = OrderedDict()
+        return state
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.rows)
+
+    def fingerprint(self) -> list:
+        return [len(self.rows), int(self.tokens.num_tokens)]
+
+    def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.tokens[i].astype(np.int64), self.trained[i].astype(bool)
+
+    def epoch_plan(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(row offsets, sample ids) of ``epoch``: row r holds ids[offsets[r]:offsets[r+1]]."""
+        if epoch not in self._epochs:
+            order = self.rows[rng_for(self.seed, epoch, self._ORDER).permutation(len(self.rows))]
+            if self.pack:
+                plan = load_or_build(
+                    self.cache / f"pack-s{self.seq_len}-seed{self.seed}-epoch{epoch:06d}.npy",
+                    lambda: self._packed(order))
+                n_rows = int(plan[0])  # stored as [rows, offsets..., sample ids...]
+                offsets, items = plan[1:n_rows + 2], plan[n_rows + 2:]
+            else:
+                offsets, items = np.arange(len(order) + 1), order
+            self._epochs[epoch] = (np.asarray(offsets), np.asarray(items))
+            while len(self._epochs) > 2:
+                self._epochs.popitem(last=False)
+        return self._epochs[epoch]
+
+    def _packed(self, order: np.ndarray) -> np.ndarray:
+        offsets, items = pack_first_fit(order, self.sizes, self.seq_len)
+        return np.concatenate([[len(offsets) - 1], offsets, items]).astype(np.int64)
+
+    def rows_in_epoch(self, epoch: int) -> int:
+        return len(self.epoch_plan(epoch)[0]) - 1
+
+    def locate(self, k: int) -> tuple[int, int]:
+        """Global row ``k`` -> (epoch, row in that epoch)."""
+        k = int(k)
+        if not self.pack:
+            return divmod(k, len(self.rows))
+        while self._epoch_starts[-1] <= k:  # packed epochs differ in length
+            e = len(self._epoch_starts) - 1
+            self._epoch_starts.append(self._epoch_starts[-1] + self.rows_in_epoch(e))
+        e = int(np.searchsorted(self._epoch_starts, k, side="right")) - 1
+        return e, k - self._epoch_starts[e]
+
+    def samples_of(self, k: int) -> list[int]:
+        epoch, r = self.locate(k)
+        offsets, items = self.epoch_plan(epoch)
+        return items[offsets[r]:offsets[r + 1]].tolist()
+
+    def __getitem__(self, k: int) -> dict:
+        return sft_row([self.sample(i) for i in self.samples_of(k)], self.seq_len,
+                       self.pad_id, self.pack)

@@ -1,0 +1,123 @@
+"""The MMIDIDX writer and reader, and interchange with Megatron-LM's own classes."""
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+from lmforge.data.errors import DataError
+from lmforge.data.indexed import (IndexedDataset, IndexedDatasetWriter, bin_path, idx_path,
+                                  token_dtype)
+
+
+def _random_docs(n, vocab, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, size=rng.integers(1, 50)) for _ in range(n)]
+
+
+def test_token_dtype_follows_vocab_size():
+    assert token_dtype(32000) == np.uint16
+    assert token_dtype(65499) == np.uint16
+    assert token_dtype(65500) == np.int32
+    assert token_dtype(128256) == np.int32
+
+
+def test_roundtrip_and_layout(tmp_path):
+    docs = _random_docs(100, 1000)
+    prefix = tmp_path / "d"
+    with IndexedDatasetWriter(prefix, np.uint16) as w:
+        for d in docs:
+            w.add_document(d)
+    ds = IndexedDataset(prefix)
+    assert len(ds) == ds.num_documents == 100
+    assert ds.dtype == np.uint16
+    assert ds.num_tokens == sum(len(d) for d in docs)
+    for i, d in enumerate(docs):
+        np.testing.assert_array_equal(ds[i], d)
+        np.testing.assert_array_equal(ds.document(i), d)
+    np.testing.assert_array_equal(ds.get(3, 1, 2), docs[3][1:3])
+    # zero-copy: views into the memory map of .bin
+    assert not ds[5].flags.owndata and isinstance(ds.tokens, np.memmap)
+    # the raw header, byte for byte
+    raw = open(idx_path(prefix), "rb").read()
+    assert raw[:9] == b"MMIDIDX\x00\x00"
+    assert struct.unpack("<QBQQ", raw[9:34]) == (1, 8, 100, 101)
+    assert len(raw) == 34 + 100 * 12 + 101 * 8
+    assert not list(tmp_path.glob("*.tmp-*"))
+
+
+def test_multi_sequence_documents_and_spill(tmp_path, monkeypatch):
+    monkeypatch.setattr(IndexedDatasetWriter, "_SPILL_ITEMS", 7)  # force side-file spills
+    rng = np.random.default_rng(1)
+    prefix = tmp_path / "m"
+    expected = []
+    with IndexedDatasetWriter(prefix, np.int32) as w:
+        w.add_documents(np.arange(10), np.array([3, 7]))
+        expected += [np.arange(3), np.arange(3, 10)]
+        for _ in range(20):
+            parts = [rng.integers(0, 99999, size=rng.integers(1, 5)) for _ in range(3)]
+            w.add_document(np.concatenate(parts), [len(p) for p in parts])
+            expected.append(np.concatenate(parts))
+    ds = IndexedDataset(prefix)
+    assert ds.num_documents == 22 and len(ds) == 2 + 60
+    for d, doc in enumerate(expected):
+        np.testing.assert_array_equal(ds.document(d), doc)
+
+
+def test_abort_leaves_nothing(tmp_path):
+    prefix = tmp_path / "x"
+    with pytest.raises(RuntimeError):
+        with IndexedDatasetWriter(prefix) as w:
+            w.add_document([1, 2, 3])
+            raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_reader_errors(tmp_path):
+    with pytest.raises(DataError, match="not found"):
+        IndexedDataset(tmp_path / "missing")
+    prefix = tmp_path / "bad"
+    with IndexedDatasetWriter(prefix) as w:
+        w.add_document([1, 2, 3, 4])
+    data = bytearray(open(idx_path(prefix), "rb").read())
+    open(idx_path(prefix), "wb").write(b"NOTANIDX!" + data[9:])
+    with pytest.raises(DataError, match="bad header"):
+        IndexedDataset(prefix)
+    open(idx_path(prefix), "wb").write(bytes(data))
+    open(bin_path(prefix), "wb").write(b"\x00\x00")
+    with pytest.raises(DataError, match="truncated"):
+        IndexedDataset(prefix)
+
+
+def test_megatron_reads_ours(tmp_path, megatron):
+    docs = _random_docs(50, 30000, seed=2)
+    prefix = str(tmp_path / "ours")
+    with IndexedDatasetWriter(prefix, token_dtype(30000)) as w:
+        for d in docs:
+            w.add_document(d)
+    theirs = megatron.IndexedDataset(prefix)
+    assert len(theirs) == 50
+    np.testing.assert_array_equal(theirs.document_indices, np.arange(51))
+    for i, d in enumerate(docs):
+        np.testing.assert_array_equal(theirs[i], d)
+        assert theirs[i].dtype == np.uint16
+
+
+def test_we_read_megatrons(tmp_path, megatron):
+    import torch
+
+    docs = _random_docs(40, 100000, seed=3)
+    prefix = str(tmp_path / "theirs")
+    builder = megatron.IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    for d in docs[:20]:
+        builder.add_item(torch.tensor(d))
+        builder.end_document()
+    for d in docs[20:]:  # two sequences per document, as with sentence splitting
+        cut = len(d) // 2
+        builder.add_document(d, [cut, len(d) - cut])
+    builder.finalize(prefix + ".idx")
+    ours = IndexedDataset(prefix)
+    assert ours.dtype == np.int32 and ours.num_documents == 40 and len(ours) == 60
+    for i, d in enumerate(docs):
+        np.testing.assert_array_equal(ours.document(i), d)
