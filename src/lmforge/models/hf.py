@@ -325,7 +325,7 @@ def save_hf_model(model: Llama, out_dir: str | Path, tokenizer=None,
         write_safetensors_shards(sd, tmp, max_shard_bytes)
         if tokenizer is not None:
             tokenizer.save(tmp)
-        _replace_dir(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -367,7 +367,9 @@ def _check_replaceable(out: Path) -> None:
                                 f"refusing to replace it")
 
 
-def _replace_dir(tmp: Path, out: Path) -> None:
+def replace_dir(tmp: Path, out: Path) -> None:
+    """Swap a finished temporary directory into place (two renames; a reader sees the
+    old or the new directory, never a partial one)."""
     if not out.exists():
         os.replace(tmp, out)
         return

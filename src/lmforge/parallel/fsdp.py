@@ -44,24 +44,3 @@ def _prefetch_neighbours(layers: list[nn.Module]) -> None:
             layer.set_modules_to_forward_prefetch([layers[i + 1]])
         if i > 0:
             layer.set_modules_to_backward_prefetch([layers[i - 1]])
-
-
-def _prefetch_neighbours(layers: list[nn.Module]) -> None:
-    """Issue the all-gather of the next block (previous one in backward) while the
-    current one computes, explicitly rather than relying on FSDP's implicit ordering."""
-    if not layers or not hasattr(layers[0], "set_modules_to_forward_prefetch"):
-        return
-    for i, layer in enumerate(layers):
-        if i + 1 < len(layers):
-            layer.set_modules_to_forward_prefetch([layers[i + 1]])
-        if i > 0:
-            layer.set_modules_to_backward_prefetch([layers[i - 1]])
-
-
-def _sum_gradients(module: nn.Module) -> None:
-    """FSDP averages gradients over data-parallel ranks by default; our loss is already
-    divided by the global token count, so the gradients must be summed instead."""
-    if hasattr(module, "set_gradient_divide_factor"):
-        module.set_gradient_divide_factor(1.0)
-    else:  # torch < 2.8
-        module.set_reduce_scatter_divide_factor(1.0)

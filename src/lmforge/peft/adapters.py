@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from lmforge.models.hf import replace_dir
 from lmforge.peft.lora import LoraError, LoraLinear, apply_lora, lora_layers
 from lmforge.peft.quant import QuantizedLinear
 
@@ -104,7 +105,7 @@ def save_adapter(model: nn.Module, out_dir: str | Path, base_model_path: Optiona
     try:
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         save_file(sd, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        _replace_dir(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -271,16 +272,6 @@ def _local_device(t: torch.Tensor) -> torch.device:
 def _full(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def _replace_dir(tmp: Path, out: Path) -> None:
-    if not out.exists():
-        os.replace(tmp, out)
-        return
-    old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-    os.replace(out, old)
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 # ------------------------------------------------------------------- merged export
