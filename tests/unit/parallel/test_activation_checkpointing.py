@@ -30,3 +30,9 @@ def test_checkpointing_keeps_parameter_names_and_gradients(mode):
     assert loss_a.item() == pytest.approx(loss_b.item(), rel=1e-6)
     for (name, a), b in zip(plain.named_parameters(), wrapped.parameters()):
         torch.testing.assert_close(a.grad, b.grad, msg=lambda m: f"{name}: {m}")
+
+
+def test_compile_per_block_keeps_parameter_names():
+    compiled = _model("none")
+    apply_model_parallel(compiled, None, load_config(None, ["train.compile=true"]))
+    assert list(compiled.state_dict()) == list(_model("none").state_dict())
