@@ -11,7 +11,7 @@ from lmforge.data.text import split_files, stdlib_files, text_windows_for_eval, 
 from lmforge.data.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
-STEPS = 80
+STEPS = 100
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,10 @@ def test_demo_writes_the_run_directory_contract(demo_run):
 def test_demo_lowers_the_loss_by_two_nats(demo_run):
     out, _ = demo_run
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert records[0]["loss"] - records[-1]["loss"] >= 2.0, [r["loss"] for r in records]
+    # Batches differ in difficulty (stdlib files vary), so the end of the run is the
+    # mean of its last three logged steps.
+    end = sum(r["loss"] for r in records[-3:]) / 3
+    assert records[0]["loss"] - end >= 2.0, [r["loss"] for r in records]
 
 
 def test_export_loss_in_transformers_equals_lmforge_eval(demo_run, tmp_path):
