@@ -190,10 +190,13 @@ class Weights:
 
 
 def _frozen_dtype(setup: Setup) -> str:
-    """Storage of frozen, unquantized weights: fp32 as the trainer loads them, unless the
-    LoRA spec says otherwise (``--base-dtype bf16``)."""
+    """Storage of frozen, unquantized projection weights, as the trainer keeps them: bf16
+    for a LoRA run computing in bf16 without quantization (``frozen_linears_to_bf16``),
+    else fp32; ``--base-dtype`` overrides."""
     if setup.lora is not None and setup.lora.base_dtype:
         return str(setup.lora.base_dtype)
+    if setup.lora is not None and not setup.lora.quantize and setup.compute == "bf16":
+        return "bf16"
     return "fp32"
 
 
@@ -225,7 +228,8 @@ def stage_weights(setup: Setup, stage: int) -> Weights:
                 w.matmul_trainable_fp32 += n
         else:
             w.frozen_params += n
-            w.frozen_bytes += frozen_b * n if storage is None else storage
+            # only projections change storage: embeddings and norms stay fp32
+            w.frozen_bytes += (frozen_b if matmul else 4) * n if storage is None else storage
             if matmul and storage is None and frozen_b == 4:
                 w.matmul_frozen_fp32 += n
 
@@ -245,8 +249,11 @@ def stage_weights(setup: Setup, stage: int) -> Weights:
                 add(rank * (n_in + n_out / tp), True, True)
             if name == "down_proj":
                 w.down_trainable = (trains * n_in * n_out + rank * (n_in + n_out)) // tp
-                copied = trains or rank or (not quant and frozen_b == 4)
-                w.down_copy = 2.0 * n_in * n_out / tp if copied and setup.autocast else 0.0
+                # bf16 copies autocast makes for down_proj, freed after its backward:
+                # the weight's if it is fp32 (trained, or frozen fp32), and the adapter's
+                base = n_in * n_out if trains or (not quant and frozen_b == 4) else 0
+                copied = (base + rank * (n_in + n_out)) / tp
+                w.down_copy = 2.0 * copied if setup.autocast else 0.0
         add(2 * a.dim, tr.norms, False)
         w.block_trainable = w.trainable_params - before[0]
         w.block_total = w.trainable_params + w.frozen_params - before[1]
@@ -258,7 +265,7 @@ def stage_weights(setup: Setup, stage: int) -> Weights:
         tied = a.tie_embeddings and setup.pp == 1
         if not tied:  # (tied: the embedding's storage, already counted)
             add(a.vocab_size * a.dim / tp, tr.head, True)
-        if tr.head or frozen_b == 4:
+        if tr.head or frozen_b == 4 or tied:  # (a tied head is the fp32 embedding)
             w.head_copy = 2.0 * a.vocab_size * a.dim / tp
     w.matmul_trainable_fp32, w.matmul_frozen_fp32 = block_copies
     if not setup.autocast:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from lmforge.models.hf import replace_dir
-from lmforge.peft.lora import LoraError, LoraLinear, apply_lora, lora_layers
+from lmforge.peft.lora import LoraLinear, apply_lora, lora_layers
 from lmforge.peft.quant import QuantizedLinear
 
 ADAPTER_CONFIG = "adapter_config.json"

@@ -20,6 +20,7 @@ from lmforge.parallel.parallelize import checkpoint_forward
 from lmforge.peft.lora import after_materialize, prepare_model_for_lora
 from lmforge.train import metrics as M
 from lmforge.train.optim import build_optimizer
+from lmforge.train.model_setup import frozen_linears_to_bf16
 from lmforge.train.step import accumulate_gradients
 
 TOLERANCE = 0.15
@@ -45,6 +46,8 @@ def measure_step(lora: bool, ckpt: bool, micro_batch: int, bf16: bool = False,
     materialize(model, "cpu")
     if lora:
         after_materialize(model, cfg.lora)
+        if bf16 and not quantize:  # as the trainer stores a frozen base under bf16
+            frozen_linears_to_bf16(model)
     model.train()
     optimizer = build_optimizer(model, cfg.optim)
     autocast = (functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16) if bf16

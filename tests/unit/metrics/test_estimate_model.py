@@ -79,7 +79,7 @@ def test_eager_attention_adds_the_quadratic_term():
 
 
 def test_lora_and_quantized_base():
-    spec = M.LoraSpec(rank=8, targets=("q_proj", "v_proj"))
+    spec = M.LoraSpec(rank=8, targets=("q_proj", "v_proj"), base_dtype="fp32")
     lora = setup_7b(lora=spec, trainable=M.Trainability.lora(spec))
     w = E.stage_weights(lora, 0)
     assert w.trainable_params == 32 * 2 * 8 * (4096 + 4096)
@@ -90,6 +90,21 @@ def test_lora_and_quantized_base():
              for name, s in (("fp32", spec), ("bf16", bf16), ("int8", int8), ("nf4", nf4))}
     assert sizes["fp32"] > sizes["bf16"] > sizes["int8"] > sizes["nf4"]
     assert 3.3 < sizes["nf4"] < 4.5 and 6.0 < sizes["int8"] < 7.5  # + embedding/head fp32
+
+
+def test_lora_base_storage_defaults_to_what_the_trainer_keeps():
+    # bf16 compute stores frozen projections in bf16 (frozen_linears_to_bf16); fp32
+    # compute, or a quantized base, leaves the rest of the frozen weights in fp32
+    spec = M.LoraSpec(rank=8, targets=("q_proj", "v_proj"))
+    trainable = M.Trainability.lora(spec)
+    auto_bf16 = E.stage_weights(setup_7b(lora=spec, trainable=trainable), 0)
+    explicit = E.stage_weights(setup_7b(lora=dataclasses.replace(spec, base_dtype="bf16"),
+                                        trainable=trainable), 0)
+    fp32 = E.stage_weights(setup_7b(lora=spec, trainable=trainable, compute="fp32"), 0)
+    assert auto_bf16.frozen_bytes == explicit.frozen_bytes
+    embedding_and_head = 2 * 32000 * 4096
+    assert auto_bf16.frozen_bytes > 2 * auto_bf16.frozen_params + embedding_and_head
+    assert fp32.frozen_bytes == 4 * fp32.frozen_params
 
 
 def test_largest_micro_batch_that_fits():
