@@ -45,6 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--compile", action="store_true", help="torch.compile lmforge's blocks")
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--loss-chunk-tokens", type=int, default=0,
+                   help="lmforge's train.loss_chunk_tokens (0: whole micro-batch logits)")
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--side", choices=("lmforge", "reference"), help=argparse.SUPPRESS)
@@ -87,12 +89,12 @@ def build_lmforge(args, model_args: LlamaArgs, device):
     else:
         materialize(model, device)
     apply_model_parallel(model, None, cfg)
-    from lmforge.train.step import token_loss_sum
+    from lmforge.train.step import micro_batch_loss_sum
 
     def step(ids, labels):
-        with autocast(device):
-            logits = model(ids)
-        loss = token_loss_sum(logits, labels) / labels.numel()
+        batch = {"input_ids": ids, "labels": labels}
+        loss = micro_batch_loss_sum(model, batch, device, lambda: autocast(device),
+                                    args.loss_chunk_tokens) / labels.numel()
         loss.backward()
         return loss
 

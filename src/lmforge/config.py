@@ -113,6 +113,9 @@ class TrainConfig:
     # Write checkpoints in the background (training waits only for the copy to CPU).
     async_checkpoint: bool = False
     on_nonfinite: str = "stop"  # a NaN/Inf loss or grad norm: skip the step | stop
+    # Apply the output layer and the loss this many tokens at a time, recomputing each
+    # chunk's logits in backward (0: the whole micro-batch's logits at once).
+    loss_chunk_tokens: int = 0
 
 
 @dataclass
@@ -299,7 +302,7 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
               "train.log_every", "data.tokenizer_vocab_size")
     _non_negative(cfg, "optim.weight_decay", "optim.grad_clip", "optim.warmup_steps",
                   "train.checkpoint_every", "train.eval_every", "train.keep_last",
-                  "train.threads", "data.num_workers")
+                  "train.threads", "data.num_workers", "train.loss_chunk_tokens")
     if not cfg.optim.lr > 0:
         raise ConfigError(f"optim.lr: must be > 0, got {cfg.optim.lr}")
     if not 0 <= cfg.optim.min_lr_ratio <= 1:
@@ -322,6 +325,11 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
                           "(use data parallelism / FSDP2 for LoRA)")
     if cfg.lora.quantize and world_size > 1:
         raise ConfigError("lora.quantize: quantized (QLoRA) bases train in one process")
+    if cfg.train.loss_chunk_tokens and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
+        # tp: the vocab-parallel loss already splits the logits tp ways; pp: the last
+        # stage's schedule owns the loss
+        raise ConfigError("train.loss_chunk_tokens: supported with data parallelism / FSDP "
+                          "only (set it to 0 with parallel.tp > 1 or parallel.pp > 1)")
 
 
 def _validate_batch(cfg: JobConfig, world_size: int) -> None:

@@ -72,6 +72,7 @@ class Setup:
     pp_virtual_stages: int = 1
     microbatches: int = 1  # micro-batches per optimizer step (accumulation / pipeline)
     attention: str = "sdpa"  # sdpa (flash/efficient kernels) | eager (HF-style, S x S saved)
+    loss_chunk_tokens: int = 0  # train.loss_chunk_tokens: logits made per chunk, recomputed
     notes: list = field(default_factory=list)  # assumptions worth printing
 
     def __post_init__(self):
@@ -152,7 +153,7 @@ def setup_from_config(cfg, device: Optional[str] = None, world_size: Optional[in
                  sequence_parallel=p.sequence_parallel, pp_schedule=p.pp_schedule,
                  pp_virtual_stages=p.pp_virtual_stages,
                  microbatches=p.microbatches or accumulation, attention=attention,
-                 notes=notes)
+                 loss_chunk_tokens=cfg.train.loss_chunk_tokens, notes=notes)
 
 
 # ------------------------------------------------------------------ parameter counts
@@ -431,7 +432,7 @@ class Activations:
     other_terms: list
     layer_input: float  # what checkpointing keeps per layer
     head_saved: float  # final norm + output-linear inputs
-    logits: float  # (V) in the activation dtype, held by the step through backward
+    logits: float  # (V) in the activation dtype, until the loss is computed
     log_softmax: float
     model_level: float  # the batch's ids and labels
     grad_transient: float  # gradient buffers at the MLP's elementwise backward
@@ -612,25 +613,29 @@ def estimate_stage(setup: Setup, stage: int) -> MemoryEstimate:
         scratch = DEQUANT_SCRATCH_BYTES[s.lora.quantize] * w.largest_quantized
     T = tokens
     C = act.logits / max(s.args.vocab_size / s.tp, 1)  # bytes per logit
+    # The logits die with the loss function (its backward keeps the log-softmax, not
+    # them). Chunked loss: one chunk's logits at a time (recomputed in backward), and the
+    # head's autocast weight copy made per chunk too.
+    T_head = min(s.loss_chunk_tokens, T) if s.loss_chunk_tokens else T
+    head_copy_held = 0.0 if s.loss_chunk_tokens else w.head_copy
 
     static = {"weights (trainable)": weights_trainable, "weights (frozen base)": weights_frozen,
               "optimizer states": states}
     phases = {
         "forward end": {
             "activations": T * (resident + head + model_level),
-            "loss head (logits, log-softmax)": T * (logits + lsm
-                                                     + (4 * s.args.vocab_size / s.tp
-                                                        if C == 2 and last else 0)),
-            "autocast weight copies": cache + frozen_copies + w.head_copy,
+            "loss head (logits, log-softmax)": T_head * (logits + lsm
+                                                          + (4 * s.args.vocab_size / s.tp
+                                                             if C == 2 and last else 0)),
+            "autocast weight copies": cache + frozen_copies + head_copy_held,
             "FSDP unsharded parameters": fsdp},
         "backward: loss": {
             "activations": T * (resident + head + model_level),
-            "loss head (logits, log-softmax)": T * (logits + lsm + 2 * lsm),
+            "loss head (logits, log-softmax)": T_head * 3 * lsm,  # + its grad, logits' grad
             "autocast weight copies": block_saved + w.head_copy,
             "FSDP unsharded parameters": fsdp},
         "backward: last block": {
             "activations": T * (resident + recompute + model_level - act.mlp_freed),
-            "loss head (logits, log-softmax)": T * logits,
             "autocast weight copies": (block_saved + (copies_layer if ckpt else 0.0)
                                        - w.down_copy),
             "gradients": g_head + g_down,
@@ -639,7 +644,6 @@ def estimate_stage(setup: Setup, stage: int) -> MemoryEstimate:
             "FSDP unsharded parameters": fsdp},
         "backward: first block": {
             "activations": T * (resident_one + recompute + model_level - act.mlp_freed),
-            "loss head (logits, log-softmax)": T * logits,
             "autocast weight copies": max(copies_layer - w.down_copy, 0.0),
             "gradients": g_head + (layers - 1) * g_block + g_down,
             "backward buffers": T * act.grad_transient,

@@ -32,6 +32,8 @@ def _train(out, overrides, nproc):
 LAYOUTS = {
     "fsdp_zero3_dp2": (2, ["parallel.dp_shard=2", "parallel.zero=3"]),
     "fsdp_zero2_dp2": (2, ["parallel.dp_shard=2", "parallel.zero=2"]),
+    # the output layer applied 24 tokens at a time, outside the root module's forward
+    "fsdp_zero3_dp2_chunked_loss": (2, ["parallel.dp_shard=2", "train.loss_chunk_tokens=24"]),
     "ddp_dp2": (2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"]),
     "hsdp_2x2": (4, ["parallel.dp_replicate=2", "parallel.dp_shard=2"]),
     "tp2_sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),

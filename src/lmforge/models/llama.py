@@ -226,16 +226,20 @@ class Llama(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                mask: Optional[torch.Tensor] = None, caches: Optional[list[KVCache]] = None):
+                mask: Optional[torch.Tensor] = None, caches: Optional[list[KVCache]] = None,
+                head: bool = True):
         """tokens: (batch, seq) ids, or hidden states (batch, seq, dim) on a later pipeline
         stage. positions: (batch, seq), default 0..seq-1 after any cached ones. mask:
-        boolean (batch, 1, seq, keys), True = may attend; None = causal."""
+        boolean (batch, 1, seq, keys), True = may attend; None = causal. head=False stops
+        after the final norm, for a loss that applies ``output`` a chunk at a time."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for i, layer in enumerate(self.layers.values()):
             h = layer(h, positions, mask, caches[i] if caches else None)  # (batch, seq, dim)
         if self.norm is not None:
             h = self.norm(h)
-        return self.output(h) if self.output is not None else h  # (batch, seq, vocab)
+        if self.output is None or not head:
+            return h
+        return self.output(h)  # (batch, seq, vocab)
 
     @torch.no_grad()
     def init_weights(self) -> None:

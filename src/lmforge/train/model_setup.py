@@ -35,6 +35,7 @@ class TrainModel:
     mesh: object = None
     schedule: object = None  # pipeline schedule when pp > 1
     stage_ids: list[int] = field(default_factory=list)
+    loss_chunk_tokens: int = 0  # train.loss_chunk_tokens (one process, dp, FSDP only)
     _n_valid: int = 1
 
     @property
@@ -70,7 +71,7 @@ class TrainModel:
         with self.loss_context():
             if self.schedule is None:
                 return accumulate_gradients(self.parts[0], micro_batches, device, autocast,
-                                            n_valid, self.grad_scale)
+                                            n_valid, self.grad_scale, self.loss_chunk_tokens)
             return self._pipeline_step(micro_batches, n_valid, device, autocast)
 
     def _pipeline_step(self, micro_batches, n_valid, device, autocast) -> torch.Tensor:
@@ -100,7 +101,7 @@ class TrainModel:
 
     def evaluate(self, batches, device, autocast) -> tuple[float, int]:
         with self.loss_context():
-            return evaluate(self.parts[0], batches, device, autocast)
+            return evaluate(self.parts[0], batches, device, autocast, self.loss_chunk_tokens)
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:
@@ -118,7 +119,8 @@ def build_train_model(cfg: JobConfig, args: LlamaArgs, device: torch.device, mes
     else:
         stages = [(0, model)]
     tm = TrainModel([part for _, part in stages], args, dims, mesh,
-                    stage_ids=[i for i, _ in stages])
+                    stage_ids=[i for i, _ in stages],
+                    loss_chunk_tokens=cfg.train.loss_chunk_tokens)
     if cfg.lora.enabled:  # module swap on the meta model, before any sharding
         from lmforge.peft.lora import prepare_model_for_lora
 

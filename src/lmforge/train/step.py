@@ -12,14 +12,57 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 IGNORE_INDEX = -100
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum of cross-entropies over valid tokens, computed in fp32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(),
                            ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def chunked_loss_sum(output: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
+                     chunk_tokens: int, autocast=contextlib.nullcontext) -> torch.Tensor:
+    """``token_loss_sum(output(hidden), labels)`` without the whole micro-batch's logits.
+
+    The output layer and the loss run on ``chunk_tokens`` tokens at a time, each chunk
+    under activation checkpointing: only the chunk's hidden states are kept for backward,
+    and its logits (and their fp32 copy and softmax) are recomputed there, one chunk at a
+    time. With a large vocabulary those tensors are the biggest of the step (Llama 3:
+    128,256 logits per token, 0.5 MiB in fp32); the price is a second output matmul.
+    """
+    hidden, labels = hidden.flatten(0, -2), labels.flatten()
+
+    def chunk_loss(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with autocast():
+            logits = output(h)
+        return token_loss_sum(logits, y)
+
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        end = start + chunk_tokens
+        if not torch.is_grad_enabled():
+            total = total + chunk_loss(hidden[start:end], labels[start:end])
+            continue
+        total = total + checkpoint(chunk_loss, hidden[start:end], labels[start:end],
+                                   use_reentrant=False)
+    return total
+
+
+def micro_batch_loss_sum(model: nn.Module, batch: dict, device: torch.device,
+                         autocast=contextlib.nullcontext, loss_chunk_tokens: int = 0
+                         ) -> torch.Tensor:
+    """Forward one micro-batch and return the sum of its valid tokens' losses."""
+    labels = batch["labels"].to(device)
+    if loss_chunk_tokens:
+        with autocast():
+            hidden = model(**model_inputs(batch, device), head=False)  # (batch, seq, dim)
+        return chunked_loss_sum(model.output, hidden, labels, loss_chunk_tokens, autocast)
+    with autocast():
+        logits = model(**model_inputs(batch, device))  # (batch, seq, vocab)
+    return token_loss_sum(logits, labels)
 
 
 def _plain(x: torch.Tensor) -> torch.Tensor:
@@ -41,22 +84,21 @@ def model_inputs(batch: dict, device: torch.device) -> dict:
 
 def accumulate_gradients(model: nn.Module, micro_batches: list[dict], device: torch.device,
                          autocast=contextlib.nullcontext, n_valid: int | None = None,
-                         grad_scale: float = 1.0) -> torch.Tensor:
+                         grad_scale: float = 1.0, loss_chunk_tokens: int = 0) -> torch.Tensor:
     """Forward/backward over the micro-batches of one step; returns the step's loss.
 
     ``n_valid`` is the token count the loss is divided by: this step's valid tokens on
     every data-parallel rank together (the caller all-reduces it), else this rank's own.
     ``grad_scale`` multiplies what is back-propagated (not the returned loss), to undo a
-    data-parallel wrapper's gradient averaging.
+    data-parallel wrapper's gradient averaging. ``loss_chunk_tokens``: see
+    ``chunked_loss_sum`` (0: the whole micro-batch's logits at once).
     """
     if n_valid is None:
         n_valid = count_valid_tokens(micro_batches)
     n_valid = max(n_valid, 1)  # a step of only padding contributes zero, not NaN
     loss_sum = torch.zeros((), device=device)
     for batch in micro_batches:
-        with autocast():
-            logits = model(**model_inputs(batch, device))  # (batch, seq, vocab)
-        micro_loss = token_loss_sum(logits, batch["labels"].to(device))
+        micro_loss = micro_batch_loss_sum(model, batch, device, autocast, loss_chunk_tokens)
         (micro_loss * (grad_scale / n_valid)).backward()
         loss_sum += _plain(micro_loss.detach())
     return loss_sum / n_valid
@@ -64,16 +106,15 @@ def accumulate_gradients(model: nn.Module, micro_batches: list[dict], device: to
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: Iterable[dict], device: torch.device,
-             autocast=contextlib.nullcontext) -> tuple[float, int]:
+             autocast=contextlib.nullcontext, loss_chunk_tokens: int = 0) -> tuple[float, int]:
     """Mean per-token loss over every valid token of ``batches``, and the token count."""
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)
     tokens = 0
     for batch in batches:
-        with autocast():
-            logits = model(**model_inputs(batch, device))
-        total += _plain(token_loss_sum(logits, batch["labels"].to(device))).double()
+        loss = micro_batch_loss_sum(model, batch, device, autocast, loss_chunk_tokens)
+        total += _plain(loss).double()
         tokens += int((batch["labels"] != IGNORE_INDEX).sum())
     model.train(was_training)
     if tokens == 0:

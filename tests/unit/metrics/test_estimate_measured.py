@@ -31,13 +31,15 @@ SEQ = 64
 
 @functools.lru_cache(maxsize=None)
 def measure_step(lora: bool, ckpt: bool, micro_batch: int, bf16: bool = False,
-                 quantize=None, dropout: float = 0.0, targets=("q_proj", "v_proj")):
+                 quantize=None, dropout: float = 0.0, targets=("q_proj", "v_proj"),
+                 loss_chunk: int = 0, vocab: int = ARGS.vocab_size):
     """(measured peak bytes of step 2, the Setup describing the same run)."""
+    args = dataclasses.replace(ARGS, vocab_size=vocab)
     torch.manual_seed(0)
     cfg = JobConfig()
     cfg.lora.enabled, cfg.lora.quantize = lora, quantize
     cfg.lora.dropout, cfg.lora.targets = dropout, list(targets)
-    model = build_llama(ARGS)
+    model = build_llama(args)
     if lora:
         prepare_model_for_lora(model, cfg.lora)
     if ckpt:
@@ -52,12 +54,13 @@ def measure_step(lora: bool, ckpt: bool, micro_batch: int, bf16: bool = False,
     optimizer = build_optimizer(model, cfg.optim)
     autocast = (functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16) if bf16
                 else contextlib.nullcontext)
-    ids = torch.randint(0, ARGS.vocab_size, (micro_batch, SEQ))
+    ids = torch.randint(0, vocab, (micro_batch, SEQ))
     batch = {"input_ids": ids, "labels": ids.clone()}
     params = [p for p in model.parameters() if p.requires_grad]
 
     def step():
-        accumulate_gradients(model, [batch], torch.device("cpu"), autocast)
+        accumulate_gradients(model, [batch], torch.device("cpu"), autocast,
+                             loss_chunk_tokens=loss_chunk)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -72,7 +75,7 @@ def measure_step(lora: bool, ckpt: bool, micro_batch: int, bf16: bool = False,
     if lora:
         spec = M.LoraSpec(rank=cfg.lora.rank, targets=tuple(targets), quantize=quantize,
                           dropout=dropout)
-    setup = E.Setup(args=ARGS, seq_len=SEQ, micro_batch=micro_batch, device="cpu",
+    setup = E.Setup(args=args, seq_len=SEQ, loss_chunk_tokens=loss_chunk, micro_batch=micro_batch, device="cpu",
                     compute="bf16" if bf16 else "fp32",
                     checkpointing="full" if ckpt else "none",
                     trainable=M.Trainability.from_model(model), lora=spec)
@@ -83,7 +86,11 @@ MATRIX = [dict(lora=lora, ckpt=ckpt, micro_batch=mb)
           for lora in (False, True) for ckpt in (False, True) for mb in (1, 4)]
 EXTRA = [dict(lora=False, ckpt=False, micro_batch=4, bf16=True),
          dict(lora=True, ckpt=True, micro_batch=4, bf16=True),
-         dict(lora=True, ckpt=False, micro_batch=4, quantize="nf4", dropout=0.1)]
+         dict(lora=True, ckpt=False, micro_batch=4, quantize="nf4", dropout=0.1),
+         # a vocabulary large enough for the logits to dominate, whole and chunked
+         dict(lora=False, ckpt=True, micro_batch=4, vocab=8192),
+         dict(lora=False, ckpt=True, micro_batch=4, vocab=8192, loss_chunk=32),
+         dict(lora=True, ckpt=True, micro_batch=4, vocab=8192, loss_chunk=32, bf16=True)]
 
 
 @pytest.mark.parametrize("case", MATRIX + EXTRA,
