@@ -47,6 +47,10 @@ def parse_args(argv=None):
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--loss-chunk-tokens", type=int, default=0,
                    help="lmforge's train.loss_chunk_tokens (0: whole micro-batch logits)")
+    p.add_argument("--low-memory", action="store_true",
+                   help="full fine-tuning with bf16 weights on both sides; lmforge: bf16 "
+                        "AdamW states with stochastic rounding, step fused into backward; "
+                        "reference: torch AdamW on the bf16 weights after backward")
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--side", choices=("lmforge", "reference"), help=argparse.SUPPRESS)
@@ -137,9 +141,12 @@ def run_side(args) -> dict:
     model_args = PRESETS[args.preset]
     build = build_lmforge if args.side == "lmforge" else build_reference
     model, step = build(args, model_args, device)
+    if args.low_memory:
+        if args.method != "full":
+            raise SystemExit("--low-memory is for --method full")
+        model.to(torch.bfloat16)
     params = [p for p in model.parameters() if p.requires_grad]
-    fused = device.type == "cuda" and args.side == "lmforge"
-    optimizer = torch.optim.AdamW(params, lr=1e-5, fused=fused or None)
+    optimizer = build_optimizer(args, params, device)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model_args.vocab_size, (args.batch, args.seq_len + 1), generator=g)
     ids = ids.to(device)
@@ -151,8 +158,9 @@ def run_side(args) -> dict:
         _sync(device)
         start = time.perf_counter()
         step(inputs, labels)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if optimizer is not None:  # (None: each parameter was updated in backward)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         _sync(device)
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
@@ -165,6 +173,16 @@ def run_side(args) -> dict:
             "mfu": tokens_per_s * flops / peak if peak else None,
             "peak_mem_gib": M.peak_memory_gib(device),
             "trainable": sum(p.numel() for p in params)}
+
+
+def build_optimizer(args, params: list, device: torch.device):
+    if args.low_memory and args.side == "lmforge":
+        from lmforge.train.low_memory import AdamWBF16, fuse_step_into_backward
+
+        fuse_step_into_backward(AdamWBF16(params, lr=1e-5))
+        return None
+    fused = device.type == "cuda" and args.side == "lmforge"
+    return torch.optim.AdamW(params, lr=1e-5, fused=fused or None)
 
 
 def _sync(device):
@@ -191,7 +209,8 @@ def main(argv=None) -> int:
         return 0
     device = device_of(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
-    print(f"{args.preset} {args.method}, seq {args.seq_len}, batch {args.batch}, "
+    method = args.method + (" (low-memory: bf16 weights and states)" if args.low_memory else "")
+    print(f"{args.preset} {method}, seq {args.seq_len}, batch {args.batch}, "
           f"{args.steps} timed steps after {args.warmup} warm-up, on {name}")
     results = [run_child(argv, "lmforge"), run_child(argv, "reference")]
     print(format_table(results))
