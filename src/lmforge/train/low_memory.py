@@ -18,17 +18,26 @@ from typing import Iterable
 import torch
 
 
-def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator | None = None
-                             ) -> torch.Tensor:
-    """fp32 -> bf16, rounding up or down at random in proportion to the remainder."""
-    bits = x.float().contiguous().view(torch.int32)
-    noise = torch.randint(0, 1 << 16, bits.shape, device=x.device, dtype=torch.int32,
-                          generator=generator)
-    # Adding noise below the kept 16 bits and truncating carries into the kept part
-    # with probability (dropped bits / 2^16). Non-finite values pass through unchanged.
-    rounded = ((bits + noise) & -65536).view(torch.float32)
-    rounded = torch.where(torch.isfinite(x), rounded, x.float())
-    return rounded.to(torch.bfloat16)
+def rounding_noise(like: torch.Tensor, generator: torch.Generator | None = None
+                   ) -> torch.Tensor:
+    """Uniform integers in [0, 2^16), the random part of ``stochastic_round_to_bf16``."""
+    return torch.empty(like.shape, dtype=torch.int32, device=like.device).random_(
+        0, 1 << 16, generator=generator)
+
+
+def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator | None = None,
+                             noise: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 -> bf16, rounding up or down at random in proportion to the remainder.
+    ``noise``: from ``rounding_noise``, to share one draw between tensors."""
+    bits = x.to(torch.float32, copy=True).view(torch.int32)  # a private copy, edited in place
+    if noise is None:
+        noise = rounding_noise(bits, generator)
+    # Adding noise below the kept 16 bits and truncating carries into the kept part with
+    # probability (dropped bits / 2^16), away from zero for either sign. Infinities and
+    # NaNs stay non-finite: their exponent bits are all ones and the noise cannot carry
+    # out of the mantissa (a NaN whose payload is only in the low 16 bits becomes inf).
+    bits.add_(noise).bitwise_and_(-65536)
+    return bits.view(torch.float32).to(torch.bfloat16)
 
 
 class AdamWBF16(torch.optim.Optimizer):
@@ -64,18 +73,22 @@ class AdamWBF16(torch.optim.Optimizer):
         state["step"] += 1
         step = float(state["step"])
         g = p.grad.float()
-        m = state["exp_avg"].float().mul_(beta1).add_(g, alpha=1 - beta1)
+        m = state["exp_avg"].float().lerp_(g, 1 - beta1)
         v = state["exp_avg_sq"].float().mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        gen = self._generator(p.device)
-        state["exp_avg"].copy_(stochastic_round_to_bf16(m, gen))
-        state["exp_avg_sq"].copy_(stochastic_round_to_bf16(v, gen))
+        del g
+        # One draw of noise serves the moments and the weight: each rounding stays
+        # unbiased on its own, and random numbers are the costliest part on a CPU.
+        noise = rounding_noise(p, self._generator(p.device))
+        state["exp_avg"].copy_(stochastic_round_to_bf16(m, noise=noise))
+        state["exp_avg_sq"].copy_(stochastic_round_to_bf16(v, noise=noise))
         bias1, bias2 = 1 - beta1 ** step, 1 - beta2 ** step
-        w = p.float()
-        w.mul_(1 - group["lr"] * group["weight_decay"])
+        w = p.float() if p.dtype != torch.float32 else p
+        if group["weight_decay"]:
+            w.mul_(1 - group["lr"] * group["weight_decay"])
         w.addcdiv_(m, v.div_(bias2).sqrt_().add_(group["eps"]), value=-group["lr"] / bias1)
         if p.dtype == torch.bfloat16:
-            p.copy_(stochastic_round_to_bf16(w, gen))
-        else:
+            p.copy_(stochastic_round_to_bf16(w, noise=noise))
+        elif w is not p:
             p.copy_(w)
 
 
