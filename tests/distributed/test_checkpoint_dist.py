@@ -32,6 +32,7 @@ from lmforge.checkpoint import (AsyncCheckpointer, capture_rng, list_checkpoints
                                 save_checkpoint)
 from lmforge.config import OptimConfig  # noqa: E402
 from lmforge.models.llama import LlamaArgs, build_llama, materialize  # noqa: E402
+from lmforge.parallel import full_value  # noqa: E402
 from lmforge.train.optim import build_optimizer, build_scheduler  # noqa: E402
 
 ARGS = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=64,
@@ -108,10 +109,6 @@ def _full_state(model, optimizer) -> dict:
     options = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
     msd, osd = get_state_dict(model, optimizer, options=options)
     return {"model": msd, "optimizer": {k: v for k, v in osd.items() if torch.is_tensor(v)}}
-
-
-def _full(t):
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def worker_train(out: Path) -> None:
@@ -204,10 +201,10 @@ def worker_resume(out: Path) -> None:
         model, optimizer, _ = build(seed=7)
         load_checkpoint(single, model, optimizer)
         for name, value in model.state_dict().items():
-            assert torch.equal(_full(value), ref["model"][name]), name
+            assert torch.equal(full_value(value), ref["model"][name]), name
         state = _full_state(model, optimizer)["optimizer"]
         for name, value in ref["optimizer"].items():
-            assert torch.equal(_full(state[name]), value), name
+            assert torch.equal(full_value(state[name]), value), name
     dist.barrier()
     if dist.get_rank() == 0:
         (out / "resume-ok").write_text("ok")

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from lmforge.models.hf import replace_dir
+from lmforge.parallel import full_value
 from lmforge.peft.lora import LoraLinear, apply_lora, lora_layers
 from lmforge.peft.quant import QuantizedLinear
 
@@ -72,8 +73,8 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         if layer.merged:
             raise AdapterError(f"save_adapter: {ours} is merged; unmerge_lora(model) first")
         theirs = PEFT_PREFIX + names[ours]
-        sd[f"{theirs}.lora_A.weight"] = _full(layer.lora_a).cpu().contiguous()
-        sd[f"{theirs}.lora_B.weight"] = _full(layer.lora_b).cpu().contiguous()
+        sd[f"{theirs}.lora_A.weight"] = full_value(layer.lora_a).cpu().contiguous()
+        sd[f"{theirs}.lora_B.weight"] = full_value(layer.lora_b).cpu().contiguous()
     return sd
 
 
@@ -269,9 +270,6 @@ def _local_device(t: torch.Tensor) -> torch.device:
     return local.device
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 # ------------------------------------------------------------------- merged export
@@ -292,24 +290,24 @@ def merged_state_dict(model: nn.Module, dtype: Optional[torch.dtype] = None
     replaced: set[str] = set()
     for name, module in model.named_modules():
         if isinstance(module, LoraLinear):
-            w = _full(module.base_weight(torch.float32))
+            w = full_value(module.base_weight(torch.float32))
             if not module.merged:
-                w = w + _full(module.delta_weight(torch.float32))
+                w = w + full_value(module.delta_weight(torch.float32))
             out[f"{name}.weight"] = w.to("cpu", dtype or module.weight.dtype)
             replaced.add(name)
             if module.bias is not None:
-                out[f"{name}.bias"] = _full(module.bias).to("cpu", dtype or module.bias.dtype)
+                out[f"{name}.bias"] = full_value(module.bias).to("cpu", dtype or module.bias.dtype)
         elif isinstance(module, QuantizedLinear) and not name.endswith(".quantized"):
             out[f"{name}.weight"] = module.dequantize(dtype).cpu()
             replaced.add(name)
             if module.bias is not None:
-                out[f"{name}.bias"] = _full(module.bias).to("cpu", dtype or module.bias.dtype)
+                out[f"{name}.bias"] = full_value(module.bias).to("cpu", dtype or module.bias.dtype)
     for key, value in model.state_dict().items():
         module_name = key.rsplit(".", 1)[0]
         if module_name in replaced or module_name.endswith(".quantized") or (
                 key.rsplit(".", 1)[-1] in ("lora_a", "lora_b")):
             continue
-        value = _full(value)
+        value = full_value(value)
         if dtype is not None and value.is_floating_point():
             value = value.to(dtype)
         out[key] = value.cpu()

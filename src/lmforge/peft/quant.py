@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmforge.parallel import full_value
+
 FORMATS = ("nf4", "int8")
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -168,7 +170,8 @@ class QuantizedLinear(nn.Module):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The full (out, in) weight in ``dtype``."""
-        tensors = {k: _local(v) for k, v in self.quantized_tensors().items()}
+        # outside FSDP's forward (e.g. exporting) sharded tensors are gathered first
+        tensors = {k: full_value(v) for k, v in self.quantized_tensors().items()}
         shape = (self.out_features, self.in_features)
         if self.fmt == "nf4":
             return _nf4_dequantize(tensors, shape, dtype)
@@ -231,11 +234,6 @@ def _is_dtensor(t) -> bool:
     except ImportError:  # a torch build without distributed
         return False
     return isinstance(t, DTensor)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    # Outside FSDP's forward (e.g. exporting) a sharded parameter must be gathered first.
-    return t.full_tensor() if _is_dtensor(t) else t
 
 
 # ------------------------------------------------------------------ whole-model API

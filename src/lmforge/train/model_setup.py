@@ -19,6 +19,7 @@ from torch import nn
 
 from lmforge.config import JobConfig
 from lmforge.models.llama import Llama, LlamaArgs, build_llama, count_parameters, materialize
+from lmforge.parallel import full_value
 from lmforge.parallel.mesh import ParallelDims, group, parallel_dims
 from lmforge.parallel.parallelize import apply_data_parallel, apply_model_parallel
 from lmforge.train.step import accumulate_gradients, evaluate, token_loss_sum
@@ -93,7 +94,7 @@ class TrainModel:
                 self.schedule.step(**kwargs)
         total = torch.zeros((), device=device)
         for loss in losses:
-            total += _local(loss).detach()
+            total += full_value(loss)
         return total / self.grad_scale
 
     def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -102,10 +103,6 @@ class TrainModel:
     def evaluate(self, batches, device, autocast) -> tuple[float, int]:
         with self.loss_context():
             return evaluate(self.parts[0], batches, device, autocast, self.loss_chunk_tokens)
-
-
-def _local(x: torch.Tensor) -> torch.Tensor:
-    return x.full_tensor() if hasattr(x, "full_tensor") else x
 
 
 def build_train_model(cfg: JobConfig, args: LlamaArgs, device: torch.device, mesh,
@@ -259,7 +256,7 @@ def gather_full_state_dict(tm: TrainModel) -> Optional[dict]:
     sd = {}
     for part in tm.parts:
         full = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
-        sd.update({k: _local(v).detach().cpu() for k, v in full.items()})
+        sd.update({k: full_value(v).cpu() for k, v in full.items()})
     if tm.dims.pp == 1:
         return sd if dist.get_rank() == 0 else None
     # One representative per stage (dp and tp coordinates 0) sends its stage to rank 0.
@@ -288,7 +285,7 @@ def clip_grad_norm(tm: TrainModel, max_norm: float) -> torch.Tensor:
         by_mesh.setdefault(key, []).append(g)
     squared = None
     for group_grads in by_mesh.values():
-        norm = _local(torch.nn.utils.get_total_norm(group_grads, 2.0)).float()
+        norm = full_value(torch.nn.utils.get_total_norm(group_grads, 2.0)).float()
         squared = norm ** 2 if squared is None else squared + norm ** 2
     if squared is None:
         squared = torch.zeros((), device=next(iter(tm.parameters())).device)

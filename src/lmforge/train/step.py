@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lmforge.parallel import full_value
+
 IGNORE_INDEX = -100
 
 
@@ -65,11 +67,6 @@ def micro_batch_loss_sum(model: nn.Module, batch: dict, device: torch.device,
     return token_loss_sum(logits, labels)
 
 
-def _plain(x: torch.Tensor) -> torch.Tensor:
-    """A loss computed under tensor parallelism is a replicated DTensor; take its value."""
-    return x.full_tensor() if hasattr(x, "full_tensor") else x
-
-
 def count_valid_tokens(batches: Iterable[dict]) -> int:
     return int(sum((b["labels"] != IGNORE_INDEX).sum().item() for b in batches))
 
@@ -100,7 +97,7 @@ def accumulate_gradients(model: nn.Module, micro_batches: list[dict], device: to
     for batch in micro_batches:
         micro_loss = micro_batch_loss_sum(model, batch, device, autocast, loss_chunk_tokens)
         (micro_loss * (grad_scale / n_valid)).backward()
-        loss_sum += _plain(micro_loss.detach())
+        loss_sum += full_value(micro_loss)  # (a replicated DTensor under loss parallel)
     return loss_sum / n_valid
 
 
@@ -114,7 +111,7 @@ def evaluate(model: nn.Module, batches: Iterable[dict], device: torch.device,
     tokens = 0
     for batch in batches:
         loss = micro_batch_loss_sum(model, batch, device, autocast, loss_chunk_tokens)
-        total += _plain(loss).double()
+        total += full_value(loss).double()
         tokens += int((batch["labels"] != IGNORE_INDEX).sum())
     model.train(was_training)
     if tokens == 0:
