@@ -135,6 +135,9 @@ class IndexedDatasetWriter:
         """Closes the open sequence (if it holds tokens) and the document."""
         if self._open_length:
             self.end_sequence()
+        self._record_document_end()
+
+    def _record_document_end(self) -> None:
         self._doc_starts.append(self.num_sequences)
         self.num_documents += 1
         if len(self._doc_starts) >= self._SPILL_ITEMS:
@@ -170,11 +173,7 @@ class IndexedDatasetWriter:
         for n in lengths.tolist():
             self._open_length = n
             self.end_sequence()
-            self._doc_starts.append(self.num_sequences)
-            self.num_documents += 1
-        if len(self._doc_starts) >= self._SPILL_ITEMS:
-            self._doc_starts.tofile(self._docs_file)
-            self._doc_starts = array("q")
+            self._record_document_end()
 
     # -- finishing
     def finalize(self) -> None:

@@ -171,6 +171,27 @@ def load_or_build(path: Path, build) -> np.ndarray:
     return array
 
 
+class RecentCache:
+    """The ``size`` most recently used values by key (an epoch's index, a blend block).
+    Pickled empty: a loader worker rebuilds only what it reads."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._items: OrderedDict = OrderedDict()
+
+    def get(self, key, build):
+        if key in self._items:
+            self._items.move_to_end(key)
+        else:
+            self._items[key] = build()
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+        return self._items[key]
+
+    def __getstate__(self) -> dict:
+        return {"size": self.size, "_items": OrderedDict()}
+
+
 def rng_for(seed: int, epoch: int, purpose: int) -> np.random.Generator:
     return np.random.default_rng([seed, epoch, purpose])
 
@@ -199,12 +220,7 @@ class PretrainDataset:
         root = cache_dir_for(self.prefix, ".lmforge-index", cache_dir)
         self.cache = keyed_dir(root, params, data_stamp(idx_path(self.prefix),
                                                         bin_path(self.prefix)))
-        self._epochs: OrderedDict[int, tuple] = OrderedDict()
-
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state["_epochs"] = OrderedDict()
-        return state
+        self._epochs = RecentCache(2)
 
     @property
     def lengths(self) -> np.ndarray:
@@ -222,19 +238,16 @@ class PretrainDataset:
     def epoch_index(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(document order, window start locations (N, 2): [position in order, offset],
         window visiting order) of ``epoch``."""
-        if epoch in self._epochs:
-            self._epochs.move_to_end(epoch)
-            return self._epochs[epoch]
+        return self._epochs.get(epoch, lambda: self._build_epoch_index(epoch))
+
+    def _build_epoch_index(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         order = load_or_build(self.cache / f"epoch-{epoch:06d}-docs.npy",
                               lambda: self._doc_order(epoch))
         starts = load_or_build(self.cache / f"epoch-{epoch:06d}-starts.npy",
                                lambda: self._window_starts(order))
         visit = load_or_build(self.cache / f"epoch-{epoch:06d}-visit.npy",
                               lambda: self._visit_order(epoch))
-        self._epochs[epoch] = (order, starts, visit)
-        while len(self._epochs) > 2:
-            self._epochs.popitem(last=False)
-        return self._epochs[epoch]
+        return order, starts, visit
 
     def _doc_order(self, epoch: int) -> np.ndarray:
         n = len(self.lengths)
@@ -293,7 +306,7 @@ class BlendedDataset:
             raise DataError("data.blend: weights must be positive numbers, one per dataset")
         self.datasets, self.weights = datasets, w / w.sum()
         self.block = max(int(block), math.ceil(1 / self.weights.min()))
-        self._blocks: OrderedDict[int, tuple] = OrderedDict()
+        self._blocks = RecentCache(4)
 
     def fingerprint(self) -> list:
         return [x for d in self.datasets for x in d.fingerprint()]
@@ -307,17 +320,16 @@ class BlendedDataset:
         return taken
 
     def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
-        if b not in self._blocks:
-            first, last = self._taken(b), self._taken(b + 1)
-            counts = last - first
-            which = np.repeat(np.arange(len(counts)), counts)
-            rank = np.concatenate([np.arange(n) for n in counts])
-            times = (rank + 0.5) / np.repeat(np.maximum(counts, 1), counts)
-            order = np.lexsort((which, times))
-            self._blocks[b] = (which[order], (first[which] + rank)[order])
-            while len(self._blocks) > 4:
-                self._blocks.popitem(last=False)
-        return self._blocks[b]
+        return self._blocks.get(b, lambda: self._build_block(b))
+
+    def _build_block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        first, last = self._taken(b), self._taken(b + 1)
+        counts = last - first
+        which = np.repeat(np.arange(len(counts)), counts)
+        rank = np.concatenate([np.arange(n) for n in counts])
+        times = (rank + 0.5) / np.repeat(np.maximum(counts, 1), counts)
+        order = np.lexsort((which, times))
+        return which[order], (first[which] + rank)[order]
 
     def source(self, k: int) -> tuple[int, int]:
         """Global sample ``k`` -> (dataset, its own sample index)."""

@@ -39,7 +39,6 @@ import gzip
 import hashlib
 import json
 import warnings
-from collections import OrderedDict
 from pathlib import Path
 from typing import Iterator, Optional, Union
 
@@ -48,7 +47,7 @@ import numpy as np
 from lmforge.data.errors import DataError
 from lmforge.data.indexed import IndexedDataset, IndexedDatasetWriter, exists, token_dtype
 from lmforge.data.pretrain import (
-    IGNORE_INDEX, cache_dir_for, data_stamp, keyed_dir, load_or_build,
+    IGNORE_INDEX, RecentCache, cache_dir_for, data_stamp, keyed_dir, load_or_build,
     positions_from_segments, rng_for, save_npy)
 
 TEMPLATES = ("plain", "llama2", "llama3")
@@ -368,12 +367,7 @@ class SFTDataset:
         self.sizes = np.minimum(self.tokens.sequence_lengths.astype(np.int64),
                                 self.seq_len + 1) - 1  # positions each sample fills
         self._epoch_starts = [0]  # global index of each epoch's first row
-        self._epochs: OrderedDict[int, tuple] = OrderedDict()
-
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state["_epochs"] = OrderedDict()
-        return state
+        self._epochs = RecentCache(2)
 
     @property
     def num_samples(self) -> int:
@@ -387,20 +381,19 @@ class SFTDataset:
 
     def epoch_plan(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """(row offsets, sample ids) of ``epoch``: row r holds ids[offsets[r]:offsets[r+1]]."""
-        if epoch not in self._epochs:
-            order = self.rows[rng_for(self.seed, epoch, self._ORDER).permutation(len(self.rows))]
-            if self.pack:
-                plan = load_or_build(
-                    self.cache / f"pack-s{self.seq_len}-seed{self.seed}-epoch{epoch:06d}.npy",
-                    lambda: self._packed(order))
-                n_rows = int(plan[0])  # stored as [rows, offsets..., sample ids...]
-                offsets, items = plan[1:n_rows + 2], plan[n_rows + 2:]
-            else:
-                offsets, items = np.arange(len(order) + 1), order
-            self._epochs[epoch] = (np.asarray(offsets), np.asarray(items))
-            while len(self._epochs) > 2:
-                self._epochs.popitem(last=False)
-        return self._epochs[epoch]
+        return self._epochs.get(epoch, lambda: self._build_epoch_plan(epoch))
+
+    def _build_epoch_plan(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        order = self.rows[rng_for(self.seed, epoch, self._ORDER).permutation(len(self.rows))]
+        if self.pack:
+            plan = load_or_build(
+                self.cache / f"pack-s{self.seq_len}-seed{self.seed}-epoch{epoch:06d}.npy",
+                lambda: self._packed(order))
+            n_rows = int(plan[0])  # stored as [rows, offsets..., sample ids...]
+            offsets, items = plan[1:n_rows + 2], plan[n_rows + 2:]
+        else:
+            offsets, items = np.arange(len(order) + 1), order
+        return np.asarray(offsets), np.asarray(items)
 
     def _packed(self, order: np.ndarray) -> np.ndarray:
         offsets, items = pack_first_fit(order, self.sizes, self.seq_len)
