@@ -12,9 +12,8 @@ from lmforge.data.indexed import IndexedDataset
 from lmforge.data.loader import build_pretrain_dataset, collate, pretrain_sources
 from lmforge.data.pretrain import BlendedDataset, PretrainDataset, make_row
 from lmforge.data.preprocess import preprocess
-from lmforge.models.llama import LlamaArgs, build_llama
 
-from .conftest import make_docs, write_jsonl
+from .conftest import fp64_llama, make_docs, write_jsonl
 
 SEQ = 32
 
@@ -139,15 +138,6 @@ def test_source_forms(prefix):
 
 # ---------------------------------------------------------------- document masking
 
-def _model(vocab):
-    torch.manual_seed(0)
-    args = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=vocab,
-                     ffn_dim=64, max_seq_len=128)
-    model = build_llama(args, "cpu")
-    model.init_weights()
-    return model.double()
-
-
 def _loss_sum(model, tokens, labels, **kw):
     logits = model(tokens, **kw)
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
@@ -163,7 +153,7 @@ def _grads(model, loss):
 def test_document_mask_packed_equals_documents_alone(prefix, tokenizer):
     seq = 96
     ds = PretrainDataset(prefix, seq, seed=7, document_mask=True)
-    model = _model(tokenizer.vocab_size)
+    model = fp64_llama(tokenizer.vocab_size, max_seq_len=128)
     ks = [k for k in range(40) if len(ds.window_pieces(*ds.locate(k))) >= 3][:2]
     assert len(ks) == 2, "the test needs windows holding several documents"
     batch = collate([ds[k] for k in ks], ks)

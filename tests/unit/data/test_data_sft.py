@@ -15,9 +15,8 @@ from lmforge.data.loader import collate
 from lmforge.data.sft import (ChatTemplate, SFTDataset, end_of_turn_token, record_messages,
                               sft_row)
 from lmforge.data.tokenizer import train_bpe
-from lmforge.models.llama import LlamaArgs, build_llama
 
-from .conftest import make_docs, write_jsonl
+from .conftest import fp64_llama, make_docs, write_jsonl
 
 CUSTOM = "### Question:\n{prompt}\n\n### Answer: {response} [end]"
 TEMPLATES = ["plain", "llama2", "llama3", CUSTOM]
@@ -187,15 +186,6 @@ def test_packing_plan_covers_each_sample_once_per_epoch(tmp_path, tokenizer):
     assert ds.samples_of(0) != ds.samples_of(ds.rows_in_epoch(0))  # reshuffled
 
 
-def _model(vocab):
-    torch.manual_seed(0)
-    args = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=vocab,
-                     ffn_dim=64, max_seq_len=256)
-    model = build_llama(args, "cpu")
-    model.init_weights()
-    return model.double()
-
-
 def _loss_and_grads(model, batch, **kw):
     model.zero_grad()
     logits = model(batch["input_ids"], **kw)
@@ -218,7 +208,7 @@ def test_packed_rows_equal_the_unpacked_batch(tmp_path, tokenizer):
                         for i in members], members)
     assert "mask" not in unpacked
     assert int((packed["labels"] != -100).sum()) == int((unpacked["labels"] != -100).sum())
-    model = _model(tokenizer.vocab_size)
+    model = fp64_llama(tokenizer.vocab_size, max_seq_len=256)
     loss_p, grads_p = _loss_and_grads(model, packed, positions=packed["positions"],
                                       mask=packed["mask"])
     loss_u, grads_u = _loss_and_grads(model, unpacked)

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from helpers.hf_models import random_hf_llama  # noqa: E402
 from lmforge.data.tokenizer import train_bpe  # noqa: E402
 from lmforge.models.llama import apply_rope, rope_cos_sin  # noqa: E402
 from lmforge.models.hf import (  # noqa: E402
@@ -33,20 +34,7 @@ VOCAB = 102  # not a multiple of 8; even, so Meta-style row shards split it in t
 
 
 def make_hf_model(seed: int = 0, **overrides) -> LlamaForCausalLM:
-    """A random fp32 transformers Llama; norms randomised too so they are exercised."""
-    kwargs = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, intermediate_size=192, vocab_size=VOCAB,
-                  max_position_embeddings=128, rms_norm_eps=1e-5, initializer_range=0.2,
-                  bos_token_id=None, eos_token_id=None, pad_token_id=None,
-                  attn_implementation="eager")
-    kwargs.update(overrides)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**kwargs)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.1 * torch.randn_like(p))
-    return model
+    return random_hf_llama(seed, **{"vocab_size": VOCAB, **overrides})
 
 
 def saved_hf_model(tmp_path: Path, name: str = "hf", **overrides):

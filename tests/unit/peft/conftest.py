@@ -12,6 +12,7 @@ import torch
 from lmforge.config import LoraConfig
 from lmforge.models.llama import LlamaArgs, build_llama, materialize
 from lmforge.peft import lora_layers
+from helpers.hf_models import random_hf_llama
 
 VOCAB = 96
 # ffn_dim 176 is not a multiple of the NF4 block (64): the padded last block is exercised.
@@ -50,23 +51,14 @@ def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.fixture
 def hf_llama_dir(tmp_path):
     """A random fp32 transformers Llama saved to disk: (model, directory)."""
-    transformers = pytest.importorskip("transformers")
-    return make_hf_llama(tmp_path / "base", transformers)
+    pytest.importorskip("transformers")
+    return make_hf_llama(tmp_path / "base")
 
 
-def make_hf_llama(path, transformers, seed: int = 0, **overrides):
-    kwargs = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, intermediate_size=176, vocab_size=VOCAB,
-                  max_position_embeddings=64, rms_norm_eps=1e-5, initializer_range=0.2,
-                  bos_token_id=None, eos_token_id=None, pad_token_id=None,
-                  attn_implementation="eager")
-    kwargs.update(overrides)
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.1 * torch.randn_like(p))
+def make_hf_llama(path, seed: int = 0, **overrides):
+    """``TINY``'s shape as a random transformers Llama, saved to ``path``: (model, path)."""
+    model = random_hf_llama(seed, **{"vocab_size": VOCAB, "intermediate_size": 176,
+                                     "max_position_embeddings": 64, **overrides})
     model.save_pretrained(path)
     return model, path
 

@@ -141,7 +141,7 @@ def test_merged_export_equals_the_unmerged_model(lib, hf_llama_dir, tmp_path):
 
 
 def test_tied_embeddings_model_exports_and_saves(lib, tmp_path):
-    path = lib.make_hf_llama(tmp_path / "tied", transformers, tie_word_embeddings=True)[1]
+    path = lib.make_hf_llama(tmp_path / "tied", tie_word_embeddings=True)[1]
     ours = ours_with_adapter(lib, path, targets="all-linear")
     x = lib.tokens()
     with torch.no_grad():

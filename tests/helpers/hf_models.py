@@ -1,0 +1,25 @@
+"""Tiny random transformers Llamas for the interop and adapter tests."""
+from __future__ import annotations
+
+import torch
+
+
+def random_hf_llama(seed: int = 0, **config):
+    """A random fp32 ``transformers.LlamaForCausalLM`` in eval mode (eager attention, no
+    special tokens); its norm weights are randomised too, so they are exercised.
+    ``config``: LlamaConfig fields replacing the defaults below."""
+    import transformers
+
+    kwargs = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=192, vocab_size=102,
+                  max_position_embeddings=128, rms_norm_eps=1e-5, initializer_range=0.2,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                  attn_implementation="eager")
+    kwargs.update(config)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
