@@ -108,8 +108,6 @@ def _add_eval(sub) -> None:
 
 
 def _eval(args) -> int:
-    import torch
-
     from lmforge.data.tokenizer import load_tokenizer
     from lmforge.evaluate import eval_batches_for
     from lmforge.models.hf import load_hf_model

@@ -1,7 +1,6 @@
 """Checkpoints in real runs: bit-exact resume, crash safety, resharding, NaN policy,
 export of a sharded checkpoint."""
 import hashlib
-import os
 import shutil
 import signal
 import subprocess

@@ -13,7 +13,6 @@ import math
 import os
 import random
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional

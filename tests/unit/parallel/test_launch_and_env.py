@@ -1,6 +1,5 @@
 """SLURM launch script, rank discovery from torchrun or SLURM, and the TP plan."""
 import subprocess
-import sys
 
 import pytest
 
