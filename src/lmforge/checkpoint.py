@@ -736,18 +736,30 @@ def _tokenizer_source(ckpt_dir: Path, tokenizer_dir, cfg) -> Optional[Path]:
     return None
 
 
-def generation_config_for(cfg, tokenizer) -> Optional[dict]:
-    """Chat-tuned models must stop on the template's end-of-turn token."""
-    if cfg is None or tokenizer is None or cfg.data.kind != "sft":
-        return None
+def chat_export(cfg, tokenizer):
+    """(tokenizer, generation_config) for an export: the chat template the run trained
+    with (an SFT run's ``data.template``; else the tokenizer's own) goes into the
+    tokenizer files when it is Jinja, and its end-of-turn token into ``eos_token_id``, so
+    ``generate`` stops where the template ends a reply."""
+    if tokenizer is None:
+        return None, None
+    from lmforge.data.templates import get_template
+
+    sft = cfg is not None and cfg.data.kind == "sft"
     try:
-        from lmforge.data.sft import end_of_turn_token
-        eot = tokenizer.token_to_id(end_of_turn_token(cfg.data.template, tokenizer))
-    except (ValueError, KeyError):  # a template without a special end-of-turn token
-        return None
-    if eot is None or eot == tokenizer.eos_id:
-        return None
-    return {"eos_token_id": [i for i in (tokenizer.eos_id, eot) if i is not None]}
+        template = get_template(cfg.data.template if sft else "auto", tokenizer)
+        eot = template.end_of_turn_id(tokenizer)
+    except ValueError as e:  # DataError: a template that cannot end a reply
+        if sft:
+            raise
+        warnings.warn(f"export: the tokenizer's chat template is left as it is, without an "
+                      f"end-of-turn token in generation_config.json ({e})", stacklevel=2)
+        return tokenizer, None
+    if template.source is not None:
+        tokenizer = tokenizer.with_chat_template(template.source)
+    if eot == tokenizer.eos_id:
+        return tokenizer, None
+    return tokenizer, {"eos_token_id": [i for i in (tokenizer.eos_id, eot) if i is not None]}
 
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -776,7 +788,7 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, fmt: str = "hf"
         from lmforge.data.tokenizer import load_tokenizer
         tokenizer = load_tokenizer(source)
     torch_dtype = _DTYPES[dtype] if dtype else None
-    generation = generation_config_for(cfg, tokenizer)
+    tokenizer, generation = chat_export(cfg, tokenizer)
     lora_keys = [k for k in sd if _is_lora_key(k)]
     if fmt == "peft" and not lora_keys:
         raise CheckpointError(f"{path}: --format peft needs LoRA parameters and this "

@@ -133,9 +133,15 @@ def _eval(args) -> int:
 
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a model",
-                       description="Generate a continuation of --prompt with a KV cache.")
+                       description="Generate a continuation of --prompt with a KV cache. The "
+                       "prompt is tokenized as the model's tokenizer does (its own special "
+                       "tokens); generation stops on generation_config.json's eos_token_id.")
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true",
+                   help="send --prompt as a user message through the model's chat template "
+                        "(with the generation prompt), print the reply only, and stop at the "
+                        "template's end-of-turn token")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--greedy", action="store_true", help="argmax decoding (default: sample)")
     p.add_argument("--temperature", type=float, default=0.8)
@@ -149,21 +155,31 @@ def _add_generate(sub) -> None:
 def _generate(args) -> int:
     import torch
 
+    from lmforge.data.templates import JinjaTemplate
     from lmforge.data.tokenizer import load_tokenizer
     from lmforge.generate import generate
-    from lmforge.models.hf import load_hf_model
+    from lmforge.models.hf import load_hf_model, stop_token_ids
 
     if args.max_new_tokens <= 0:
         raise ValueError("--max-new-tokens must be > 0")
+    tokenizer = load_tokenizer(args.model)
+    stops = stop_token_ids(args.model) or [i for i in (tokenizer.eos_id,) if i is not None]
+    if args.chat:
+        if not tokenizer.chat_template:
+            raise ValueError(f"--chat: {args.model} has no chat template (chat_template in "
+                             "tokenizer_config.json, or chat_template.jinja)")
+        template = JinjaTemplate(tokenizer.chat_template)
+        prompt = template.prompt_ids([{"role": "user", "content": args.prompt}], tokenizer)
+        stops.append(template.end_of_turn_id(tokenizer))
+    else:
+        prompt = tokenizer.encode(args.prompt)
     device = _device(args.device)
     model = load_hf_model(args.model, device=device)
-    tokenizer = load_tokenizer(args.model)
-    prompt = tokenizer.encode(args.prompt, bos=True)
-    stops = tuple(i for i in (tokenizer.eos_id,) if i is not None)
     new = generate(model, prompt, args.max_new_tokens, greedy=args.greedy,
                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                   stop_ids=stops, generator=torch.Generator().manual_seed(args.seed))
-    print(args.prompt + tokenizer.decode(new))
+                   stop_ids=tuple(stops), generator=torch.Generator().manual_seed(args.seed))
+    reply = tokenizer.decode(new)
+    print(reply if args.chat else args.prompt + reply)
     return 0
 
 

@@ -57,7 +57,9 @@ class DataConfig:
     tokenizer_vocab_size: int = 2048
     json_key: str = "text"
     append_eod: bool = True
-    template: str = "plain"
+    # Chat template of SFT samples: auto (the tokenizer's own Jinja template, else plain),
+    # one of CHAT_TEMPLATES, or a "{prompt}...{response}" format string (data/templates.py).
+    template: str = "auto"
     blend: Optional[list] = None
     document_mask: bool = False
     pack: bool = False
@@ -131,6 +133,7 @@ class ParallelConfig:
     microbatches: Optional[int] = None
 
 
+CHAT_TEMPLATES = ("auto", "chatml", "plain", "llama2", "llama3")
 LORA_TARGET_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                      "down_proj")
 
@@ -278,7 +281,7 @@ def save_config(cfg: JobConfig, path: str | Path) -> None:
 
 _CHOICES = {
     "data.kind": ("stdlib", "text", "pretrain", "sft"),
-    "data.template": ("plain", "llama2", "llama3"),
+    "data.template": CHAT_TEMPLATES,
     "optim.name": ("adamw", "adamw_bf16"),
     "train.param_dtype": ("fp32", "bf16"),
     "optim.schedule": ("cosine", "linear", "constant"),

@@ -29,7 +29,9 @@ from lmforge.data.errors import DataError
 from lmforge.data.indexed import IndexedDataset, exists, strip_suffix
 from lmforge.data.pretrain import BlendedDataset, PretrainDataset, make_row
 from lmforge.data.sampler import MicroBatchSampler
-from lmforge.data.sft import SFTDataset, record_messages, get_template, sft_row, iter_jsonl
+from lmforge.data.sft import SFTDataset, iter_jsonl, record_messages, sft_row
+from lmforge.data.templates import get_template
+from lmforge.data.tokenizer import read_text
 
 STATE_VERSION = 1
 
@@ -229,9 +231,9 @@ def iter_eval_batches(cfg, tokenizer, path, seq_len: int, batch_size: int
                       ) -> Iterator[dict]:
     """Every token of ``path`` once, in order, as batch dicts (the last ones may be
     smaller and padded). ``path``: a Megatron prefix (or its .bin/.idx), a .txt file (one
-    document), or a .jsonl file of ``{json_key: text}`` records (documents, windows of
-    ``seq_len + 1`` over their concatenation with EOD) or of SFT samples (one padded row
-    each, only the assistant tokens scored)."""
+    document, see ``text_documents``), or a .jsonl file of ``{json_key: text}`` records
+    (documents, windows of ``seq_len + 1`` over their concatenation with EOD) or of SFT
+    samples (one padded row each, only the assistant tokens scored)."""
     d = cfg.data if cfg is not None else None
     document_mask = bool(d and d.document_mask)
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
@@ -243,11 +245,31 @@ def iter_eval_batches(cfg, tokenizer, path, seq_len: int, batch_size: int
     elif text.endswith((".jsonl", ".jsonl.gz")):
         rows = _jsonl_rows(Path(text), cfg, tokenizer, seq_len, document_mask, pad_id)
     elif text.endswith(".txt") and Path(text).is_file():
-        doc = tokenizer.encode(Path(text).read_text(encoding="utf-8", errors="replace"),
-                               eos=True)
-        rows = windows([np.asarray(doc)], seq_len, document_mask, pad_id)
+        rows = windows(text_documents([Path(text)], tokenizer), seq_len, document_mask, pad_id)
     else:
         raise DataError(f"{path}: not a PREFIX.bin/.idx pair, a .jsonl or a .txt file")
+    yield from _batches(rows, batch_size)
+
+
+def iter_text_eval_batches(files: list[Path], tokenizer, seq_len: int, batch_size: int
+                           ) -> Iterator[dict]:
+    """Every token of the text ``files`` once, in order (see ``text_documents``)."""
+    pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
+    yield from _batches(windows(text_documents(files, tokenizer), seq_len, False, pad_id),
+                        batch_size)
+
+
+def text_documents(files: Iterable[Path], tokenizer) -> Iterator[np.ndarray]:
+    """Each file as its tokenizer encodes it (with the special tokens it adds), an EOD
+    between files and none after the last: one file scores as transformers scores its
+    text."""
+    eod = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    for n, path in enumerate(files):
+        yield np.asarray((eod if n else []) + tokenizer.encode(read_text(path)),
+                         dtype=np.int64)
+
+
+def _batches(rows: Iterator[dict], batch_size: int) -> Iterator[dict]:
     ids = itertools.count()
     while True:
         chunk = list(itertools.islice(rows, batch_size))
@@ -292,18 +314,22 @@ def _jsonl_rows(path: Path, cfg, tokenizer, seq_len: int, document_mask: bool,
     records = itertools.chain([first], records)
     if isinstance(first[1], dict) and key not in first[1] and \
             ("messages" in first[1] or "prompt" in first[1]):
-        template = get_template(cfg.data.template if cfg is not None else "plain")
+        template = get_template(cfg.data.template if cfg is not None else "auto", tokenizer)
         for n, obj in records:
-            ids, trained = template.encode(record_messages(obj, f"{path}:{n}"), tokenizer)
+            where = f"{path}:{n}"
+            ids, trained = template.encode_many([(where, record_messages(obj, where))],
+                                                tokenizer)[0]
             if trained[1:seq_len + 1].any():
                 yield sft_row([(ids, trained)], seq_len, pad_id, packed=False)
         return
+
+    eod = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
 
     def docs():
         for n, obj in records:
             if not isinstance(obj, dict) or not isinstance(obj.get(key), str):
                 raise DataError(f"{path}:{n}: no string key {key!r}")
             if obj[key].strip():
-                yield np.asarray(tokenizer.encode(obj[key], eos=True))
+                yield np.asarray(tokenizer.encode(obj[key]) + eod)
 
     yield from windows(docs(), seq_len, document_mask, pad_id)

@@ -279,7 +279,8 @@ def _parquet_chunks(path: Path, keys: list[str], chunk_bytes: int) -> Iterator[t
 _WORKER: dict = {}
 
 
-def _init_worker(tokenizer_dir: str, keys: list[str], append_eod: bool) -> None:
+def _init_worker(tokenizer_dir: str, keys: list[str], append_eod: bool,
+                 special_tokens: bool) -> None:
     # Parallelism comes from the worker processes. The tokenizer's own thread pool adds
     # no speed on top (measured, bench/preprocess.py) but raises and scatters memory.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -287,7 +288,7 @@ def _init_worker(tokenizer_dir: str, keys: list[str], append_eod: bool) -> None:
 
     tok = load_tokenizer(tokenizer_dir)
     _WORKER.update(tokenizer=tok, keys=keys, append_eod=append_eod, eod=tok.eos_id,
-                   dtype=token_dtype(tok.vocab_size))
+                   special_tokens=special_tokens, dtype=token_dtype(tok.vocab_size))
 
 
 @dataclass
@@ -382,19 +383,21 @@ _ENCODE_CHARS = 64 * 1024  # text per tokenizer call: its Encoding objects cost 
 
 
 def _encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids of ``texts`` (+ EOD), flat, with one length per text. Texts go to the
+    """Token ids of ``texts`` (with the special tokens the tokenizer adds, unless
+    ``--special-tokens none``; + EOD), flat, with one length per text. Texts go to the
     tokenizer in small batches (a long one alone), so the transient memory is set by the
     longest document, not by the chunk."""
     tok, dtype = _WORKER["tokenizer"], _WORKER["dtype"]
     eod = [_WORKER["eod"]] if _WORKER["append_eod"] else []
+    special = _WORKER["special_tokens"]
     flats, lengths = [], []
 
     # encode_batch_fast skips the character offsets we do not use: less time and memory.
     fast = getattr(getattr(tok, "_tok", None), "encode_batch_fast", None)
 
     def flush(batch):
-        ids = [e.ids for e in fast(batch, add_special_tokens=False)] if fast else \
-            tok.encode_batch(batch)
+        ids = [e.ids for e in fast(batch, add_special_tokens=special)] if fast else \
+            tok.encode_batch(batch, special_tokens=special)
         if eod:
             ids = [x + eod for x in ids]
         n = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
@@ -425,8 +428,10 @@ def _process_text(path: str, first_line: int, block: bytes, final: bool) -> Chun
         return ChunkResult(path, [], [], [0], [(line, f"not valid UTF-8 (byte 0x"
                                                       f"{e.object[e.start]:02x} at column "
                                                       f"{column})")], final=final)
-    ids = np.asarray(_WORKER["tokenizer"].encode(text), dtype=dtype) if text else \
-        np.empty(0, dtype=dtype)  # a piece is at most --chunk-mb of text
+    # A piece is at most --chunk-mb of text; the document's special tokens go around the
+    # whole document (_consume_text), not around each piece.
+    ids = np.asarray(_WORKER["tokenizer"].encode(text, special_tokens=False), dtype=dtype) \
+        if text else np.empty(0, dtype=dtype)
     return ChunkResult(path, [ids], [], [0], [], final=final, blank=not text.strip())
 
 
@@ -490,14 +495,20 @@ def output_prefixes(prefix: str, keys: list[str]) -> list[str]:
 def preprocess(inputs: list[str | Path], output_prefix: str | Path, tokenizer_dir: str | Path,
                json_keys: tuple[str, ...] = ("text",), append_eod: bool = False,
                workers: int = 1, on_error: str = "stop", chunk_mb: float = 1.0,
-               progress: bool = False) -> PreprocessStats:
-    """Tokenizes ``inputs`` into indexed datasets; returns the counts. Raises DataError."""
+               progress: bool = False, special_tokens: str = "tokenizer") -> PreprocessStats:
+    """Tokenizes ``inputs`` into indexed datasets; returns the counts. Raises DataError.
+
+    ``special_tokens="tokenizer"`` keeps what the tokenizer adds to a text (BOS for
+    Llama-2/3, as Megatron-LM's preprocessing does); ``"none"`` keeps the text's tokens
+    only. ``append_eod`` then ends each document with the end-of-text token."""
     from lmforge.data.tokenizer import TokenizerError, load_tokenizer
 
     if on_error not in ("stop", "skip"):
         raise DataError(f"--on-error: {on_error!r} is not one of stop, skip")
     if workers < 1:
         raise DataError(f"--workers: must be >= 1, got {workers}")
+    if special_tokens not in ("tokenizer", "none"):
+        raise DataError(f"--special-tokens: {special_tokens!r} is not one of tokenizer, none")
     keys = list(dict.fromkeys(json_keys))
     files = find_inputs(list(inputs))
     if len(keys) > 1 and any(_suffix(f).startswith(".txt") for f in files):
@@ -519,11 +530,13 @@ def preprocess(inputs: list[str | Path], output_prefix: str | Path, tokenizer_di
     bar = _progress_bar(sum(f.stat().st_size for f in files), progress)
     start = time.perf_counter()
     text_doc = {"tokens": 0, "content": False}
+    prefix, suffix = tok.affixes if special_tokens == "tokenizer" else ([], [])
+    text_ends = (prefix, suffix + ([tok.eos_id] if append_eod else []))
     try:
         chunks = iter_chunks(files, keys, chunk_bytes, bar.update if bar else None)
-        init = (str(tokenizer_dir), keys, append_eod)
+        init = (str(tokenizer_dir), keys, append_eod, special_tokens == "tokenizer")
         for result in _run(chunks, workers, init):
-            _consume(result, stats, writers, on_error, append_eod, tok.eos_id, text_doc)
+            _consume(result, stats, writers, on_error, text_ends, text_doc)
             if bar:
                 bar.set_postfix(docs=stats.documents, tokens=stats.tokens, refresh=False)
         for w in writers:
@@ -562,7 +575,7 @@ def _run(chunks: Iterator[tuple], workers: int, init: tuple) -> Iterator[ChunkRe
 
 
 def _consume(r: ChunkResult, stats: PreprocessStats, writers: list, on_error: str,
-             append_eod: bool, eod: Optional[int], text_doc: dict) -> None:
+             text_ends: tuple[list, list], text_doc: dict) -> None:
     stats.records += r.records
     for line, reason in r.errors:
         if on_error == "stop":
@@ -572,7 +585,7 @@ def _consume(r: ChunkResult, stats: PreprocessStats, writers: list, on_error: st
         if len(stats.skipped_where) < _SHOWN_ERRORS:
             stats.skipped_where.append(f"{r.path}:{line}: {reason}")
     if r.final is not None:  # a piece of a .txt document
-        _consume_text(r, stats.outputs[0], writers[0], append_eod, eod, text_doc)
+        _consume_text(r, stats.outputs[0], writers[0], text_ends, text_doc)
         return
     for out, w, tokens, lengths, empty in zip(stats.outputs, writers, r.tokens, r.lengths,
                                               r.empty):
@@ -582,11 +595,16 @@ def _consume(r: ChunkResult, stats: PreprocessStats, writers: list, on_error: st
         out.empty += empty
 
 
-def _consume_text(r: ChunkResult, out: Output, w: IndexedDatasetWriter, append_eod: bool,
-                  eod: Optional[int], doc: dict) -> None:
+def _consume_text(r: ChunkResult, out: Output, w: IndexedDatasetWriter,
+                  ends: tuple[list, list], doc: dict) -> None:
+    """Pieces of one .txt document: ``ends`` = (ids before it, ids after it)."""
     if r.errors:  # (skip mode) a bad piece drops the whole document
         doc["bad"] = True
     elif not doc.get("bad"):
+        if not doc.get("started"):
+            w.write(np.asarray(ends[0]))
+            doc["tokens"] += len(ends[0])
+            doc["started"] = True
         w.write(r.tokens[0])
         doc["tokens"] += int(r.tokens[0].size)
         doc["content"] |= not r.blank
@@ -596,13 +614,12 @@ def _consume_text(r: ChunkResult, out: Output, w: IndexedDatasetWriter, append_e
         w.discard_open_sequence()
         out.empty += not doc.get("bad")
     else:
-        if append_eod:
-            w.write(np.asarray([eod]))
-            doc["tokens"] += 1
+        w.write(np.asarray(ends[1]))
+        doc["tokens"] += len(ends[1])
         w.end_document()
         out.documents += 1
         out.tokens += doc["tokens"]
-    doc.update(tokens=0, content=False, bad=False)
+    doc.update(tokens=0, content=False, bad=False, started=False)
 
 
 def _progress_bar(total: int, enabled: bool):
@@ -634,6 +651,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(default: text)")
     p.add_argument("--append-eod", action="store_true",
                    help="end every document with the tokenizer's end-of-text token")
+    p.add_argument("--special-tokens", choices=("tokenizer", "none"), default="tokenizer",
+                   help="tokenizer (default): keep the special tokens the tokenizer adds to "
+                        "a text (BOS for Llama-2/3), as Megatron-LM does; none: the text's "
+                        "tokens only")
     p.add_argument("--workers", type=int, default=1, metavar="N",
                    help="tokenizer processes (default 1); memory ~ N x --chunk-mb")
     p.add_argument("--chunk-mb", type=float, default=1.0, metavar="MB",
@@ -652,7 +673,7 @@ def run_cli(args: argparse.Namespace) -> int:
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     stats = preprocess(args.input, args.output_prefix, args.tokenizer,
                        tuple(args.json_key or ["text"]), args.append_eod, args.workers,
-                       args.on_error, args.chunk_mb, progress)
+                       args.on_error, args.chunk_mb, progress, args.special_tokens)
     print(stats.summary(), flush=True)
     return 0
 

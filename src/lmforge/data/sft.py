@@ -5,21 +5,9 @@ Input: JSON Lines, one sample per line, either ``{"prompt": ..., "response": ...
 "content": ...}, ...]}`` (an optional system message first, then user and assistant
 turns alternating; a trailing user turn has nothing to learn from and is dropped).
 
-Templates (``data.template``):
-
-* ``plain``   BOS, ``{system}\\n\\n``, ``{user}\\n``, ``{assistant}`` EOS per turn.
-* ``llama2``  ``<s>[INST] <<SYS>>\\n{system}\\n<</SYS>>\\n\\n{user} [/INST] {assistant}</s>``,
-  one ``<s>...</s>`` per turn (Meta's format; BOS/EOS are the tokenizer's).
-* ``llama3``  ``<|begin_of_text|>`` then per message ``<|start_header_id|>{role}
-  <|end_header_id|>\\n\\n{content}<|eot_id|>`` (the tokenizer must have those tokens).
-* a format string with ``{prompt}`` then ``{response}``, e.g.
-  ``"### Question:\\n{prompt}\\n\\n### Answer:\\n{response}"``, applied to each
-  user/assistant pair (a system message goes before the first prompt, ``{system}\\n\\n``)
-  and followed by EOS. Plain substitution, no Jinja; other braces are literal.
-
-Labels are -100 on every BOS, system, user and header token: only the assistant's
-content and its end-of-turn token (EOS, or ``<|eot_id|>`` for llama3) are trained on.
-Text pieces are tokenized one by one, as an inference server renders a prompt.
+Templates (``data.template``: auto, the model's own, by default) are in
+``lmforge.data.templates``; they decide the ids and which of them are trained: only the
+assistant's content and its end-of-turn token.
 
 Truncation: a sample longer than ``seq_len + 1`` tokens keeps its first ``seq_len + 1``
 (the end of the last answer is cut); a sample left with no trained target is dropped, and
@@ -40,7 +28,7 @@ import hashlib
 import json
 import warnings
 from pathlib import Path
-from typing import Iterator, Optional, Union
+from typing import Iterator, Optional
 
 import numpy as np
 
@@ -49,13 +37,10 @@ from lmforge.data.indexed import IndexedDataset, IndexedDatasetWriter, exists, t
 from lmforge.data.pretrain import (
     IGNORE_INDEX, RecentCache, cache_dir_for, data_stamp, keyed_dir, load_or_build,
     positions_from_segments, rng_for, save_npy)
+from lmforge.data.templates import get_template
 
-TEMPLATES = ("plain", "llama2", "llama3")
 ROLES = ("system", "user", "assistant")
-SFT_CACHE_VERSION = 1
-LLAMA3_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
-
-Piece = Union[str, int]  # text to tokenize, or a token id
+SFT_CACHE_VERSION = 2  # 2: special tokens follow the tokenizer's rules; Jinja templates
 
 
 # --------------------------------------------------------------------------- records
@@ -100,124 +85,6 @@ def record_messages(obj, where: str) -> list[dict]:
     return out
 
 
-# ------------------------------------------------------------------------- templates
-
-class ChatTemplate:
-    """Renders messages as (piece, trained) pairs; ``encode`` tokenizes them."""
-
-    def __init__(self, name: str):
-        self.name = name
-        if name not in TEMPLATES:
-            if "{" not in name:
-                raise DataError(f"data.template: {name!r} is not one of "
-                                f"{', '.join(TEMPLATES)} nor a format string")
-            p, r = name.find("{prompt}"), name.find("{response}")
-            if name.count("{prompt}") != 1 or name.count("{response}") != 1 or p > r:
-                raise DataError("data.template: a format string needs {prompt} and then "
-                                "{response}, once each")
-
-    # -- special tokens
-    def end_of_turn(self, tok) -> str:
-        """The token string that ends an assistant turn (for generation_config)."""
-        if self.name == "llama3":
-            return "<|eot_id|>"
-        return tok.decode([self._eos(tok)], skip_special=False)
-
-    def end_of_turn_id(self, tok) -> int:
-        if self.name == "llama3":
-            return self._special(tok, "<|eot_id|>")
-        return self._eos(tok)
-
-    def _eos(self, tok) -> int:
-        if tok.eos_id is None:
-            raise DataError(f"data.template: {self.name} needs an end-of-text token, and "
-                            "the tokenizer has none")
-        return tok.eos_id
-
-    def _special(self, tok, text: str) -> int:
-        i = tok.token_to_id(text)
-        if i is None:
-            raise DataError(f"data.template: {self.name} needs the token {text!r}, which the "
-                            "tokenizer lacks (use a Llama-3 tokenizer or another template)")
-        return i
-
-    # -- rendering
-    def pieces(self, messages: list[dict], tok) -> list[tuple[Piece, bool]]:
-        if self.name == "llama3":
-            return self._llama3(messages, tok)
-        system = messages[0]["content"] if messages[0]["role"] == "system" else None
-        turns = [m for m in messages if m["role"] != "system"]
-        pairs = [(turns[i]["content"], turns[i + 1]["content"])
-                 for i in range(0, len(turns), 2)]
-        out: list[tuple[Piece, bool]] = []
-        bos, eos = tok.bos_id, self._eos(tok)
-        if self.name == "llama2":
-            for n, (user, answer) in enumerate(pairs):
-                sys_text = f"<<SYS>>\n{system.strip()}\n<</SYS>>\n\n" if n == 0 and system \
-                    else ""
-                if bos is not None:
-                    out.append((bos, False))
-                out += [(f"[INST] {sys_text}{user.strip()} [/INST]", False),
-                        (f" {answer.strip()}", True), (eos, True)]
-            return out
-        if bos is not None:
-            out.append((bos, False))
-        if self.name == "plain":
-            if system:
-                out.append((f"{system}\n\n", False))
-            for user, answer in pairs:
-                out += [(f"{user}\n", False), (answer, True), (eos, True)]
-            return out
-        cut = self.name.index("{response}")
-        prompt_part, answer_suffix = self.name[:cut], self.name[cut + len("{response}"):]
-        for n, (user, answer) in enumerate(pairs):
-            prompt = f"{system}\n\n{user}" if n == 0 and system else user
-            out += [(prompt_part.replace("{prompt}", prompt), False),
-                    (answer + answer_suffix, True), (eos, True)]
-        return out
-
-    def _llama3(self, messages: list[dict], tok) -> list[tuple[Piece, bool]]:
-        start, end, eot = (self._special(tok, t) for t in LLAMA3_TOKENS)
-        out: list[tuple[Piece, bool]] = []
-        if tok.bos_id is not None:
-            out.append((tok.bos_id, False))
-        for m in messages:
-            trained = m["role"] == "assistant"
-            out += [(start, False), (m["role"], False), (end, False), ("\n\n", False),
-                    (m["content"], trained), (eot, trained)]
-        return out
-
-    def encode(self, messages: list[dict], tok) -> tuple[np.ndarray, np.ndarray]:
-        """(token ids, trained flags) of one sample."""
-        return encode_many([self.pieces(messages, tok)], tok)[0]
-
-
-def encode_many(rendered: list[list[tuple[Piece, bool]]], tok
-                ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Tokenizes many rendered samples with one batched tokenizer call."""
-    texts = [p for pieces in rendered for p, _ in pieces if isinstance(p, str) and p]
-    encoded = iter(tok.encode_batch(texts)) if texts else iter(())
-    out = []
-    for pieces in rendered:
-        ids: list[int] = []
-        trained: list[bool] = []
-        for piece, flag in pieces:
-            part = [piece] if isinstance(piece, int) else (next(encoded) if piece else [])
-            ids += part
-            trained += [flag] * len(part)
-        out.append((np.asarray(ids, dtype=np.int64), np.asarray(trained, dtype=bool)))
-    return out
-
-
-def get_template(name: str) -> ChatTemplate:
-    return ChatTemplate(name)
-
-
-def end_of_turn_token(template: str, tokenizer) -> str:
-    """The string generation must stop on for models trained with ``template``."""
-    return ChatTemplate(template).end_of_turn(tokenizer)
-
-
 # ---------------------------------------------------------------------------- reading
 
 def iter_jsonl(path: Path) -> Iterator[tuple[int, object]]:
@@ -246,8 +113,7 @@ def tokenizer_fingerprint(tok) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
-def tokenize_file(path: Path, template: ChatTemplate, tok, out_dir: Path,
-                  batch: int = 256) -> None:
+def tokenize_file(path: Path, template, tok, out_dir: Path, batch: int = 256) -> None:
     """Writes ``tokens`` and ``trained`` indexed datasets and ``first_trained.npy``
     (index of each sample's first trained token after the first, -1 if none)."""
     dtype = token_dtype(tok.vocab_size)
@@ -257,7 +123,7 @@ def tokenize_file(path: Path, template: ChatTemplate, tok, out_dir: Path,
         pending: list = []
 
         def flush():
-            for ids, flags in encode_many(pending, tok):
+            for ids, flags in template.encode_many(pending, tok):
                 tokens.add_document(ids)
                 trained.add_document(flags.astype(np.uint8))
                 hits = np.flatnonzero(flags[1:])
@@ -265,7 +131,8 @@ def tokenize_file(path: Path, template: ChatTemplate, tok, out_dir: Path,
             pending.clear()
 
         for n, obj in iter_jsonl(path):
-            pending.append(template.pieces(record_messages(obj, f"{path}:{n}"), tok))
+            where = f"{path}:{n}"
+            pending.append((where, record_messages(obj, where)))
             if len(pending) >= batch:
                 flush()
         flush()
@@ -340,11 +207,12 @@ class SFTDataset:
         self.path = Path(path)
         if not self.path.is_file():
             raise DataError(f"data.path: {self.path}: no such file (SFT data is JSON Lines)")
-        self.template = ChatTemplate(template)
+        self.template = get_template(template, tokenizer)
         self.seq_len, self.seed, self.pack = int(seq_len), int(seed), bool(pack)
         self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
         self.end_of_turn_id = self.template.end_of_turn_id(tokenizer)
-        params = {"kind": "sft", "version": SFT_CACHE_VERSION, "template": template,
+        params = {"kind": "sft", "version": SFT_CACHE_VERSION,
+                  "template": self.template.fingerprint,
                   "tokenizer": tokenizer_fingerprint(tokenizer)}
         root = cache_dir_for(str(self.path), ".lmforge-sft", cache_dir)
         self.cache = keyed_dir(root, params, data_stamp(str(self.path)))

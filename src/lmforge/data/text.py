@@ -9,7 +9,7 @@ from __future__ import annotations
 import sysconfig
 import zlib
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable
 
 import numpy as np
 import torch
@@ -67,7 +67,8 @@ def corpus_files(kind: str, path, eval_path, eval_fraction: float
 
 
 def tokenize_files(files: Iterable[Path], tokenizer: Tokenizer) -> np.ndarray:
-    """All documents concatenated, each followed by the end-of-document token."""
+    """All documents concatenated, each as the tokenizer encodes it (with the special
+    tokens it adds itself) and followed by the end-of-document token."""
     texts = [read_text(f) for f in files]
     eod = tokenizer.eos_id
     pieces = []
@@ -133,13 +134,3 @@ class PackedTokenLoader:
             raise ValueError(f"data: checkpoint was taken on {state['num_samples']} samples, "
                              f"the data now has {self.num_samples}")
         self.consumed, self.seed = state["consumed"], state["seed"]
-
-
-def text_windows_for_eval(tokens: np.ndarray, seq_len: int, batch_size: int,
-                          max_batches: Optional[int] = None):
-    loader = PackedTokenLoader(tokens, seq_len, 1, seed=0, shuffle=False)
-    loader.micro_batch_size = batch_size
-    for i, batch in enumerate(loader.iter_once()):
-        if max_batches is not None and i >= max_batches:
-            return
-        yield batch

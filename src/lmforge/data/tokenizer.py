@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from functools import cached_property
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
@@ -17,29 +18,71 @@ class TokenizerError(ValueError):
 
 
 class Tokenizer:
-    """Encode/decode plus the special ids the trainer needs (bos, eos, pad)."""
+    """Encode/decode plus the special ids the trainer needs (bos, eos, pad).
+
+    Special tokens follow the tokenizer's own rules: ``encode(text)`` applies its
+    post-processor, as ``transformers``' ``add_special_tokens=True`` does (that is where
+    Llama-2 and Llama-3 get their BOS; a ChatML tokenizer adds nothing). ``bos_id`` is
+    the configured ``bos_token``, which templates may write; nothing adds it on a guess.
+    """
 
     def __init__(self, tok: _HFTokenizer, bos_id: Optional[int], eos_id: Optional[int],
-                 pad_id: Optional[int] = None, path: Optional[Path] = None):
+                 pad_id: Optional[int] = None, path: Optional[Path] = None,
+                 config: Optional[dict] = None, chat_template: Optional[str] = None):
         self._tok = tok
         self.bos_id, self.eos_id = bos_id, eos_id
         self.pad_id = pad_id if pad_id is not None else eos_id
         self.path = path
+        self.config = config or {}  # tokenizer_config.json as loaded (kept on save)
+        self.chat_template = chat_template
 
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        if bos and self.bos_id is not None:
-            ids = [self.bos_id] + ids
-        if eos and self.eos_id is not None:
-            ids = ids + [self.eos_id]
-        return ids
+    def encode(self, text: str, special_tokens: bool = True) -> list[int]:
+        """``special_tokens=False``: the text alone (a piece of a template, say)."""
+        return self._tok.encode(text, add_special_tokens=special_tokens).ids
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+    def encode_batch(self, texts: list[str], special_tokens: bool = True) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=special_tokens)]
+
+    def encode_with_offsets(self, texts: list[str]) -> list[tuple[list[int], list[tuple]]]:
+        """(ids, character spans) of each text, without special tokens added (the text
+        of a rendered chat template already holds them, as in ``apply_chat_template``)."""
+        return [(e.ids, e.offsets) for e in self._tok.encode_batch(texts,
+                                                                   add_special_tokens=False)]
+
+    @cached_property
+    def affixes(self) -> tuple[list[int], list[int]]:
+        """The ids the post-processor puts before and after one text (BOS, EOS...)."""
+        probe = "a"
+        bare = self.encode(probe, special_tokens=False)
+        full = self.encode(probe)
+        for start in range(len(full) - len(bare) + 1):
+            if full[start:start + len(bare)] == bare:
+                return full[:start], full[start + len(bare):]
+        raise TokenizerError(f"{self.path or 'tokenizer'}: its post-processor changes the "
+                             "text's own tokens; lmforge cannot tell what it adds")
+
+    @cached_property
+    def added_token_ids(self) -> frozenset[int]:
+        """Ids of the added (special and control) tokens: where a chat turn can end."""
+        ids = set(self._tok.get_added_tokens_decoder())
+        return frozenset(ids | {i for i in (self.eos_id,) if i is not None})
+
+    def special_token_strings(self) -> dict[str, str]:
+        """``bos_token``, ``eos_token``, ... as strings, for chat templates."""
+        out = {}
+        for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+            value = self.config.get(key)
+            value = value.get("content") if isinstance(value, dict) else value
+            if isinstance(value, str):
+                out[key] = value
+        for key, i in (("bos_token", self.bos_id), ("eos_token", self.eos_id)):
+            if key not in out and i is not None:
+                out[key] = self._tok.id_to_token(i)
+        return out
 
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special)
@@ -47,27 +90,36 @@ class Tokenizer:
     def token_to_id(self, token: str) -> Optional[int]:
         return self._tok.token_to_id(token)
 
+    def id_to_token(self, i: int) -> Optional[str]:
+        return self._tok.id_to_token(i)
+
+    def with_chat_template(self, template: Optional[str]) -> "Tokenizer":
+        """The same tokenizer carrying ``template`` (kept when it is saved)."""
+        return Tokenizer(self._tok, self.bos_id, self.eos_id, self.pad_id, self.path,
+                         self.config, template)
+
     def save(self, out_dir: str | Path) -> None:
-        """Writes tokenizer.json and a tokenizer_config.json transformers understands."""
+        """Writes tokenizer.json and tokenizer_config.json (the loaded one, or one
+        transformers understands), with the chat template inside."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         self._tok.save(str(out / "tokenizer.json"))
         name = lambda i: self._tok.id_to_token(i) if i is not None else None  # noqa: E731
-        config = {
+        config = dict(self.config) or {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "bos_token": name(self.bos_id), "eos_token": name(self.eos_id),
-            "pad_token": name(self.pad_id), "add_bos_token": False, "add_eos_token": False,
+            "pad_token": name(self.pad_id),
             "clean_up_tokenization_spaces": False, "model_max_length": 1_000_000,
         }
-        if self._chat_template:
-            config["chat_template"] = self._chat_template
+        config.pop("chat_template", None)
+        if self.chat_template:
+            config["chat_template"] = self.chat_template
         (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-
-    _chat_template: Optional[str] = None
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
-    """Loads ``tokenizer.json`` (+ tokenizer_config.json for the special tokens)."""
+    """Loads ``tokenizer.json`` (+ tokenizer_config.json for the special tokens, and the
+    chat template from there or from ``chat_template.jinja``)."""
     root = Path(model_dir)
     path = root / "tokenizer.json"
     if not path.is_file():
@@ -81,9 +133,21 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     for role, fallbacks in (("bos", (BOS, "<s>")), ("eos", (EOS, "</s>", "<|eot_id|>")),
                             ("pad", (PAD,))):
         ids[role] = _special_id(tok, config.get(f"{role}_token"), fallbacks)
-    out = Tokenizer(tok, ids["bos"], ids["eos"], ids["pad"], path=root)
-    out._chat_template = config.get("chat_template")
-    return out
+    return Tokenizer(tok, ids["bos"], ids["eos"], ids["pad"], path=root, config=config,
+                     chat_template=_chat_template(root, config))
+
+
+def _chat_template(root: Path, config: dict) -> Optional[str]:
+    """transformers' places: ``chat_template.jinja``, else tokenizer_config.json's
+    ``chat_template`` (a string, or a list of named ones where "default" is used)."""
+    jinja = root / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) and template.strip() else None
 
 
 def _special_id(tok: _HFTokenizer, configured, fallbacks) -> Optional[int]:

@@ -236,6 +236,18 @@ def read_hf_config(model_dir: str | Path) -> dict:
     return _read_json(root / CONFIG_NAME, "a Hugging Face model directory needs config.json")
 
 
+def stop_token_ids(model_dir: str | Path) -> list[int]:
+    """The ids generation stops on, as transformers picks them: generation_config.json's
+    ``eos_token_id`` (an id or a list), else config.json's."""
+    root = Path(model_dir)
+    for name in ("generation_config.json", CONFIG_NAME):
+        if (root / name).is_file():
+            eos = _read_json(root / name, "").get("eos_token_id")
+            if eos is not None:
+                return [int(i) for i in (eos if isinstance(eos, list) else [eos])]
+    return []
+
+
 def read_hf_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of ``model.safetensors`` or of the shards an index names (CPU)."""
     root = Path(model_dir)

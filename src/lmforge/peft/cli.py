@@ -35,7 +35,7 @@ def add_cli(sub) -> None:
     e.add_argument("--model", required=True, help="Hugging Face model directory")
     e.add_argument("--adapter", default=None, help="PEFT adapter directory (optional)")
     e.add_argument("--data", required=True, help='JSONL of {"prompt", "response"}')
-    e.add_argument("--template", default="plain",
+    e.add_argument("--template", default="auto",
                    help="chat template the model was fine-tuned with (data.template)")
     e.add_argument("--max-new-tokens", type=int, default=64)
     e.add_argument("--limit", type=int, default=None, help="score the first N records only")

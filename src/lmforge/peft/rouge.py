@@ -88,40 +88,33 @@ def read_prompt_response(path: str | Path, limit: Optional[int] = None) -> list[
     return records
 
 
-def prompt_ids(tokenizer, prompt: str, template: str = "plain") -> list[int]:
+def prompt_ids(tokenizer, prompt: str, template: str = "auto") -> list[int]:
     """The tokens a model trained with ``data.template`` sees before its answer."""
-    from lmforge.data.sft import ChatTemplate
+    from lmforge.data.templates import get_template
 
-    pieces = ChatTemplate(template).pieces(
-        [{"role": "user", "content": prompt}, {"role": "assistant", "content": ""}],
-        tokenizer)
-    ids: list[int] = []
-    for piece, trained in pieces:
-        if trained:
-            break
-        ids += [piece] if isinstance(piece, int) else tokenizer.encode(piece)
-    return ids
+    return get_template(template, tokenizer).prompt_ids([{"role": "user", "content": prompt}],
+                                                        tokenizer)
 
 
-def answer_ids(tokenizer, prompt: str, response: str, template: str = "plain"
+def answer_ids(tokenizer, prompt: str, response: str, template: str = "auto"
                ) -> tuple[list[int], list[bool]]:
     """(ids, trained flags) of a whole sample, as the SFT pipeline renders it."""
-    from lmforge.data.sft import ChatTemplate
+    from lmforge.data.templates import get_template
 
-    ids, trained = ChatTemplate(template).encode(
+    ids, trained = get_template(template, tokenizer).encode(
         [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}],
         tokenizer)
     return [int(i) for i in ids], [bool(t) for t in trained]
 
 
-def evaluate_prompt_response(model, tokenizer, records: list[dict], template: str = "plain",
+def evaluate_prompt_response(model, tokenizer, records: list[dict], template: str = "auto",
                              max_new_tokens: int = 64, batch_size: int = 8) -> dict:
     """Mean per-token loss over the response tokens (+ end of turn) and ROUGE-L of greedy
     generations against the responses. Returns a dict with ``loss``, ``perplexity``,
     ``rouge_l``, ``tokens``, ``samples`` and the first few ``examples``."""
     import torch
 
-    from lmforge.data.sft import ChatTemplate
+    from lmforge.data.templates import get_template
     from lmforge.generate import generate
     from lmforge.train.step import IGNORE_INDEX, evaluate
 
@@ -144,7 +137,7 @@ def evaluate_prompt_response(model, tokenizer, records: list[dict], template: st
             yield {"input_ids": inputs, "labels": labels}
 
     loss, tokens = evaluate(model, batches(), device)
-    stop = ChatTemplate(template).end_of_turn_id(tokenizer)
+    stop = get_template(template, tokenizer).end_of_turn_id(tokenizer)
     predictions, examples = [], []
     for r in records:
         new = generate(model, prompt_ids(tokenizer, r["prompt"], template), max_new_tokens,

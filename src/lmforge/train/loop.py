@@ -374,7 +374,7 @@ def finish(cfg: JobConfig, rt: Runtime, model: TrainModel, tokenizer: Tokenizer,
             summary["eval_loss"], summary["eval_tokens"] = evaluate(
                 export, data.eval_batches(), torch.device("cpu"))
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        prompt = tokenizer.encode(cfg.train.sample_prompt, bos=True)
+        prompt = tokenizer.encode(cfg.train.sample_prompt)
         stops = tuple(i for i in (tokenizer.eos_id,) if i is not None)
         with rt.autocast():
             new = generate(export, prompt, cfg.train.sample_tokens, greedy=False,
@@ -403,11 +403,11 @@ def _plain_model(model: TrainModel, full_sd: dict, cfg: JobConfig) -> Llama:
 
 def export_hf(cfg: JobConfig, model: Llama, tokenizer: Tokenizer, out_dir: Path) -> None:
     """``hf/``: a transformers-loadable model (adapters merged in); with LoRA also
-    ``adapter/`` in PEFT layout. Chat fine-tunes stop on their end-of-turn token."""
-    from lmforge.checkpoint import generation_config_for
+    ``adapter/`` in PEFT layout. Chat templates stop on their end-of-turn token."""
+    from lmforge.checkpoint import chat_export
     from lmforge.models.hf import save_hf_model
 
-    generation = generation_config_for(cfg, tokenizer)
+    tokenizer, generation = chat_export(cfg, tokenizer)
     if not cfg.lora.enabled:
         save_hf_model(model, out_dir / "hf", tokenizer=tokenizer, generation_config=generation)
         return

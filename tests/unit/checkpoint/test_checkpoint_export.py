@@ -72,7 +72,7 @@ def hf_logits(out_dir, tokens):
 def test_hf_export_matches_transformers(tmp_path, tie):
     run, path, model, tokenizer = make_run_dir(tmp_path, tie=tie)
     out = export_checkpoint(path, tmp_path / "hf")
-    tokens = torch.tensor([tokenizer.encode("def export(model): hello", bos=True)])
+    tokens = torch.tensor([tokenizer.encode("def export(model): hello")])
     torch.testing.assert_close(hf_logits(out, tokens), our_logits(model, tokens),
                                rtol=1e-5, atol=1e-5)
     assert (out / "tokenizer.json").is_file()  # taken from RUN/tokenizer
@@ -131,7 +131,7 @@ def test_lora_checkpoint_exports_merged_and_peft(tmp_path):
     with pytest.raises(CheckpointError, match="LoRA adapters.*--format merged"):
         export_checkpoint(path, tmp_path / "hf")
     merged = export_checkpoint(path, tmp_path / "merged", fmt="merged")
-    tokens = torch.tensor([tokenizer.encode("hello lmforge", bos=True)])
+    tokens = torch.tensor([tokenizer.encode("hello lmforge")])
     torch.testing.assert_close(hf_logits(merged, tokens), our_logits(model, tokens),
                                rtol=1e-4, atol=1e-4)
     adapter = export_checkpoint(path, tmp_path / "adapter", fmt="peft")
@@ -146,6 +146,6 @@ def test_qlora_checkpoint_exports_merged(tmp_path):
     run, path, model, tokenizer = make_run_dir(tmp_path, lora=True, quantize="nf4")
     assert any(k.endswith("weight_nf4") for k in read_model_state(path))
     merged = export_checkpoint(path, tmp_path / "merged", fmt="merged", dtype="fp32")
-    tokens = torch.tensor([tokenizer.encode("hello lmforge", bos=True)])
+    tokens = torch.tensor([tokenizer.encode("hello lmforge")])
     torch.testing.assert_close(hf_logits(merged, tokens), our_logits(model, tokens),
                                rtol=1e-4, atol=1e-4)

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from lmforge.data import sft as sft_mod
 from lmforge.data.errors import DataError
 from lmforge.data.loader import collate
-from lmforge.data.sft import (ChatTemplate, SFTDataset, end_of_turn_token, record_messages,
-                              sft_row)
+from lmforge.data.sft import SFTDataset, record_messages, sft_row
+from lmforge.data.templates import ChatTemplate
 from lmforge.data.tokenizer import train_bpe
 
 from .conftest import fp64_llama, make_docs, write_jsonl
@@ -44,7 +44,7 @@ def _trained_runs(tok, ids, trained):
 
 
 def _expected_runs(template, tok, messages):
-    eot = end_of_turn_token(template, tok)
+    eot = ChatTemplate(template).end_of_turn(tok)
     answers = [m["content"] for m in messages if m["role"] == "assistant"]
     if template == "llama2":
         return [f" {a}{eot}" for a in answers]
@@ -93,15 +93,15 @@ def test_rendered_text_of_the_chat_templates(tokenizer):
 
 
 def test_end_of_turn_tokens(tokenizer):
-    assert end_of_turn_token("llama3", tokenizer) == "<|eot_id|>"
+    assert ChatTemplate("llama3").end_of_turn(tokenizer) == "<|eot_id|>"
     for name in ("plain", "llama2", CUSTOM):
-        assert end_of_turn_token(name, tokenizer) == "<|end_of_text|>"
+        assert ChatTemplate(name).end_of_turn(tokenizer) == "<|end_of_text|>"
     assert ChatTemplate("llama3").end_of_turn_id(tokenizer) == tokenizer.token_to_id("<|eot_id|>")
 
 
 def test_template_and_record_errors(tokenizer):
-    with pytest.raises(DataError, match="data.template: 'chatml' is not one of"):
-        ChatTemplate("chatml")
+    with pytest.raises(DataError, match="data.template: 'vicuna' is not one of"):
+        ChatTemplate("vicuna")
     with pytest.raises(DataError, match=r"needs \{prompt\} and then \{response\}"):
         ChatTemplate("{response} then {prompt}")
     bare = train_bpe(make_docs(50), 300)  # no Llama-3 header tokens

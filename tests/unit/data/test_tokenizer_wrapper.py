@@ -13,8 +13,9 @@ def test_trained_bpe_round_trips_text_and_has_special_ids(tmp_path):
     text = "def add(x, y):\n    return x + y  # ünïcode\n"
     assert tok.decode(tok.encode(text)) == text
     assert tok.bos_id is not None and tok.eos_id is not None and tok.pad_id is not None
-    ids = tok.encode("x", bos=True, eos=True)
-    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
+    # a byte-level tokenizer's post-processor adds no special token: neither do we
+    assert tok.encode("x") == tok.encode("x", special_tokens=False)
+    assert tok.affixes == ([], [])
 
     tok.save(tmp_path)
     again = load_tokenizer(tmp_path)
