@@ -262,3 +262,41 @@ def test_parquet_errors_name_the_row(tmp_path, tokenizer_dir):
     assert stats.documents == 2 and stats.skipped == 1
     with pytest.raises(DataError, match=r"a\.parquet: no column 'body' \(columns: text\)"):
         preprocess([tmp_path / "a.parquet"], tmp_path / "p", tokenizer_dir, json_keys=("body",))
+
+
+@pytest.mark.parametrize("kind", ["llama2", "llama3", "chatml"])
+def test_documents_keep_what_the_tokenizer_adds_as_megatron_does(tmp_path, kind, megatron):
+    transformers = pytest.importorskip("transformers")
+    from helpers.real_tokenizers import corpus, save_tokenizer
+
+    tok_dir = save_tokenizer(kind, tmp_path / "tok")
+    hf = transformers.AutoTokenizer.from_pretrained(tok_dir)
+    texts = corpus(30, seed=7)
+    src = write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in texts])
+    long_doc = " ".join(corpus(600, seed=8))  # a .txt document read in several pieces
+    (tmp_path / "b.txt").write_text(long_doc)
+    eod = [hf.eos_token_id]
+    cases = {"tokenizer": lambda t: hf(t)["input_ids"],
+             "none": lambda t: hf(t, add_special_tokens=False)["input_ids"]}
+    for mode, encode in cases.items():
+        prefix = tmp_path / mode
+        preprocess([src], prefix, tok_dir, append_eod=True, special_tokens=mode, chunk_mb=0.01)
+        expected = [encode(t) + eod for t in texts]
+        assert _documents(prefix) == expected, mode
+        theirs = megatron.IndexedDataset(str(prefix))
+        assert [theirs[i].tolist() for i in range(len(theirs))] == expected
+        preprocess([tmp_path / "b.txt"], tmp_path / f"{mode}-txt", tok_dir, append_eod=True,
+                   special_tokens=mode, chunk_mb=0.001)
+        (doc,) = _documents(tmp_path / f"{mode}-txt")
+        whole = encode(long_doc) + eod
+        added = set(hf.all_special_ids)
+        # the special tokens go around the whole document once, not around each piece
+        assert [i for i in doc if i in added] == [i for i in whole if i in added], mode
+        assert doc[:2] == whole[:2] and doc[-2:] == whole[-2:]
+    if kind != "chatml":  # Llama-2/3 tokenizers add a BOS; a ChatML one adds nothing
+        assert _documents(tmp_path / "tokenizer")[0][0] == hf.bos_token_id
+        assert _documents(tmp_path / "none")[0][0] != hf.bos_token_id
+    else:
+        assert _documents(tmp_path / "tokenizer") == _documents(tmp_path / "none")
+    with pytest.raises(DataError, match="--special-tokens: 'all' is not one of"):
+        preprocess([src], tmp_path / "x", tok_dir, special_tokens="all")
