@@ -162,6 +162,7 @@ def _generate(args) -> int:
 
     if args.max_new_tokens <= 0:
         raise ValueError("--max-new-tokens must be > 0")
+    model = load_hf_model(args.model, device=_device(args.device))
     tokenizer = load_tokenizer(args.model)
     stops = stop_token_ids(args.model) or [i for i in (tokenizer.eos_id,) if i is not None]
     if args.chat:
@@ -173,8 +174,6 @@ def _generate(args) -> int:
         stops.append(template.end_of_turn_id(tokenizer))
     else:
         prompt = tokenizer.encode(args.prompt)
-    device = _device(args.device)
-    model = load_hf_model(args.model, device=device)
     new = generate(model, prompt, args.max_new_tokens, greedy=args.greedy,
                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                    stop_ids=tuple(stops), generator=torch.Generator().manual_seed(args.seed))

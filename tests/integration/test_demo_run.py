@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from lmforge.data.text import split_files, stdlib_files, text_windows_for_eval, tokenize_files
+from lmforge.data.loader import iter_text_eval_batches
+from lmforge.data.text import split_files, stdlib_files
 from lmforge.data.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -65,13 +66,13 @@ def test_export_loss_in_transformers_equals_lmforge_eval(demo_run, tmp_path):
     hf = transformers.AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32)
     hf.eval()
     tokenizer = load_tokenizer(out / "hf")
-    tokens = tokenize_files([held_out[0]], tokenizer)
     total, count = 0.0, 0
     with torch.no_grad():
-        for batch in text_windows_for_eval(tokens, 128, 8):
+        for batch in iter_text_eval_batches([held_out[0]], tokenizer, 128, 8):
             logits = hf(input_ids=batch["input_ids"]).logits
+            labels = batch["labels"].flatten()
             total += torch.nn.functional.cross_entropy(
-                logits.flatten(0, 1).double(), batch["labels"].flatten(), reduction="sum").item()
-            count += batch["labels"].numel()
+                logits.flatten(0, 1).double(), labels, reduction="sum").item()
+            count += int((labels != -100).sum())
     assert count == ours["tokens"]
     assert abs(total / count - ours["loss"]) < 1e-4

@@ -44,7 +44,12 @@ def build_data(cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int = 0, dp_size: 
         eval_batches = lambda: _limited(  # noqa: E731
             build_dataset_loader(cfg, tokenizer, dp_rank, dp_size, "eval", cache_dir),
             cfg.train.eval_batches)
-    return DataBundle(train, eval_batches, f"{d.kind} data from {d.path}")
+    description = f"{d.kind} data from {d.path}"
+    template = getattr(train.dataset, "template", None)
+    if template is not None:  # say which template renders the samples (auto may fall back)
+        description += f", chat template {template.name}" + (
+            " (the model's own)" if d.template == "auto" and template.source else "")
+    return DataBundle(train, eval_batches, description)
 
 
 def _build_text(cfg, tokenizer, dp_rank, dp_size) -> DataBundle:

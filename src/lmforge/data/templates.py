@@ -275,15 +275,12 @@ class JinjaTemplate:
         raise DataError(f"{where}: the chat template renders earlier turns differently once "
                         "later ones follow; lmforge cannot tell which tokens are replies")
 
-    @lru_cache(maxsize=8)
-    def _probe_end_of_turn(self, tok) -> int:
+    def end_of_turn_id(self, tok) -> int:
+        """The token that ends an assistant turn (what generation stops on): the last
+        trained token of a probe conversation. Refuses a template that cannot train."""
         probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
         ids, trained = self.encode(probe, tok, where="data.template")
         return int(ids[np.flatnonzero(trained)[-1]])
-
-    def end_of_turn_id(self, tok) -> int:
-        """The token that ends an assistant turn: what generation stops on."""
-        return self._probe_end_of_turn(tok)
 
     def end_of_turn(self, tok) -> str:
         return tok.decode([self.end_of_turn_id(tok)], skip_special=False)
