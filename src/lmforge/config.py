@@ -165,8 +165,8 @@ class JobConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def validate(self, world_size: int = 1) -> "JobConfig":
-        validate(self, world_size)
+    def validate(self, world_size: int = 1, distributed: Optional[bool] = None) -> "JobConfig":
+        validate(self, world_size, distributed)
         return self
 
 
@@ -293,8 +293,17 @@ _CHOICES = {
 }
 
 
-def validate(cfg: JobConfig, world_size: int = 1) -> None:
-    """Refuse a bad config before any compute; every message names the field."""
+def runs_distributed(parallel: ParallelConfig, world_size: int, torchrun: bool) -> bool:
+    """Whether a run uses a process group and a device mesh: with several processes, and
+    with one started by torchrun with ``parallel.dp_shard=1`` (FSDP2 on one device, so the
+    distributed path can be checked on one GPU). Otherwise one plain process."""
+    return world_size > 1 or (torchrun and parallel.dp_shard == 1)
+
+
+def validate(cfg: JobConfig, world_size: int = 1, distributed: Optional[bool] = None) -> None:
+    """Refuse a bad config before any compute; every message names the field.
+    ``distributed``: see ``runs_distributed`` (default: several processes)."""
+    distributed = world_size > 1 if distributed is None else distributed
     for dotted, allowed in _CHOICES.items():
         section, key = dotted.split(".")
         value = getattr(getattr(cfg, section), key)
@@ -320,14 +329,15 @@ def validate(cfg: JobConfig, world_size: int = 1) -> None:
     if cfg.data.kind in ("text", "pretrain", "sft") and not cfg.data.path:
         raise ConfigError(f"data.path: required when data.kind is {cfg.data.kind}")
     _validate_batch(cfg, world_size)
-    _validate_in_backward(cfg, world_size)
+    _validate_in_backward(cfg, world_size, distributed)
     _validate_model(cfg)
     _validate_lora(cfg.lora)
     if cfg.lora.enabled and cfg.parallel.tp > 1:
         raise ConfigError("parallel.tp: LoRA under tensor parallelism is not supported yet "
                           "(use data parallelism / FSDP2 for LoRA)")
-    if cfg.lora.quantize and world_size > 1:
-        raise ConfigError("lora.quantize: quantized (QLoRA) bases train in one process")
+    if cfg.lora.quantize and distributed:
+        raise ConfigError("lora.quantize: quantized (QLoRA) bases train in one plain process "
+                          "(no FSDP2)")
     if cfg.train.loss_chunk_tokens and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
         # tp: the vocab-parallel loss already splits the logits tp ways; pp: the last
         # stage's schedule owns the loss
@@ -344,8 +354,8 @@ def _validate_batch(cfg: JobConfig, world_size: int) -> None:
                           f"micro_batch_size x data-parallel size = {per_step}")
 
 
-def _validate_in_backward(cfg: JobConfig, world_size: int) -> None:
-    if cfg.train.param_dtype == "bf16" and world_size != 1:
+def _validate_in_backward(cfg: JobConfig, world_size: int, distributed: bool) -> None:
+    if cfg.train.param_dtype == "bf16" and distributed:
         raise ConfigError("train.param_dtype: bf16 weights are for one process; with "
                           "several, FSDP2 keeps fp32 shards and computes in bf16")
     if not cfg.optim.in_backward:
@@ -358,8 +368,8 @@ def _validate_in_backward(cfg: JobConfig, world_size: int) -> None:
     if gbs is not None and gbs != cfg.data.micro_batch_size * world_size:
         raise ConfigError("data.global_batch_size: gradient accumulation is impossible "
                           "with optim.in_backward (each backward updates the weights)")
-    if world_size != 1:
-        raise ConfigError("optim.in_backward: supported in a single process only")
+    if distributed:
+        raise ConfigError("optim.in_backward: supported in a single plain process only")
     if cfg.train.on_nonfinite != "stop":
         raise ConfigError("train.on_nonfinite: skip cannot undo an update made in "
                           "backward; use stop with optim.in_backward")

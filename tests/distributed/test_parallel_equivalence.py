@@ -18,18 +18,20 @@ STEPS = 5
 @pytest.fixture(scope="module")
 def setup(tiny_corpus, tmp_path_factory):
     base = tiny_overrides(tiny_corpus, STEPS)
-    reference = _train(tmp_path_factory.mktemp("single"), base, nproc=1)
+    reference = _train(tmp_path_factory.mktemp("single"), base, nproc=1)[:2]
     return tmp_path_factory.mktemp("layouts"), base, reference
 
 
-def _train(out, overrides, nproc):
-    run_lmforge(out, overrides, nproc)
+def _train(out, overrides, nproc, torchrun=False):
+    proc = run_lmforge(out, overrides, nproc, torchrun=torchrun)
     # The gradient norm is compared too: Adam and clipping hide a uniform gradient scale.
     losses = [(r["loss"], r["grad_norm"]) for r in read_metrics(out)]
-    return losses, load_file(out / "hf" / "model.safetensors")
+    return losses, load_file(out / "hf" / "model.safetensors"), proc.stdout
 
 
 LAYOUTS = {
+    # one process under torchrun: a one-device mesh, FSDP2 (the distributed path alone)
+    "fsdp_one_process": (1, ["parallel.dp_shard=1"]),
     "fsdp_zero3_dp2": (2, ["parallel.dp_shard=2", "parallel.zero=3"]),
     "fsdp_zero2_dp2": (2, ["parallel.dp_shard=2", "parallel.zero=2"]),
     # the output layer applied 24 tokens at a time, outside the root module's forward
@@ -51,7 +53,8 @@ LAYOUTS = {
 def test_layout_matches_single_process(setup, name):
     root, base, (ref_losses, ref_weights) = setup
     nproc, layout = LAYOUTS[name]
-    losses, weights = _train(root / name, base + layout, nproc)
+    losses, weights, stdout = _train(root / name, base + layout, nproc, torchrun=True)
+    assert ("FSDP2" in stdout) == ("dp_shard" in " ".join(layout)), stdout[:2000]
     assert len(losses) == len(ref_losses) == STEPS
     for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(losses, ref_losses), 1):
         assert loss == pytest.approx(ref_loss, rel=1e-5), f"step {step}: loss {loss} vs {ref_loss}"
@@ -79,8 +82,8 @@ def test_layout_that_does_not_fit_is_refused_before_any_process_group(tmp_path, 
 def test_lora_under_fsdp_matches_single_process(tiny_corpus, tmp_path):
     base = tiny_overrides(tiny_corpus, STEPS) + ["lora.enabled=true", "lora.targets=all-linear",
                                                  "lora.rank=4"]
-    ref_losses, ref_weights = _train(tmp_path / "single", base, nproc=1)
-    losses, weights = _train(tmp_path / "fsdp", base + ["parallel.dp_shard=2"], nproc=2)
+    ref_losses, ref_weights, _ = _train(tmp_path / "single", base, nproc=1)
+    losses, weights, _ = _train(tmp_path / "fsdp", base + ["parallel.dp_shard=2"], nproc=2)
     for (loss, norm), (ref_loss, ref_norm) in zip(losses, ref_losses):
         assert loss == pytest.approx(ref_loss, rel=1e-5)
         assert norm == pytest.approx(ref_norm, rel=1e-4)

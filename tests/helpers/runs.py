@@ -45,7 +45,7 @@ def run_lmforge(out, overrides, nproc=1, fault=None, check=True, timeout=600, **
     env.update(popen.pop("env", {}))
     entry = [str(WORKER)] if fault else ["-m", "lmforge.cli"]
     args = ["train", *overrides, f"train.output_dir={out}"]
-    if nproc == 1:
+    if nproc == 1 and not popen.pop("torchrun", False):
         cmd = [sys.executable, *entry, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",

@@ -24,22 +24,24 @@ class DistEnv:
     rank: int
     world_size: int
     local_rank: int
+    torchrun: bool = False  # started by torchrun (its variables), not by SLURM or by hand
 
 
 def read_dist_env(environ=os.environ) -> DistEnv:
     """torchrun's variables first, SLURM's otherwise, a single process without either."""
     if "RANK" in environ and "WORLD_SIZE" in environ:
         return DistEnv(int(environ["RANK"]), int(environ["WORLD_SIZE"]),
-                       int(environ.get("LOCAL_RANK", 0)))
+                       int(environ.get("LOCAL_RANK", 0)), torchrun=True)
     if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
         return DistEnv(int(environ["SLURM_PROCID"]), int(environ["SLURM_NTASKS"]),
                        int(environ.get("SLURM_LOCALID", 0)))
     return DistEnv(0, 1, 0)
 
 
-def init_distributed(env: DistEnv, device_type: str) -> None:
-    """Starts the default process group when there is more than one process."""
-    if env.world_size == 1 or dist.is_initialized():
+def init_distributed(env: DistEnv, device_type: str, distributed: bool) -> None:
+    """Starts the default process group when the run is ``distributed`` (see
+    ``config.runs_distributed``: several processes, or FSDP2 on one)."""
+    if not distributed or dist.is_initialized():
         return
     if "MASTER_ADDR" not in os.environ:
         # srun without torchrun: the first node of the allocation hosts the rendezvous.
@@ -100,6 +102,12 @@ class ParallelDims:
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+
+def uses_fsdp(mesh) -> bool:
+    """FSDP2 wraps the model when data parallelism is > 1, and on a one-device mesh (one
+    process under torchrun with parallel.dp_shard=1: the distributed path on one GPU)."""
+    return mesh is not None and (parallel_dims(mesh).dp > 1 or mesh.size() == 1)
 
 
 def parallel_dims(mesh) -> ParallelDims:

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lmforge.config import JobConfig
-from lmforge.parallel.mesh import parallel_dims
+from lmforge.parallel.mesh import parallel_dims, uses_fsdp
 
 
 def parallelize_llama(model: nn.Module, mesh, cfg: JobConfig,
@@ -36,7 +36,7 @@ def apply_data_parallel(model: nn.Module, mesh, cfg: JobConfig,
                         param_dtype: Optional[torch.dtype] = None) -> None:
     """FSDP2 over the data-parallel dimensions (HSDP when both are > 1)."""
     dims = parallel_dims(mesh)
-    if dims.dp > 1:
+    if uses_fsdp(mesh):
         from lmforge.parallel.fsdp import apply_fsdp
 
         dp_mesh = mesh["dp_shard"] if dims.dp_replicate == 1 else mesh["dp_replicate", "dp_shard"]

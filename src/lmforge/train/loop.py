@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 
 from lmforge.config import (ConfigError, JobConfig, check_model_args, check_parallel_fits,
-                            model_args, save_config)
+                            model_args, runs_distributed, save_config)
 from lmforge.data.build import DataBundle, build_data, train_corpus_tokenizer
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
 from lmforge.models.llama import Llama, LlamaArgs, build_llama, count_parameters, materialize
 from lmforge.parallel.mesh import (DistEnv, ParallelDims, build_mesh, init_distributed,
-                                   parallel_dims, read_dist_env)
+                                   parallel_dims, read_dist_env, uses_fsdp)
 from lmforge.train import metrics as M
 from lmforge.train.model_setup import (TrainModel, build_train_model, clip_grad_norm,
                                        gather_full_state_dict)
@@ -61,8 +61,9 @@ class Runtime:
 def train(cfg: JobConfig) -> dict:
     """Runs the job described by ``cfg``; returns a summary of what happened."""
     env = read_dist_env()
-    cfg.validate(world_size=env.world_size)
-    rt = init_runtime(cfg, env)
+    distributed = runs_distributed(cfg.parallel, env.world_size, env.torchrun)
+    cfg.validate(world_size=env.world_size, distributed=distributed)
+    rt = init_runtime(cfg, env, distributed)
     out_dir = prepare_output_dir(cfg, rt)
     tokenizer = prepare_tokenizer(cfg, out_dir, rt)
     args = resolve_model_args(cfg, tokenizer)
@@ -94,14 +95,14 @@ def train(cfg: JobConfig) -> dict:
 
 
 def _shutdown(rt: "Runtime") -> None:
-    if rt.world_size > 1:
+    if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------- set-up
 
-def init_runtime(cfg: JobConfig, env: DistEnv) -> Runtime:
+def init_runtime(cfg: JobConfig, env: DistEnv, distributed: bool = False) -> Runtime:
     t = cfg.train
     if t.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device: cuda requested but no GPU is visible")
@@ -115,12 +116,12 @@ def init_runtime(cfg: JobConfig, env: DistEnv) -> Runtime:
     if t.deterministic:
         torch.use_deterministic_algorithms(True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    init_distributed(env, device_type)
-    mesh = build_mesh(cfg.parallel, env.world_size, device_type) if env.world_size > 1 else None
+    init_distributed(env, device_type, distributed)
+    mesh = build_mesh(cfg.parallel, env.world_size, device_type) if distributed else None
     dims = parallel_dims(mesh)
     use_bf16 = t.dtype == "bf16" or (t.dtype == "auto" and device.type == "cuda")
     # Under FSDP, parameters are cast to bf16 when gathered; elsewhere autocast does it.
-    param_dtype = torch.bfloat16 if use_bf16 and dims.dp > 1 else None
+    param_dtype = torch.bfloat16 if use_bf16 and uses_fsdp(mesh) else None
     autocast = (functools.partial(torch.autocast, device.type, dtype=torch.bfloat16)
                 if use_bf16 and param_dtype is None else contextlib.nullcontext)
     return Runtime(device=device, autocast=autocast, rank=env.rank,
@@ -162,7 +163,7 @@ def prepare_tokenizer(cfg: JobConfig, out_dir: Path, rt: Runtime) -> Tokenizer:
 
 
 def _barrier(rt: Runtime) -> None:
-    if rt.world_size > 1:
+    if dist.is_initialized():
         dist.barrier()
 
 
@@ -453,7 +454,8 @@ def _say(rt: Runtime, message: str) -> None:
 
 def _layout(rt: Runtime) -> str:
     d = rt.dims
-    return (f"pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x tp {d.tp}")
+    return (f"pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x tp {d.tp}"
+            + (", FSDP2" if uses_fsdp(rt.mesh) else ""))
 
 
 def _describe(args: LlamaArgs) -> str:

@@ -10,13 +10,23 @@ from lmforge.parallel.tensor import block_plan, model_plan
 
 def test_rank_comes_from_torchrun_or_slurm_alike():
     assert read_dist_env({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}).__dict__ == {
-        "rank": 5, "world_size": 8, "local_rank": 1}
+        "rank": 5, "world_size": 8, "local_rank": 1, "torchrun": True}
     slurm = {"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1"}
-    assert read_dist_env(slurm).__dict__ == {"rank": 9, "world_size": 16, "local_rank": 1}
+    assert read_dist_env(slurm).__dict__ == {"rank": 9, "world_size": 16, "local_rank": 1,
+                                             "torchrun": False}
     # torchrun inside an srun allocation wins: its RANK is the worker's, not the node's.
     both = {**slurm, "RANK": "3", "WORLD_SIZE": "32", "LOCAL_RANK": "3"}
     assert read_dist_env(both).rank == 3
     assert read_dist_env({}).world_size == 1
+
+
+def test_one_process_is_distributed_only_under_torchrun_with_dp_shard_1():
+    from lmforge.config import ParallelConfig, runs_distributed
+
+    assert runs_distributed(ParallelConfig(dp_shard=1), 1, torchrun=True)
+    assert not runs_distributed(ParallelConfig(), 1, torchrun=True)  # dp_shard=-1: plain
+    assert not runs_distributed(ParallelConfig(dp_shard=1), 1, torchrun=False)
+    assert runs_distributed(ParallelConfig(), 2, torchrun=False)
 
 
 @pytest.mark.parametrize("nodelist, first", [
