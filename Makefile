@@ -1,5 +1,5 @@
 # The two commands of the README: `make demo` and `make test`.
-.PHONY: setup demo test
+.PHONY: setup demo test gpu-check
 
 setup:
 	bash scripts/setup.sh
@@ -9,3 +9,15 @@ demo: setup
 
 test: setup
 	.venv/bin/python -m pytest tests
+
+# On a CUDA machine: the GPU tests, then every training path for a few steps and the
+# side-by-side benches (bench/gpu_check.py; docs/benchmarks.md says how to run it on a lent
+# GPU). It uses that machine's Python as it is: GPU images have no package index.
+PYTHON ?= python3
+GPU_CHECK_OUT ?= runs/gpu-check
+GPU_CHECK_ARGS ?=
+SRC_PATH = PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH}
+
+gpu-check:
+	-$(SRC_PATH) $(PYTHON) -m pytest -m gpu tests/gpu -p no:cacheprovider
+	$(SRC_PATH) PYTHONUNBUFFERED=1 $(PYTHON) bench/gpu_check.py --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)

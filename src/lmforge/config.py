@@ -95,6 +95,9 @@ class TrainConfig:
     eval_every: int = 0  # 0: only at the end
     eval_batches: int = 8
     checkpoint_every: int = 0  # 0: only at the end
+    # false: no final checkpoint and no hf/ export (benchmarks, smoke runs); checkpoint_every
+    # still applies.
+    save: bool = True
     keep_last: int = 2
     # End this invocation after this step (checkpointed), keeping the schedule of
     # max_steps: for time-limited cluster jobs that resume with train.resume=auto.

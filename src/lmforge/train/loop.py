@@ -318,7 +318,7 @@ class Checkpoints:
                    data: DataBundle, final: bool = False) -> None:
         self.writer.maybe_finalize()
         every = self.cfg.train.checkpoint_every
-        if not (final or (every and step % every == 0)):
+        if not ((final and self.cfg.train.save) or (every and step % every == 0)):
             return
         from lmforge.checkpoint import capture_rng
 
@@ -359,12 +359,17 @@ def finish(cfg: JobConfig, rt: Runtime, model: TrainModel, tokenizer: Tokenizer,
 
     summary = {"first_loss": history[0]["loss"] if history else None,
                "last_loss": history[-1]["loss"] if history else None,
-               "steps": cfg.train.max_steps, "hf_dir": str(out_dir / "hf")}
+               "steps": cfg.train.max_steps,
+               "hf_dir": str(out_dir / "hf") if cfg.train.save else None}
     if data.eval_batches and model.whole is not None:
         summary["eval_loss"], summary["eval_tokens"] = model.evaluate(
             data.eval_batches(), rt.device, rt.autocast)
         _say(rt, f"held-out loss {summary['eval_loss']:.4f} "
                  f"(perplexity {math.exp(summary['eval_loss']):.2f})")
+    if not cfg.train.save:  # train.save=false: nothing to export or sample from
+        if rt.is_logging_rank:
+            (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
     full_sd = gather_full_state_dict(model)
     if rt.is_logging_rank:
         export = _plain_model(model, full_sd, cfg)

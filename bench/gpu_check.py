@@ -1,0 +1,452 @@
+"""Every training path on one device, a few steps each, in one command; then the three
+side-by-side benches against transformers. Made for a short GPU slot:
+
+    make gpu-check                                    # = python bench/gpu_check.py --out runs/gpu-check
+    python bench/gpu_check.py --device cpu --tiny --out /tmp/check   # the same list, tiny shapes (CI)
+
+Each path is a real ``lmforge train`` (or generation) in its own process, started from
+the same random base model on data prepared here (a tokenizer, a preprocessed corpus and
+an SFT file, all from Python's standard library: nothing is downloaded). Per path it
+records: ok / the error's first line, the loss at the first and last step, tokens/s and
+MFU (median over the steps after the first), peak allocated and reserved memory, and
+``lmforge estimate``'s predicted peak for the same config. A failing path never stops the
+others. Results: ``OUT/gpu_check.json`` and ``OUT/gpu_check.md`` (also printed).
+
+The benches are ``bench/train_step.py`` runs (each side in its own process): llama3.2-1b
+full bf16 at seq 2048, llama2-7b QLoRA at batch 4 x 2048 (the reference needs
+bitsandbytes), llama2-7b low-memory full fine-tune at batch 1 x 2048. ``--tiny`` runs them
+on the debug preset.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+# Children import this checkout's lmforge, installed or not (a GPU image has no pip index).
+CHILD_ENV = {**os.environ, "PYTHONUNBUFFERED": "1",
+             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"),
+                                                         os.environ.get("PYTHONPATH")]))}
+
+
+@dataclass
+class Shapes:
+    """Model and batch sizes of one check: ``full`` for a GPU, ``tiny`` for CI's CPU."""
+    model: dict  # LlamaArgs fields of the base model (vocab: the tokenizer's)
+    tokenizer_vocab: int
+    corpus_chars: int
+    seq_len: int
+    micro_batch: int
+    steps: int
+    loss_chunk_tokens: int
+    generate_tokens: int
+    benches: list  # bench/train_step.py argument lists
+    timeout_s: int
+
+
+FULL = Shapes(
+    # llama3.2-1b's block shapes, 8 of its 16 layers: big enough for an honest MFU, small
+    # enough that a dozen short runs fit a 10-minute slot.
+    model=dict(dim=2048, n_layers=8, n_heads=32, n_kv_heads=8, ffn_dim=8192,
+               max_seq_len=4096, rope_theta=500000.0, tie_embeddings=True),
+    tokenizer_vocab=32000, corpus_chars=4_000_000, seq_len=2048, micro_batch=2, steps=10,
+    loss_chunk_tokens=1024, generate_tokens=256,
+    benches=[
+        ["--preset", "llama3.2-1b", "--seq-len", "2048", "--batch", "1", "--compile"],
+        ["--preset", "llama2-7b", "--method", "qlora", "--seq-len", "2048", "--batch", "4",
+         "--activation-checkpointing"],
+        ["--preset", "llama2-7b", "--seq-len", "2048", "--batch", "1", "--low-memory",
+         "--activation-checkpointing", "--loss-chunk-tokens", "1024"],
+    ],
+    timeout_s=300)
+
+TINY = Shapes(
+    model=dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=344, max_seq_len=512,
+               tie_embeddings=False),
+    tokenizer_vocab=600, corpus_chars=300_000, seq_len=64, micro_batch=2, steps=3,
+    loss_chunk_tokens=32, generate_tokens=16,
+    benches=[
+        ["--preset", "debug", "--seq-len", "64", "--batch", "2"],
+        ["--preset", "debug", "--method", "qlora", "--seq-len", "64", "--batch", "2"],
+        ["--preset", "debug", "--seq-len", "64", "--batch", "1", "--low-memory",
+         "--loss-chunk-tokens", "32"],
+    ],
+    timeout_s=300)
+BENCH_STEPS = {"full": ["--steps", "6", "--warmup", "2"], "tiny": ["--steps", "1", "--warmup", "1"]}
+
+
+@dataclass
+class PathSpec:
+    name: str
+    overrides: list = field(default_factory=list)
+    kind: str = "train"  # train | torchrun | generate | resume
+
+
+def path_specs(shapes: Shapes) -> list[PathSpec]:
+    low_memory = ["train.param_dtype=bf16", "optim.name=adamw_bf16", "optim.in_backward=true",
+                  "optim.grad_clip=0"]
+    lora = ["lora.enabled=true", "lora.rank=16", "lora.alpha=32", "lora.targets=all-linear"]
+    return [
+        PathSpec("full, eager"),
+        PathSpec("full, train.compile=true", ["train.compile=true"]),
+        PathSpec("activation checkpointing full", ["train.activation_checkpointing=full"]),
+        PathSpec("activation checkpointing selective",
+                 ["train.activation_checkpointing=selective"]),
+        PathSpec("chunked loss", [f"train.loss_chunk_tokens={shapes.loss_chunk_tokens}"]),
+        PathSpec("low memory (bf16 weights, adamw_bf16, in backward)", low_memory),
+        PathSpec("FSDP2, one process (torchrun, dp_shard=1)", ["parallel.dp_shard=1"],
+                 kind="torchrun"),
+        PathSpec("LoRA", lora),
+        PathSpec("QLoRA NF4", lora + ["lora.quantize=nf4"]),
+        PathSpec("LoRA, int8 base", lora + ["lora.quantize=int8"]),
+        PathSpec("packed SFT, document masks", ["data.kind=sft", "data.pack=true",
+                                                "data.template=plain"]),
+        PathSpec("generation, KV cache", kind="generate"),
+        PathSpec("checkpoint save, then resume", kind="resume"),
+    ]
+
+
+# ------------------------------------------------------------------------- preparation
+
+def prepare(out: Path, shapes: Shapes) -> dict:
+    """Tokenizer, preprocessed corpus, SFT file and random base model under ``out``."""
+    import torch
+
+    from lmforge.data.preprocess import preprocess
+    from lmforge.data.text import stdlib_files
+    from lmforge.data.tokenizer import read_text, train_bpe
+    from lmforge.models.hf import save_hf_model
+    from lmforge.models.llama import LlamaArgs, build_llama, materialize
+
+    data = out / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    texts = [read_text(f) for f in stdlib_files(shapes.corpus_chars)]
+    tokenizer = train_bpe(texts, shapes.tokenizer_vocab)
+    tokenizer.save(out / "tokenizer")
+    with open(data / "corpus.jsonl", "w") as f:
+        f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+    preprocess([data / "corpus.jsonl"], data / "corpus", out / "tokenizer", append_eod=True)
+    with open(data / "chat.jsonl", "w") as f:  # code -> its continuation, as chat turns
+        n = shapes.seq_len  # characters per part: prompt and answer fit one row together
+        for t in texts:
+            for start in range(0, len(t) - 2 * n, 6 * n):
+                f.write(json.dumps({"prompt": "Continue:\n" + t[start:start + n // 2],
+                                    "response": t[start + n // 2:start + n]}) + "\n")
+    args = LlamaArgs(**shapes.model, vocab_size=tokenizer.vocab_size)
+    torch.manual_seed(0)
+    model = materialize(build_llama(args), "cpu")
+    save_hf_model(model, out / "base", tokenizer=tokenizer,
+                  dtype=torch.bfloat16 if shapes is FULL else None)
+    return {"parameters": sum(p.numel() for p in model.parameters()),
+            "vocab": tokenizer.vocab_size}
+
+
+def common_overrides(out: Path, shapes: Shapes, device: str) -> list[str]:
+    return [f"model.init_from={out / 'base'}", "model.preset=null", "data.kind=pretrain",
+            f"data.path={out / 'data' / 'corpus'}", f"data.seq_len={shapes.seq_len}",
+            f"data.micro_batch_size={shapes.micro_batch}", f"train.max_steps={shapes.steps}",
+            "train.log_every=1", "train.save=false", "train.sample_tokens=1",
+            f"train.device={device}", "optim.warmup_steps=0", "optim.lr=1e-4",
+            "data.eval_fraction=0", "train.progress_bar=false"]
+
+
+def with_sft_data(overrides: list[str], out: Path) -> list[str]:
+    """``data.kind=sft`` in a spec points data.path at the SFT file."""
+    if "data.kind=sft" not in overrides:
+        return overrides
+    return [o for o in overrides if not o.startswith("data.path=")] + [
+        f"data.path={out / 'data' / 'chat.jsonl'}"]
+
+
+# ------------------------------------------------------------------------------ runs
+
+def run_path(spec: PathSpec, out: Path, shapes: Shapes, device: str) -> dict:
+    result = {"path": spec.name, "ok": False}
+    start = time.perf_counter()
+    try:
+        if spec.kind == "generate":
+            result.update(run_generate(out, shapes, device))
+        else:
+            overrides = with_sft_data(common_overrides(out, shapes, device) + spec.overrides,
+                                      out)
+            result.update(estimate_peak(overrides, device))
+            run_dir = out / "runs" / slug(spec.name)
+            shutil.rmtree(run_dir, ignore_errors=True)
+            if spec.kind == "resume":
+                result.update(run_resume(overrides, run_dir, shapes))
+            else:
+                train(overrides, run_dir, shapes.timeout_s, torchrun=spec.kind == "torchrun")
+                result.update(read_run(run_dir))
+        result["ok"] = "error" not in result
+    except Exception as e:  # one path's failure is a row of the table, not the end
+        result["error"] = first_line(e)
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    return result
+
+
+def train(overrides: list[str], run_dir: Path, timeout_s: int, torchrun: bool = False) -> None:
+    entry = ["-m", "lmforge.cli", "train", *overrides, f"train.output_dir={run_dir}"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node=1"] if torchrun else [sys.executable]
+    proc = subprocess.run(launcher + entry, capture_output=True, text=True, timeout=timeout_s,
+                          env=CHILD_ENV)
+    if proc.returncode != 0:
+        raise RuntimeError(error_line(proc.stderr) or f"exit status {proc.returncode}")
+
+
+def read_run(run_dir: Path) -> dict:
+    records = [json.loads(line) for line in
+               (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    if not records:
+        raise RuntimeError(f"{run_dir}/metrics.jsonl: no step was logged")
+    timed = records[1:] or records  # the first step carries compilation and warm-up
+    mfu = [r["mfu"] for r in timed if r.get("mfu") is not None]
+    reserved = [r["peak_reserved_gib"] for r in records if r.get("peak_reserved_gib") is not None]
+    return {"first_loss": records[0]["loss"], "last_loss": records[-1]["loss"],
+            "steps": len(records),
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+            "mfu": statistics.median(mfu) if mfu else None,
+            "peak_allocated_gib": max(r.get("peak_mem_gib") or 0.0 for r in records),
+            "peak_reserved_gib": max(reserved) if reserved else None}  # None on the CPU
+
+
+def run_resume(overrides: list[str], run_dir: Path, shapes: Shapes) -> dict:
+    """Half the steps, a checkpoint, a new process resuming to the end; its losses must be
+    those of one uninterrupted run."""
+    half = max(1, shapes.steps // 2)
+    train(overrides + [f"train.stop_at_step={half}", f"train.checkpoint_every={half}"],
+          run_dir, shapes.timeout_s)
+    train(overrides + ["train.resume=auto"], run_dir, shapes.timeout_s)
+    straight = run_dir.with_name(run_dir.name + "-straight")
+    shutil.rmtree(straight, ignore_errors=True)
+    train(overrides, straight, shapes.timeout_s)
+    resumed, reference = (read_losses(d) for d in (run_dir, straight))
+    if len(resumed) != len(reference):
+        raise RuntimeError(f"resumed run logged {len(resumed)} steps, the straight one "
+                           f"{len(reference)}")
+    diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(resumed, reference))
+    out = read_run(run_dir) | {"resume_max_rel_diff": diff}
+    if diff > 1e-3:
+        out["error"] = f"resumed losses differ from the straight run's (max rel diff {diff:.2e})"
+    return out
+
+
+def read_losses(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in
+            (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def run_generate(out: Path, shapes: Shapes, device: str) -> dict:
+    cmd = [sys.executable, __file__, "--child-generate", str(out / "base"), "--device", device,
+           "--tokens", str(shapes.generate_tokens)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=shapes.timeout_s,
+                          env=CHILD_ENV)
+    if proc.returncode != 0:
+        raise RuntimeError(error_line(proc.stderr) or f"exit status {proc.returncode}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def child_generate(model_dir: str, device: str, tokens: int) -> dict:
+    """Greedy decoding of ``tokens`` new tokens with the KV cache, after one warm-up."""
+    import torch
+
+    from lmforge.data.tokenizer import load_tokenizer
+    from lmforge.generate import generate
+    from lmforge.models.hf import load_hf_model
+    from lmforge.train import metrics as M
+
+    dev = torch.device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else None
+    model = load_hf_model(model_dir, device=dev, dtype=dtype)
+    prompt = load_tokenizer(model_dir).encode("def main():\n    ")
+    generate(model, prompt, 4)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    start = time.perf_counter()
+    new = generate(model, prompt, tokens)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    seconds = time.perf_counter() - start
+    memory = M.memory_metrics(dev)
+    return {"tokens_per_s": len(new) / seconds, "steps": len(new),
+            "peak_allocated_gib": memory["peak_mem_gib"],
+            "peak_reserved_gib": memory["peak_reserved_gib"]}
+
+
+def estimate_peak(overrides: list[str], device: str) -> dict:
+    """``lmforge estimate``'s peak allocated memory for the same config."""
+    try:
+        from lmforge.config import load_config
+        from lmforge.estimate import estimate_memory, setup_from_config
+
+        cfg = load_config(None, overrides)
+        est = estimate_memory(setup_from_config(cfg, device=device))
+        return {"estimate_gib": est.peak_bytes / 2**30}
+    except Exception as e:  # an estimate that fails is reported beside a run that may not
+        return {"estimate_error": first_line(e)}
+
+
+def run_bench(argv: list[str], out: Path, tiny: bool, device: str, timeout_s: int) -> dict:
+    target = out / "benches" / f"{slug(' '.join(argv))}.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(ROOT / "bench" / "train_step.py"), *argv,
+           *BENCH_STEPS["tiny" if tiny else "full"], "--device", device, "--json", str(target)]
+    row = {"bench": " ".join(argv)}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                              env=CHILD_ENV)
+        if not target.is_file():
+            raise RuntimeError(error_line(proc.stderr) or f"exit status {proc.returncode}")
+        sides = {r["side"]: r for r in json.loads(target.read_text())["results"]}
+        row.update(sides)
+        ours, ref = sides.get("lmforge", {}), sides.get("reference", {})
+        if "tokens_per_s" in ours and "tokens_per_s" in ref:
+            row["speed_ratio"] = ours["tokens_per_s"] / ref["tokens_per_s"]
+            row["memory_ratio"] = ours["peak_mem_gib"] / ref["peak_mem_gib"]
+        row["ok"] = "error" not in ours
+    except Exception as e:
+        row.update(ok=False, error=first_line(e))
+    return row
+
+
+# --------------------------------------------------------------------------- reports
+
+def markdown(report: dict) -> str:
+    def num(value, fmt):
+        return "" if value is None else format(value, fmt)
+
+    lines = [f"Device: {report['device']}; torch {report['torch']}; base model "
+             f"{report['base']['parameters']:,} parameters (vocab {report['base']['vocab']}), "
+             f"seq {report['seq_len']} x micro-batch {report['micro_batch']}, "
+             f"{report['steps']} steps; {report['seconds']:.0f} s in all.", "",
+             "| path | ok | loss first -> last | tokens/s | MFU | peak alloc GiB | "
+             "peak reserved GiB | estimate GiB |", "|---|---|---|---:|---:|---:|---:|---:|"]
+    for r in report["paths"]:
+        status = "ok" if r["ok"] else f"**error**: {r.get('error', '')}"
+        losses = (f"{r['first_loss']:.4f} -> {r['last_loss']:.4f}"
+                  if r.get("first_loss") is not None else "")
+        lines.append(f"| {r['path']} | {status} | {losses} | {num(r.get('tokens_per_s'), ',.0f')} "
+                     f"| {num(r.get('mfu'), '.1%')} | {num(r.get('peak_allocated_gib'), '.2f')} "
+                     f"| {num(r.get('peak_reserved_gib'), '.2f')} "
+                     f"| {estimate_cell(r)} |")
+    lines += ["", "| bench (bench/train_step.py) | lmforge tokens/s | MFU | peak GiB | "
+              "reference tokens/s | MFU | peak GiB | speed ratio |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for b in report["benches"]:
+        cells = []
+        for side in ("lmforge", "reference"):
+            r = b.get(side, {})
+            if "error" in r or not r:
+                cells += [f"n/a ({r.get('error', b.get('error', 'not run'))})", "", ""]
+            else:
+                cells += [f"{r['tokens_per_s']:,.0f}", num(r.get("mfu"), ".1%"),
+                          num(r.get("peak_mem_gib"), ".2f")]
+        lines.append(f"| `{b['bench']}` | " + " | ".join(cells) +
+                     f" | {num(b.get('speed_ratio'), '.2f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def estimate_cell(row: dict) -> str:
+    if row.get("estimate_gib") is not None:
+        return f"{row['estimate_gib']:.2f}"
+    return f"n/a ({row['estimate_error']})" if row.get("estimate_error") else ""
+
+
+def device_name(device: str) -> str:
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.get_device_name(0)
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")[:80]
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def error_line(stderr: str) -> str:
+    """lmforge's one-line error, or the last line of a traceback."""
+    lines = [line for line in stderr.strip().splitlines() if line.strip()]
+    for line in lines:
+        if line.startswith("lmforge: error:"):
+            return line.removeprefix("lmforge: error:").strip()
+    return lines[-1].strip() if lines else ""
+
+
+# ---------------------------------------------------------------------------- driver
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="runs/gpu-check",
+                   help="working directory (data, base model, runs)")
+    p.add_argument("--report-dir", default=None,
+                   help="where gpu_check.json and gpu_check.md go (default: --out)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (CI on the CPU)")
+    p.add_argument("--only", nargs="+", metavar="WORD",
+                   help="run only the paths whose name contains one of these words")
+    p.add_argument("--no-benches", action="store_true", help="skip the side-by-side benches")
+    p.add_argument("--child-generate", help=argparse.SUPPRESS)
+    p.add_argument("--tokens", type=int, default=64, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child_generate:
+        print(json.dumps(child_generate(args.child_generate, args.device, args.tokens)))
+        return 0
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device visible (use --device cpu --tiny on a CPU)",
+              file=sys.stderr)
+        return 2
+    shapes = TINY if args.tiny else FULL
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    report = {"device": device_name(args.device), "torch": torch.__version__,
+              "tiny": args.tiny, "seq_len": shapes.seq_len, "micro_batch": shapes.micro_batch,
+              "steps": shapes.steps, "base": prepare(out, shapes), "paths": [], "benches": []}
+    print(f"prepared in {time.perf_counter() - start:.0f} s: {report['base']}", flush=True)
+    for spec in path_specs(shapes):
+        if args.only and not any(w.lower() in spec.name.lower() for w in args.only):
+            continue
+        result = run_path(spec, out, shapes, args.device)
+        report["paths"].append(result)
+        print(f"{spec.name}: {'ok' if result['ok'] else 'ERROR ' + result.get('error', '')} "
+              f"({result['seconds']} s)", flush=True)
+    if not args.no_benches:
+        for bench in shapes.benches:
+            report["benches"].append(run_bench(bench, out, args.tiny, args.device,
+                                               3 * shapes.timeout_s))
+    report["seconds"] = time.perf_counter() - start
+    report_dir = Path(args.report_dir or out)
+    report_dir.mkdir(parents=True, exist_ok=True)
+    (report_dir / "gpu_check.json").write_text(json.dumps(report, indent=2))
+    table = markdown(report)
+    (report_dir / "gpu_check.md").write_text(table)
+    print(table)
+    return 0 if all(r["ok"] for r in report["paths"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""`bench/gpu_check.py` (``make gpu-check``) on the CPU with tiny shapes: the same list of
+training paths a GPU slot runs, so the command cannot rot while no GPU is at hand."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PATHS = ["full, eager", "full, train.compile=true", "activation checkpointing full",
+         "activation checkpointing selective", "chunked loss",
+         "low memory (bf16 weights, adamw_bf16, in backward)",
+         "FSDP2, one process (torchrun, dp_shard=1)", "LoRA", "QLoRA NF4", "LoRA, int8 base",
+         "packed SFT, document masks", "generation, KV cache", "checkpoint save, then resume"]
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_every_path_on_tiny_cpu_shapes(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device",
+                           "cpu", "--tiny", "--out", str(tmp_path / "work"), "--report-dir",
+                           str(tmp_path / "report")], capture_output=True, text=True,
+                          timeout=1200)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    report = json.loads((tmp_path / "report" / "gpu_check.json").read_text())
+    assert [r["path"] for r in report["paths"]] == PATHS
+    for row in report["paths"]:
+        assert row["ok"], row
+        assert row["tokens_per_s"] > 0 and row["peak_allocated_gib"] > 0, row
+        if row["path"] != "generation, KV cache":
+            assert row["steps"] == report["steps"] and row["first_loss"] > 0, row
+            assert "estimate_gib" in row or "estimate_error" in row, row
+    by_name = {r["path"]: r for r in report["paths"]}
+    assert by_name["checkpoint save, then resume"]["resume_max_rel_diff"] == 0.0
+    # every path starts from the same base and batch: the same first loss, bar quantization
+    assert by_name["full, eager"]["first_loss"] == pytest.approx(
+        by_name["FSDP2, one process (torchrun, dp_shard=1)"]["first_loss"], rel=1e-5)
+    # train.save=false: the runs leave no checkpoint and no export behind
+    runs = tmp_path / "work" / "runs"
+    assert not any(runs.glob("full-eager/checkpoints/*")) and not (runs / "full-eager/hf").exists()
+    assert [b["ok"] for b in report["benches"]] == [True, True, True], report["benches"]
+    table = (tmp_path / "report" / "gpu_check.md").read_text()
+    assert all(f"| {name} | ok |" in table for name in PATHS), table
