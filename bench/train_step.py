@@ -10,7 +10,8 @@ allocator's peak (torch.cuda.max_memory_allocated), on CPU the child's peak resi
 set. Steps are timed after warm-up, synchronised with the device, and the median is
 reported. Weights are random (no download). The reference is LlamaForCausalLM with SDPA
 attention and torch.optim.AdamW; for lora/qlora, peft's LoRA on the same modules
-(qlora's reference needs bitsandbytes, which is CUDA-only).
+(qlora's reference: the base's projections as bitsandbytes NF4 Linear4bit with double
+quantization and bf16 compute, QLoRA's setting; it needs bitsandbytes).
 """
 from __future__ import annotations
 
@@ -113,14 +114,18 @@ def build_reference(args, model_args: LlamaArgs, device):
     torch.manual_seed(0)
     config = transformers.LlamaConfig(**hf_config_from_args(model_args))
     config._attn_implementation = "sdpa"
-    model = transformers.LlamaForCausalLM(config).to(device)
+    if args.method == "qlora":
+        model = _hf_llama_on(transformers, config, device, torch.bfloat16)
+        quantize_reference_4bit(model, LORA_TARGETS)
+    else:
+        model = transformers.LlamaForCausalLM(config).to(device)
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable()
+        if args.method != "full":  # frozen embeddings: checkpointed blocks need an input
+            model.enable_input_require_grads()  # that requires grad, as peft recipes do
     if args.method != "full":
         import peft
 
-        if args.method == "qlora":
-            raise RuntimeError("the qlora reference (bitsandbytes 4-bit) needs CUDA")
         lcfg = peft.LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
                                target_modules=LORA_TARGETS, lora_dropout=0.0)
         model = peft.get_peft_model(model, lcfg)
@@ -134,6 +139,45 @@ def build_reference(args, model_args: LlamaArgs, device):
         return loss
 
     return model, step
+
+
+def _hf_llama_on(transformers, config, device, dtype):
+    """Built on the device in ``dtype`` directly: a 7B model never exists in fp32 on the
+    host (what ``from_pretrained(..., dtype=bf16, device_map=cuda)`` gives)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return transformers.LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+
+
+def quantize_reference_4bit(model, targets) -> None:
+    """QLoRA's base as bitsandbytes holds it, as transformers' ``BitsAndBytesConfig(
+    load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+    bnb_4bit_compute_dtype=bf16)`` loads it: each target projection becomes a Linear4bit
+    (NF4 codes, double-quantized scales), quantized where its weight lies."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise RuntimeError("the qlora reference needs bitsandbytes, not installed here "
+                           "(docs/benchmarks.md: how its wheel travels to a GPU machine)"
+                           ) from None
+
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if name not in targets or not isinstance(child, torch.nn.Linear):
+                continue
+            q = bnb.nn.Linear4bit(child.in_features, child.out_features,
+                                  bias=child.bias is not None, compute_dtype=torch.bfloat16,
+                                  compress_statistics=True, quant_type="nf4", device="meta")
+            q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False,
+                                         compress_statistics=True, quant_type="nf4",
+                                         module=q).to(child.weight.device)
+            if child.bias is not None:
+                q.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
+            setattr(module, name, q)
 
 
 def run_side(args) -> dict:
