@@ -39,7 +39,15 @@ NF4_BLOCK, NF4_SCALE_GROUP = 64, 256
 # compute dtype), per parameter of the largest quantized matrix; measured on peft/quant.py.
 DEQUANT_SCRATCH_BYTES = {"nf4": 13.0, "int8": 8.0}
 # Optimizer states per trainable parameter (count, stored in the parameter's dtype).
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "lion": 1}
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "lion": 1, "adamw_bf16": 2}
+# adamw_bf16 (train/low_memory.py) keeps its moments in bf16; the others in fp32.
+STATE_BYTES = {"adamw_bf16": 2}
+# optim.in_backward steps one parameter at a time. Bytes per element of the parameter
+# being stepped, beside its gradient: AdamWBF16 holds both moments, the weight and the
+# rounding noise in fp32 (16) and a rounding copy (fp32 bits and the bf16 result, 6); a
+# torch optimizer stepped per parameter, about two fp32 temporaries.
+IN_BACKWARD_STEP_BYTES = {"adamw_bf16": 22.0}
+IN_BACKWARD_STEP_BYTES_DEFAULT = 8.0
 # Not tensors: what a device needs beyond the allocator's peak allocated bytes.
 CUDA_CONTEXT_GIB = 0.6  # CUDA context, kernels, cuBLAS workspaces (0.3-1 GiB in practice)
 CUDA_ALLOCATOR_SLACK = 0.10  # reserved - allocated (fragmentation of the caching allocator)
@@ -73,6 +81,8 @@ class Setup:
     microbatches: int = 1  # micro-batches per optimizer step (accumulation / pipeline)
     attention: str = "sdpa"  # sdpa (flash/efficient kernels) | eager (HF-style, S x S saved)
     loss_chunk_tokens: int = 0  # train.loss_chunk_tokens: logits made per chunk, recomputed
+    param_dtype: str = "fp32"  # train.param_dtype: bf16 stores every weight in bf16
+    in_backward: bool = False  # optim.in_backward: each parameter stepped in backward
     notes: list = field(default_factory=list)  # assumptions worth printing
 
     def __post_init__(self):
@@ -91,7 +101,8 @@ class Setup:
 
     @property
     def autocast(self) -> bool:
-        return self.compute == "bf16" and not self.fsdp
+        """Whether autocast makes bf16 copies of fp32 weights (bf16 weights need none)."""
+        return self.compute == "bf16" and not self.fsdp and self.param_dtype == "fp32"
 
 
 def setup_from_config(cfg, device: Optional[str] = None, world_size: Optional[int] = None,
@@ -153,7 +164,9 @@ def setup_from_config(cfg, device: Optional[str] = None, world_size: Optional[in
                  sequence_parallel=p.sequence_parallel, pp_schedule=p.pp_schedule,
                  pp_virtual_stages=p.pp_virtual_stages,
                  microbatches=p.microbatches or accumulation, attention=attention,
-                 loss_chunk_tokens=cfg.train.loss_chunk_tokens, notes=notes)
+                 loss_chunk_tokens=cfg.train.loss_chunk_tokens,
+                 param_dtype=cfg.train.param_dtype, in_backward=cfg.optim.in_backward,
+                 notes=notes)
 
 
 # ------------------------------------------------------------------ parameter counts
@@ -194,6 +207,8 @@ def _frozen_dtype(setup: Setup) -> str:
     """Storage of frozen, unquantized projection weights, as the trainer keeps them: bf16
     for a LoRA run computing in bf16 without quantization (``frozen_linears_to_bf16``),
     else fp32; ``--base-dtype`` overrides."""
+    if setup.param_dtype == "bf16":
+        return "bf16"
     if setup.lora is not None and setup.lora.base_dtype:
         return str(setup.lora.base_dtype)
     if setup.lora is not None and not setup.lora.quantize and setup.compute == "bf16":
@@ -216,6 +231,7 @@ def stage_weights(setup: Setup, stage: int) -> Weights:
     FSDP sharding when zero >= 2)."""
     a, tr, tp = setup.args, setup.trainable, setup.tp
     frozen_b = DTYPE_BYTES[_frozen_dtype(setup)]
+    param_b = DTYPE_BYTES[setup.param_dtype]  # trained weights; embeddings and norms too
     quant = setup.lora.quantize if setup.lora is not None else None
     w = Weights()
 
@@ -223,14 +239,15 @@ def stage_weights(setup: Setup, stage: int) -> Weights:
         n = int(n)
         if trains:
             w.trainable_params += n
-            w.trainable_bytes += 4 * n
+            w.trainable_bytes += param_b * n
             w.largest_trainable = max(w.largest_trainable, n)
             if matmul:
                 w.matmul_trainable_fp32 += n
         else:
             w.frozen_params += n
-            # only projections change storage: embeddings and norms stay fp32
-            w.frozen_bytes += (frozen_b if matmul else 4) * n if storage is None else storage
+            # only projections change storage: embeddings and norms keep param_dtype
+            w.frozen_bytes += (frozen_b if matmul else param_b) * n if storage is None \
+                else storage
             if matmul and storage is None and frozen_b == 4:
                 w.matmul_frozen_fp32 += n
 
@@ -300,12 +317,13 @@ class _Block:
         self.autocast = s.autocast
         if s.compute != "bf16":
             self.R = 4
-        elif s.fsdp:
+        elif s.fsdp or s.param_dtype == "bf16":
             self.R = 2
         else:  # the embedding's output dtype: its storage (autocast leaves lookups alone)
             self.R = 4 if self.tr.embedding else DTYPE_BYTES[_frozen_dtype(s)]
         self.cast = self.autocast and self.R == 4
-        self.lora_bytes = 2 if (s.fsdp and s.compute == "bf16") else 4  # adapter dtype
+        self.lora_bytes = 2 if ((s.fsdp and s.compute == "bf16")
+                                or s.param_dtype == "bf16") else 4  # adapter dtype
         self.dropout = s.lora is not None and s.lora.dropout > 0
         self.terms: list[Term] = []
 
@@ -563,8 +581,9 @@ def estimate_stage(setup: Setup, stage: int) -> MemoryEstimate:
     param_shard = grad_shard = state_shard = s.dp_shard
     weights_trainable = w.trainable_bytes / param_shard
     weights_frozen = w.frozen_bytes / param_shard
-    grads = 4 * w.trainable_params / grad_shard
-    states = 4 * n_states * w.trainable_params / state_shard
+    grad_b = DTYPE_BYTES[s.param_dtype]  # a gradient has its parameter's dtype
+    grads = grad_b * w.trainable_params / grad_shard
+    states = STATE_BYTES.get(s.optimizer, 4) * n_states * w.trainable_params / state_shard
 
     layers, first = stage_layers(s, stage), stage == 0
     last = stage == s.pp - 1
@@ -595,11 +614,11 @@ def estimate_stage(setup: Setup, stage: int) -> MemoryEstimate:
     frozen_copies = 0.0 if ckpt else 2 * w.matmul_frozen_fp32
     block_saved = 0.0 if ckpt else cache + frozen_copies
     copies_layer = (cache + 2 * w.matmul_frozen_fp32) / max(layers, 1)
-    g_block = 4 * w.block_trainable / grad_shard
-    g_down = 4 * w.down_trainable / grad_shard
+    g_block = grad_b * w.block_trainable / grad_shard
+    g_down = grad_b * w.down_trainable / grad_shard
     g_head = grads - layers * g_block
     if s.trainable.embedding and first and not (s.args.tie_embeddings and s.pp == 1):
-        g_head -= 4 * s.args.vocab_size * s.args.dim / s.tp / grad_shard  # comes last
+        g_head -= grad_b * s.args.vocab_size * s.args.dim / s.tp / grad_shard  # comes last
     g_head = max(g_head, 0.0)
     fsdp = 0.0
     if s.fsdp:  # gathered parameters in the compute dtype (zero 3: this block and the
@@ -653,12 +672,40 @@ def estimate_stage(setup: Setup, stage: int) -> MemoryEstimate:
             "gradients": grads,
             "optimizer temporaries": _optimizer_transient(s, w, state_shard)},
     }
+    if s.in_backward:
+        _step_in_backward(s, w, phases, grad_b)
     totals = {name: sum(static.values()) + sum(parts.values()) for name, parts in phases.items()}
     phase = max(totals, key=totals.get)
     components = {k: v for k, v in {**static, **phases[phase]}.items() if v}
     overhead = _overhead(s, sum(components.values()))
     return MemoryEstimate(setup=s, stage=stage, phase=phase, components=components,
                           phases=totals, overhead=overhead, activations=act)
+
+
+def _step_in_backward(s: Setup, w: Weights, phases: dict, grad_b: int) -> None:
+    """optim.in_backward: a gradient is consumed by its parameter's step as soon as it is
+    complete and freed, so there is no separate optimizer step; backward holds one
+    parameter's gradient and step temporaries at a time: a block's largest projection in
+    the block phases, the output layer's right after the loss, the embedding's at the end
+    (a tied embedding's gradient waits there from the output layer on)."""
+    step = IN_BACKWARD_STEP_BYTES.get(s.optimizer, IN_BACKWARD_STEP_BYTES_DEFAULT)
+    tr, a = s.trainable, s.args
+    block = max((n_in * n_out / s.tp for name, (n_in, n_out) in projection_shapes(a).items()
+                 if tr.trains(name)), default=0.0)
+    table = a.vocab_size * a.dim / s.tp
+    tied = a.tie_embeddings and s.pp == 1
+    held = grad_b * table if tied and tr.embedding else 0.0
+    del phases["optimizer step"]
+    for name in ("backward: last block", "backward: first block"):
+        phases[name]["gradients"] = held + grad_b * block
+        phases[name]["optimizer temporaries"] = step * block
+    if tr.head and not tied:
+        phases["backward: output layer step"] = {
+            "activations": phases["backward: loss"]["activations"],
+            "gradients": grad_b * table, "optimizer temporaries": step * table}
+    if tr.embedding:
+        phases["backward: embedding step"] = {
+            "gradients": grad_b * table, "optimizer temporaries": step * table}
 
 
 def _overhead(setup: Setup, peak: float) -> dict:

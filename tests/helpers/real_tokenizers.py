@@ -8,8 +8,8 @@
 * ``chatml``: byte-level BPE that adds nothing; ``bos_token`` is ``<|im_start|>`` (as in
   SmolLM), ``eos_token`` is ``<|endoftext|>``, and replies end with ``<|im_end|>``.
 
-The chat templates live in tokenizer_config.json (chatml's in chat_template.jinja, the
-other place transformers reads).
+The chat templates live in tokenizer_config.json (or, with ``jinja_file=True``, in
+chat_template.jinja, the other place transformers reads).
 """
 from __future__ import annotations
 
@@ -102,13 +102,14 @@ def build_tokenizer(kind: str) -> tuple[Tokenizer, dict]:
     return tok, config
 
 
-def save_tokenizer(kind: str, out: Path, template: str | None = "default") -> Path:
+def save_tokenizer(kind: str, out: Path, template: str | None = "default",
+                   jinja_file: bool = False) -> Path:
     """Writes tokenizer.json + tokenizer_config.json (+ chat template) into ``out``."""
     tok, config = build_tokenizer(kind)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     template = TEMPLATES[kind] if template == "default" else template
-    if template and kind == "chatml":
+    if template and jinja_file:
         (out / "chat_template.jinja").write_text(template)
     elif template:
         config["chat_template"] = template

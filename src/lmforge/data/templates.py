@@ -225,8 +225,8 @@ class JinjaTemplate:
         for (ids, offsets), sample_spans in zip(tok.encode_with_offsets(texts), spans):
             # A token is trained when it overlaps a reply's span (a token may carry the
             # template's space before the content, as Llama-2's " {content}" does).
-            starts, ends = (np.asarray([o[k] for o in offsets], dtype=np.int64).reshape(-1)
-                            for k in (0, 1))
+            spans_of_tokens = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+            starts, ends = spans_of_tokens[:, 0], spans_of_tokens[:, 1]
             trained = np.zeros(len(ids), dtype=bool)
             for begin, stop in sample_spans:
                 trained |= (starts < stop) & (ends > begin)

@@ -32,6 +32,20 @@ def fp64_llama(vocab: int, max_seq_len: int):
     return model.double()
 
 
+def trained_runs(tok, ids, trained) -> list[str]:
+    """The decoded runs of consecutive trained tokens of one SFT sample."""
+    runs, current = [], []
+    for i, t in zip(ids.tolist(), trained.tolist()):
+        if t:
+            current.append(i)
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    return [tok.decode(r, skip_special=False) for r in runs]
+
+
 def write_jsonl(path: Path, records: list) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path

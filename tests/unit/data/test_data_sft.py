@@ -16,7 +16,7 @@ from lmforge.data.sft import SFTDataset, record_messages, sft_row
 from lmforge.data.templates import ChatTemplate
 from lmforge.data.tokenizer import train_bpe
 
-from .conftest import fp64_llama, make_docs, write_jsonl
+from .conftest import fp64_llama, make_docs, trained_runs, write_jsonl
 
 CUSTOM = "### Question:\n{prompt}\n\n### Answer: {response} [end]"
 TEMPLATES = ["plain", "llama2", "llama3", CUSTOM]
@@ -28,19 +28,6 @@ CHAT = [{"role": "system", "content": "be brief"},
         {"role": "assistant", "content": "the ground below"},
         {"role": "user", "content": "a trailing question is dropped"}]
 SIMPLE = {"prompt": "say hi", "response": "hi there"}
-
-
-def _trained_runs(tok, ids, trained):
-    runs, current = [], []
-    for i, t in zip(ids.tolist(), trained.tolist()):
-        if t:
-            current.append(i)
-        elif current:
-            runs.append(current)
-            current = []
-    if current:
-        runs.append(current)
-    return [tok.decode(r, skip_special=False) for r in runs]
 
 
 def _expected_runs(template, tok, messages):
@@ -59,7 +46,7 @@ def test_only_assistant_tokens_and_end_of_turn_are_trained(tokenizer, template, 
     t = ChatTemplate(template)
     messages = record_messages(record, "x:1")
     ids, trained = t.encode(messages, tokenizer)
-    assert _trained_runs(tokenizer, ids, trained) == _expected_runs(template, tokenizer,
+    assert trained_runs(tokenizer, ids, trained) == _expected_runs(template, tokenizer,
                                                                      messages)
     # every prompt, system and user text is there, untrained
     untrained = tokenizer.decode(ids[~trained].tolist(), skip_special=False)

@@ -15,7 +15,7 @@ from lmforge.data.tokenizer import load_tokenizer
 
 from helpers.real_tokenizers import KINDS, save_tokenizer
 
-from .conftest import write_jsonl
+from .conftest import trained_runs, write_jsonl
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,19 +41,6 @@ def _hf_ids(hf, messages, **kw) -> list[int]:
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
-def _trained_runs(tok, ids, trained) -> list[str]:
-    runs, current = [], []
-    for i, t in zip(ids.tolist(), trained.tolist()):
-        if t:
-            current.append(i)
-        elif current:
-            runs.append(current)
-            current = []
-    if current:
-        runs.append(current)
-    return [tok.decode(r, skip_special=False) for r in runs]
-
-
 def _squeeze(text: str) -> str:
     return "".join(text.split())
 
@@ -68,13 +55,23 @@ def test_model_template_ids_equal_apply_chat_template(model_tokenizer, messages)
     assert ids.tolist() == _hf_ids(hf, messages)
     # the trained tokens are each reply and its end-of-turn token, and nothing else
     replies = [m["content"] for m in messages if m["role"] == "assistant"]
-    runs = _trained_runs(tok, ids, trained)
+    runs = trained_runs(tok, ids, trained)
     assert [_squeeze(r) for r in runs] == [_squeeze(a + EOT[kind]) for a in replies]
     assert all(r.rstrip().endswith(EOT[kind]) for r in runs)
     untrained = tok.decode(ids[~trained].tolist(), skip_special=False)
     for m in messages:
         if m["role"] != "assistant":
             assert m["content"] in untrained
+
+
+def test_template_in_chat_template_jinja_is_read_as_transformers_reads_it(tmp_path):
+    out = save_tokenizer("chatml", tmp_path, jinja_file=True)
+    assert "chat_template" not in (out / "tokenizer_config.json").read_text()
+    tok, hf = load_tokenizer(out), transformers.AutoTokenizer.from_pretrained(out)
+    ids, _ = get_template("auto", tok).encode(WITH_SYSTEM, tok)
+    assert ids.tolist() == _hf_ids(hf, WITH_SYSTEM)
+    tok.save(tmp_path / "saved")  # an export keeps it (in tokenizer_config.json)
+    assert load_tokenizer(tmp_path / "saved").chat_template == tok.chat_template
 
 
 def test_generation_prompt_and_end_of_turn_follow_the_template(model_tokenizer):
@@ -95,7 +92,7 @@ def test_builtin_chatml_renders_as_a_chatml_model_template(tmp_path):
     hf = transformers.AutoTokenizer.from_pretrained(with_template)
     ids, trained = get_template("chatml", plain).encode(WITH_SYSTEM, plain)
     assert ids.tolist() == _hf_ids(hf, WITH_SYSTEM)
-    assert _trained_runs(plain, ids, trained) == ["the sky<|im_end|>",
+    assert trained_runs(plain, ids, trained) == ["the sky<|im_end|>",
                                                   "the ground below<|im_end|>"]
 
 

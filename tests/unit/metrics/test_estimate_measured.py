@@ -19,7 +19,7 @@ from lmforge.models.llama import LlamaArgs, build_llama, materialize
 from lmforge.parallel.parallelize import checkpoint_forward
 from lmforge.peft.lora import after_materialize, prepare_model_for_lora
 from lmforge.train import metrics as M
-from lmforge.train.optim import build_optimizer
+from lmforge.train.optim import Optimizers, build_optimizer
 from lmforge.train.model_setup import frozen_linears_to_bf16
 from lmforge.train.step import accumulate_gradients
 
@@ -32,8 +32,10 @@ SEQ = 64
 @functools.lru_cache(maxsize=None)
 def measure_step(lora: bool, ckpt: bool, micro_batch: int, bf16: bool = False,
                  quantize=None, dropout: float = 0.0, targets=("q_proj", "v_proj"),
-                 loss_chunk: int = 0, vocab: int = ARGS.vocab_size):
-    """(measured peak bytes of step 2, the Setup describing the same run)."""
+                 loss_chunk: int = 0, vocab: int = ARGS.vocab_size, low_memory: bool = False):
+    """(measured peak bytes of step 2, the Setup describing the same run). ``low_memory``:
+    bf16 weights, adamw_bf16, the step fused into backward (the trainer's low-memory
+    path)."""
     args = dataclasses.replace(ARGS, vocab_size=vocab)
     torch.manual_seed(0)
     cfg = JobConfig()
@@ -51,7 +53,11 @@ def measure_step(lora: bool, ckpt: bool, micro_batch: int, bf16: bool = False,
         if bf16 and not quantize:  # as the trainer stores a frozen base under bf16
             frozen_linears_to_bf16(model)
     model.train()
-    optimizer = build_optimizer(model, cfg.optim)
+    if low_memory:
+        cfg.train.param_dtype, cfg.optim.name, cfg.optim.in_backward = "bf16", "adamw_bf16", True
+        model.to(torch.bfloat16)
+    optimizers = Optimizers([model], cfg.optim, max_steps=10)
+    optimizer = optimizers.optimizers[0]
     autocast = (functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16) if bf16
                 else contextlib.nullcontext)
     ids = torch.randint(0, vocab, (micro_batch, SEQ))
@@ -61,9 +67,10 @@ def measure_step(lora: bool, ckpt: bool, micro_batch: int, bf16: bool = False,
     def step():
         accumulate_gradients(model, [batch], torch.device("cpu"), autocast,
                              loss_chunk_tokens=loss_chunk)
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if not low_memory:  # (low memory: each parameter was stepped in backward)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizers.step()
+        optimizers.zero_grad()
 
     step()  # creates the optimizer state
     tracker = E.TensorMemoryTracker()
@@ -78,7 +85,9 @@ def measure_step(lora: bool, ckpt: bool, micro_batch: int, bf16: bool = False,
     setup = E.Setup(args=args, seq_len=SEQ, loss_chunk_tokens=loss_chunk, micro_batch=micro_batch, device="cpu",
                     compute="bf16" if bf16 else "fp32",
                     checkpointing="full" if ckpt else "none",
-                    trainable=M.Trainability.from_model(model), lora=spec)
+                    trainable=M.Trainability.from_model(model), lora=spec,
+                    optimizer=cfg.optim.name, param_dtype=cfg.train.param_dtype,
+                    in_backward=cfg.optim.in_backward)
     return tracker.peak, setup
 
 
@@ -90,7 +99,11 @@ EXTRA = [dict(lora=False, ckpt=False, micro_batch=4, bf16=True),
          # a vocabulary large enough for the logits to dominate, whole and chunked
          dict(lora=False, ckpt=True, micro_batch=4, vocab=8192),
          dict(lora=False, ckpt=True, micro_batch=4, vocab=8192, loss_chunk=32),
-         dict(lora=True, ckpt=True, micro_batch=4, vocab=8192, loss_chunk=32, bf16=True)]
+         dict(lora=True, ckpt=True, micro_batch=4, vocab=8192, loss_chunk=32, bf16=True),
+         # the low-memory full fine-tune: bf16 weights and moments, step in backward
+         dict(lora=False, ckpt=False, micro_batch=4, bf16=True, low_memory=True),
+         dict(lora=False, ckpt=True, micro_batch=1, bf16=True, low_memory=True),
+         dict(lora=False, ckpt=True, micro_batch=4, vocab=8192, bf16=True, low_memory=True)]
 
 
 @pytest.mark.parametrize("case", MATRIX + EXTRA,
