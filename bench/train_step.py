@@ -114,11 +114,12 @@ def build_reference(args, model_args: LlamaArgs, device):
     torch.manual_seed(0)
     config = transformers.LlamaConfig(**hf_config_from_args(model_args))
     config._attn_implementation = "sdpa"
+    # QLoRA's unquantized parts and the low-memory weights are bf16; otherwise fp32 weights
+    # under bf16 autocast, as lmforge's side
+    bf16 = args.method == "qlora" or args.low_memory
+    model = _hf_llama_on(transformers, config, device, torch.bfloat16 if bf16 else torch.float32)
     if args.method == "qlora":
-        model = _hf_llama_on(transformers, config, device, torch.bfloat16)
         quantize_reference_4bit(model, LORA_TARGETS)
-    else:
-        model = transformers.LlamaForCausalLM(config).to(device)
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable()
         if args.method != "full":  # frozen embeddings: checkpointed blocks need an input
@@ -142,8 +143,8 @@ def build_reference(args, model_args: LlamaArgs, device):
 
 
 def _hf_llama_on(transformers, config, device, dtype):
-    """Built on the device in ``dtype`` directly: a 7B model never exists in fp32 on the
-    host (what ``from_pretrained(..., dtype=bf16, device_map=cuda)`` gives)."""
+    """Built on the device in ``dtype`` directly, as ``from_pretrained(dtype=...,
+    device_map=...)`` would place it: a 7B model is never built on the host first."""
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -100,7 +100,8 @@ def _add_eval(sub) -> None:
     p.add_argument("--data", required=True, nargs="+", help="text file(s)/dir, .jsonl or PREFIX")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--json-key", default="text")
+    p.add_argument("--json-key", default="text",
+                   help="JSONL field holding each document's text (default: text)")
     p.add_argument("--output", default=None, help="JSON results file (default: eval.json "
                    "in the current directory)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))

@@ -14,7 +14,7 @@ def eval_batches_for(paths: list[str], tokenizer: Tokenizer, seq_len: int, batch
     EOD between files); JSONL files and preprocessed ``PREFIX`` (.bin/.idx) datasets go
     through the data pipeline."""
     if len(paths) == 1 and _is_structured(paths[0]):
-        return iter_eval_batches(None, tokenizer, paths[0], seq_len, batch_size)
+        return iter_eval_batches(None, tokenizer, paths[0], seq_len, batch_size, json_key)
     files = list(iter_text_files(paths))
     if not files:
         raise FileNotFoundError(f"{', '.join(paths)}: no text files to evaluate on")

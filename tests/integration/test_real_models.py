@@ -96,3 +96,21 @@ def test_chat_fine_tune_exports_and_stops_on_the_template_end_of_turn(tmp_path, 
     assert main(["generate", "--model", str(hf_dir), "--prompt", "say hi", "--chat",
                  "--greedy", "--max-new-tokens", "20", "--device", "cpu"]) == 0
     assert capsys.readouterr().out == "hello there\n"
+
+
+def test_eval_json_key_reads_that_field(model_dir, tmp_path):
+    """``--json-key body`` scores the ``body`` documents exactly as ``text`` ones."""
+    docs = [TEXT, PROMPT + " the ground below is green"]
+    results = {}
+    for key in ("text", "body"):
+        data = tmp_path / f"{key}.jsonl"
+        data.write_text("".join(json.dumps({key: d, "id": i}) + "\n" for i, d in enumerate(docs)))
+        out = tmp_path / f"{key}.json"
+        args = ["eval", "--model", str(model_dir), "--data", str(data), "--seq-len", "64",
+                "--output", str(out), "--device", "cpu"]
+        assert main(args + (["--json-key", key] if key != "text" else [])) == 0
+        results[key] = json.loads(out.read_text())
+    assert results["body"]["tokens"] == results["text"]["tokens"] > 0
+    assert results["body"]["loss"] == results["text"]["loss"]
+    assert main(["eval", "--model", str(model_dir), "--data", str(tmp_path / "body.jsonl"),
+                 "--output", str(tmp_path / "x.json"), "--device", "cpu"]) == 2

@@ -227,13 +227,14 @@ def build_dataset_loader(cfg, tokenizer, dp_rank: int, dp_size: int, split: str 
 
 # ------------------------------------------------------------------------------ eval
 
-def iter_eval_batches(cfg, tokenizer, path, seq_len: int, batch_size: int
-                      ) -> Iterator[dict]:
+def iter_eval_batches(cfg, tokenizer, path, seq_len: int, batch_size: int,
+                      json_key: Optional[str] = None) -> Iterator[dict]:
     """Every token of ``path`` once, in order, as batch dicts (the last ones may be
     smaller and padded). ``path``: a Megatron prefix (or its .bin/.idx), a .txt file (one
     document, see ``text_documents``), or a .jsonl file of ``{json_key: text}`` records
     (documents, windows of ``seq_len + 1`` over their concatenation with EOD) or of SFT
-    samples (one padded row each, only the assistant tokens scored)."""
+    samples (one padded row each, only the assistant tokens scored). ``json_key``: the
+    records' text field (default: data.json_key, else "text")."""
     d = cfg.data if cfg is not None else None
     document_mask = bool(d and d.document_mask)
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
@@ -243,7 +244,8 @@ def iter_eval_batches(cfg, tokenizer, path, seq_len: int, batch_size: int
         rows = windows((ds.document(i) for i in range(ds.num_documents)), seq_len,
                        document_mask, pad_id)
     elif text.endswith((".jsonl", ".jsonl.gz")):
-        rows = _jsonl_rows(Path(text), cfg, tokenizer, seq_len, document_mask, pad_id)
+        key = json_key or (cfg.data.json_key if cfg is not None else "text")
+        rows = _jsonl_rows(Path(text), cfg, tokenizer, key, seq_len, document_mask, pad_id)
     elif text.endswith(".txt") and Path(text).is_file():
         rows = windows(text_documents([Path(text)], tokenizer), seq_len, document_mask, pad_id)
     else:
@@ -304,9 +306,8 @@ def windows(docs: Iterable[np.ndarray], seq_len: int, document_mask: bool, pad_i
         yield make_row(pieces, seq_len, document_mask, pad_id)
 
 
-def _jsonl_rows(path: Path, cfg, tokenizer, seq_len: int, document_mask: bool,
+def _jsonl_rows(path: Path, cfg, tokenizer, key: str, seq_len: int, document_mask: bool,
                 pad_id: int) -> Iterator[dict]:
-    key = cfg.data.json_key if cfg is not None else "text"
     records = iter_jsonl(path)
     first = next(records, None)
     if first is None:
