@@ -167,3 +167,24 @@ def test_plain_template_starts_with_what_the_tokenizer_adds(model_tokenizer):
     assert (len(prefix) == 1) == (kind != "chatml")  # a ChatML tokenizer adds no BOS
     assert not trained[:len(prefix) + 1].any()
     assert np.flatnonzero(trained).size > 0
+
+
+def test_packed_rows_of_model_template_samples_keep_each_sample_and_its_labels(tmp_path):
+    tok = load_tokenizer(save_tokenizer("chatml", tmp_path / "tok"))
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": MULTI}, {"messages": SINGLE},
+                                                  {"messages": WITH_SYSTEM}] * 4)
+    packed = SFTDataset(path, tok, "auto", 128, pack=True)
+    alone = SFTDataset(path, tok, "auto", 128)
+    assert packed.cache == alone.cache  # one tokenization serves both
+    for k in range(packed.rows_in_epoch(0)):
+        row, members = packed[k], packed.samples_of(k)
+        assert len(members) > 1  # these samples are short: rows hold several
+        start = 0
+        for i in members:
+            ids, trained = packed.sample(i)
+            n = len(ids) - 1
+            np.testing.assert_array_equal(row["input_ids"][start:start + n], ids[:-1])
+            expected = np.where(trained[1:], ids[1:], -100)
+            np.testing.assert_array_equal(row["labels"][start:start + n], expected)
+            assert row["positions"][start] == 0 and len(set(row["segments"][start:start + n])) == 1
+            start += n
