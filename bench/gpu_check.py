@@ -330,7 +330,9 @@ def markdown(report: dict) -> str:
     lines = [f"Device: {report['device']}; torch {report['torch']}; base model "
              f"{report['base']['parameters']:,} parameters (vocab {report['base']['vocab']}), "
              f"seq {report['seq_len']} x micro-batch {report['micro_batch']}, "
-             f"{report['steps']} steps; {report['seconds']:.0f} s in all.", "",
+             f"{report['steps']} steps; {report['seconds']:.0f} s in all."
+             + (" On the CPU, peak allocated is the process's peak resident set." if
+                report["device"].startswith("CPU") else ""), "",
              "| path | ok | loss first -> last | tokens/s | MFU | peak alloc GiB | "
              "peak reserved GiB | estimate GiB |", "|---|---|---|---:|---:|---:|---:|---:|"]
     for r in report["paths"]:
