@@ -165,7 +165,7 @@ def _generate(args) -> int:
         raise ValueError("--max-new-tokens must be > 0")
     model = load_hf_model(args.model, device=_device(args.device))
     tokenizer = load_tokenizer(args.model)
-    stops = stop_token_ids(args.model) or [i for i in (tokenizer.eos_id,) if i is not None]
+    stops = stop_token_ids(args.model) or tokenizer.eos_ids
     if args.chat:
         if not tokenizer.chat_template:
             raise ValueError(f"--chat: {args.model} has no chat template (chat_template in "

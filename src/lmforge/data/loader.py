@@ -265,10 +265,9 @@ def text_documents(files: Iterable[Path], tokenizer) -> Iterator[np.ndarray]:
     """Each file as its tokenizer encodes it (with the special tokens it adds), an EOD
     between files and none after the last: one file scores as transformers scores its
     text."""
-    eod = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
     for n, path in enumerate(files):
-        yield np.asarray((eod if n else []) + tokenizer.encode(read_text(path)),
-                         dtype=np.int64)
+        between = tokenizer.eos_ids if n else []
+        yield np.asarray(between + tokenizer.encode(read_text(path)), dtype=np.int64)
 
 
 def _batches(rows: Iterator[dict], batch_size: int) -> Iterator[dict]:
@@ -318,19 +317,16 @@ def _jsonl_rows(path: Path, cfg, tokenizer, key: str, seq_len: int, document_mas
         template = get_template(cfg.data.template if cfg is not None else "auto", tokenizer)
         for n, obj in records:
             where = f"{path}:{n}"
-            ids, trained = template.encode_many([(where, record_messages(obj, where))],
-                                                tokenizer)[0]
+            ids, trained = template.encode(record_messages(obj, where), tokenizer, where)
             if trained[1:seq_len + 1].any():
                 yield sft_row([(ids, trained)], seq_len, pad_id, packed=False)
         return
-
-    eod = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
 
     def docs():
         for n, obj in records:
             if not isinstance(obj, dict) or not isinstance(obj.get(key), str):
                 raise DataError(f"{path}:{n}: no string key {key!r}")
             if obj[key].strip():
-                yield np.asarray(tokenizer.encode(obj[key]) + eod)
+                yield np.asarray(tokenizer.encode(obj[key]) + tokenizer.eos_ids)
 
     yield from windows(docs(), seq_len, document_mask, pad_id)

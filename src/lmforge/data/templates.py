@@ -157,9 +157,9 @@ class ChatTemplate:
                     (m["content"], trained), (eot, trained)]
         return out
 
-    def encode(self, messages: list[dict], tok) -> Sample:
-        """(token ids, trained flags) of one sample."""
-        return self.encode_many([("", messages)], tok)[0]
+    def encode(self, messages: list[dict], tok, where: str = "data.template") -> Sample:
+        """(token ids, trained flags) of one sample (``where``: its place, for errors)."""
+        return self.encode_many([(where, messages)], tok)[0]
 
     def encode_many(self, samples: list[tuple[str, list[dict]]], tok) -> list[Sample]:
         """Tokenizes many (where, messages) samples with one batched tokenizer call."""

@@ -70,10 +70,8 @@ def tokenize_files(files: Iterable[Path], tokenizer: Tokenizer) -> np.ndarray:
     """All documents concatenated, each as the tokenizer encodes it (with the special
     tokens it adds itself) and followed by the end-of-document token."""
     texts = [read_text(f) for f in files]
-    eod = tokenizer.eos_id
-    pieces = []
-    for ids in tokenizer.encode_batch(texts):
-        pieces.append(np.asarray(ids + ([eod] if eod is not None else []), dtype=np.int32))
+    pieces = [np.asarray(ids + tokenizer.eos_ids, dtype=np.int32)
+              for ids in tokenizer.encode_batch(texts)]
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
 
 

@@ -65,11 +65,16 @@ class Tokenizer:
         raise TokenizerError(f"{self.path or 'tokenizer'}: its post-processor changes the "
                              "text's own tokens; lmforge cannot tell what it adds")
 
+    @property
+    def eos_ids(self) -> list[int]:
+        """``[eos_id]``, or none: what ends a document and stops generation."""
+        return [] if self.eos_id is None else [self.eos_id]
+
     @cached_property
     def added_token_ids(self) -> frozenset[int]:
         """Ids of the added (special and control) tokens: where a chat turn can end."""
         ids = set(self._tok.get_added_tokens_decoder())
-        return frozenset(ids | {i for i in (self.eos_id,) if i is not None})
+        return frozenset(ids | set(self.eos_ids))
 
     def special_token_strings(self) -> dict[str, str]:
         """``bos_token``, ``eos_token``, ... as strings, for chat templates."""

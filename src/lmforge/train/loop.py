@@ -381,7 +381,7 @@ def finish(cfg: JobConfig, rt: Runtime, model: TrainModel, tokenizer: Tokenizer,
                 export, data.eval_batches(), torch.device("cpu"))
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         prompt = tokenizer.encode(cfg.train.sample_prompt)
-        stops = tuple(i for i in (tokenizer.eos_id,) if i is not None)
+        stops = tuple(tokenizer.eos_ids)
         with rt.autocast():
             new = generate(export, prompt, cfg.train.sample_tokens, greedy=False,
                            temperature=0.8, top_k=50, stop_ids=stops,
