@@ -95,8 +95,8 @@ print(json.dumps({{"tokens": n, "seconds": time.perf_counter() - t,
 WRAPPED = """
 import json, resource, sys
 sys.path.insert(0, {src!r})
-from lmforge.data.preprocess import main
-rc = main(sys.argv[1:])
+from lmforge.cli import main
+rc = main(["preprocess", *sys.argv[1:]])
 me, kids = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
 print("RUSAGE " + json.dumps({{"self": me.ru_maxrss, "children": kids.ru_maxrss,
     "cpu_s": me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime}}))

@@ -762,7 +762,7 @@ def chat_export(cfg, tokenizer):
     return tokenizer, {"eos_token_id": [i for i in (tokenizer.eos_id, eot) if i is not None]}
 
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, fmt: str = "hf",
@@ -776,8 +776,8 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, fmt: str = "hf"
 
     if fmt not in ("hf", "peft", "merged"):
         raise CheckpointError(f"--format: {fmt!r} is not one of hf, peft, merged")
-    if dtype is not None and dtype not in _DTYPES:
-        raise CheckpointError(f"--dtype: {dtype!r} is not one of {', '.join(_DTYPES)}")
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise CheckpointError(f"--dtype: {dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
     path = find_checkpoint(ckpt_dir)
     sd = read_model_state(path)
     cfg = read_job_config(path) if (path / CONFIG_NAME).is_file() else None
@@ -787,7 +787,7 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, fmt: str = "hf"
     if source is not None:
         from lmforge.data.tokenizer import load_tokenizer
         tokenizer = load_tokenizer(source)
-    torch_dtype = _DTYPES[dtype] if dtype else None
+    torch_dtype = EXPORT_DTYPES[dtype] if dtype else None
     tokenizer, generation = chat_export(cfg, tokenizer)
     lora_keys = [k for k in sd if _is_lora_key(k)]
     if fmt == "peft" and not lora_keys:
@@ -848,29 +848,3 @@ def _load_exact(model: nn.Module, sd: dict, path: Path) -> None:
     except RuntimeError as e:
         raise CheckpointError(f"{path}: model state does not match its config "
                               f"({_describe(e)[:300]})") from None
-
-
-# -------------------------------------------------------------------------------- CLI
-
-def add_cli(subparsers) -> None:
-    p = subparsers.add_parser(
-        "export", help="export a checkpoint to Hugging Face / PEFT format",
-        description="Convert a training checkpoint (a checkpoints/step-NNNNNNN directory, "
-        "or a run directory: its newest checkpoint) to a Hugging Face model directory "
-        "(hf), a PEFT adapter (peft) or a model with LoRA merged in (merged). Runs "
-        "offline in one process, whatever the layout the checkpoint was saved on.")
-    p.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR")
-    p.add_argument("out_dir", metavar="OUT_DIR")
-    p.add_argument("--format", dest="fmt", choices=("hf", "peft", "merged"), default="hf")
-    p.add_argument("--tokenizer", metavar="DIR", default=None,
-                   help="tokenizer directory (default: the run's tokenizer/)")
-    p.add_argument("--dtype", choices=tuple(_DTYPES), default=None,
-                   help="weight dtype of the export (default: as trained)")
-    p.set_defaults(func=_export_command)
-
-
-def _export_command(args) -> int:
-    out = export_checkpoint(args.checkpoint_dir, args.out_dir, fmt=args.fmt,
-                            tokenizer_dir=args.tokenizer, dtype=args.dtype)
-    print(f"exported {args.fmt}: {out}")
-    return 0

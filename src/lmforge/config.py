@@ -516,3 +516,16 @@ def _non_negative(cfg: JobConfig, *names: str) -> None:
         section, key = dotted.split(".")
         if getattr(getattr(cfg, section), key) < 0:
             raise ConfigError(f"{dotted}: must be >= 0, got {getattr(getattr(cfg, section), key)}")
+
+
+def resolve_device(name: str, field: str = "train.device", local_rank: int = 0):
+    """The torch device ``auto`` | ``cpu`` | ``cuda`` means on this machine (auto: the GPU
+    when one is visible); ``field`` names the setting in the error when none is."""
+    import torch  # config is read by tools that never touch a tensor; torch loads on use
+
+    if name not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"{field}: {name!r} is not one of auto, cpu, cuda")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"{field}: cuda requested but no GPU is visible")
+    use_cuda = name == "cuda" or (name == "auto" and torch.cuda.is_available())
+    return torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")

@@ -14,11 +14,8 @@ which is how the estimate is validated on CPU (tests/unit/metrics/test_estimate_
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
-import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Optional
@@ -844,62 +841,3 @@ def _tensors(tree) -> list[torch.Tensor]:
     if isinstance(tree, dict):
         return [t for item in tree.values() for t in _tensors(item)]
     return []
-
-
-# ------------------------------------------------------------------------------ CLI
-
-def add_cli(subparsers) -> None:
-    p = subparsers.add_parser(
-        "estimate", help="peak memory per device for a config, before launch",
-        description="Estimate the peak memory per device of a training config (parameters, "
-        "gradients, optimizer states, activations, LoRA/QLoRA base, framework overhead) "
-        "without allocating the model. docs/estimate.md explains the model.")
-    p.add_argument("config", nargs="?", help="YAML recipe (default: the embedded demo)")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value",
-                   help="config overrides, e.g. data.micro_batch_size=4")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--device-memory-gib", type=float, default=None, metavar="G",
-                   help="device memory to fit: reports the largest micro-batch that fits")
-    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
-                   help="device the run will use (default: train.device; auto = this "
-                   "machine's)")
-    p.add_argument("--world-size", type=int, default=None,
-                   help="devices in the job, to resolve parallel.dp_shard=-1")
-    p.add_argument("--base-dtype", choices=("fp32", "bf16"), default=None,
-                   help="storage of a LoRA run's frozen, unquantized weights (default "
-                   "fp32, as the trainer loads them)")
-    p.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa",
-                   help="eager: HF-style attention keeping the S x S probabilities "
-                   "(for comparing with such runs)")
-    p.set_defaults(func=run_cli)
-
-
-def run_cli(ns: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from lmforge.config import load_config
-
-    config, overrides = ns.config, list(ns.overrides)
-    if config is not None and "=" in config and not Path(config).exists():
-        config, overrides = None, [config] + overrides
-    cfg = load_config(config, overrides)
-    if ns.world_size is not None and ns.world_size < 1:
-        raise ValueError(f"--world-size: must be >= 1, got {ns.world_size}")
-    if ns.device_memory_gib is not None and not ns.device_memory_gib > 0:
-        raise ValueError(f"--device-memory-gib: must be > 0, got {ns.device_memory_gib}")
-    setup = setup_from_config(cfg, device=ns.device, world_size=ns.world_size,
-                              attention=ns.attention, base_dtype=ns.base_dtype)
-    est = estimate_memory(setup)
-    fit = (max_micro_batch(setup, ns.device_memory_gib)
-           if ns.device_memory_gib is not None else None)
-    if ns.json:
-        out = est.as_dict()
-        if ns.device_memory_gib is not None:
-            out["device_memory_gib"] = ns.device_memory_gib
-            out["fits"] = est.total_bytes <= ns.device_memory_gib * GiB
-            out["max_micro_batch"] = fit
-        json.dump(out, sys.stdout, indent=2)
-        print()
-    else:
-        print(format_table(est, ns.device_memory_gib, fit))
-    return 0

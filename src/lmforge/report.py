@@ -11,9 +11,7 @@ needed only here, and its absence is a one-line message (the summary is still wr
 """
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -210,29 +208,3 @@ def write_report(run_dirs: list[str | Path], out_dir: Optional[str | Path] = Non
     summary = out / "summary.md"
     summary.write_text(markdown_summary([summarize(r) for r in runs], plots))
     return {"summary": summary, "plots": plots, "missing": missing}
-
-
-# ------------------------------------------------------------------------------- CLI
-
-def add_cli(subparsers) -> None:
-    p = subparsers.add_parser(
-        "report", help="plots and a Markdown summary of one or more runs",
-        description="Plot loss (vs step and vs tokens), tokens/s, memory and MFU of one run "
-        "or several overlaid, and write a Markdown summary table.")
-    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories "
-                   "(train.output_dir, holding metrics.jsonl)")
-    p.add_argument("--output", default=None, metavar="DIR",
-                   help="where to write (default: RUN_DIR/report for one run, "
-                   "./lmforge-report for several)")
-    p.set_defaults(func=run_cli)
-
-
-def run_cli(ns: argparse.Namespace) -> int:
-    result = write_report(ns.runs, ns.output)
-    for path in result["plots"].values():
-        print(path)
-    print(result["summary"])
-    if result["missing"]:
-        print(f"lmforge report: {result['missing']}", file=sys.stderr)
-        return 1
-    return 0

@@ -1,5 +1,6 @@
 """Bad input exits non-zero with one line naming the field or file, before any compute."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -57,8 +58,27 @@ def test_model_dir_without_weights(capsys, tmp_path):
 
 
 def test_every_command_has_help(capsys):
-    for argv in (["--help"], ["train", "--help"], ["eval", "--help"], ["generate", "--help"],
-                 ["tokenizer", "train", "--help"]):
+    commands = [["train"], ["eval"], ["generate"], ["preprocess"], ["tokenizer", "train"],
+                ["export"], ["estimate"], ["report"], ["launch", "slurm"], ["lora", "merge"],
+                ["lora", "eval"]]
+    for argv in [[]] + commands:
         with pytest.raises(SystemExit) as exc:
-            main(argv)
+            main([*argv, "--help"])
         assert exc.value.code == 0
+        assert "usage: lmforge" in capsys.readouterr().out
+
+
+def test_version_prints_the_installed_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"lmforge {version('lmforge')}"
+
+
+def test_only_the_cli_package_knows_argparse():
+    src = Path(__file__).parents[2] / "src" / "lmforge"
+    users = sorted(str(p.relative_to(src)) for p in src.rglob("*.py")
+                   if "argparse" in p.read_text() and p.parts[-2] != "cli")
+    assert users == []

@@ -18,7 +18,6 @@ array with a syntax error always stops (nothing after it can be read reliably).
 """
 from __future__ import annotations
 
-import argparse
 import codecs
 import gzip
 import json
@@ -41,9 +40,6 @@ from lmforge.data.indexed import IndexedDatasetWriter, bin_path, idx_path, token
 SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".txt", ".txt.gz", ".parquet")
 _MAX_RECORD_BYTES = 256 << 20  # a single .json element larger than this is refused
 _SHOWN_ERRORS = 10
-_DESCRIPTION = ("Tokenize raw text (.jsonl, .jsonl.gz, .json, .txt, .parquet) into a "
-                "Megatron-LM indexed dataset, PREFIX.bin/.idx.")
-
 
 # ------------------------------------------------------------------------ input files
 
@@ -636,74 +632,5 @@ def _one_line(err: BaseException) -> str:
     return text or type(err).__name__
 
 
-# -------------------------------------------------------------------------------- CLI
-
-def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--input", nargs="+", required=True, metavar="PATH",
-                   help="files or directories of .jsonl, .jsonl.gz, .json (array), .txt "
-                        "(one document per file), .parquet")
-    p.add_argument("--output-prefix", required=True, metavar="PREFIX",
-                   help="writes PREFIX.bin/.idx (one key) or PREFIX_{key}_document.bin/.idx")
-    p.add_argument("--tokenizer", required=True, metavar="DIR",
-                   help="directory with tokenizer.json")
-    p.add_argument("--json-key", nargs="+", action="extend", metavar="KEY",
-                   help="JSON/parquet field(s) holding the text; one output per key "
-                        "(default: text)")
-    p.add_argument("--append-eod", action="store_true",
-                   help="end every document with the tokenizer's end-of-text token")
-    p.add_argument("--special-tokens", choices=("tokenizer", "none"), default="tokenizer",
-                   help="tokenizer (default): keep the special tokens the tokenizer adds to "
-                        "a text (BOS for Llama-2/3), as Megatron-LM does; none: the text's "
-                        "tokens only")
-    p.add_argument("--workers", type=int, default=1, metavar="N",
-                   help="tokenizer processes (default 1); memory ~ N x --chunk-mb")
-    p.add_argument("--chunk-mb", type=float, default=1.0, metavar="MB",
-                   help="input read and tokenized per task (default 1)")
-    p.add_argument("--on-error", choices=("stop", "skip"), default="stop",
-                   help="bad records (not JSON, missing key, not UTF-8): stop with "
-                        "file:line (default) or skip them and report where")
-    bar = p.add_mutually_exclusive_group()
-    bar.add_argument("--progress", dest="progress", action="store_true", default=None,
-                     help="progress bar on stderr (default: when stderr is a terminal)")
-    bar.add_argument("--no-progress", dest="progress", action="store_false")
-    return p
-
-
-def run_cli(args: argparse.Namespace) -> int:
-    progress = sys.stderr.isatty() if args.progress is None else args.progress
-    stats = preprocess(args.input, args.output_prefix, args.tokenizer,
-                       tuple(args.json_key or ["text"]), args.append_eod, args.workers,
-                       args.on_error, args.chunk_mb, progress, args.special_tokens)
-    print(stats.summary(), flush=True)
-    return 0
-
-
-def add_cli(subparsers) -> argparse.ArgumentParser:
-    """Registers ``preprocess`` on an argparse subparsers object."""
-    p = subparsers.add_parser(
-        "preprocess", help="tokenize raw text into a Megatron indexed dataset (.bin/.idx)",
-        description=_DESCRIPTION)
-    add_arguments(p)
-    p.set_defaults(func=run_cli)
-    return p
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lmforge.data.preprocess",
-                                     description=_DESCRIPTION)
-    args = add_arguments(parser).parse_args(argv)
-    try:
-        return run_cli(args)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-
-
-__all__ = ["add_cli", "main", "preprocess", "find_inputs", "output_prefixes",
+__all__ = ["preprocess", "find_inputs", "output_prefixes",
            "PreprocessStats", "bin_path", "idx_path"]
-
-if __name__ == "__main__":
-    # Through the package module, so spawned workers find the same functions.
-    from lmforge.data.preprocess import main as _main
-
-    sys.exit(_main())

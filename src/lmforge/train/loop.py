@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lmforge.config import (ConfigError, JobConfig, check_model_args, check_parallel_fits,
+from lmforge.config import (ConfigError, resolve_device, JobConfig, check_model_args, check_parallel_fits,
                             model_args, runs_distributed, save_config)
 from lmforge.data.build import DataBundle, build_data, train_corpus_tokenizer
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
@@ -104,12 +104,8 @@ def _shutdown(rt: "Runtime") -> None:
 
 def init_runtime(cfg: JobConfig, env: DistEnv, distributed: bool = False) -> Runtime:
     t = cfg.train
-    if t.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device: cuda requested but no GPU is visible")
-    device_type = ("cuda" if torch.cuda.is_available() else "cpu") if t.device == "auto" \
-        else t.device
-    device = torch.device(device_type, env.local_rank) if device_type == "cuda" \
-        else torch.device("cpu")
+    device = resolve_device(t.device, "train.device", env.local_rank)
+    device_type = device.type
     if t.threads:
         torch.set_num_threads(t.threads)
     seed_everything(t.seed)

@@ -2,13 +2,13 @@
 transformers loads with the same logits as our model."""
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 import torch
 
-from lmforge.checkpoint import (CheckpointError, add_cli, export_checkpoint,
+from lmforge.cli import build_parser
+from lmforge.checkpoint import (CheckpointError, export_checkpoint,
                                 read_model_state, save_checkpoint)
 from lmforge.config import JobConfig
 from lmforge.data.tokenizer import train_bpe
@@ -106,8 +106,7 @@ def test_read_model_state_is_whole_tensors(tmp_path):
 
 def test_cli_export_and_refusals(tmp_path, capsys):
     run, path, _, _ = make_run_dir(tmp_path)
-    parser = argparse.ArgumentParser(prog="lmforge")
-    add_cli(parser.add_subparsers())
+    parser = build_parser()
     args = parser.parse_args(["export", str(path), str(tmp_path / "out"), "--format", "hf"])
     assert args.func(args) == 0
     assert (tmp_path / "out" / "config.json").is_file()

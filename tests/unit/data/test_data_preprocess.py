@@ -1,7 +1,6 @@
 """``lmforge preprocess``: formats, workers, errors, atomic output, flat memory."""
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import os
@@ -15,7 +14,8 @@ import pytest
 
 from lmforge.data.errors import DataError
 from lmforge.data.indexed import IndexedDataset
-from lmforge.data.preprocess import add_cli, main, preprocess
+from lmforge.cli import build_parser, main
+from lmforge.data.preprocess import preprocess
 
 from .conftest import make_docs, write_jsonl
 
@@ -179,26 +179,25 @@ def test_failed_run_keeps_previous_output(tmp_path, tokenizer_dir):
     assert not list(tmp_path.glob("*tmp*"))
 
 
-def test_cli(tmp_path, tokenizer_dir, docs, capsys):
+def test_cli_preprocesses_and_refuses_a_missing_input_in_one_line(tmp_path, tokenizer_dir,
+                                                                   docs, capsys):
     src = write_jsonl(tmp_path / "a.jsonl", [{"body": d} for d in docs[:30]])
-    parser = argparse.ArgumentParser()
-    add_cli(parser.add_subparsers())
-    args = parser.parse_args(["preprocess", "--input", str(src), "--output-prefix",
+    args = build_parser().parse_args(["preprocess", "--input", str(src), "--output-prefix",
                               str(tmp_path / "p"), "--tokenizer", str(tokenizer_dir),
                               "--json-key", "body", "--append-eod"])
     assert args.func(args) == 0
     out = capsys.readouterr().out
     assert "30 documents" in out and "tokens/s" in out
-    assert main(["--input", str(tmp_path / "missing.jsonl"), "--output-prefix",
-                 str(tmp_path / "q"), "--tokenizer", str(tokenizer_dir)]) == 1
+    assert main(["preprocess", "--input", str(tmp_path / "missing.jsonl"), "--output-prefix",
+                 str(tmp_path / "q"), "--tokenizer", str(tokenizer_dir)]) == 2
     assert capsys.readouterr().err.strip().endswith("missing.jsonl: no such file or directory")
 
 
-def test_module_entry_point_with_workers(tmp_path, tokenizer, tokenizer_dir, docs, megatron):
+def test_command_with_worker_processes_matches_megatron_and_names_a_bad_line(tmp_path, tokenizer, tokenizer_dir, docs, megatron):
     src = write_jsonl(tmp_path / "a.jsonl", [{"text": d} for d in docs])
     env = dict(os.environ, PYTHONPATH=SRC)
     run = subprocess.run(
-        [sys.executable, "-m", "lmforge.data.preprocess", "--input", str(src),
+        [sys.executable, "-m", "lmforge.cli", "preprocess", "--input", str(src),
          "--output-prefix", str(tmp_path / "p"), "--tokenizer", str(tokenizer_dir),
          "--append-eod", "--workers", "2", "--chunk-mb", "0.01"],
         env=env, capture_output=True, text=True, timeout=120)
@@ -210,12 +209,12 @@ def test_module_entry_point_with_workers(tmp_path, tokenizer, tokenizer_dir, doc
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(b'{"text": "x"}\n{"text": \n')
     run = subprocess.run(
-        [sys.executable, "-m", "lmforge.data.preprocess", "--input", str(bad),
+        [sys.executable, "-m", "lmforge.cli", "preprocess", "--input", str(bad),
          "--output-prefix", str(tmp_path / "q"), "--tokenizer", str(tokenizer_dir),
          "--workers", "2"], env=env, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 1
+    assert run.returncode == 2
     assert run.stderr.strip().splitlines() == [
-        f"error: {bad}:2: not valid JSON (Expecting value, column 10)"]
+        f"lmforge: error: {bad}:2: not valid JSON (Expecting value, column 10)"]
 
 
 _PEAK = textwrap.dedent("""

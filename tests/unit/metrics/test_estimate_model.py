@@ -1,11 +1,11 @@
 """The memory model's terms and the `lmforge estimate` command (no model is allocated)."""
-import argparse
 import dataclasses
 import json
 
 import pytest
 
 from lmforge import estimate as E
+from lmforge.cli import build_parser
 from lmforge.config import ConfigError, load_config
 from lmforge.models.llama import build_llama, count_parameters
 from lmforge.models.presets import PRESETS
@@ -126,9 +126,7 @@ def test_pipeline_stages():
 
 
 def cli(argv: list[str], capsys) -> tuple[int, str]:
-    parser = argparse.ArgumentParser(prog="lmforge")
-    E.add_cli(parser.add_subparsers())
-    ns = parser.parse_args(["estimate", *argv])
+    ns = build_parser().parse_args(["estimate", *argv])
     code = ns.func(ns)
     return code, capsys.readouterr().out
 

@@ -1,5 +1,4 @@
 """`lmforge report`: PNG plots for one run and for several overlaid, and the summary."""
-import argparse
 import json
 
 import pytest
@@ -7,6 +6,7 @@ import pytest
 pytest.importorskip("matplotlib")
 
 from lmforge import report as R  # noqa: E402
+from lmforge.cli import build_parser  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PLOTS = ("loss_vs_step", "loss_vs_tokens", "tokens_per_s", "memory")
@@ -68,9 +68,7 @@ def test_two_runs_share_each_plot(tmp_path):
 
 def test_cli(tmp_path, capsys):
     run = fake_run(tmp_path / "r")
-    parser = argparse.ArgumentParser(prog="lmforge")
-    R.add_cli(parser.add_subparsers())
-    ns = parser.parse_args(["report", str(run), "--output", str(tmp_path / "out")])
+    ns = build_parser().parse_args(["report", str(run), "--output", str(tmp_path / "out")])
     assert ns.func(ns) == 0
     printed = capsys.readouterr().out
     assert "summary.md" in printed and "loss_vs_tokens.png" in printed

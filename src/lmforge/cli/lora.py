@@ -1,18 +1,25 @@
 """``lmforge lora``: merge a PEFT adapter into a Hugging Face model, and evaluate a model
 (with or without an adapter) on prompt/response data: response loss and ROUGE-L.
 
-Registered by ``lmforge.cli`` through ``add_cli(subparsers)``; it only parses arguments
-and calls the library.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import torch
+
+from lmforge.cli.common import DEVICES
+from lmforge.config import resolve_device
+from lmforge.data.tokenizer import load_tokenizer
+from lmforge.models.hf import load_hf_model
+from lmforge.peft.adapters import export_merged, load_adapter
+from lmforge.peft.rouge import evaluate_prompt_response, read_prompt_response
+
 _DTYPES = ("auto", "fp32", "bf16", "fp16")
 
 
-def add_cli(sub) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser("lora", help="LoRA adapters: merge into a model, evaluate",
                        description="LoRA / QLoRA adapters in PEFT layout.")
     lsub = p.add_subparsers(metavar="ACTION")
@@ -41,17 +48,12 @@ def add_cli(sub) -> None:
     e.add_argument("--limit", type=int, default=None, help="score the first N records only")
     e.add_argument("--output", default=None, help="JSON results file (default: "
                    "eval-lora.json in the current directory)")
-    e.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    e.add_argument("--device", default="auto", choices=DEVICES)
     e.set_defaults(func=_eval)
     p.set_defaults(func=lambda _: p.print_help() or 2)
 
 
 def _merge(args) -> int:
-    import torch
-
-    from lmforge.models.hf import load_hf_model
-    from lmforge.peft.adapters import export_merged, load_adapter
-
     model = load_hf_model(args.model)
     load_adapter(model, args.adapter)
     dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16,
@@ -63,19 +65,9 @@ def _merge(args) -> int:
 
 
 def _eval(args) -> int:
-    import torch
-
-    from lmforge.data.tokenizer import load_tokenizer
-    from lmforge.models.hf import load_hf_model
-    from lmforge.peft.adapters import load_adapter
-    from lmforge.peft.rouge import evaluate_prompt_response, read_prompt_response
-
     if args.max_new_tokens <= 0 or (args.limit is not None and args.limit <= 0):
         raise ValueError("--max-new-tokens and --limit must be > 0")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no GPU is visible")
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
-                          else "cpu" if args.device == "auto" else args.device)
+    device = resolve_device(args.device, "--device")
     model = load_hf_model(args.model, device=device).eval()
     if args.adapter:
         load_adapter(model, args.adapter)
@@ -94,8 +86,6 @@ def _eval(args) -> int:
 
 
 def _tokenizer_or_none(model_dir: str):
-    from lmforge.data.tokenizer import load_tokenizer
-
     if not (Path(model_dir) / "tokenizer.json").is_file():
         return None
     return load_tokenizer(model_dir)

@@ -1,0 +1,57 @@
+"""The ``lmforge`` command, the only place that knows argparse: one module per command
+family registers its subcommands (``add_parser``) and calls the library.
+
+Bad input exits with status 2 and one line saying what is wrong; set LMFORGE_DEBUG=1 for
+the full traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from importlib.metadata import PackageNotFoundError, version
+
+from lmforge.cli import data, evaluate, export, generate, launch, lora, perf, train
+
+# Errors a user can cause and fix: reported as one line, never as a traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError)
+COMMAND_MODULES = (train, evaluate, generate, data, export, perf, launch, lora)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "func"):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args) or 0
+    except USER_ERRORS as e:
+        return _fail(e, 2)
+    except FloatingPointError as e:  # train.on_nonfinite=stop: the run diverged
+        return _fail(e, 3)
+
+
+def _fail(error: Exception, code: int) -> int:
+    if os.environ.get("LMFORGE_DEBUG"):
+        raise error
+    message = " ".join(str(error).split()) or type(error).__name__
+    print(f"lmforge: error: {message}", file=sys.stderr)
+    return code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lmforge", description="Pretrain and fine-tune Llama-family models.")
+    parser.add_argument("--version", action="version", version=f"lmforge {_version()}")
+    sub = parser.add_subparsers(metavar="COMMAND")
+    for module in COMMAND_MODULES:
+        module.add_parser(sub)
+    return parser
+
+
+def _version() -> str:
+    try:
+        return version("lmforge")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"

@@ -1,0 +1,47 @@
+"""``lmforge eval``: loss and perplexity of a model directory on local data."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from lmforge.cli.common import DEVICES
+from lmforge.config import resolve_device
+from lmforge.data.tokenizer import load_tokenizer
+from lmforge.evaluate import eval_batches_for
+from lmforge.models.hf import load_hf_model
+from lmforge.train.step import evaluate
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("eval", help="mean per-token loss and perplexity of a model",
+                       description="Mean per-token loss and perplexity of a Hugging Face "
+                       "model directory on local data (text files, a directory of them, "
+                       "JSONL, or a preprocessed PREFIX).")
+    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--data", required=True, nargs="+", help="text file(s)/dir, .jsonl or PREFIX")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--json-key", default="text",
+                   help="JSONL field holding each document's text (default: text)")
+    p.add_argument("--output", default=None, help="JSON results file (default: eval.json "
+                   "in the current directory)")
+    p.add_argument("--device", default="auto", choices=DEVICES)
+    p.set_defaults(func=_eval)
+
+
+def _eval(args) -> int:
+    if args.seq_len <= 0 or args.batch_size <= 0:
+        raise ValueError("--seq-len and --batch-size must be > 0")
+    device = resolve_device(args.device, "--device")
+    model = load_hf_model(args.model, device=device)
+    tokenizer = load_tokenizer(args.model)
+    batches = eval_batches_for(args.data, tokenizer, args.seq_len, args.batch_size,
+                               args.json_key)
+    loss, tokens = evaluate(model, batches, device)
+    result = {"model": str(args.model), "data": [str(d) for d in args.data],
+              "seq_len": args.seq_len, "tokens": tokens, "loss": loss,
+              "perplexity": math.exp(loss)}
+    print(json.dumps(result, indent=2))
+    Path(args.output or "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    return 0

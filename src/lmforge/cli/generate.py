@@ -1,0 +1,55 @@
+"""``lmforge generate``."""
+from __future__ import annotations
+
+import torch
+
+from lmforge.cli.common import DEVICES
+from lmforge.config import resolve_device
+from lmforge.data.templates import JinjaTemplate
+from lmforge.data.tokenizer import load_tokenizer
+from lmforge.generate import generate
+from lmforge.models.hf import load_hf_model, stop_token_ids
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text from a model",
+                       description="Generate a continuation of --prompt with a KV cache. The "
+                       "prompt is tokenized as the model's tokenizer does (its own special "
+                       "tokens); generation stops on generation_config.json's eos_token_id.")
+    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true",
+                   help="send --prompt as a user message through the model's chat template "
+                        "(with the generation prompt), print the reply only, and stop at the "
+                        "template's end-of-turn token")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--greedy", action="store_true", help="argmax decoding (default: sample)")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", choices=DEVICES)
+    p.set_defaults(func=_generate)
+
+
+def _generate(args) -> int:
+    if args.max_new_tokens <= 0:
+        raise ValueError("--max-new-tokens must be > 0")
+    model = load_hf_model(args.model, device=resolve_device(args.device, "--device"))
+    tokenizer = load_tokenizer(args.model)
+    stops = stop_token_ids(args.model) or tokenizer.eos_ids
+    if args.chat:
+        if not tokenizer.chat_template:
+            raise ValueError(f"--chat: {args.model} has no chat template (chat_template in "
+                             "tokenizer_config.json, or chat_template.jinja)")
+        template = JinjaTemplate(tokenizer.chat_template)
+        prompt = template.prompt_ids([{"role": "user", "content": args.prompt}], tokenizer)
+        stops.append(template.end_of_turn_id(tokenizer))
+    else:
+        prompt = tokenizer.encode(args.prompt)
+    new = generate(model, prompt, args.max_new_tokens, greedy=args.greedy,
+                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                   stop_ids=tuple(stops), generator=torch.Generator().manual_seed(args.seed))
+    reply = tokenizer.decode(new)
+    print(reply if args.chat else args.prompt + reply)
+    return 0
