@@ -1,8 +1,12 @@
 """``lmforge train``."""
 from __future__ import annotations
 
+import os
+import sys
+
 from lmforge.cli.common import add_config_arguments, config_and_overrides
 from lmforge.config import load_config
+from lmforge.parallel.mesh import read_dist_env
 from lmforge.train.loop import train
 
 
@@ -16,4 +20,16 @@ def add_parser(sub) -> None:
 
 def _train(args) -> int:
     train(load_config(*config_and_overrides(args.config, args.overrides)))
+    if read_dist_env().torchrun:
+        _leave_without_teardown()
     return 0
+
+
+def _leave_without_teardown() -> None:
+    """A torchrun worker whose run finished (checkpoint committed, export written, process
+    groups destroyed) exits here, skipping interpreter teardown: there, a gloo transport
+    thread still alive can make the C++ runtime abort ("terminate called without an active
+    exception"), and torchrun would then report a successful run as failed."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import json
 import math
 import os
@@ -63,7 +64,14 @@ def train(cfg: JobConfig) -> dict:
     env = read_dist_env()
     distributed = runs_distributed(cfg.parallel, env.world_size, env.torchrun)
     cfg.validate(world_size=env.world_size, distributed=distributed)
-    rt = init_runtime(cfg, env, distributed)
+    summary = _run(cfg, init_runtime(cfg, env, distributed))
+    # The model, optimizers and mesh died with _run's frame: only now can the process
+    # groups they held be destroyed for good (see _shutdown).
+    _shutdown()
+    return summary
+
+
+def _run(cfg: JobConfig, rt: Runtime) -> dict:
     out_dir = prepare_output_dir(cfg, rt)
     tokenizer = prepare_tokenizer(cfg, out_dir, rt)
     args = resolve_model_args(cfg, tokenizer)
@@ -87,17 +95,20 @@ def train(cfg: JobConfig) -> dict:
     if end_step < cfg.train.max_steps:
         _say(rt, f"stopped after step {end_step} of {cfg.train.max_steps} "
                  f"(train.stop_at_step); continue with train.resume=auto")
-        _shutdown(rt)
         return {"stopped_at": end_step, "history": history}
-    summary = finish(cfg, rt, model, tokenizer, data, out_dir, history)
-    _shutdown(rt)
-    return summary
+    return finish(cfg, rt, model, tokenizer, data, out_dir, history)
 
 
-def _shutdown(rt: "Runtime") -> None:
+def _shutdown() -> None:
+    """Ends the process groups while the interpreter is whole. Modules, DTensors and the
+    device mesh hold references to their groups in reference cycles; collecting them first
+    lets ``destroy_process_group`` free the gloo/NCCL groups now rather than during
+    interpreter teardown, where gloo can abort the process after a successful run."""
     if dist.is_initialized():
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
+        gc.collect()
 
 
 # ---------------------------------------------------------------------------- set-up
