@@ -52,7 +52,8 @@ def test_workers_give_identical_files(tmp_path, tokenizer_dir, docs):
         assert (tmp_path / f"one{ext}").read_bytes() == (tmp_path / f"two{ext}").read_bytes()
 
 
-def test_directory_of_every_format_is_walked_sorted_skipping_hidden_and_caches(tmp_path, tokenizer, tokenizer_dir, docs):
+def test_directory_of_every_format_is_walked_sorted_skipping_hidden_and_caches(
+        tmp_path, tokenizer, tokenizer_dir, docs):
     d = tmp_path / "in"
     (d / "sub").mkdir(parents=True)
     write_jsonl(d / "a.jsonl", [{"text": t} for t in docs[:5]])
@@ -92,7 +93,8 @@ def test_large_txt_split_into_pieces_stays_one_document(tmp_path, tokenizer, tok
     assert doc[-1] == tokenizer.eos_id and tokenizer.decode(doc) == text
 
 
-def test_several_keys_write_one_dataset_each_with_megatron_names(tmp_path, tokenizer, tokenizer_dir, docs):
+def test_several_keys_write_one_dataset_each_with_megatron_names(tmp_path, tokenizer,
+                                                                 tokenizer_dir, docs):
     src = write_jsonl(tmp_path / "a.jsonl", [{"q": d, "a": d.upper()} for d in docs[:20]])
     preprocess([src], tmp_path / "p", tokenizer_dir, json_keys=("q", "a"))
     assert _documents(tmp_path / "p_q_document") == _expected(tokenizer, docs[:20], False)
@@ -193,7 +195,8 @@ def test_cli_preprocesses_and_refuses_a_missing_input_in_one_line(tmp_path, toke
     assert capsys.readouterr().err.strip().endswith("missing.jsonl: no such file or directory")
 
 
-def test_command_with_worker_processes_matches_megatron_and_names_a_bad_line(tmp_path, tokenizer, tokenizer_dir, docs, megatron):
+def test_command_with_worker_processes_matches_megatron_and_names_a_bad_line(
+        tmp_path, tokenizer, tokenizer_dir, docs, megatron):
     src = write_jsonl(tmp_path / "a.jsonl", [{"text": d} for d in docs])
     env = dict(os.environ, PYTHONPATH=SRC)
     run = subprocess.run(

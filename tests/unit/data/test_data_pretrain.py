@@ -59,7 +59,8 @@ def test_each_window_once_per_epoch_and_a_new_shuffle_each_epoch(prefix):
     assert [other.locate(k) for k in range(n)] != located[:n]
 
 
-def test_index_cache_is_reused_and_rebuilt_when_the_data_changes(tmp_path, tokenizer_dir, monkeypatch):
+def test_index_cache_is_reused_and_rebuilt_when_the_data_changes(tmp_path, tokenizer_dir,
+                                                                 monkeypatch):
     src = write_jsonl(tmp_path / "a.jsonl", [{"text": d} for d in make_docs(60, seed=3)])
     preprocess([src], tmp_path / "a", tokenizer_dir, append_eod=True)
     first = PretrainDataset(tmp_path / "a", SEQ, seed=1)
