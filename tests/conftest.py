@@ -1,6 +1,9 @@
-"""Makes ``src/`` importable when the package is not installed (e.g. PYTHONPATH-less runs)."""
+"""Makes ``src/`` importable when the package is not installed (e.g. PYTHONPATH-less runs),
+and holds the fixtures every test directory shares."""
 import sys
 from pathlib import Path
+
+import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 if str(SRC) not in sys.path:
@@ -10,3 +13,11 @@ if str(SRC) not in sys.path:
 TESTS = Path(__file__).resolve().parent
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
+
+
+@pytest.fixture
+def tiny_llama():
+    """The suite's tiny random Llama (tests/helpers/tiny_models.py), fp32 on the CPU."""
+    from helpers.tiny_models import tiny_llama as build  # importable only after the path
+
+    return build()

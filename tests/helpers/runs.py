@@ -11,6 +11,8 @@ import pytest
 
 from lmforge.data.tokenizer import train_bpe
 
+from helpers.tiny_models import tiny_model_overrides
+
 WORKER = Path(__file__).with_name("patched_worker.py")
 
 
@@ -29,13 +31,14 @@ def tiny_corpus(tmp_path_factory):
 
 
 def tiny_overrides(corpus: Path, steps: int) -> list[str]:
-    return ["model.preset=debug", "model.n_layers=4", "model.vocab_size=301",
+    """The tiny model (4 layers, so pp=2 x 2 virtual stages has one each; the corpus
+    tokenizer's 301 ids, which tp=2 does not divide) trained ``steps`` steps on the corpus."""
+    return [*tiny_model_overrides(n_layers=4, vocab_size=301, tie_embeddings=False),
             f"model.tokenizer={corpus / 'tok'}", "data.kind=text",
             f"data.path={corpus / 'corpus.txt'}", "data.eval_fraction=0", "data.seq_len=32",
             "data.micro_batch_size=2", "data.global_batch_size=8",
             f"train.max_steps={steps}", "train.log_every=1", "optim.lr=1e-2",
-            "optim.warmup_steps=0", "optim.grad_clip=0.5", "train.sample_tokens=1",
-            "model.tie_embeddings=false"]
+            "optim.warmup_steps=0", "optim.grad_clip=0.5", "train.sample_tokens=1"]
 
 
 def run_lmforge(out, overrides, nproc=1, fault=None, check=True, timeout=600, **popen):

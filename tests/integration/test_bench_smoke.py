@@ -11,7 +11,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "train_step.py"
 
 
 @pytest.mark.slow
-def test_bench_train_step_tiny_cpu(tmp_path):
+def test_bench_train_step_reports_lmforge_against_the_reference(tmp_path):
     proc = subprocess.run([sys.executable, str(BENCH), "--preset", "tiny", "--device", "cpu",
                            "--seq-len", "64", "--batch", "2", "--steps", "2", "--warmup", "1",
                            "--json", str(tmp_path / "r.json")],

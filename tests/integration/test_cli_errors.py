@@ -5,6 +5,9 @@ from pathlib import Path
 import pytest
 
 from lmforge.cli import main
+from lmforge.models.hf import hf_config_from_args
+
+from helpers.tiny_models import tiny_llama_args
 
 
 def _run(capsys, argv):
@@ -27,19 +30,19 @@ def test_bad_config_values_exit_with_one_line(capsys, tmp_path, override, field)
     assert not (tmp_path / "run").exists(), "refused before anything was written"
 
 
-def test_missing_config_file(capsys, tmp_path):
+def test_missing_config_file_exits_with_one_line_naming_it(capsys, tmp_path):
     code, err = _run(capsys, ["train", str(tmp_path / "nope.yaml")])
     assert code == 2 and "nope.yaml: not found" in err and "\n" not in err
 
 
-def test_missing_model_dir(capsys, tmp_path):
+def test_missing_model_dir_exits_with_one_line_naming_it_or_its_field(capsys, tmp_path):
     code, err = _run(capsys, ["eval", "--model", str(tmp_path / "absent"), "--data", "x"])
     assert code == 2 and "absent" in err and "\n" not in err
     code, err = _run(capsys, ["train", f"model.init_from={tmp_path / 'absent'}"])
     assert code == 2 and err.startswith("lmforge: error: model.init_from")
 
 
-def test_malformed_model_dir(capsys, tmp_path):
+def test_malformed_or_incomplete_config_json_exits_naming_it(capsys, tmp_path):
     (tmp_path / "config.json").write_text("{broken")
     code, err = _run(capsys, ["generate", "--model", str(tmp_path), "--prompt", "hi"])
     assert code == 2 and "config.json" in err and "\n" not in err
@@ -48,11 +51,8 @@ def test_malformed_model_dir(capsys, tmp_path):
     assert code == 2 and "config.json" in err
 
 
-def test_model_dir_without_weights(capsys, tmp_path):
-    from lmforge.models.hf import hf_config_from_args
-    from lmforge.models.presets import PRESETS
-
-    (tmp_path / "config.json").write_text(json.dumps(hf_config_from_args(PRESETS["debug"])))
+def test_model_dir_without_weights_exits_naming_the_weights_file(capsys, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_from_args(tiny_llama_args())))
     code, err = _run(capsys, ["eval", "--model", str(tmp_path), "--data", str(tmp_path)])
     assert code == 2 and "model.safetensors" in err
 

@@ -1,30 +1,87 @@
-"""Every recipe under configs/ loads, and validates once its local paths are given."""
+"""Every recipe under configs/ does what its header says: the command line written there
+loads and validates, and the numbers its comments promise follow from its settings."""
+import re
 from pathlib import Path
 
 import pytest
 
-from lmforge.config import load_config
+from lmforge.config import data_parallel_size, load_config
+from lmforge.models.llama import build_llama
+from lmforge.models.presets import PRESETS
+from lmforge.peft.lora import apply_lora, is_lora_param
 
-CONFIGS = sorted((Path(__file__).resolve().parents[3] / "configs").glob("*.yaml"))
+CONFIGS_DIR = Path(__file__).resolve().parents[3] / "configs"
+CONFIGS = sorted(CONFIGS_DIR.glob("*.yaml"))
+OVERRIDE = re.compile(r"(?<![\w.-])([a-z_]+\.[a-z_]+)=(\S+)")
+
+
+def _header_command(path: Path) -> tuple[int, list[tuple[str, str]]]:
+    """(processes, [(key, value)]) of the `lmforge train` / torchrun line of the header."""
+    header = "".join(line[1:] for line in path.read_text().splitlines(keepends=True)
+                     if line.startswith("#"))
+    command = re.search(r"(?:torchrun[^\n]*|lmforge) train configs/\S+(?:[^\n]*\\\n)*[^\n]*",
+                        header)
+    if command is None:
+        return 1, []
+    nproc = re.search(r"--nproc-per-node[ =](\d+)", command.group(0))
+    return int(nproc.group(1)) if nproc else 1, OVERRIDE.findall(command.group(0))
+
+
+def _required_keys(path: Path) -> list[str]:
+    """``section.key`` of each field the recipe leaves null and marks ``(required)``."""
+    keys, section = [], None
+    for line in path.read_text().splitlines():
+        if re.match(r"[a-z_]+:", line):
+            section = line.split(":")[0]
+        found = re.match(r"\s+([a-z_]+):\s*null\s*#.*\(required\)", line)
+        if found:
+            keys.append(f"{section}.{found.group(1)}")
+    return keys
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
-def test_recipe_loads_and_validates(path, tmp_path):
-    cfg = load_config(path)
-    overrides = []
-    if cfg.model.init_from is not None or "7b" in path.name:
-        overrides.append(f"model.init_from={tmp_path}")
+def test_recipe_header_command_sets_its_keys_and_validates(path, tmp_path):
+    processes, overrides = _header_command(path)
+    assert set(_required_keys(path)) <= {k for k, _ in overrides}, "fill the required fields"
+    cfg = load_config(path, [f"{k}={v}" for k, v in overrides])
+    for key, value in overrides:  # each key of the documented command exists and lands
+        section, name = key.split(".")
+        assert str(getattr(getattr(cfg, section), name)) == value, key
     if cfg.data.kind in ("pretrain", "sft", "text") and not cfg.data.path:
-        overrides.append(f"data.path={tmp_path / 'data'}")
-    cfg = load_config(path, overrides)
-    if cfg.model.init_from is None:
-        cfg.validate()
-    else:  # shapes come from config.json at run time; the rest validates now
-        cfg.model.preset = "llama2-7b"
-        cfg.validate()
+        cfg.data.path = str(tmp_path / "data")
+    if cfg.model.init_from is not None:  # shapes come from config.json at run time
+        cfg.model.init_from, cfg.model.preset = str(tmp_path), "llama2-7b"
+    cfg.validate(world_size=processes)
 
 
-def test_there_are_recipes():
+def test_the_documented_recipes_exist():
     names = {p.name for p in CONFIGS}
     assert {"tiny-cpu.yaml", "llama2-7b-lora.yaml", "llama2-7b-qlora.yaml",
-            "llama2-7b-cpt.yaml"} <= names
+            "llama2-7b-cpt.yaml", "tiny-dialogsum-base.yaml",
+            "tiny-dialogsum-lora.yaml"} <= names
+
+
+def test_tiny_cpu_recipe_is_the_embedded_demo():
+    assert load_config(CONFIGS_DIR / "tiny-cpu.yaml").to_dict() == load_config(None).to_dict()
+
+
+def test_cpt_recipe_steps_a_million_tokens_sharded_over_every_gpu():
+    cfg = load_config(CONFIGS_DIR / "llama2-7b-cpt.yaml")
+    assert cfg.data.seq_len * cfg.data.global_batch_size == 1 << 20
+    assert cfg.parallel.zero == 3
+    for gpus in (8, 16):  # dp_shard=-1: FSDP2 over however many GPUs the job has
+        assert data_parallel_size(cfg, gpus) == gpus
+
+
+@pytest.mark.parametrize("name, adapter_millions", [("llama2-7b-lora.yaml", 40),
+                                                     ("llama2-7b-qlora.yaml", 160)])
+def test_7b_lora_recipes_train_only_adapters_of_the_promised_size(name, adapter_millions):
+    cfg = load_config(CONFIGS_DIR / name)
+    model = build_llama(PRESETS["llama2-7b"])  # meta device: no memory touched
+    swapped = apply_lora(model, cfg.lora)
+    seven = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert {n.rsplit(".", 1)[-1] for n in swapped} == seven
+    assert len(swapped) == len(seven) * PRESETS["llama2-7b"].n_layers
+    adapters = sum(p.numel() for n, p in model.named_parameters() if is_lora_param(n))
+    assert round(adapters / 1e6) == adapter_millions
+    assert cfg.lora.enabled and (cfg.lora.quantize == "nf4") == ("qlora" in name)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from lmforge.data.tokenizer import load_tokenizer, train_bpe
-from lmforge.models.llama import LlamaArgs, build_llama
+
+from helpers.tiny_models import tiny_llama
 
 
 def make_docs(n: int, seed: int = 0, min_words: int = 3, max_words: int = 60) -> list[str]:
@@ -23,13 +24,8 @@ def make_docs(n: int, seed: int = 0, min_words: int = 3, max_words: int = 60) ->
 
 
 def fp64_llama(vocab: int, max_seq_len: int):
-    """A tiny random Llama in float64, so packed and separate runs compare tightly."""
-    torch.manual_seed(0)
-    args = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=vocab,
-                     ffn_dim=64, max_seq_len=max_seq_len)
-    model = build_llama(args, "cpu")
-    model.init_weights()
-    return model.double()
+    """The tiny random Llama in float64, so packed and separate runs compare tightly."""
+    return tiny_llama(dtype=torch.float64, vocab_size=vocab, max_seq_len=max_seq_len)
 
 
 def trained_runs(tok, ids, trained) -> list[str]:

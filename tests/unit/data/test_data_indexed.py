@@ -23,7 +23,7 @@ def test_token_dtype_follows_vocab_size():
     assert token_dtype(128256) == np.int32
 
 
-def test_roundtrip_and_layout(tmp_path):
+def test_written_documents_read_back_zero_copy_in_megatron_layout(tmp_path):
     docs = _random_docs(100, 1000)
     prefix = tmp_path / "d"
     with IndexedDatasetWriter(prefix, np.uint16) as w:
@@ -47,7 +47,7 @@ def test_roundtrip_and_layout(tmp_path):
     assert not list(tmp_path.glob("*.tmp-*"))
 
 
-def test_multi_sequence_documents_and_spill(tmp_path, monkeypatch):
+def test_multi_sequence_documents_read_back_across_side_file_spills(tmp_path, monkeypatch):
     monkeypatch.setattr(IndexedDatasetWriter, "_SPILL_ITEMS", 7)  # force side-file spills
     rng = np.random.default_rng(1)
     prefix = tmp_path / "m"
@@ -65,7 +65,7 @@ def test_multi_sequence_documents_and_spill(tmp_path, monkeypatch):
         np.testing.assert_array_equal(ds.document(d), doc)
 
 
-def test_abort_leaves_nothing(tmp_path):
+def test_aborted_writer_leaves_no_files(tmp_path):
     prefix = tmp_path / "x"
     with pytest.raises(RuntimeError):
         with IndexedDatasetWriter(prefix) as w:
@@ -74,7 +74,7 @@ def test_abort_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_reader_errors(tmp_path):
+def test_missing_bad_header_or_truncated_files_are_refused_by_name(tmp_path):
     with pytest.raises(DataError, match="not found"):
         IndexedDataset(tmp_path / "missing")
     prefix = tmp_path / "bad"
@@ -90,7 +90,7 @@ def test_reader_errors(tmp_path):
         IndexedDataset(prefix)
 
 
-def test_megatron_reads_ours(tmp_path, megatron):
+def test_megatron_reads_our_files_as_written(tmp_path, megatron):
     docs = _random_docs(50, 30000, seed=2)
     prefix = str(tmp_path / "ours")
     with IndexedDatasetWriter(prefix, token_dtype(30000)) as w:
@@ -104,7 +104,7 @@ def test_megatron_reads_ours(tmp_path, megatron):
         assert theirs[i].dtype == np.uint16
 
 
-def test_we_read_megatrons(tmp_path, megatron):
+def test_we_read_files_megatron_wrote(tmp_path, megatron):
     import torch
 
     docs = _random_docs(40, 100000, seed=3)

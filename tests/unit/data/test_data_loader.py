@@ -111,7 +111,7 @@ def test_ranks_partition_each_step(data, tokenizer):
         assert ids[0] == [4 * micro, 4 * micro + 1] and ids[1] == [4 * micro + 2, 4 * micro + 3]
 
 
-def test_resume_on_another_data_parallel_size(data, tokenizer):
+def test_resume_on_another_data_parallel_size_continues_the_global_order(data, tokenizer):
     two = [_make(data, "pretrain", tokenizer, r, 2) for r in range(2)]
     _steps(two, 3)
     one = _make(data, "pretrain", tokenizer, 0, 1)
@@ -138,7 +138,7 @@ def test_workers_give_the_same_batches_and_resume(data, tokenizer):
         _same(a, b)
 
 
-def test_sampler_indices():
+def test_sampler_gives_each_rank_its_slice_and_refuses_a_rank_out_of_range():
     s = MicroBatchSampler(3, dp_rank=1, dp_size=2)
     assert s.next_indices() == [3, 4, 5] and s.next_indices() == [9, 10, 11]
     assert s.state_dict() == {"consumed_samples": 12}
@@ -146,7 +146,7 @@ def test_sampler_indices():
         MicroBatchSampler(1, 2, 2)
 
 
-def test_eval_split_and_bad_kinds(data, tokenizer):
+def test_eval_split_needs_eval_path_and_a_missing_path_is_named(data, tokenizer):
     cfg = _cfg(data, "pretrain")
     with pytest.raises(DataError, match="data.eval_path: not set"):
         build_dataset_loader(cfg, tokenizer, 0, 1, split="eval")
@@ -177,7 +177,7 @@ def test_eval_batches_cover_every_token_once(data, tokenizer):
     assert "mask" in masked[0] and n_masked == len(stream) - 1 - (ds.num_documents - 1)
 
 
-def test_eval_batches_for_sft_and_text(data, tokenizer, tmp_path):
+def test_eval_batches_read_sft_and_text_files_and_refuse_other_suffixes(data, tokenizer, tmp_path):
     cfg = _cfg(data, "sft", template="plain")
     rows = torch.cat([b["input_ids"] for b in iter_eval_batches(
         cfg, tokenizer, data / "sft.jsonl", SEQ, 8)])

@@ -52,7 +52,8 @@ def test_workers_give_identical_files(tmp_path, tokenizer_dir, docs):
         assert (tmp_path / f"one{ext}").read_bytes() == (tmp_path / f"two{ext}").read_bytes()
 
 
-def test_all_formats_in_a_directory(tmp_path, tokenizer, tokenizer_dir, docs):
+def test_directory_of_every_format_is_walked_sorted_skipping_hidden_and_caches(
+        tmp_path, tokenizer, tokenizer_dir, docs):
     d = tmp_path / "in"
     (d / "sub").mkdir(parents=True)
     write_jsonl(d / "a.jsonl", [{"text": t} for t in docs[:5]])
@@ -92,7 +93,8 @@ def test_large_txt_split_into_pieces_stays_one_document(tmp_path, tokenizer, tok
     assert doc[-1] == tokenizer.eos_id and tokenizer.decode(doc) == text
 
 
-def test_several_keys_megatron_naming(tmp_path, tokenizer, tokenizer_dir, docs):
+def test_several_keys_write_one_dataset_each_with_megatron_names(tmp_path, tokenizer,
+                                                                 tokenizer_dir, docs):
     src = write_jsonl(tmp_path / "a.jsonl", [{"q": d, "a": d.upper()} for d in docs[:20]])
     preprocess([src], tmp_path / "p", tokenizer_dir, json_keys=("q", "a"))
     assert _documents(tmp_path / "p_q_document") == _expected(tokenizer, docs[:20], False)
@@ -121,7 +123,7 @@ def test_bad_record_stops_with_file_and_line(tmp_path, tokenizer_dir, case):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl"]  # nothing left behind
 
 
-def test_skip_mode_counts_and_locates(tmp_path, tokenizer_dir, docs):
+def test_skip_mode_counts_and_locates_bad_records(tmp_path, tokenizer_dir, docs):
     lines = [json.dumps({"text": d}).encode() for d in docs[:10]]
     lines[2] = b"{not json"
     lines[5] = b'{"body": 1}'
@@ -147,7 +149,7 @@ def test_empty_documents_are_left_out_and_counted(tmp_path, tokenizer, tokenizer
     assert "3 empty documents left out" in stats.summary()
 
 
-def test_input_errors(tmp_path, tokenizer_dir):
+def test_bad_inputs_are_refused_naming_file_and_line_leaving_no_output(tmp_path, tokenizer_dir):
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "readme.md").write_text("x")
     with pytest.raises(DataError, match="empty: no usable input files"):
@@ -193,7 +195,8 @@ def test_cli_preprocesses_and_refuses_a_missing_input_in_one_line(tmp_path, toke
     assert capsys.readouterr().err.strip().endswith("missing.jsonl: no such file or directory")
 
 
-def test_command_with_worker_processes_matches_megatron_and_names_a_bad_line(tmp_path, tokenizer, tokenizer_dir, docs, megatron):
+def test_command_with_worker_processes_matches_megatron_and_names_a_bad_line(
+        tmp_path, tokenizer, tokenizer_dir, docs, megatron):
     src = write_jsonl(tmp_path / "a.jsonl", [{"text": d} for d in docs])
     env = dict(os.environ, PYTHONPATH=SRC)
     run = subprocess.run(

@@ -59,7 +59,8 @@ def test_each_window_once_per_epoch_and_a_new_shuffle_each_epoch(prefix):
     assert [other.locate(k) for k in range(n)] != located[:n]
 
 
-def test_index_cache_reused_and_rebuilt(tmp_path, tokenizer_dir, monkeypatch):
+def test_index_cache_is_reused_and_rebuilt_when_the_data_changes(tmp_path, tokenizer_dir,
+                                                                 monkeypatch):
     src = write_jsonl(tmp_path / "a.jsonl", [{"text": d} for d in make_docs(60, seed=3)])
     preprocess([src], tmp_path / "a", tokenizer_dir, append_eod=True)
     first = PretrainDataset(tmp_path / "a", SEQ, seed=1)
@@ -97,7 +98,7 @@ def test_cache_falls_back_when_data_dir_unwritable(tmp_path, prefix):
         "input_ids"])
 
 
-def test_too_little_data(tmp_path, tokenizer_dir):
+def test_data_shorter_than_one_window_is_refused(tmp_path, tokenizer_dir):
     src = write_jsonl(tmp_path / "a.jsonl", [{"text": "tiny"}])
     preprocess([src], tmp_path / "a", tokenizer_dir)
     with pytest.raises(DataError, match="fewer than one window"):
@@ -124,7 +125,7 @@ def test_blend_is_exact_and_walks_each_stream_in_order(prefix, tmp_path, tokeniz
     np.testing.assert_array_equal(first_window, PretrainDataset(prefix, SEQ, 3)[0]["input_ids"])
 
 
-def test_source_forms(prefix):
+def test_data_path_and_blend_forms_give_weighted_prefixes_or_name_the_field(prefix):
     assert pretrain_sources(prefix, "data.path") == [(None, prefix)]
     assert pretrain_sources(prefix + ".bin", "data.path") == [(None, prefix)]
     assert pretrain_sources([prefix, prefix], "data.path") == [(None, prefix)] * 2
@@ -185,7 +186,7 @@ def test_document_mask_packed_equals_documents_alone(prefix, tokenizer):
                               int((b["labels"] != -100).sum()), packed / packed_count)
 
 
-def test_make_row_positions_and_padding():
+def test_packed_row_restarts_positions_per_document_and_pads_untrained():
     row = make_row([np.array([1, 2, 3]), np.array([4, 5]), np.array([6])], seq_len=8,
                    document_mask=True, pad_id=0)
     assert row["input_ids"].tolist() == [1, 2, 3, 4, 5, 6, 0, 0]

@@ -62,7 +62,7 @@ def test_only_assistant_tokens_and_end_of_turn_are_trained(tokenizer, template, 
     np.testing.assert_array_equal(row["labels"][:n][trained[1:]], ids[1:][trained[1:]])
 
 
-def test_rendered_text_of_the_chat_templates(tokenizer):
+def test_builtin_chat_templates_render_the_reference_text(tokenizer):
     messages = record_messages({"messages": CHAT}, "x:1")
     ids, _ = ChatTemplate("llama3").encode(messages, tokenizer)
     assert tokenizer.decode(ids.tolist(), skip_special=False) == (
@@ -79,14 +79,14 @@ def test_rendered_text_of_the_chat_templates(tokenizer):
         f"{bos}[INST] and down [/INST] the ground below{eos}")
 
 
-def test_end_of_turn_tokens(tokenizer):
+def test_end_of_turn_is_eot_for_llama3_and_eos_otherwise(tokenizer):
     assert ChatTemplate("llama3").end_of_turn(tokenizer) == "<|eot_id|>"
     for name in ("plain", "llama2", CUSTOM):
         assert ChatTemplate(name).end_of_turn(tokenizer) == "<|end_of_text|>"
     assert ChatTemplate("llama3").end_of_turn_id(tokenizer) == tokenizer.token_to_id("<|eot_id|>")
 
 
-def test_template_and_record_errors(tokenizer):
+def test_bad_templates_and_records_are_refused_naming_the_field_or_line(tokenizer):
     with pytest.raises(DataError, match="data.template: 'vicuna' is not one of"):
         ChatTemplate("vicuna")
     with pytest.raises(DataError, match=r"needs \{prompt\} and then \{response\}"):
@@ -130,7 +130,7 @@ def _sft_file(path, n=40, seed=0):
     return write_jsonl(path, records)
 
 
-def test_truncation_policy(tmp_path, tokenizer):
+def test_long_responses_are_cut_and_prompts_filling_the_window_dropped(tmp_path, tokenizer):
     long_answer = " ".join(make_docs(20, seed=3))
     path = write_jsonl(tmp_path / "t.jsonl", [
         {"prompt": "short", "response": long_answer},           # cut at seq_len + 1
