@@ -28,6 +28,7 @@ from lmforge.data.tokenizer import Tokenizer, load_tokenizer
 from lmforge.models.llama import Llama, LlamaArgs, build_llama, count_parameters, materialize
 from lmforge.parallel.mesh import (DistEnv, ParallelDims, build_mesh, init_distributed,
                                    parallel_dims, read_dist_env, uses_fsdp)
+from lmforge.peft.targets import resolve_targets
 from lmforge.train import metrics as M
 from lmforge.train.model_setup import (TrainModel, build_train_model, clip_grad_norm,
                                        gather_full_state_dict)
@@ -63,6 +64,7 @@ def train(cfg: JobConfig) -> dict:
     env = read_dist_env()
     distributed = runs_distributed(cfg.parallel, env.world_size, env.torchrun)
     cfg.validate(world_size=env.world_size, distributed=distributed)
+    resolve_targets(cfg.lora.targets)  # lora.targets by peft's one rule, before any compute
     rt = init_runtime(cfg, env, distributed)
     out_dir = prepare_output_dir(cfg, rt)
     tokenizer = prepare_tokenizer(cfg, out_dir, rt)

@@ -164,11 +164,14 @@ def _finish_lora(tm: TrainModel, cfg: JobConfig) -> None:
     NF4/int8 quantization of the frozen base, optional adapter load."""
     if not cfg.lora.enabled:
         return
+    from lmforge.peft.adapters import load_adapter
     from lmforge.peft.lora import after_materialize
 
     torch.manual_seed(cfg.train.seed + 1)
     for part in tm.parts:
         after_materialize(part, cfg.lora)
+        if cfg.lora.adapter_from:
+            load_adapter(part, cfg.lora.adapter_from)
         if _computes_in_bf16(cfg, next(part.parameters()).device) and not cfg.lora.quantize:
             frozen_linears_to_bf16(part)
 
