@@ -115,7 +115,7 @@ def evaluate_prompt_response(model, tokenizer, records: list[dict], template: st
     import torch
 
     from lmforge.data.templates import get_template
-    from lmforge.generate import generate
+    from lmforge.models.generate import generate
     from lmforge.train.step import IGNORE_INDEX, evaluate
 
     device = next(model.parameters()).device

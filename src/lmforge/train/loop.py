@@ -353,7 +353,7 @@ def global_loss(rt: Runtime, local: torch.Tensor) -> torch.Tensor:
 
 def finish(cfg: JobConfig, rt: Runtime, model: TrainModel, tokenizer: Tokenizer,
            data: DataBundle, out_dir: Path, history: list[dict]) -> dict:
-    from lmforge.generate import generate
+    from lmforge.models.generate import generate
 
     summary = {"first_loss": history[0]["loss"] if history else None,
                "last_loss": history[-1]["loss"] if history else None,
