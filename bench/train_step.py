@@ -95,7 +95,7 @@ def build_lmforge(args, model_args: LlamaArgs, device):
     else:
         materialize(model, device)
     apply_model_parallel(model, None, cfg)
-    from lmforge.train.step import micro_batch_loss_sum
+    from lmforge.models.loss import micro_batch_loss_sum
 
     def step(ids, labels):
         batch = {"input_ids": ids, "labels": labels}

@@ -373,7 +373,7 @@ def finish(cfg: JobConfig, rt: Runtime, model: TrainModel, tokenizer: Tokenizer,
         export = _plain_model(model, full_sd, cfg)
         export_hf(cfg, export, tokenizer, out_dir)
         if "eval_loss" not in summary and data.eval_batches:  # pipelined: evaluate the export
-            from lmforge.train.step import evaluate
+            from lmforge.eval.evaluate import evaluate
 
             summary["eval_loss"], summary["eval_tokens"] = evaluate(
                 export, data.eval_batches(), torch.device("cpu"))

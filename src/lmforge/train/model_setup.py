@@ -18,11 +18,13 @@ import torch.distributed as dist
 from torch import nn
 
 from lmforge.config import JobConfig
+from lmforge.eval.evaluate import evaluate
 from lmforge.models.llama import Llama, LlamaArgs, build_llama, count_parameters, materialize
+from lmforge.models.loss import token_loss_sum
 from lmforge.parallel import full_value
 from lmforge.parallel.mesh import ParallelDims, group, parallel_dims
 from lmforge.parallel.parallelize import apply_data_parallel, apply_model_parallel
-from lmforge.train.step import accumulate_gradients, evaluate, token_loss_sum
+from lmforge.train.step import accumulate_gradients
 
 LAYOUT_INDEPENDENT_INIT_BYTES = 4 * 2**30
 
