@@ -24,6 +24,7 @@ from lmforge.models.loss import token_loss_sum
 from lmforge.parallel import full_value
 from lmforge.parallel.mesh import ParallelDims, group, parallel_dims
 from lmforge.parallel.parallelize import apply_data_parallel, apply_model_parallel
+from lmforge.peft.adapters import load_adapter
 from lmforge.train.step import accumulate_gradients
 
 LAYOUT_INDEPENDENT_INIT_BYTES = 4 * 2**30
@@ -166,7 +167,6 @@ def _finish_lora(tm: TrainModel, cfg: JobConfig) -> None:
     NF4/int8 quantization of the frozen base, optional adapter load."""
     if not cfg.lora.enabled:
         return
-    from lmforge.peft.adapters import load_adapter
     from lmforge.peft.lora import after_materialize
 
     torch.manual_seed(cfg.train.seed + 1)
