@@ -262,7 +262,7 @@ def child_generate(model_dir: str, device: str, tokens: int) -> dict:
     import torch
 
     from lmforge.data.tokenizer import load_tokenizer
-    from lmforge.generate import generate
+    from lmforge.models.generate import generate
     from lmforge.models.hf import load_hf_model
     from lmforge.train import metrics as M
 

@@ -30,9 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from lmforge.models.llama import LlamaArgs, build_llama, materialize  # noqa: E402
 from lmforge.models.presets import PRESETS  # noqa: E402
+from lmforge.peft.targets import PROJECTIONS  # noqa: E402
 from lmforge.train import metrics as M  # noqa: E402
 
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_TARGETS = list(PROJECTIONS)  # all seven, on both sides of the comparison
 
 
 def parse_args(argv=None):
@@ -94,7 +95,7 @@ def build_lmforge(args, model_args: LlamaArgs, device):
     else:
         materialize(model, device)
     apply_model_parallel(model, None, cfg)
-    from lmforge.train.step import micro_batch_loss_sum
+    from lmforge.models.loss import micro_batch_loss_sum
 
     def step(ids, labels):
         batch = {"input_ids": ids, "labels": labels}

@@ -137,8 +137,7 @@ class ParallelConfig:
 
 
 CHAT_TEMPLATES = ("auto", "chatml", "plain", "llama2", "llama3")
-LORA_TARGET_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                     "down_proj")
+QUANTIZE_FORMATS = ("nf4", "int8")  # lora.quantize: storage of a frozen (QLoRA) base
 
 
 @dataclass
@@ -148,8 +147,8 @@ class LoraConfig:
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
-    # Module names from LORA_TARGET_NAMES, or "all-linear" for all seven (typed Any so a
-    # plain string is accepted on the command line).
+    # Projection names, aliases or groups, read by lmforge.peft.targets.resolve_targets
+    # (typed Any so a plain string is accepted on the command line).
     targets: Any = field(default_factory=lambda: ["q_proj", "v_proj"])
     rslora: bool = False  # scale by alpha / sqrt(rank) instead of alpha / rank
     quantize: Optional[str] = None  # frozen base weights: nf4 (QLoRA) | int8
@@ -422,16 +421,11 @@ def _validate_lora(lora: LoraConfig) -> None:
         raise ConfigError(f"lora.alpha: must be > 0, got {lora.alpha}")
     if not 0 <= lora.dropout < 1:
         raise ConfigError(f"lora.dropout: must be in [0, 1), got {lora.dropout}")
-    targets = [lora.targets] if isinstance(lora.targets, str) else lora.targets
-    if not isinstance(targets, list) or not targets:
-        raise ConfigError(f"lora.targets: expected a list of module names or 'all-linear', "
-                          f"got {lora.targets!r}")
-    for name in targets:
-        if name != "all-linear" and name not in LORA_TARGET_NAMES:
-            raise ConfigError(f"lora.targets: unknown module {name!r} (known: "
-                              f"{', '.join(LORA_TARGET_NAMES)}, all-linear)")
-    if lora.quantize not in (None, "nf4", "int8"):
-        raise ConfigError(f"lora.quantize: {lora.quantize!r} is not one of nf4, int8")
+    # lora.targets is checked by its one rule, lmforge.peft.targets.resolve_targets, which
+    # the trainer and the estimate call right after validate(), before any compute.
+    if lora.quantize is not None and lora.quantize not in QUANTIZE_FORMATS:
+        raise ConfigError(f"lora.quantize: {lora.quantize!r} is not one of "
+                          f"{', '.join(QUANTIZE_FORMATS)}")
     if lora.quantize and not lora.enabled:
         raise ConfigError("lora.quantize: a quantized base trains nothing without adapters "
                           "(set lora.enabled=true)")

@@ -24,7 +24,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lmforge.models.llama import LlamaArgs
-from lmforge.train.metrics import LoraSpec, Trainability, lora_spec, projection_shapes
+from lmforge.peft.targets import LoraSpec, lora_spec
+from lmforge.train.metrics import Trainability, projection_shapes
 
 GiB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from lmforge.models.llama import LlamaArgs, build_llama, materialize
+from lmforge.models.loss import micro_batch_loss_sum
 from lmforge.peft.quant import QuantizedLinear
-from lmforge.train.step import micro_batch_loss_sum
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -8,9 +8,8 @@ from pathlib import Path
 from lmforge.cli.common import DEVICES
 from lmforge.config import resolve_device
 from lmforge.data.tokenizer import load_tokenizer
-from lmforge.evaluate import eval_batches_for
+from lmforge.eval.evaluate import eval_batches_for, evaluate
 from lmforge.models.hf import load_hf_model
-from lmforge.train.step import evaluate
 
 
 def add_parser(sub) -> None:

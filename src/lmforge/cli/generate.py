@@ -7,7 +7,7 @@ from lmforge.cli.common import DEVICES
 from lmforge.config import resolve_device
 from lmforge.data.templates import JinjaTemplate
 from lmforge.data.tokenizer import load_tokenizer
-from lmforge.generate import generate
+from lmforge.models.generate import generate
 from lmforge.models.hf import load_hf_model, stop_token_ids
 
 

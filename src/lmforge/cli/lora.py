@@ -12,9 +12,9 @@ import torch
 from lmforge.cli.common import DEVICES
 from lmforge.config import resolve_device
 from lmforge.data.tokenizer import load_tokenizer
+from lmforge.eval.rouge import evaluate_prompt_response, read_prompt_response
 from lmforge.models.hf import load_hf_model
 from lmforge.peft.adapters import export_merged, load_adapter
-from lmforge.peft.rouge import evaluate_prompt_response, read_prompt_response
 
 _DTYPES = ("auto", "fp32", "bf16", "fp16")
 

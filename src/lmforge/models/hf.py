@@ -1,16 +1,15 @@
-"""Hugging Face and Meta checkpoints <-> lmforge's ``Llama``.
+"""Hugging Face model directories <-> lmforge's ``Llama``: config.json, the state-dict
+mapping, loading and saving (safetensors, sharded or not).
 
-The mapping is a pure function over state dicts: names only for Hugging Face (our q/k use
-HF's rotate-half RoPE layout), names plus a q/k row permutation for Meta's original
-``consolidated.*.pth`` (interleaved layout). Every source tensor must be used exactly once
-and every target filled with the expected shape, so a wrong checkpoint fails loudly here
-rather than as a silently bad model later. Weights are read from safetensors only (Meta's
-.pth through ``torch.load(weights_only=True)``), never by plain unpickling.
+The mapping is a pure function over state dicts, names only (our q/k use HF's rotate-half
+RoPE layout; Meta's interleaved layout is ``models/meta.py``). Every source tensor must be
+used exactly once and every target filled with the expected shape, so a wrong checkpoint
+fails loudly here rather than as a silently bad model later. Weights are read from
+safetensors only, never by plain unpickling.
 """
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import uuid
@@ -159,10 +158,10 @@ def from_hf_state_dict(sd: dict, args: LlamaArgs, source: str = "HF state dict")
     """HF names -> ours. Tied: ``output.weight`` is the embedding tensor itself."""
     names = hf_names(args)
     shapes = param_shapes(args)
-    sd = _drop_tied_head(sd, "lm_head.weight", "model.embed_tokens.weight", args, source)
-    out = _remap(sd, {hf: ours for ours, hf in names.items()},
-                 {hf: shapes[ours] for ours, hf in names.items()}, source,
-                 hint=_untied_hint(args))
+    sd = drop_tied_head(sd, "lm_head.weight", "model.embed_tokens.weight", args, source)
+    out = remap_state_dict(sd, {hf: ours for ours, hf in names.items()},
+                           {hf: shapes[ours] for ours, hf in names.items()}, source,
+                           hint=_untied_hint(args))
     if args.tie_embeddings:
         out["output.weight"] = out["tok_embeddings.weight"]
     return out
@@ -172,8 +171,8 @@ def to_hf_state_dict(sd: dict, args: LlamaArgs, source: str = "lmforge state dic
     """Ours -> HF names. Tied: ``output.weight`` is dropped (HF stores the embedding once)."""
     names = hf_names(args)
     shapes = param_shapes(args)
-    sd = _drop_tied_head(sd, "output.weight", "tok_embeddings.weight", args, source)
-    return _remap(sd, names, {ours: shapes[ours] for ours in names}, source)
+    sd = drop_tied_head(sd, "output.weight", "tok_embeddings.weight", args, source)
+    return remap_state_dict(sd, names, {ours: shapes[ours] for ours in names}, source)
 
 
 def _untied_hint(args: LlamaArgs) -> str:
@@ -182,18 +181,18 @@ def _untied_hint(args: LlamaArgs) -> str:
     return ("; lm_head.weight is required because tie_word_embeddings is false")
 
 
-def _drop_tied_head(sd: dict, head: str, embed: str, args: LlamaArgs, source: str) -> dict:
+def drop_tied_head(sd: dict, head: str, embed: str, args: LlamaArgs, source: str) -> dict:
     """A tied checkpoint may still carry the head; accept it only as a copy of the
     embedding."""
     if not args.tie_embeddings or head not in sd:
         return sd
-    if embed in sd and not _same_tensor(sd[head], sd[embed]):
+    if embed in sd and not same_tensor(sd[head], sd[embed]):
         raise HFCheckpointError(f"{source}: tie_embeddings is set but {head} differs from "
                                 f"{embed}")
     return {k: v for k, v in sd.items() if k != head}
 
 
-def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape:
         return False
     if a.device == b.device and a.data_ptr() == b.data_ptr():
@@ -201,8 +200,8 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b.to(a.device))
 
 
-def _remap(sd: dict, names: dict[str, str], shapes: dict[str, tuple], source: str,
-           hint: str = "") -> dict:
+def remap_state_dict(sd: dict, names: dict[str, str], shapes: dict[str, tuple],
+                     source: str, hint: str = "") -> dict:
     """Rename ``sd`` by ``names`` (source -> target); every source key used exactly once,
     every expected key present with ``shapes[source key]``."""
     missing = [k for k in names if k not in sd]
@@ -233,7 +232,7 @@ def read_hf_config(model_dir: str | Path) -> dict:
     root = Path(model_dir)
     if not root.is_dir():
         raise HFCheckpointError(f"{root}: model directory not found")
-    return _read_json(root / CONFIG_NAME, "a Hugging Face model directory needs config.json")
+    return read_json(root / CONFIG_NAME, "a Hugging Face model directory needs config.json")
 
 
 def stop_token_ids(model_dir: str | Path) -> list[int]:
@@ -242,7 +241,7 @@ def stop_token_ids(model_dir: str | Path) -> list[int]:
     root = Path(model_dir)
     for name in ("generation_config.json", CONFIG_NAME):
         if (root / name).is_file():
-            eos = _read_json(root / name, "").get("eos_token_id")
+            eos = read_json(root / name, "").get("eos_token_id")
             if eos is not None:
                 return [int(i) for i in (eos if isinstance(eos, list) else [eos])]
     return []
@@ -254,7 +253,7 @@ def read_hf_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
     if (root / WEIGHTS_NAME).is_file():
         files = [root / WEIGHTS_NAME]
     elif (root / INDEX_NAME).is_file():
-        index = _read_json(root / INDEX_NAME, "")
+        index = read_json(root / INDEX_NAME, "")
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise HFCheckpointError(f"{root / INDEX_NAME}: no weight_map")
@@ -279,7 +278,7 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
         raise HFCheckpointError(f"{path}: not a readable safetensors file ({e})") from None
 
 
-def _read_json(path: Path, why_needed: str) -> dict:
+def read_json(path: Path, why_needed: str) -> dict:
     if not path.is_file():
         raise HFCheckpointError(f"{path}: not found" + (f" ({why_needed})" if why_needed else ""))
     try:
@@ -300,10 +299,10 @@ def load_hf_model(model_dir: str | Path, device: str | torch.device = "cpu",
     hf_sd = read_hf_state_dict(root)
     weights = root / (WEIGHTS_NAME if (root / WEIGHTS_NAME).is_file() else INDEX_NAME)
     sd = from_hf_state_dict(hf_sd, args, source=str(weights))
-    return _load_into_model(args, sd, device, dtype)
+    return load_into_model(args, sd, device, dtype)
 
 
-def _load_into_model(args: LlamaArgs, sd: dict, device, dtype) -> Llama:
+def load_into_model(args: LlamaArgs, sd: dict, device, dtype) -> Llama:
     model = build_llama(args, "meta").to(dtype=dtype or sd["tok_embeddings.weight"].dtype)
     materialize(model, device, init=False)
     model.load_state_dict(sd, strict=True)
@@ -393,163 +392,3 @@ def replace_dir(tmp: Path, out: Path) -> None:
 
 def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
-
-
-# ------------------------------------------------------------------ Meta checkpoints
-
-_META_LAYER_NAMES = {  # Meta -> ours, inside layers.{i}
-    "attention.wq.weight": "attention.q_proj.weight",
-    "attention.wk.weight": "attention.k_proj.weight",
-    "attention.wv.weight": "attention.v_proj.weight",
-    "attention.wo.weight": "attention.o_proj.weight",
-    "feed_forward.w1.weight": "feed_forward.gate_proj.weight",
-    "feed_forward.w3.weight": "feed_forward.up_proj.weight",
-    "feed_forward.w2.weight": "feed_forward.down_proj.weight",
-    "attention_norm.weight": "attention_norm.weight",
-    "ffn_norm.weight": "ffn_norm.weight",
-}
-# Model-parallel shards: column-parallel weights split their output rows (dim 0),
-# row-parallel ones their input columns (dim 1); norms are replicated. The embedding is
-# split by columns in Llama 2 (ParallelEmbedding) and by rows in Llama 3
-# (VocabParallelEmbedding): _merge_meta_shards tells them apart by shape.
-_META_SHARD_DIM = {"wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "output": 0,
-                   "wo": 1, "w2": 1}
-
-
-def meta_ffn_dim(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[float]) -> int:
-    """The SwiGLU hidden size Meta's code derives from params.json."""
-    hidden = int(2 * 4 * dim / 3)
-    if ffn_dim_multiplier is not None:
-        hidden = int(ffn_dim_multiplier * hidden)
-    return multiple_of * math.ceil(hidden / multiple_of)
-
-
-def args_from_meta_params(params: dict, vocab_size: Optional[int] = None,
-                          tie_embeddings: bool = False,
-                          source: str = "params.json") -> LlamaArgs:
-    """params.json -> ``LlamaArgs``. Llama 2 writes vocab_size -1: pass the real one.
-    params.json has no context length; the released one for the family is assumed."""
-    try:
-        dim, n_heads = int(params["dim"]), int(params["n_heads"])
-        ffn_dim = meta_ffn_dim(dim, int(params.get("multiple_of", 256)),
-                               params.get("ffn_dim_multiplier"))
-        n_layers = int(params["n_layers"])
-    except KeyError as e:
-        raise HFCheckpointError(f"{source}: {e.args[0]} is missing") from None
-    vocab = params.get("vocab_size", -1)
-    vocab = vocab if vocab and vocab > 0 else vocab_size
-    if vocab is None:
-        raise HFCheckpointError(f"{source}: vocab_size is {params.get('vocab_size')} and "
-                                f"could not be read from the weights")
-    theta = float(params.get("rope_theta", 10000.0))
-    scaling = None
-    if params.get("use_scaled_rope"):
-        scaling = RopeScaling(factor=float(params.get("rope_scaling_factor", 8.0)),
-                              high_freq_factor=float(params.get("high_freq_factor", 4.0)))
-    max_seq_len = params.get("max_seq_len") or (
-        131072 if scaling else 8192 if theta >= 500000 else 4096)
-    return LlamaArgs(dim=dim, n_layers=n_layers, n_heads=n_heads,
-                     n_kv_heads=int(params.get("n_kv_heads") or n_heads), vocab_size=vocab,
-                     ffn_dim=ffn_dim, max_seq_len=int(max_seq_len), rope_theta=theta,
-                     rope_scaling=scaling, norm_eps=float(params.get("norm_eps", 1e-5)),
-                     tie_embeddings=tie_embeddings)
-
-
-def _meta_names(args: LlamaArgs) -> dict[str, str]:
-    """Meta name -> ours (Meta checkpoints always carry output.weight)."""
-    names = {"tok_embeddings.weight": "tok_embeddings.weight", "norm.weight": "norm.weight",
-             "output.weight": "output.weight"}
-    for i in range(args.n_layers):
-        for meta, ours in _META_LAYER_NAMES.items():
-            names[f"layers.{i}.{meta}"] = f"layers.{i}.{ours}"
-    return names
-
-
-def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Reorder q/k rows within each head from pairs (0,1),(2,3),... to halves (0,d/2),...
-    (HF's convert_llama_weights_to_hf ``permute``)."""
-    rows, cols = w.shape
-    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    rows, cols = w.shape
-    return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def _permute_qk(sd: dict, args: LlamaArgs, fn) -> dict:
-    out = dict(sd)
-    for i in range(args.n_layers):
-        q, k = f"layers.{i}.attention.q_proj.weight", f"layers.{i}.attention.k_proj.weight"
-        out[q], out[k] = fn(sd[q], args.n_heads), fn(sd[k], args.n_kv_heads)
-    return out
-
-
-def from_meta_state_dict(sd: dict, args: LlamaArgs, source: str = "Meta state dict") -> dict:
-    """Meta names and interleaved q/k -> ours. Tied: output.weight, when present, must
-    equal the embedding."""
-    sd = {k: v for k, v in sd.items() if k != "rope.freqs"}  # a buffer in Llama 1/2 files
-    names = _meta_names(args)
-    shapes = param_shapes(args)
-    if args.tie_embeddings:
-        sd = _drop_tied_head(sd, "output.weight", "tok_embeddings.weight", args, source)
-        del names["output.weight"]
-    out = _remap(sd, names, {meta: shapes[ours] for meta, ours in names.items()}, source)
-    if args.tie_embeddings:
-        out["output.weight"] = out["tok_embeddings.weight"]
-    return _permute_qk(out, args, interleaved_to_half)
-
-
-def to_meta_state_dict(sd: dict, args: LlamaArgs) -> dict:
-    """Ours -> Meta names and interleaved q/k (output.weight always written)."""
-    ours_to_meta = {ours: meta for meta, ours in _meta_names(args).items()}
-    sd = _permute_qk(sd, args, half_to_interleaved)
-    return {ours_to_meta.get(k, k): v for k, v in sd.items()}
-
-
-def _merge_meta_shards(shards: list[dict], vocab_size: Optional[int]) -> dict:
-    if len(shards) == 1:
-        return dict(shards[0])
-    merged = {}
-    for key, first in shards[0].items():
-        kind = key.split(".")[-2]  # wq, w1, output, tok_embeddings, ..._norm
-        if key == "tok_embeddings.weight":
-            # Llama 2 splits the embedding by columns, Llama 3 by rows.
-            dim = 1 if vocab_size and first.shape[0] == vocab_size else 0
-        else:
-            dim = _META_SHARD_DIM.get(kind)
-        parts = [s[key] for s in shards]
-        merged[key] = first if dim is None or first.ndim < 2 else torch.cat(parts, dim=dim)
-    return merged
-
-
-def load_meta_checkpoint(ckpt_dir: str | Path, device: str | torch.device = "cpu",
-                         dtype: Optional[torch.dtype] = None) -> Llama:
-    """Meta's original layout (params.json + consolidated.NN.pth) -> ``Llama``."""
-    root = Path(ckpt_dir)
-    if not root.is_dir():
-        raise HFCheckpointError(f"{root}: checkpoint directory not found")
-    params = _read_json(root / "params.json", "a Meta checkpoint needs params.json")
-    files = sorted(root.glob("consolidated.*.pth"))
-    if not files:
-        raise HFCheckpointError(f"{root}: no consolidated.*.pth files")
-    shards = [_torch_load(p) for p in files]
-    vocab = params.get("vocab_size", -1)
-    if not vocab or vocab <= 0:  # Llama 2: read it off the (row-split) output layer
-        vocab = sum(s["output.weight"].shape[0] for s in shards if "output.weight" in s) or None
-    sd = _merge_meta_shards(shards, vocab)
-    # Meta always writes output.weight; a copy of the embedding means a tied model.
-    tied = ("output.weight" in sd and "tok_embeddings.weight" in sd
-            and _same_tensor(sd["output.weight"], sd["tok_embeddings.weight"]))
-    args = args_from_meta_params(params, vocab, tied, source=str(root / "params.json"))
-    sd = from_meta_state_dict(sd, args, source=f"{root} weights")
-    return _load_into_model(args, sd, device, dtype)
-
-
-def _torch_load(path: Path) -> dict:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # weights_only refuses arbitrary pickles; corrupt zips too
-        raise HFCheckpointError(f"{path}: cannot be read as a weights-only checkpoint "
-                                f"({str(e).splitlines()[0] if str(e) else type(e).__name__})"
-                                ) from None

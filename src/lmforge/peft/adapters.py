@@ -28,10 +28,13 @@ from typing import Optional
 import torch
 from torch import nn
 
-from lmforge.models.hf import replace_dir
+from lmforge.config import LoraConfig
+from lmforge.models.hf import hf_names, replace_dir, save_hf_model
+from lmforge.models.llama import build_llama
 from lmforge.parallel import full_value
 from lmforge.peft.lora import LoraLinear, apply_lora, lora_layers
-from lmforge.peft.quant import QuantizedLinear
+from lmforge.peft.quant import QuantizedLinear, is_quantized
+from lmforge.peft.targets import target_modules
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -52,8 +55,6 @@ class AdapterError(ValueError):
 
 def _module_names(model: nn.Module) -> dict[str, str]:
     """Our module name -> HF module name for every linear an HF checkpoint holds."""
-    from lmforge.models.hf import hf_names
-
     args = getattr(model, "args", None)
     if args is None:
         raise AdapterError("adapters: the model has no .args (an lmforge Llama is needed "
@@ -130,7 +131,7 @@ def _peft_config(layers: dict[str, LoraLinear], base_model_path, lora_cfg) -> di
         "peft_type": "LORA", "task_type": "CAUSAL_LM",
         "base_model_name_or_path": None if base_model_path is None else str(base_model_path),
         "r": r, "lora_alpha": alpha, "lora_dropout": dropout, "use_rslora": rslora.pop(),
-        "target_modules": sorted({name.rsplit(".", 1)[-1] for name in layers}),
+        "target_modules": target_modules(layers),
         "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,
         "bias": "none", "fan_in_fan_out": False, "init_lora_weights": True,
         "inference_mode": True, "modules_to_save": None, "layers_to_transform": None,
@@ -177,8 +178,6 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, strict: bool = True)
     layers must have the same rank. ``strict``: every key must find a module (set False on
     a pipeline stage that holds only some layers). Returns a ``lmforge.config.LoraConfig``
     describing the adapter."""
-    from lmforge.config import LoraConfig
-
     root = Path(adapter_dir)
     config, sd = read_adapter(root)
     by_hf = {theirs: ours for ours, theirs in _module_names(model).items()}
@@ -220,7 +219,7 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, strict: bool = True)
         ranks[rank] += 1
     if loaded == 0:
         raise AdapterError(f"{root / ADAPTER_WEIGHTS}: no LoRA weights matched the model")
-    targets = sorted({name.rsplit(".", 1)[-1] for name in pairs})
+    targets = target_modules(pairs)
     return LoraConfig(enabled=True, rank=ranks.most_common(1)[0][0],
                       alpha=float(config.get("lora_alpha", 8)), dropout=dropout,
                       targets=targets, rslora=rslora, adapter_from=str(root))
@@ -282,8 +281,6 @@ def merged_state_dict(model: nn.Module, dtype: Optional[torch.dtype] = None
     ``dtype`` (None: each tensor keeps its dtype, except that a model with a quantized base
     is exported all in bf16). The model
     itself is not changed."""
-    from lmforge.peft.quant import is_quantized
-
     if dtype is None and is_quantized(model):
         dtype = torch.bfloat16  # one dtype for the whole export, not bf16 beside fp32
     out: dict[str, torch.Tensor] = {}
@@ -319,9 +316,6 @@ def export_merged(model: nn.Module, out_dir: str | Path, tokenizer=None,
     """Write a Hugging Face model directory of ``model`` with its adapters merged (a
     quantized base is dequantized to ``dtype`` first, bf16 by default). Uses
     ``lmforge.models.hf.save_hf_model``; the model passed in is left as it was."""
-    from lmforge.models.hf import save_hf_model
-    from lmforge.models.llama import build_llama
-
     sd = merged_state_dict(model, dtype)
     plain = build_llama(model.args, "meta")
     plain.load_state_dict(sd, strict=True, assign=True)

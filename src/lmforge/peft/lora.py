@@ -14,7 +14,11 @@ the model's outputs unchanged. The order of work in a trainer::
     prepare_model_for_lora(model, cfg.lora)       # swap + freeze (meta or real)
     ... parallelize, to_empty, init_weights() or load weights ...
     after_materialize(model, cfg.lora)            # init A/B, quantize the base if asked
+    load_adapter(model, cfg.lora.adapter_from)    # if set (peft.adapters)
     print(trainable_summary(model))               # "4.2M trainable / 6.74B total (0.06%)"
+
+Which linears get adapters is ``lora.targets`` read by ``peft.targets``; a quantized base
+comes from ``peft.quant``, which this module builds on.
 
 Under tensor parallelism ColwiseParallel shards A and B on dim 0 and RowwiseParallel
 replicates them; DTensor then computes the adapter path exactly either way. Under FSDP2
@@ -29,7 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from lmforge.peft.quant import QuantizedLinear, quantize_base
+from lmforge.peft.targets import resolve_targets
+
 LORA_PARAM_NAMES = ("lora_a", "lora_b")
 
 
@@ -61,8 +67,6 @@ class LoraLinear(nn.Linear):
                     rslora: bool = False) -> "LoraLinear":
         """Wrap an existing ``nn.Linear`` (or ``QuantizedLinear``), reusing its weight and
         bias tensors: no copy, on whatever device (meta included) they live."""
-        from lmforge.peft.quant import QuantizedLinear
-
         quantized = isinstance(linear, QuantizedLinear)
         if quantized:  # adapters train in fp32 beside a quantized base
             device = next(iter(linear.quantized_tensors().values())).device
@@ -139,8 +143,8 @@ class LoraLinear(nn.Linear):
         return w if dtype is None else w.to(dtype)
 
     def quantize_base(self, fmt: str, double_quant: bool = True, device=None) -> None:
-        from lmforge.peft.quant import QuantizedLinear
-
+        """Move the base weight into a ``QuantizedLinear`` child (``quant``'s
+        ``HoldsQuantizableBase``); the adapters stay in full precision."""
         if self.merged:
             raise LoraError(f"{fmt} quantization of a merged LoRA layer would bake the "
                             f"adapter into the frozen base; unmerge first")
@@ -178,29 +182,14 @@ def _like(delta: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------ whole-model API
 
-def resolve_targets(targets: Iterable[str] | str) -> tuple[str, ...]:
-    """Config targets -> module leaf names ("all-linear" = the seven projections)."""
-    items = [targets] if isinstance(targets, str) else list(targets)
-    if not items:
-        raise LoraError("lora.targets: empty (name modules or use 'all-linear')")
-    if "all-linear" in items:
-        return LORA_TARGETS
-    unknown = [t for t in items if t not in LORA_TARGETS]
-    if unknown:
-        raise LoraError(f"lora.targets: unknown module {unknown[0]!r} "
-                        f"(known: {', '.join(LORA_TARGETS)}, all-linear)")
-    return tuple(dict.fromkeys(items))
-
-
 def apply_lora(model: nn.Module, cfg, module_names: Optional[Iterable[str]] = None
                ) -> list[str]:
     """Swap every target linear of ``model`` for a ``LoraLinear`` (meta or real model).
 
     ``cfg`` has ``rank``, ``alpha``, ``dropout``, ``rslora`` and ``targets`` (a
-    ``lmforge.config.LoraConfig``). ``module_names`` (full module names) overrides
-    ``targets``. Layers already LoRA are left alone. Returns the swapped module names."""
-    from lmforge.peft.quant import QuantizedLinear
-
+    ``lmforge.config.LoraConfig``; targets as ``peft.targets`` reads them).
+    ``module_names`` (full module names) overrides ``targets``. Layers already LoRA are
+    left alone. Returns the swapped module names."""
     if module_names is not None:
         wanted = set(module_names)
         match = lambda name: name in wanted  # noqa: E731
@@ -272,7 +261,8 @@ def after_materialize(model: nn.Module, cfg, init_lora: bool = True) -> None:
     """After ``to_empty`` + weight init/load: initialise A and B (skip with
     ``init_lora=False`` when an adapter or checkpoint is loaded next) and quantize the
     frozen base when ``cfg.quantize`` is set. Freezes the base again (quantization adds
-    new frozen parameters). Then ``load_adapter`` if ``cfg.adapter_from`` is set.
+    new frozen parameters). An adapter to start from (``cfg.adapter_from``) is loaded
+    next, by ``peft.adapters.load_adapter``.
 
     Quantization needs real, unsharded weights: with ``cfg.quantize`` call this before
     tensor parallelism / FSDP2 (load -> after_materialize -> fully_shard). Without it, it
@@ -280,21 +270,13 @@ def after_materialize(model: nn.Module, cfg, init_lora: bool = True) -> None:
     if init_lora:
         init_lora_weights(model)
     if getattr(cfg, "quantize", None):
-        from lmforge.peft.quant import quantize_base
-
         quantize_base(model, cfg.quantize, "all-linear")
     freeze_base(model)
-    if getattr(cfg, "adapter_from", None):
-        from lmforge.peft.adapters import load_adapter
-
-        load_adapter(model, cfg.adapter_from)
 
 
 def count_trainable(model: nn.Module) -> tuple[int, int]:
     """(trainable, total) parameter counts. Tied tensors count once; a quantized layer
     counts the weights it stands for, not its packed bytes."""
-    from lmforge.peft.quant import QuantizedLinear
-
     seen: dict[int, torch.Tensor] = {}
     storage: set[int] = set()
     total = 0

@@ -1,9 +1,10 @@
 """Frozen base weights in NF4 (QLoRA) or int8, dequantized on the fly in forward.
 
 Applied from outside like LoRA: ``quantize_base(model, "nf4")`` swaps the chosen
-``nn.Linear`` layers of a materialised model for ``QuantizedLinear`` (or, for a
-``LoraLinear``, moves its base weight into a ``QuantizedLinear`` child), so the model code
-knows nothing about it.
+``nn.Linear`` layers of a materialised model for ``QuantizedLinear`` (a layer that holds
+its base beside weights of its own, ``HoldsQuantizableBase``, moves that base into a
+``QuantizedLinear`` child itself), so the model code knows nothing about it. Nothing here
+knows LoRA: ``peft.lora`` builds on this module, not the other way round.
 
 NF4 follows QLoRA (Dettmers et al., 2023): the weight is cut into blocks of 64 values, each
 block divided by its absolute maximum and rounded to the nearest of 16 levels placed at
@@ -20,16 +21,15 @@ Tensor parallelism over a quantized layer is not supported (``check_tensor_paral
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmforge.config import QUANTIZE_FORMATS
 from lmforge.parallel import full_value
-
-FORMATS = ("nf4", "int8")
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from lmforge.peft.targets import resolve_targets
 
 # The 16 NF4 levels (QLoRA, appendix E): 8 positive and 7 negative quantiles of N(0, 1)
 # at evenly spaced probabilities in [0.5, 0.9677], normalised to [-1, 1], plus an exact 0.
@@ -140,8 +140,7 @@ class QuantizedLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, fmt: str,
                  tensors: dict[str, torch.Tensor], bias: Optional[torch.Tensor] = None):
         super().__init__()
-        if fmt not in FORMATS:
-            raise QuantizationError(f"lora.quantize: {fmt!r} is not one of {', '.join(FORMATS)}")
+        _check_format(fmt)
         self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
         self._parts = tuple(tensors)
         for part, t in tensors.items():
@@ -238,12 +237,26 @@ def _is_dtensor(t) -> bool:
 
 # ------------------------------------------------------------------ whole-model API
 
+@runtime_checkable
+class HoldsQuantizableBase(Protocol):
+    """A layer that keeps a base linear beside weights of its own (a LoRA layer does).
+    ``quantize_base``/``dequantize_base`` below ask it to (de)quantize that base itself, so
+    its own weights stay as they are. ``quantized``: the ``QuantizedLinear`` now holding
+    the base (a child module of the layer), or None."""
+    quantized: Optional[nn.Module]
+
+    def quantize_base(self, fmt: str, double_quant: bool = True, device=None) -> None: ...
+
+    def dequantize_base(self, dtype: torch.dtype = torch.bfloat16) -> None: ...
+
+
 def quantize_base(model: nn.Module, fmt: str, targets: Iterable[str] | str = "all-linear",
                   double_quant: bool = True, device=None) -> list[str]:
     """Quantize the frozen base weight of every ``targets`` linear (module leaf names, or
     "all-linear" for the seven projections; embeddings and the output head stay as they
-    are) of a materialised model. LoRA layers keep their adapters in full precision.
-    Returns the names of the quantized modules.
+    are) of a materialised model. A layer holding a base of its own (LoRA:
+    ``HoldsQuantizableBase``) quantizes just that base, keeping its adapters in full
+    precision. Returns the names of the quantized modules.
 
     Run it before tensor parallelism or FSDP2 (``fully_shard``) is applied: load ->
     quantize -> shard. ``device`` quantizes layer by layer there, so a model loaded on the
@@ -254,16 +267,13 @@ def quantize_base(model: nn.Module, fmt: str, targets: Iterable[str] | str = "al
         quantize_base(model, "nf4", device="cuda")   # codes on the GPU, one layer at a time
         model.to("cuda")                              # the rest: embeddings, norms, adapters
     """
-    from lmforge.peft.lora import LoraLinear  # lora does not import quant at module level
-
-    if fmt not in FORMATS:
-        raise QuantizationError(f"lora.quantize: {fmt!r} is not one of {', '.join(FORMATS)}")
-    names = _target_names(targets)
+    _check_format(fmt)
+    names = resolve_targets(targets)
     done = []
     for name, module in list(model.named_modules()):
         if name.rsplit(".", 1)[-1] not in names:
             continue
-        if isinstance(module, LoraLinear):
+        if isinstance(module, HoldsQuantizableBase):
             if module.quantized is None:
                 module.quantize_base(fmt, double_quant, device)
                 done.append(name)
@@ -280,14 +290,16 @@ def quantize_base(model: nn.Module, fmt: str, targets: Iterable[str] | str = "al
 def dequantize_base(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> list[str]:
     """Undo ``quantize_base``: every quantized layer gets a plain ``dtype`` weight again
     (the NF4/int8 rounding stays). Needed before merging adapters into the weights."""
-    from lmforge.peft.lora import LoraLinear
-
-    done = []
+    done, holders = [], set()
     for name, module in list(model.named_modules()):
-        if isinstance(module, LoraLinear) and module.quantized is not None:
-            module.dequantize_base(dtype)
-            done.append(name)
-        elif isinstance(module, QuantizedLinear) and not name.endswith(".quantized"):
+        if name.rpartition(".")[0] in holders:
+            continue  # the base inside a holder: its holder dequantized it
+        if isinstance(module, HoldsQuantizableBase):
+            holders.add(name)
+            if module.quantized is not None:
+                module.dequantize_base(dtype)
+                done.append(name)
+        elif isinstance(module, QuantizedLinear):
             _set_module(model, name, module.to_linear(dtype))
             done.append(name)
     return done
@@ -305,15 +317,10 @@ def check_tensor_parallel(model: nn.Module) -> None:
                                 "parallelism (parallel.tp > 1); use FSDP (dp_shard) instead")
 
 
-def _target_names(targets) -> set[str]:
-    items = [targets] if isinstance(targets, str) else list(targets)
-    if "all-linear" in items:
-        return set(LINEAR_NAMES)
-    unknown = [t for t in items if t not in LINEAR_NAMES]
-    if unknown:
-        raise QuantizationError(f"lora.targets: unknown module {unknown[0]!r} "
-                                f"(known: {', '.join(LINEAR_NAMES)}, all-linear)")
-    return set(items)
+def _check_format(fmt: str) -> None:
+    if fmt not in QUANTIZE_FORMATS:
+        raise QuantizationError(f"lora.quantize: {fmt!r} is not one of "
+                                f"{', '.join(QUANTIZE_FORMATS)}")
 
 
 def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:

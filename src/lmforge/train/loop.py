@@ -29,6 +29,7 @@ from lmforge.data.tokenizer import Tokenizer, load_tokenizer
 from lmforge.models.llama import Llama, LlamaArgs, build_llama, count_parameters, materialize
 from lmforge.parallel.mesh import (DistEnv, ParallelDims, build_mesh, init_distributed,
                                    parallel_dims, read_dist_env, uses_fsdp)
+from lmforge.peft.targets import resolve_targets
 from lmforge.train import metrics as M
 from lmforge.train.model_setup import (TrainModel, build_train_model, clip_grad_norm,
                                        gather_full_state_dict)
@@ -64,6 +65,7 @@ def train(cfg: JobConfig) -> dict:
     env = read_dist_env()
     distributed = runs_distributed(cfg.parallel, env.world_size, env.torchrun)
     cfg.validate(world_size=env.world_size, distributed=distributed)
+    resolve_targets(cfg.lora.targets)  # lora.targets by peft's one rule, before any compute
     summary = _run(cfg, init_runtime(cfg, env, distributed))
     # The model, optimizers and mesh died with _run's frame: only now can the process
     # groups they held be destroyed for good (see _shutdown).
@@ -362,7 +364,7 @@ def global_loss(rt: Runtime, local: torch.Tensor) -> torch.Tensor:
 
 def finish(cfg: JobConfig, rt: Runtime, model: TrainModel, tokenizer: Tokenizer,
            data: DataBundle, out_dir: Path, history: list[dict]) -> dict:
-    from lmforge.generate import generate
+    from lmforge.models.generate import generate
 
     summary = {"first_loss": history[0]["loss"] if history else None,
                "last_loss": history[-1]["loss"] if history else None,
@@ -382,7 +384,7 @@ def finish(cfg: JobConfig, rt: Runtime, model: TrainModel, tokenizer: Tokenizer,
         export = _plain_model(model, full_sd, cfg)
         export_hf(cfg, export, tokenizer, out_dir)
         if "eval_loss" not in summary and data.eval_batches:  # pipelined: evaluate the export
-            from lmforge.train.step import evaluate
+            from lmforge.eval.evaluate import evaluate
 
             summary["eval_loss"], summary["eval_tokens"] = evaluate(
                 export, data.eval_batches(), torch.device("cpu"))

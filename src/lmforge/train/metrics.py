@@ -29,6 +29,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from lmforge.models.llama import LlamaArgs
+from lmforge.peft.targets import PROJECTIONS, LoraSpec, lora_spec
 
 # --------------------------------------------------------------------------- peaks
 
@@ -101,69 +102,6 @@ def device_peak_flops(device: torch.device) -> Optional[float]:
 
 
 # ------------------------------------------------------------------- trainability
-
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_ALIASES = {
-    "q": "q_proj", "wq": "q_proj", "k": "k_proj", "wk": "k_proj", "v": "v_proj",
-    "wv": "v_proj", "o": "o_proj", "wo": "o_proj", "gate": "gate_proj", "w1": "gate_proj",
-    "up": "up_proj", "w3": "up_proj", "down": "down_proj", "w2": "down_proj",
-}
-_GROUPS = {
-    "all": PROJECTIONS, "all-linear": PROJECTIONS, "all_linear": PROJECTIONS,
-    "attention": PROJECTIONS[:4], "attn": PROJECTIONS[:4],
-    "mlp": PROJECTIONS[4:], "ffn": PROJECTIONS[4:], "feed_forward": PROJECTIONS[4:],
-}
-DEFAULT_LORA_TARGETS = ("q_proj", "v_proj")  # PEFT's default for Llama
-
-
-def normalize_targets(targets: Any) -> tuple[str, ...]:
-    """LoRA target names (``q_proj``, ``wq``, ``attention.q_proj``, ``all-linear``, ...) as
-    the model's projection names, in model order."""
-    if targets is None:
-        return DEFAULT_LORA_TARGETS
-    items = [targets] if isinstance(targets, str) else list(targets)
-    found: set[str] = set()
-    for item in items:
-        key = str(item).strip().lower()
-        if key in _GROUPS:
-            found.update(_GROUPS[key])
-            continue
-        key = key.rsplit(".", 1)[-1]
-        key = _ALIASES.get(key, key)
-        if key not in PROJECTIONS:
-            raise ValueError(f"lora.targets: unknown target {item!r} (known: "
-                             f"{', '.join(PROJECTIONS)}, all-linear, attention, mlp)")
-        found.add(key)
-    return tuple(p for p in PROJECTIONS if p in found)
-
-
-@dataclass(frozen=True)
-class LoraSpec:
-    """What the estimate and the FLOPs count need to know about LoRA/QLoRA."""
-    rank: int = 8
-    targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
-    quantize: Optional[str] = None  # None | "nf4" | "int8"
-    dropout: float = 0.0
-    base_dtype: Optional[str] = None  # storage of unquantized frozen weights; None: auto
-
-
-def lora_spec(cfg: Any) -> Optional[LoraSpec]:
-    """The ``lora`` section of a JobConfig as a LoraSpec; None when absent or disabled.
-    Read defensively: the section's fields are optional here."""
-    section = getattr(cfg, "lora", None)
-    if section is None or not getattr(section, "enabled", True):
-        return None
-    rank = getattr(section, "rank", None) or getattr(section, "r", None) or 8
-    quantize = getattr(section, "quantize", None)
-    if isinstance(quantize, str) and quantize.lower() in ("", "none", "null", "bf16"):
-        quantize = None
-    if quantize is not None and str(quantize).lower() not in ("nf4", "int8"):
-        raise ValueError(f"lora.quantize: {quantize!r} is not one of nf4, int8, none")
-    return LoraSpec(rank=int(rank), targets=normalize_targets(getattr(section, "targets", None)),
-                    quantize=None if quantize is None else str(quantize).lower(),
-                    dropout=float(getattr(section, "dropout", 0.0) or 0.0),
-                    base_dtype=getattr(section, "base_dtype", None))
-
 
 @dataclass(frozen=True)
 class Trainability:

@@ -18,11 +18,14 @@ import torch.distributed as dist
 from torch import nn
 
 from lmforge.config import JobConfig
+from lmforge.eval.evaluate import evaluate
 from lmforge.models.llama import Llama, LlamaArgs, build_llama, count_parameters, materialize
+from lmforge.models.loss import token_loss_sum
 from lmforge.parallel import full_value
 from lmforge.parallel.mesh import ParallelDims, group, parallel_dims
 from lmforge.parallel.parallelize import apply_data_parallel, apply_model_parallel
-from lmforge.train.step import accumulate_gradients, evaluate, token_loss_sum
+from lmforge.peft.adapters import load_adapter
+from lmforge.train.step import accumulate_gradients
 
 LAYOUT_INDEPENDENT_INIT_BYTES = 4 * 2**30
 
@@ -169,6 +172,8 @@ def _finish_lora(tm: TrainModel, cfg: JobConfig) -> None:
     torch.manual_seed(cfg.train.seed + 1)
     for part in tm.parts:
         after_materialize(part, cfg.lora)
+        if cfg.lora.adapter_from:
+            load_adapter(part, cfg.lora.adapter_from)
         if _computes_in_bf16(cfg, next(part.parameters()).device) and not cfg.lora.quantize:
             frozen_linears_to_bf16(part)
 

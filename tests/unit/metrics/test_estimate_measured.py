@@ -18,6 +18,7 @@ from lmforge.config import JobConfig
 from lmforge.models.llama import LlamaArgs, build_llama, materialize
 from lmforge.parallel.parallelize import checkpoint_forward
 from lmforge.peft.lora import after_materialize, prepare_model_for_lora
+from lmforge.peft.targets import LoraSpec
 from lmforge.train import metrics as M
 from lmforge.train.optim import Optimizers, build_optimizer
 from lmforge.train.model_setup import frozen_linears_to_bf16
@@ -80,8 +81,8 @@ def measure_step(lora: bool, ckpt: bool, micro_batch: int, bf16: bool = False,
         step()
     spec = None
     if lora:
-        spec = M.LoraSpec(rank=cfg.lora.rank, targets=tuple(targets), quantize=quantize,
-                          dropout=dropout)
+        spec = LoraSpec(rank=cfg.lora.rank, targets=tuple(targets), quantize=quantize,
+                        dropout=dropout)
     setup = E.Setup(args=args, seq_len=SEQ, loss_chunk_tokens=loss_chunk, micro_batch=micro_batch, device="cpu",
                     compute="bf16" if bf16 else "fp32",
                     checkpointing="full" if ckpt else "none",

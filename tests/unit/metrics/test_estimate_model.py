@@ -9,6 +9,7 @@ from lmforge.cli import build_parser
 from lmforge.config import ConfigError, load_config
 from lmforge.models.llama import build_llama, count_parameters
 from lmforge.models.presets import PRESETS
+from lmforge.peft.targets import LoraSpec
 from lmforge.train import metrics as M
 
 GiB = 2**30
@@ -79,7 +80,7 @@ def test_eager_attention_adds_the_quadratic_term():
 
 
 def test_lora_and_quantized_base():
-    spec = M.LoraSpec(rank=8, targets=("q_proj", "v_proj"), base_dtype="fp32")
+    spec = LoraSpec(rank=8, targets=("q_proj", "v_proj"), base_dtype="fp32")
     lora = setup_7b(lora=spec, trainable=M.Trainability.lora(spec))
     w = E.stage_weights(lora, 0)
     assert w.trainable_params == 32 * 2 * 8 * (4096 + 4096)
@@ -95,7 +96,7 @@ def test_lora_and_quantized_base():
 def test_lora_base_storage_defaults_to_what_the_trainer_keeps():
     # bf16 compute stores frozen projections in bf16 (frozen_linears_to_bf16); fp32
     # compute, or a quantized base, leaves the rest of the frozen weights in fp32
-    spec = M.LoraSpec(rank=8, targets=("q_proj", "v_proj"))
+    spec = LoraSpec(rank=8, targets=("q_proj", "v_proj"))
     trainable = M.Trainability.lora(spec)
     auto_bf16 = E.stage_weights(setup_7b(lora=spec, trainable=trainable), 0)
     explicit = E.stage_weights(setup_7b(lora=dataclasses.replace(spec, base_dtype="bf16"),
@@ -108,8 +109,8 @@ def test_lora_base_storage_defaults_to_what_the_trainer_keeps():
 
 
 def test_largest_micro_batch_that_fits():
-    s = setup_7b(lora=M.LoraSpec(quantize="nf4"),
-                 trainable=M.Trainability.lora(M.LoraSpec()), seq_len=512)
+    s = setup_7b(lora=LoraSpec(quantize="nf4"),
+                 trainable=M.Trainability.lora(LoraSpec()), seq_len=512)
     fit = E.max_micro_batch(s, 40)
     assert fit >= 1
     assert E.estimate_memory(dataclasses.replace(s, micro_batch=fit)).total_bytes <= 40 * GiB

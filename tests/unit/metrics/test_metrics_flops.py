@@ -22,6 +22,7 @@ from lmforge.config import LoraConfig
 from lmforge.models.llama import build_llama, materialize
 from lmforge.models.presets import PRESETS
 from lmforge.peft.lora import prepare_model_for_lora
+from lmforge.peft.targets import PROJECTIONS, LoraSpec
 from lmforge.train import metrics as M
 
 BATCH, SEQ = 2, 32
@@ -76,15 +77,15 @@ def test_lora_costs_about_two_thirds_of_full_training():
     """No weight gradients for the frozen base: ~4N instead of 6N (plus adapters)."""
     args = PRESETS["llama2-7b"]
     full = M.flops_per_token(args, 2048)
-    lora = M.flops_per_token(args, 2048, lora=M.LoraSpec(rank=16, targets=M.PROJECTIONS))
+    lora = M.flops_per_token(args, 2048, lora=LoraSpec(rank=16, targets=PROJECTIONS))
     assert 0.6 < lora / full < 0.7
-    breakdown = M.flops_breakdown(args, 2048, M.Trainability.lora(M.LoraSpec()))
+    breakdown = M.flops_breakdown(args, 2048, M.Trainability.lora(LoraSpec()))
     assert breakdown.backward_weight < 0.01 * breakdown.forward
 
 
 def test_model_flops_reads_lora_from_the_model():
     model = tiny_model(["q_proj", "v_proj"])
-    spec = M.LoraSpec(rank=4, targets=("q_proj", "v_proj"))
+    spec = LoraSpec(rank=4, targets=("q_proj", "v_proj"))
     assert M.model_flops_per_token(model, SEQ) == M.flops_per_token(model.args, SEQ, lora=spec)
 
 
@@ -139,17 +140,3 @@ def test_throughput_reports_tokens_tflops_and_mfu(monkeypatch):
     assert report["tflops_per_device"] == pytest.approx(1.0)  # 2000 * 1e9 / 2 devices
     assert report["mfu"] == pytest.approx(1.0)
     assert M.Throughput(1e9, None).report()["mfu"] is None
-
-
-def test_lora_spec_reads_the_config_section():
-    from lmforge.config import JobConfig
-
-    cfg = JobConfig()
-    assert M.lora_spec(cfg) is None  # present but disabled
-    cfg.lora.enabled, cfg.lora.rank, cfg.lora.targets = True, 16, "all-linear"
-    cfg.lora.quantize = "nf4"
-    spec = M.lora_spec(cfg)
-    assert spec.rank == 16 and spec.targets == M.PROJECTIONS and spec.quantize == "nf4"
-    assert M.normalize_targets(["wq", "attention.v_proj"]) == ("q_proj", "v_proj")
-    with pytest.raises(ValueError, match="lora.targets"):
-        M.normalize_targets(["lm_head"])

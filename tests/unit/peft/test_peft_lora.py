@@ -13,6 +13,7 @@ from lmforge.models.presets import PRESETS
 from lmforge.peft import (LoraError, LoraLinear, after_materialize, apply_lora,
                           count_trainable, lora_layers, merge_lora, prepare_model_for_lora,
                           trainable_summary, unmerge_lora)
+from lmforge.peft.targets import resolve_targets
 from lmforge.train.optim import build_optimizer
 
 
@@ -123,15 +124,15 @@ def test_trainable_summary_of_llama2_7b_on_meta():
     assert trainable_summary(model) == "4.19M trainable / 6.74B total (0.06%)"
 
 
-def test_targets_are_checked(lib):
+def test_unknown_targets_and_non_linear_modules_are_refused_naming_lora_targets(lib):
     model = lib.tiny_model()
-    with pytest.raises(LoraError, match="lora.targets: unknown module 'q'"):
-        apply_lora(model, lib.lora_cfg(targets=["q"]))
+    with pytest.raises(ConfigError, match="lora.targets: unknown module 'q_projection'"):
+        apply_lora(model, lib.lora_cfg(targets=["q_projection"]))
     with pytest.raises(LoraError, match="lora.targets: .* not a linear"):
         apply_lora(model, lib.lora_cfg(), module_names=["layers.0.attention"])
 
 
-def test_config_section_and_validation(tmp_path):
+def test_config_section_and_validation_name_the_field(tmp_path):
     cfg = load_config(None, ["lora.enabled=true", "lora.targets=all-linear", "lora.rank=16",
                              "lora.quantize=nf4"])
     cfg.validate()
@@ -142,7 +143,6 @@ def test_config_section_and_validation(tmp_path):
             ("lora.rank=0", "lora.rank: must be > 0"),
             ("lora.alpha=0", "lora.alpha: must be > 0"),
             ("lora.dropout=1.0", "lora.dropout: must be in"),
-            ("lora.targets=[q_proj,lm_head]", "lora.targets: unknown module 'lm_head'"),
             ("lora.quantize=fp4", "lora.quantize: 'fp4' is not one of"),
             (f"lora.adapter_from={tmp_path}", "lora.adapter_from: .* no adapter_config")]:
         cfg = load_config(None, ["lora.enabled=true", override])
@@ -150,4 +150,9 @@ def test_config_section_and_validation(tmp_path):
             cfg.validate()
     with pytest.raises(ConfigError, match="lora.quantize: .*lora.enabled"):
         load_config(None, ["lora.quantize=nf4"]).validate()
+    # lora.targets: peft.targets' rule, which the trainer applies right after validate()
+    # (tests/unit/peft/test_targets.py)
+    cfg = load_config(None, ["lora.enabled=true", "lora.targets=[q_proj,lm_head]"])
+    with pytest.raises(ConfigError, match="lora.targets: unknown module 'lm_head'"):
+        resolve_targets(cfg.validate().lora.targets)
     assert JobConfig().lora.enabled is False

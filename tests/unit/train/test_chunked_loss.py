@@ -7,7 +7,9 @@ import torch
 from lmforge.config import ConfigError, JobConfig, validate
 from lmforge.estimate import TensorMemoryTracker
 from lmforge.models.llama import LlamaArgs, build_llama, materialize
-from lmforge.train.step import IGNORE_INDEX, accumulate_gradients, evaluate
+from lmforge.eval.evaluate import evaluate
+from lmforge.models.loss import IGNORE_INDEX
+from lmforge.train.step import accumulate_gradients
 
 ARGS = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, ffn_dim=64,
                  max_seq_len=64)

@@ -4,6 +4,7 @@ import torch
 
 from lmforge.config import load_config
 from lmforge.models.presets import PRESETS
+from lmforge.peft import lora_layers, save_adapter
 from lmforge.train.model_setup import build_train_model
 from lmforge.train.optim import Optimizers
 
@@ -32,3 +33,17 @@ def test_bf16_compute_stores_frozen_projections_in_bf16():
             assert p.dtype == torch.bfloat16, name
     _, fp32 = _model("train.dtype=fp32")
     assert all(p.dtype == torch.float32 for p in fp32.parts[0].parameters())
+
+
+def test_lora_adapter_from_is_loaded_into_the_trainers_model(tmp_path):
+    _, source = _model()
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for layer in lora_layers(source.parts[0]).values():
+            layer.lora_b.normal_()  # a fresh adapter has B = 0: make it tell
+    save_adapter(source.parts[0], tmp_path / "adapter")
+    _, tm = _model(f"lora.adapter_from={tmp_path / 'adapter'}")
+    loaded = lora_layers(tm.parts[0])
+    for name, layer in lora_layers(source.parts[0]).items():
+        assert torch.equal(loaded[name].lora_a, layer.lora_a), name
+        assert torch.equal(loaded[name].lora_b, layer.lora_b), name

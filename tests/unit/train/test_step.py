@@ -5,7 +5,9 @@ import torch
 from lmforge.models.llama import LlamaArgs, build_llama, materialize
 from lmforge.train.optim import lr_multiplier
 from lmforge.config import OptimConfig
-from lmforge.train.step import IGNORE_INDEX, accumulate_gradients, evaluate
+from lmforge.eval.evaluate import evaluate
+from lmforge.models.loss import IGNORE_INDEX
+from lmforge.train.step import accumulate_gradients
 
 ARGS = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, ffn_dim=64,
                  max_seq_len=64)

@@ -15,6 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
+import torch
+
+from lmforge.data.templates import get_template
+from lmforge.eval.evaluate import evaluate
+from lmforge.models.generate import generate
+from lmforge.models.loss import IGNORE_INDEX
+
 _WORD = re.compile(r"[a-z0-9]+")
 
 
@@ -90,8 +97,6 @@ def read_prompt_response(path: str | Path, limit: Optional[int] = None) -> list[
 
 def prompt_ids(tokenizer, prompt: str, template: str = "auto") -> list[int]:
     """The tokens a model trained with ``data.template`` sees before its answer."""
-    from lmforge.data.templates import get_template
-
     return get_template(template, tokenizer).prompt_ids([{"role": "user", "content": prompt}],
                                                         tokenizer)
 
@@ -99,8 +104,6 @@ def prompt_ids(tokenizer, prompt: str, template: str = "auto") -> list[int]:
 def answer_ids(tokenizer, prompt: str, response: str, template: str = "auto"
                ) -> tuple[list[int], list[bool]]:
     """(ids, trained flags) of a whole sample, as the SFT pipeline renders it."""
-    from lmforge.data.templates import get_template
-
     ids, trained = get_template(template, tokenizer).encode(
         [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}],
         tokenizer)
@@ -112,12 +115,6 @@ def evaluate_prompt_response(model, tokenizer, records: list[dict], template: st
     """Mean per-token loss over the response tokens (+ end of turn) and ROUGE-L of greedy
     generations against the responses. Returns a dict with ``loss``, ``perplexity``,
     ``rouge_l``, ``tokens``, ``samples`` and the first few ``examples``."""
-    import torch
-
-    from lmforge.data.templates import get_template
-    from lmforge.generate import generate
-    from lmforge.train.step import IGNORE_INDEX, evaluate
-
     device = next(model.parameters()).device
     rows = []
     for r in records:

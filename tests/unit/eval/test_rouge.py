@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from lmforge.data.tokenizer import train_bpe
-from lmforge.peft.rouge import (corpus_rouge_l, evaluate_prompt_response, lcs_length,
+from lmforge.eval.rouge import (corpus_rouge_l, evaluate_prompt_response, lcs_length,
                                 prompt_ids, read_prompt_response, rouge_l, words)
+from lmforge.models.llama import LlamaArgs, build_llama, materialize
 
 
 def test_words_lowercase_and_split_on_non_alphanumerics():
@@ -16,14 +17,14 @@ def test_words_lowercase_and_split_on_non_alphanumerics():
                                                         "3", "pm", "ok"]
 
 
-def test_lcs_length():
+def test_lcs_length_counts_the_longest_common_word_subsequence():
     assert lcs_length("a b c d e".split(), "a c e".split()) == 3
     assert lcs_length("a b".split(), "c d".split()) == 0
     assert lcs_length([], ["a"]) == 0
     assert lcs_length("b a b c".split(), "a b c b".split()) == 3
 
 
-def test_rouge_l_values():
+def test_rouge_l_and_corpus_mean_match_hand_computed_values():
     # LCS("the cat was found under the bed", "the cat was under the bed") = 6
     score = rouge_l("the cat was found under the bed", "the cat was under the bed")
     assert score.precision == pytest.approx(6 / 7) and score.recall == 1.0
@@ -44,12 +45,14 @@ def test_read_prompt_response_reports_file_and_line(tmp_path):
     assert len(read_prompt_response(path, limit=1)) == 1
 
 
-def test_evaluate_prompt_response_runs_on_a_tiny_model(lib, tmp_path):
+def test_evaluate_prompt_response_scores_loss_and_rouge_of_a_tiny_model(tmp_path):
     records = [{"prompt": f"Dialogue:\nA: hi {i}\nSummary:", "response": f"A says hi {i}."}
                for i in range(5)]
     tok = train_bpe([json.dumps(r) for r in records] * 20, 300)
-    args = lib.TINY.__class__(**{**lib.TINY.__dict__, "vocab_size": tok.vocab_size})
-    model = lib.tiny_model(args)
+    args = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=tok.vocab_size,
+                     ffn_dim=176, max_seq_len=64, norm_eps=1e-5)
+    torch.manual_seed(0)
+    model = materialize(build_llama(args), "cpu").eval()
     # plain template, a tokenizer that adds no BOS: the prompt text and its newline only
     assert prompt_ids(tok, records[0]["prompt"]) == tok.encode(records[0]["prompt"] + "\n")
     assert tok.decode(prompt_ids(tok, records[0]["prompt"])).endswith("Summary:\n")

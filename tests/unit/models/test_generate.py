@@ -1,7 +1,7 @@
 """Generation: greedy decoding with the KV cache equals re-running the whole sequence."""
 import torch
 
-from lmforge.generate import generate
+from lmforge.models.generate import generate
 from lmforge.models.llama import LlamaArgs, build_llama, materialize
 
 ARGS = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=53, ffn_dim=64,
