@@ -1,14 +1,14 @@
 """Activations: what autograd keeps for backward, per token, walked op by op through one
 block of our Llama (docs/estimate.md, "Activations of one block" and "Outside the
 blocks"). An op keeps only what its backward needs, and only for inputs that require
-grad, in the dtypes the run computes in; ``in_flight`` says how many micro-batches of them
-a pipeline stage holds at once."""
+grad, in the dtypes the run computes in; ``stage_activations`` multiplies them out for a
+pipeline stage (the micro-batches it holds at once, activation checkpointing)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lmforge.perf.estimate_setup import (Setup, adapter_bytes, compute_bytes,
-                                         residual_bytes)
+from lmforge.perf.estimate_setup import Setup, adapter_bytes, compute_bytes, residual_bytes
+from lmforge.perf.weights import stage_layers
 
 BATCH_BYTES_PER_TOKEN = 16.0  # the batch's input ids and labels (int64)
 
@@ -190,12 +190,12 @@ class Activations:
     first_terms: list
     other_terms: list
     layer_input: float  # what checkpointing keeps per layer
-    head_saved: float  # final norm + output-linear inputs
+    head_inputs: float  # final norm + output-linear inputs
     logits: float  # (V) in the activation dtype, until the loss is computed
     log_softmax: float
-    model_level: float  # the batch's ids and labels
-    grad_transient: float  # gradient buffers at the MLP's elementwise backward
-    mlp_freed: float  # down_proj's saved input, released just before that point
+    batch_inputs: float  # the batch's ids and labels
+    backward_buffers: float  # gradient buffers at the MLP's elementwise backward
+    freed_down_proj_input: float  # down_proj's saved input, released just before that point
     input_is_saved: bool  # the block's first norm keeps the block input itself (fp32)
 
 
@@ -213,13 +213,13 @@ def activation_model(setup: Setup) -> Activations:
                        other_layers=per_device(other_terms, setup),
                        first_terms=first_terms, other_terms=other_terms,
                        layer_input=walker.residual_bytes * _dim_per_device(setup),
-                       head_saved=per_device(_head_terms(setup, output_needs_grad), setup),
+                       head_inputs=per_device(_head_terms(setup, output_needs_grad), setup),
                        # loss parallel: the logits are split over the vocabulary
                        logits=walker.matmul_bytes * args.vocab_size / setup.tp,
                        log_softmax=4 * args.vocab_size / setup.tp,
-                       model_level=BATCH_BYTES_PER_TOKEN,
-                       grad_transient=_backward_buffers(setup, walker),
-                       mlp_freed=per_device(down_proj_input, setup),
+                       batch_inputs=BATCH_BYTES_PER_TOKEN,
+                       backward_buffers=_backward_buffers(setup, walker),
+                       freed_down_proj_input=per_device(down_proj_input, setup),
                        input_is_saved=walker.residual_bytes == 4)
 
 
@@ -259,3 +259,68 @@ def in_flight(setup: Setup, stage: int) -> float:
     if setup.pp_schedule == "interleaved_1f1b" and setup.pp_virtual_stages > 1:
         held *= 1 + (stages - 1) / (stages * setup.pp_virtual_stages)
     return float(held)
+
+
+# -------------------------------------------------------------- per pipeline stage
+
+@dataclass
+class StageActivations:
+    """Bytes per token of activations on one device of a pipeline stage."""
+    blocks: float  # every block's saved tensors, for the micro-batches in flight
+    blocks_at_first_block: float  # what is left when the backward reaches the first block
+    recomputed_block: float  # one checkpointed block, recomputed in backward
+    stage_input: float  # the batch on the first stage; received activations on later ones
+    head: float  # final norm and output-layer inputs (last stage)
+    logits: float  # freed once the loss is computed (its backward keeps the log-softmax)
+    log_softmax: float
+    fp32_logits: float  # the fp32 copy of bf16 logits in the loss's forward
+    backward_buffers: float  # gradients alive inside a block's backward (its peak)
+    freed_down_proj_input: float  # down_proj's saved input, freed before that peak
+
+    @property
+    def at_forward_end(self) -> float:
+        return self.blocks + self.head + self.stage_input
+
+    @property
+    def at_last_block(self) -> float:
+        return (self.blocks + self.recomputed_block + self.stage_input
+                - self.freed_down_proj_input)
+
+    @property
+    def at_first_block(self) -> float:
+        return (self.blocks_at_first_block + self.recomputed_block + self.stage_input
+                - self.freed_down_proj_input)
+
+
+def stage_activations(setup: Setup, act: Activations, stage: int) -> StageActivations:
+    """Activation checkpointing keeps each block's input and recomputes one block at a
+    time; pipeline parallelism multiplies by the micro-batches in flight (``in_flight``)."""
+    layers, first, last = stage_layers(setup, stage), stage == 0, stage == setup.pp - 1
+    held, per_layer = in_flight(setup, stage), act.other_layers
+    layer0 = act.first_layer if first else per_layer
+    if setup.checkpointing == "full":
+        blocks = held * layers * act.layer_input
+        blocks_at_first_block = act.layer_input
+        # one block recomputed in backward; its input is the one checkpointing kept
+        recomputed = per_layer - (act.layer_input if act.input_is_saved else 0.0)
+    else:
+        blocks = held * (layer0 + (layers - 1) * per_layer)
+        blocks_at_first_block = layer0 + (held - 1) * layers * per_layer
+        recomputed = 0.0
+    bf16_logits = compute_bytes(setup) == 2
+    return StageActivations(
+        blocks=blocks, blocks_at_first_block=blocks_at_first_block,
+        recomputed_block=recomputed,
+        # a later stage receives its input activations
+        stage_input=act.batch_inputs * held if first else held * act.layer_input,
+        head=act.head_inputs if last else 0.0, logits=act.logits if last else 0.0,
+        log_softmax=act.log_softmax if last else 0.0,
+        fp32_logits=4 * setup.args.vocab_size / setup.tp if bf16_logits and last else 0,
+        backward_buffers=act.backward_buffers, freed_down_proj_input=act.freed_down_proj_input)
+
+
+def loss_chunk_tokens(setup: Setup) -> int:
+    """Tokens whose logits exist at once: train.loss_chunk_tokens makes (and recomputes
+    in backward) one chunk's logits at a time; else the whole micro-batch's."""
+    tokens = setup.micro_batch * setup.seq_len
+    return min(setup.loss_chunk_tokens, tokens) if setup.loss_chunk_tokens else tokens

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from lmforge.models.llama import LlamaArgs
-from lmforge.perf.activations import Activations, activation_model, in_flight
+from lmforge.perf.activations import (Activations, StageActivations, activation_model,
+                                      loss_chunk_tokens, stage_activations)
 from lmforge.perf.estimate_setup import DTYPE_BYTES, Setup, compute_bytes, frozen_weight_dtype
 from lmforge.perf.flops import projection_shapes
 from lmforge.perf.weights import Weights, stage_layers, stage_weights
@@ -76,7 +77,7 @@ def optimizer_state_bytes(setup: Setup, weights: Weights) -> float:
 class Gradients:
     """Gradient bytes on one device (a gradient has its parameter's dtype; FSDP2 shards
     it over dp_shard) at the points of the backward where they matter."""
-    all: float  # every trainable parameter's: the optimizer step
+    total: float  # every trainable parameter's: the optimizer step
     per_block: float
     down_proj: float  # the first a block's backward completes
     before_blocks: float  # the head's and final norm's, done before any block's
@@ -90,74 +91,9 @@ def stage_gradients(setup: Setup, weights: Weights, stage: int) -> Gradients:
     args, tied = setup.args, setup.args.tie_embeddings and setup.pp == 1
     if setup.trainable.embedding and stage == 0 and not tied:  # the embedding's comes last
         before_blocks -= grad_bytes * args.vocab_size * args.dim / setup.tp / shard
-    return Gradients(all=every, per_block=per_block,
+    return Gradients(total=every, per_block=per_block,
                      down_proj=grad_bytes * weights.down_trainable / shard,
                      before_blocks=max(before_blocks, 0.0))
-
-
-# ------------------------------------------------------------------------- activations
-
-@dataclass
-class StageActivations:
-    """Bytes per token of activations on one device of a pipeline stage."""
-    blocks: float  # every block's saved tensors, for the micro-batches in flight
-    blocks_at_first_block: float  # what is left when the backward reaches the first block
-    recomputed_block: float  # one checkpointed block, recomputed in backward
-    stage_input: float  # the batch on the first stage; received activations on later ones
-    head: float  # final norm and output-layer inputs (last stage)
-    logits: float  # freed once the loss is computed (its backward keeps the log-softmax)
-    log_softmax: float
-    fp32_logits: float  # the fp32 copy of bf16 logits in the loss's forward
-    backward_buffers: float  # gradients alive inside a block's backward (its peak)
-    freed_down_proj_input: float  # down_proj's saved input, freed before that peak
-
-    @property
-    def at_forward_end(self) -> float:
-        return self.blocks + self.head + self.stage_input
-
-    @property
-    def at_last_block(self) -> float:
-        return (self.blocks + self.recomputed_block + self.stage_input
-                - self.freed_down_proj_input)
-
-    @property
-    def at_first_block(self) -> float:
-        return (self.blocks_at_first_block + self.recomputed_block + self.stage_input
-                - self.freed_down_proj_input)
-
-
-def stage_activations(setup: Setup, act: Activations, stage: int) -> StageActivations:
-    """Activation checkpointing keeps each block's input and recomputes one block at a
-    time; pipeline parallelism multiplies by the micro-batches in flight (``in_flight``)."""
-    layers, first, last = stage_layers(setup, stage), stage == 0, stage == setup.pp - 1
-    held, per_layer = in_flight(setup, stage), act.other_layers
-    layer0 = act.first_layer if first else per_layer
-    if setup.checkpointing == "full":
-        blocks = held * layers * act.layer_input
-        blocks_at_first_block = act.layer_input
-        # one block recomputed in backward; its input is the one checkpointing kept
-        recomputed = per_layer - (act.layer_input if act.input_is_saved else 0.0)
-    else:
-        blocks = held * (layer0 + (layers - 1) * per_layer)
-        blocks_at_first_block = layer0 + (held - 1) * layers * per_layer
-        recomputed = 0.0
-    bf16_logits = compute_bytes(setup) == 2
-    return StageActivations(
-        blocks=blocks, blocks_at_first_block=blocks_at_first_block,
-        recomputed_block=recomputed,
-        # a later stage receives its input activations
-        stage_input=act.model_level * held if first else held * act.layer_input,
-        head=act.head_saved if last else 0.0, logits=act.logits if last else 0.0,
-        log_softmax=act.log_softmax if last else 0.0,
-        fp32_logits=4 * setup.args.vocab_size / setup.tp if bf16_logits and last else 0,
-        backward_buffers=act.grad_transient, freed_down_proj_input=act.mlp_freed)
-
-
-def loss_chunk_tokens(setup: Setup) -> int:
-    """Tokens whose logits exist at once: train.loss_chunk_tokens makes (and recomputes
-    in backward) one chunk's logits at a time; else the whole micro-batch's."""
-    tokens = setup.micro_batch * setup.seq_len
-    return min(setup.loss_chunk_tokens, tokens) if setup.loss_chunk_tokens else tokens
 
 
 # ------------------------------------------------------------------ transient buffers
@@ -169,12 +105,12 @@ class AutocastCopies:
     inside checkpointed blocks (recomputed there, one block at a time). The head's copy
     is kept either way, but made per chunk with a chunked loss."""
     trainable_cache: float
-    frozen: float  # none kept with checkpointing
-    kept_for_backward: float
-    one_layer: float
+    frozen: float  # the blocks' frozen ones (none kept with checkpointing)
+    kept_for_backward: float  # the blocks' copies their matmuls keep
+    one_layer: float  # one block's: what the block in backward holds (or recomputes)
     down_proj: float  # freed after down_proj's backward
     head: float
-    head_in_forward: float
+    head_in_forward: float  # none with a chunked loss (made per chunk)
     checkpointed: bool
 
     @property
@@ -260,7 +196,8 @@ class StageTerms:
 
 def stage_terms(setup: Setup, weights: Weights, act: Activations, stage: int) -> StageTerms:
     return StageTerms(
-        layers=stage_layers(setup, stage), tokens=setup.micro_batch * setup.seq_len, loss_tokens=loss_chunk_tokens(setup),
+        layers=stage_layers(setup, stage), tokens=setup.micro_batch * setup.seq_len,
+        loss_tokens=loss_chunk_tokens(setup),
         activations=stage_activations(setup, act, stage),
         gradients=stage_gradients(setup, weights, stage),
         copies=autocast_copies(setup, weights, stage),
@@ -302,7 +239,7 @@ def step_phases(t: StageTerms) -> dict[str, dict[str, float]]:
             "dequantization scratch": t.dequantization_scratch,
             "FSDP unsharded parameters": t.fsdp_unsharded},
         "optimizer step": {
-            "gradients": t.gradients.all,
+            "gradients": t.gradients.total,
             "optimizer temporaries": t.optimizer_temporaries},
     }
 

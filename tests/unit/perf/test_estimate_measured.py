@@ -84,13 +84,13 @@ def measure_step(lora: bool, ckpt: bool, micro_batch: int, bf16: bool = False,
     spec = None
     if lora:
         spec = LoraSpec(rank=cfg.lora.rank, targets=tuple(targets), quantize=quantize,
-                          dropout=dropout)
-    setup = Setup(args=args, seq_len=SEQ, loss_chunk_tokens=loss_chunk, micro_batch=micro_batch, device="cpu",
-                    compute="bf16" if bf16 else "fp32",
-                    checkpointing="full" if ckpt else "none",
-                    trainable=Trainability.from_model(model), lora=spec,
-                    optimizer=cfg.optim.name, param_dtype=cfg.train.param_dtype,
-                    in_backward=cfg.optim.in_backward)
+                        dropout=dropout)
+    setup = Setup(args=args, seq_len=SEQ, loss_chunk_tokens=loss_chunk, micro_batch=micro_batch,
+                  device="cpu", compute="bf16" if bf16 else "fp32",
+                  checkpointing="full" if ckpt else "none",
+                  trainable=Trainability.from_model(model), lora=spec,
+                  optimizer=cfg.optim.name, param_dtype=cfg.train.param_dtype,
+                  in_backward=cfg.optim.in_backward)
     return tracker.peak, setup
 
 

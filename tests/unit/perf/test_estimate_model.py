@@ -20,7 +20,7 @@ GiB = 2**30
 
 def setup_7b(**changes) -> Setup:
     base = Setup(args=PRESETS["llama2-7b"], seq_len=2048, micro_batch=1, device="cuda",
-                   compute="bf16")
+                 compute="bf16")
     return dataclasses.replace(base, **changes)
 
 
@@ -103,7 +103,7 @@ def test_lora_base_storage_defaults_to_what_the_trainer_keeps():
     trainable = Trainability.lora(spec)
     auto_bf16 = stage_weights(setup_7b(lora=spec, trainable=trainable), 0)
     explicit = stage_weights(setup_7b(lora=dataclasses.replace(spec, base_dtype="bf16"),
-                                        trainable=trainable), 0)
+                                      trainable=trainable), 0)
     fp32 = stage_weights(setup_7b(lora=spec, trainable=trainable, compute="fp32"), 0)
     assert auto_bf16.frozen_bytes == explicit.frozen_bytes
     embedding_and_head = 2 * 32000 * 4096
@@ -164,4 +164,4 @@ def test_cli_bad_input_names_the_field(capsys):
         cli(["--device-memory-gib", "-1"], capsys)
     with pytest.raises(ConfigError, match="parallel.tp"):
         setup_from_config(load_config(None, ["parallel.tp=3", "parallel.dp_shard=1"]),
-                            world_size=3)
+                          world_size=3)
