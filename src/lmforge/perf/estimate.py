@@ -244,7 +244,6 @@ def step_phases(t: StageTerms) -> dict[str, dict[str, float]]:
     }
 
 
-
 def step_in_backward_phases(setup: Setup, phases: dict[str, dict[str, float]]) -> None:
     """optim.in_backward: a gradient is consumed by its parameter's step as soon as it is
     complete and freed, so there is no separate optimizer step; backward holds one
