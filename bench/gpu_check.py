@@ -289,7 +289,8 @@ def estimate_peak(overrides: list[str], device: str) -> dict:
     """``lmforge estimate``'s peak allocated memory for the same config."""
     try:
         from lmforge.config import load_config
-        from lmforge.estimate import estimate_memory, setup_from_config
+        from lmforge.perf.estimate import estimate_memory
+        from lmforge.perf.estimate_setup import setup_from_config
 
         cfg = load_config(None, overrides)
         est = estimate_memory(setup_from_config(cfg, device=device))

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from lmforge.models.llama import LlamaArgs, build_llama, materialize  # noqa: E402
 from lmforge.models.presets import PRESETS  # noqa: E402
 from lmforge.peft.targets import PROJECTIONS  # noqa: E402
+from lmforge.perf.flops import device_peak_flops, flops_per_token  # noqa: E402
 from lmforge.train import metrics as M  # noqa: E402
 
 LORA_TARGETS = list(PROJECTIONS)  # all seven, on both sides of the comparison
@@ -212,8 +213,8 @@ def run_side(args) -> dict:
             times.append(time.perf_counter() - start)
     seconds = statistics.median(times)
     tokens_per_s = args.batch * args.seq_len / seconds
-    flops = M.flops_per_token(model_args, args.seq_len)
-    peak = M.device_peak_flops(device)
+    flops = flops_per_token(model_args, args.seq_len)
+    peak = device_peak_flops(device)
     return {"side": args.side, "step_s": seconds, "tokens_per_s": tokens_per_s,
             "tflops": tokens_per_s * flops / 1e12,
             "mfu": tokens_per_s * flops / peak if peak else None,

@@ -6,8 +6,9 @@ import sys
 
 from lmforge.cli.common import config_and_overrides
 from lmforge.config import load_config
-from lmforge.estimate import GiB, estimate_memory, format_table, max_micro_batch, setup_from_config
-from lmforge.report import write_report
+from lmforge.perf.estimate import GiB, estimate_memory, format_table, max_micro_batch
+from lmforge.perf.estimate_setup import setup_from_config
+from lmforge.perf.report import write_report
 
 
 def add_parser(sub) -> None:

@@ -30,6 +30,7 @@ from lmforge.models.llama import Llama, LlamaArgs, build_llama, count_parameters
 from lmforge.parallel.mesh import (DistEnv, ParallelDims, build_mesh, init_distributed,
                                    parallel_dims, read_dist_env, uses_fsdp)
 from lmforge.peft.targets import resolve_targets
+from lmforge.perf.flops import device_peak_flops, model_flops_per_token
 from lmforge.train import metrics as M
 from lmforge.train.model_setup import (TrainModel, build_train_model, clip_grad_norm,
                                        gather_full_state_dict)
@@ -213,8 +214,8 @@ def run_loop(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optimiz
              start_step: int = 0, end_step: Optional[int] = None) -> list[dict]:
     t = cfg.train
     accum = grad_accumulation_steps(cfg, rt.dp_size)
-    throughput = M.Throughput(M.model_flops_per_token(model, cfg.data.seq_len),
-                              M.device_peak_flops(rt.device), rt.world_size)
+    throughput = M.Throughput(model_flops_per_token(model, cfg.data.seq_len),
+                              device_peak_flops(rt.device), rt.world_size)
     logger = M.MetricsLogger(out_dir, enabled=rt.is_logging_rank, config=cfg.to_dict())
     bar = _progress_bar(cfg, rt, start_step)
     history, nonfinite_steps = [], 0

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lmforge.config import ConfigError, JobConfig, validate
-from lmforge.estimate import TensorMemoryTracker
+from lmforge.perf.tracker import TensorMemoryTracker
 from lmforge.models.llama import LlamaArgs, build_llama, materialize
 from lmforge.eval.evaluate import evaluate
 from lmforge.models.loss import IGNORE_INDEX

@@ -22,8 +22,8 @@ from lmforge.config import LoraConfig
 from lmforge.models.llama import build_llama, materialize
 from lmforge.models.presets import PRESETS
 from lmforge.peft.lora import prepare_model_for_lora
+from lmforge.perf import flops as F
 from lmforge.peft.targets import PROJECTIONS, LoraSpec
-from lmforge.train import metrics as M
 
 BATCH, SEQ = 2, 32
 
@@ -49,16 +49,16 @@ def tiny_model(lora_targets=None):
                                      "all-linear"])
 def test_count_matches_flop_counter_exactly_without_causal_halving(targets):
     model = tiny_model(targets)
-    trainable = M.Trainability.from_model(model)
-    ours = M.flops_breakdown(model.args, SEQ, trainable, causal=False).total * BATCH * SEQ
+    trainable = F.Trainability.from_model(model)
+    ours = F.flops_breakdown(model.args, SEQ, trainable, causal=False).total * BATCH * SEQ
     assert ours == counted_training_flops(model)
 
 
 def test_causal_count_is_lower_by_half_the_attention():
     model = tiny_model()
     counted = counted_training_flops(model)
-    causal = M.flops_breakdown(model.args, SEQ)
-    full = M.flops_breakdown(model.args, SEQ, causal=False)
+    causal = F.flops_breakdown(model.args, SEQ)
+    full = F.flops_breakdown(model.args, SEQ, causal=False)
     ours = causal.total * BATCH * SEQ
     tolerance = full.attention / full.total / 2  # the stated gap: half the attention share
     assert 1 - ours / counted == pytest.approx(tolerance, rel=1e-9)
@@ -69,34 +69,34 @@ def test_full_training_is_6n_plus_causal_attention():
     for name in ("tiny", "llama2-7b", "llama3-8b"):
         args = PRESETS[name]
         for seq in (512, 4096):
-            expected = 6 * M.matmul_params(args) + 6 * args.n_layers * seq * args.dim
-            assert M.flops_per_token(args, seq) == pytest.approx(expected, rel=1e-12)
+            expected = 6 * F.matmul_params(args) + 6 * args.n_layers * seq * args.dim
+            assert F.flops_per_token(args, seq) == pytest.approx(expected, rel=1e-12)
 
 
 def test_lora_costs_about_two_thirds_of_full_training():
     """No weight gradients for the frozen base: ~4N instead of 6N (plus adapters)."""
     args = PRESETS["llama2-7b"]
-    full = M.flops_per_token(args, 2048)
-    lora = M.flops_per_token(args, 2048, lora=LoraSpec(rank=16, targets=PROJECTIONS))
+    full = F.flops_per_token(args, 2048)
+    lora = F.flops_per_token(args, 2048, lora=LoraSpec(rank=16, targets=PROJECTIONS))
     assert 0.6 < lora / full < 0.7
-    breakdown = M.flops_breakdown(args, 2048, M.Trainability.lora(LoraSpec()))
+    breakdown = F.flops_breakdown(args, 2048, F.Trainability.lora(LoraSpec()))
     assert breakdown.backward_weight < 0.01 * breakdown.forward
 
 
 def test_model_flops_reads_lora_from_the_model():
     model = tiny_model(["q_proj", "v_proj"])
     spec = LoraSpec(rank=4, targets=("q_proj", "v_proj"))
-    assert M.model_flops_per_token(model, SEQ) == M.flops_per_token(model.args, SEQ, lora=spec)
+    assert F.model_flops_per_token(model, SEQ) == F.flops_per_token(model.args, SEQ, lora=spec)
 
 
-def test_model_flops_of_the_trainers_model():
+def test_model_flops_read_what_trains_from_the_trainers_model():
     from lmforge.config import load_config, model_args
     from lmforge.train.model_setup import build_train_model
 
     cfg = load_config(None, ["model.preset=debug"])
     train_model = build_train_model(cfg, model_args(cfg), torch.device("cpu"), None)
-    assert M.Trainability.from_model(train_model) == M.Trainability.full()
-    assert M.model_flops_per_token(train_model, SEQ) == M.flops_per_token(train_model.args, SEQ)
+    assert F.Trainability.from_model(train_model) == F.Trainability.full()
+    assert F.model_flops_per_token(train_model, SEQ) == F.flops_per_token(train_model.args, SEQ)
 
 
 @pytest.mark.parametrize("name, tflops", [
@@ -105,38 +105,26 @@ def test_model_flops_of_the_trainers_model():
     ("NVIDIA H200", 989.0), ("NVIDIA L40S", 362.0), ("NVIDIA L40", 181.0),
     ("NVIDIA L4", 121.0), ("NVIDIA GH200 480GB", 989.0), ("AMD Instinct MI300X", 1307.0),
     ("NVIDIA A10G", None), ("Tesla V100-SXM2-16GB", None), ("NVIDIA H100", None)])
-def test_peak_table(name, tflops):
-    assert M.match_peak_tflops(name) == tflops
+def test_peak_table_matches_device_names_word_by_word(name, tflops):
+    assert F.match_peak_tflops(name) == tflops
 
 
 def test_unknown_accelerator_warns_and_omits_mfu(monkeypatch):
-    monkeypatch.delenv(M.PEAK_ENV, raising=False)
+    monkeypatch.delenv(F.PEAK_ENV, raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A10G")
     with pytest.warns(UserWarning, match="MFU omitted"):
-        assert M.device_peak_flops(torch.device("cuda")) is None
+        assert F.device_peak_flops(torch.device("cuda")) is None
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert M.device_peak_flops(torch.device("cuda")) == 756e12
+        assert F.device_peak_flops(torch.device("cuda")) == 756e12
 
 
-def test_peak_override_and_cpu(monkeypatch):
-    monkeypatch.delenv(M.PEAK_ENV, raising=False)
-    assert M.device_peak_flops(torch.device("cpu")) is None
-    monkeypatch.setenv(M.PEAK_ENV, "100")
-    assert M.device_peak_flops(torch.device("cpu")) == 100e12
-    monkeypatch.setenv(M.PEAK_ENV, "fast")
-    with pytest.raises(ValueError, match=M.PEAK_ENV):
-        M.device_peak_flops(torch.device("cpu"))
-
-
-def test_throughput_reports_tokens_tflops_and_mfu(monkeypatch):
-    clock = iter([0.0, 2.0] + [2.0] * 10)
-    monkeypatch.setattr(M.time, "perf_counter", lambda: next(clock))
-    throughput = M.Throughput(flops_per_token=1e9, peak_flops=1e12, n_devices=2)
-    throughput.add(4000)
-    report = throughput.report()
-    assert report["tokens_per_s"] == 2000
-    assert report["tflops_per_device"] == pytest.approx(1.0)  # 2000 * 1e9 / 2 devices
-    assert report["mfu"] == pytest.approx(1.0)
-    assert M.Throughput(1e9, None).report()["mfu"] is None
+def test_peak_env_overrides_the_table_and_the_cpu_has_no_peak(monkeypatch):
+    monkeypatch.delenv(F.PEAK_ENV, raising=False)
+    assert F.device_peak_flops(torch.device("cpu")) is None
+    monkeypatch.setenv(F.PEAK_ENV, "100")
+    assert F.device_peak_flops(torch.device("cpu")) == 100e12
+    monkeypatch.setenv(F.PEAK_ENV, "fast")
+    with pytest.raises(ValueError, match=F.PEAK_ENV):
+        F.device_peak_flops(torch.device("cpu"))

@@ -1,5 +1,6 @@
 """metrics.jsonl, TensorBoard (read back with tensorboard's own reader) and the optional W&B
-logger; and a real training run writing them."""
+logger; a real training run writing them; throughput; the LoRA section as the FLOPs count
+and the estimate read it."""
 import json
 import sys
 import types
@@ -8,6 +9,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from lmforge.perf.flops import flops_per_token
+from lmforge.perf.records import read_metrics
 from lmforge.train import metrics as M
 
 RUN_KEYS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu",
@@ -30,7 +33,7 @@ def test_logger_writes_jsonl_and_tensorboard(tmp_path, monkeypatch):
                    "peak_mem_gib": 1.5, "grad_norm": 0.25, "loss_nan": float("nan")})
     logger.close()
     logger.close()  # closing twice is harmless
-    records = M.read_metrics(tmp_path)
+    records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 2]
     assert records[0]["mfu"] is None and records[0]["grad_norm"] == 0.5
     scalars = read_tensorboard(tmp_path)
@@ -77,17 +80,9 @@ def test_wandb_logs_the_same_scalars(tmp_path, monkeypatch):
     assert calls[-1] == ("finish",)
 
 
-def test_memory_metrics_on_cpu():
+def test_memory_metrics_on_cpu_give_the_resident_peak_and_no_reserved():
     mem = M.memory_metrics(torch.device("cpu"))
     assert mem["peak_mem_gib"] > 0 and mem["peak_reserved_gib"] is None
-
-
-def test_read_metrics_names_the_bad_line(tmp_path):
-    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\nnot json\n')
-    with pytest.raises(ValueError, match=r"metrics.jsonl:2"):
-        M.read_metrics(tmp_path)
-    with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
-        M.read_metrics(tmp_path / "nowhere")
 
 
 def test_a_training_run_writes_the_metrics(tmp_path, monkeypatch):
@@ -108,7 +103,7 @@ def test_a_training_run_writes_the_metrics(tmp_path, monkeypatch):
         "train.log_every=1", f"train.output_dir={out}", "train.sample_tokens=2",
         "train.progress_bar=false", "optim.warmup_steps=1", "train.device=cpu"])
     train(cfg)
-    records = M.read_metrics(out)
+    records = read_metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3]
     for record in records:
         for key in RUN_KEYS:
@@ -124,7 +119,19 @@ def test_a_training_run_writes_the_metrics(tmp_path, monkeypatch):
     from lmforge.models.hf import args_from_hf_config
 
     args = args_from_hf_config(json.loads((out / "hf" / "config.json").read_text()))
-    per_token = M.flops_per_token(args, 32)
+    per_token = flops_per_token(args, 32)
     for record in records:
         assert record["tflops_per_device"] == pytest.approx(
             record["tokens_per_s"] * per_token / 1e12, rel=1e-9)
+
+
+def test_throughput_reports_tokens_tflops_and_mfu(monkeypatch):
+    clock = iter([0.0, 2.0] + [2.0] * 10)
+    monkeypatch.setattr(M.time, "perf_counter", lambda: next(clock))
+    throughput = M.Throughput(flops_per_token=1e9, peak_flops=1e12, n_devices=2)
+    throughput.add(4000)
+    report = throughput.report()
+    assert report["tokens_per_s"] == 2000
+    assert report["tflops_per_device"] == pytest.approx(1.0)  # 2000 * 1e9 / 2 devices
+    assert report["mfu"] == pytest.approx(1.0)
+    assert M.Throughput(1e9, None).report()["mfu"] is None

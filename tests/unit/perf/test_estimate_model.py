@@ -4,61 +4,64 @@ import json
 
 import pytest
 
-from lmforge import estimate as E
 from lmforge.cli import build_parser
 from lmforge.config import ConfigError, load_config
 from lmforge.models.llama import build_llama, count_parameters
 from lmforge.models.presets import PRESETS
+from lmforge.perf.activations import activation_model, in_flight
+from lmforge.perf.estimate import estimate_memory, estimate_stage, max_micro_batch
+from lmforge.perf.estimate_setup import Setup, setup_from_config
+from lmforge.perf.flops import Trainability
+from lmforge.perf.weights import stage_weights
 from lmforge.peft.targets import LoraSpec
-from lmforge.train import metrics as M
 
 GiB = 2**30
 
 
-def setup_7b(**changes) -> E.Setup:
-    base = E.Setup(args=PRESETS["llama2-7b"], seq_len=2048, micro_batch=1, device="cuda",
-                   compute="bf16")
+def setup_7b(**changes) -> Setup:
+    base = Setup(args=PRESETS["llama2-7b"], seq_len=2048, micro_batch=1, device="cuda",
+                 compute="bf16")
     return dataclasses.replace(base, **changes)
 
 
 def test_weights_count_every_parameter_of_the_model():
     for name in ("tiny", "llama2-7b", "llama3-8b"):
         args = PRESETS[name]
-        w = E.stage_weights(E.Setup(args=args, seq_len=128, micro_batch=1), 0)
+        w = stage_weights(Setup(args=args, seq_len=128, micro_batch=1), 0)
         assert w.trainable_params == count_parameters(build_llama(args))
         assert w.trainable_bytes == 4 * w.trainable_params
 
 
 def test_full_training_static_memory_is_16_bytes_per_parameter():
-    est = E.estimate_memory(setup_7b())
+    est = estimate_memory(setup_7b())
     n = count_parameters(build_llama(PRESETS["llama2-7b"]))
     c = est.components
     assert c["weights (trainable)"] == 4 * n and c["optimizer states"] == 8 * n
-    phases = E.estimate_stage(setup_7b(), 0)
+    phases = estimate_stage(setup_7b(), 0)
     assert phases.phases["optimizer step"] == pytest.approx(16 * n)  # + grads, fused AdamW
 
 
 def test_zero_sharding_and_tensor_parallel_divide_the_static_terms():
-    one = E.estimate_memory(setup_7b())
-    eight = E.estimate_memory(setup_7b(dp_shard=8))
+    one = estimate_memory(setup_7b())
+    eight = estimate_memory(setup_7b(dp_shard=8))
     assert eight.components["optimizer states"] == pytest.approx(
         one.components["optimizer states"] / 8)
     assert eight.components["weights (trainable)"] == pytest.approx(
         one.components["weights (trainable)"] / 8)
-    tp = E.estimate_memory(setup_7b(tp=2, dp_shard=4))
+    tp = estimate_memory(setup_7b(tp=2, dp_shard=4))
     # tp=2 halves the matrices (not the norms) of a dp_shard=4 layout
     assert tp.components["optimizer states"] == pytest.approx(
         eight.components["optimizer states"], rel=0.01)
     # sequence parallelism shards the norm/residual activations as well
-    sp = E.activation_model(setup_7b(tp=4, sequence_parallel=True)).other_layers
-    no_sp = E.activation_model(setup_7b(tp=4, sequence_parallel=False)).other_layers
-    full = E.activation_model(setup_7b()).other_layers
+    sp = activation_model(setup_7b(tp=4, sequence_parallel=True)).other_layers
+    no_sp = activation_model(setup_7b(tp=4, sequence_parallel=False)).other_layers
+    full = activation_model(setup_7b()).other_layers
     assert sp < no_sp < full
 
 
 def test_checkpointing_keeps_one_layer_input_per_layer():
-    none = E.estimate_stage(setup_7b(micro_batch=8), 0)
-    full = E.estimate_stage(setup_7b(micro_batch=8, checkpointing="full"), 0)
+    none = estimate_stage(setup_7b(micro_batch=8), 0)
+    full = estimate_stage(setup_7b(micro_batch=8, checkpointing="full"), 0)
     assert full.peak_bytes < none.peak_bytes
     act = full.activations
     # FSDP-free bf16 autocast: the residual stream is fp32 -> 4 bytes x dim per token
@@ -66,28 +69,28 @@ def test_checkpointing_keeps_one_layer_input_per_layer():
 
 
 def test_activations_scale_with_micro_batch_and_sequence():
-    a = E.estimate_stage(setup_7b(micro_batch=1, seq_len=1024), 0).phases["forward end"]
-    b = E.estimate_stage(setup_7b(micro_batch=2, seq_len=1024), 0).phases["forward end"]
-    c = E.estimate_stage(setup_7b(micro_batch=1, seq_len=2048), 0).phases["forward end"]
+    a = estimate_stage(setup_7b(micro_batch=1, seq_len=1024), 0).phases["forward end"]
+    b = estimate_stage(setup_7b(micro_batch=2, seq_len=1024), 0).phases["forward end"]
+    c = estimate_stage(setup_7b(micro_batch=1, seq_len=2048), 0).phases["forward end"]
     assert b - a == pytest.approx(c - a)  # flash attention: linear in tokens
 
 
 def test_eager_attention_adds_the_quadratic_term():
-    sdpa = E.activation_model(setup_7b(seq_len=1024)).other_layers
-    eager = E.activation_model(setup_7b(seq_len=1024, attention="eager")).other_layers
+    sdpa = activation_model(setup_7b(seq_len=1024)).other_layers
+    eager = activation_model(setup_7b(seq_len=1024, attention="eager")).other_layers
     heads = PRESETS["llama2-7b"].n_heads
     assert eager - sdpa > (4 + 2) * heads * 1024 * 0.9  # softmax fp32 + probs bf16
 
 
-def test_lora_and_quantized_base():
+def test_lora_trains_only_its_adapters_and_a_quantized_base_is_smaller():
     spec = LoraSpec(rank=8, targets=("q_proj", "v_proj"), base_dtype="fp32")
-    lora = setup_7b(lora=spec, trainable=M.Trainability.lora(spec))
-    w = E.stage_weights(lora, 0)
+    lora = setup_7b(lora=spec, trainable=Trainability.lora(spec))
+    w = stage_weights(lora, 0)
     assert w.trainable_params == 32 * 2 * 8 * (4096 + 4096)
     int8 = dataclasses.replace(spec, quantize="int8")
     nf4 = dataclasses.replace(spec, quantize="nf4")
     bf16 = dataclasses.replace(spec, base_dtype="bf16")
-    sizes = {name: E.stage_weights(dataclasses.replace(lora, lora=s), 0).frozen_bytes / GiB
+    sizes = {name: stage_weights(dataclasses.replace(lora, lora=s), 0).frozen_bytes / GiB
              for name, s in (("fp32", spec), ("bf16", bf16), ("int8", int8), ("nf4", nf4))}
     assert sizes["fp32"] > sizes["bf16"] > sizes["int8"] > sizes["nf4"]
     assert 3.3 < sizes["nf4"] < 4.5 and 6.0 < sizes["int8"] < 7.5  # + embedding/head fp32
@@ -97,33 +100,33 @@ def test_lora_base_storage_defaults_to_what_the_trainer_keeps():
     # bf16 compute stores frozen projections in bf16 (frozen_linears_to_bf16); fp32
     # compute, or a quantized base, leaves the rest of the frozen weights in fp32
     spec = LoraSpec(rank=8, targets=("q_proj", "v_proj"))
-    trainable = M.Trainability.lora(spec)
-    auto_bf16 = E.stage_weights(setup_7b(lora=spec, trainable=trainable), 0)
-    explicit = E.stage_weights(setup_7b(lora=dataclasses.replace(spec, base_dtype="bf16"),
-                                        trainable=trainable), 0)
-    fp32 = E.stage_weights(setup_7b(lora=spec, trainable=trainable, compute="fp32"), 0)
+    trainable = Trainability.lora(spec)
+    auto_bf16 = stage_weights(setup_7b(lora=spec, trainable=trainable), 0)
+    explicit = stage_weights(setup_7b(lora=dataclasses.replace(spec, base_dtype="bf16"),
+                                      trainable=trainable), 0)
+    fp32 = stage_weights(setup_7b(lora=spec, trainable=trainable, compute="fp32"), 0)
     assert auto_bf16.frozen_bytes == explicit.frozen_bytes
     embedding_and_head = 2 * 32000 * 4096
     assert auto_bf16.frozen_bytes > 2 * auto_bf16.frozen_params + embedding_and_head
     assert fp32.frozen_bytes == 4 * fp32.frozen_params
 
 
-def test_largest_micro_batch_that_fits():
+def test_largest_micro_batch_that_fits_is_the_last_one_under_the_budget():
     s = setup_7b(lora=LoraSpec(quantize="nf4"),
-                 trainable=M.Trainability.lora(LoraSpec()), seq_len=512)
-    fit = E.max_micro_batch(s, 40)
+                 trainable=Trainability.lora(LoraSpec()), seq_len=512)
+    fit = max_micro_batch(s, 40)
     assert fit >= 1
-    assert E.estimate_memory(dataclasses.replace(s, micro_batch=fit)).total_bytes <= 40 * GiB
-    assert E.estimate_memory(dataclasses.replace(s, micro_batch=fit + 1)).total_bytes > 40 * GiB
-    assert E.max_micro_batch(setup_7b(), 16) == 0  # full 7B training needs > 100 GiB
+    assert estimate_memory(dataclasses.replace(s, micro_batch=fit)).total_bytes <= 40 * GiB
+    assert estimate_memory(dataclasses.replace(s, micro_batch=fit + 1)).total_bytes > 40 * GiB
+    assert max_micro_batch(setup_7b(), 16) == 0  # full 7B training needs > 100 GiB
 
 
-def test_pipeline_stages():
+def test_pipeline_estimate_is_the_larger_of_the_first_and_last_stage():
     s = setup_7b(pp=4, microbatches=8)
-    first, last = E.estimate_stage(s, 0), E.estimate_stage(s, 3)
+    first, last = estimate_stage(s, 0), estimate_stage(s, 3)
     assert "loss head (logits, log-softmax)" not in first.components
-    assert E.in_flight(s, 0) == 4 and E.in_flight(s, 3) == 1
-    assert E.estimate_memory(s).total_bytes == max(first.total_bytes, last.total_bytes)
+    assert in_flight(s, 0) == 4 and in_flight(s, 3) == 1
+    assert estimate_memory(s).total_bytes == max(first.total_bytes, last.total_bytes)
 
 
 def cli(argv: list[str], capsys) -> tuple[int, str]:
@@ -132,7 +135,7 @@ def cli(argv: list[str], capsys) -> tuple[int, str]:
     return code, capsys.readouterr().out
 
 
-def test_cli_table_and_json(capsys):
+def test_cli_prints_a_table_or_json_with_the_largest_fitting_micro_batch(capsys):
     code, out = cli(["model.preset=llama2-7b", "model.vocab_size=32000", "data.seq_len=512",
                      "data.micro_batch_size=4", "lora.enabled=true", "lora.quantize=int8",
                      "--device", "cuda", "--device-memory-gib", "40"], capsys)
@@ -147,7 +150,7 @@ def test_cli_table_and_json(capsys):
     assert isinstance(data["max_micro_batch"], int)
 
 
-def test_cli_huge_model_is_free(capsys):
+def test_cli_estimates_a_70b_model_without_allocating_it(capsys):
     """70B on the meta device: nothing is allocated, the answer comes at once."""
     code, out = cli(["model.preset=llama3-70b", "parallel.dp_shard=-1", "parallel.tp=8",
                      "--device", "cuda", "--json", "--world-size", "64"], capsys)
@@ -160,5 +163,5 @@ def test_cli_bad_input_names_the_field(capsys):
     with pytest.raises(ValueError, match="--device-memory-gib"):
         cli(["--device-memory-gib", "-1"], capsys)
     with pytest.raises(ConfigError, match="parallel.tp"):
-        E.setup_from_config(load_config(None, ["parallel.tp=3", "parallel.dp_shard=1"]),
-                            world_size=3)
+        setup_from_config(load_config(None, ["parallel.tp=3", "parallel.dp_shard=1"]),
+                          world_size=3)

@@ -13,14 +13,16 @@ import functools
 import pytest
 import torch
 
-from lmforge import estimate as E
 from lmforge.config import JobConfig
 from lmforge.models.llama import LlamaArgs, build_llama, materialize
 from lmforge.parallel.parallelize import checkpoint_forward
 from lmforge.peft.lora import after_materialize, prepare_model_for_lora
+from lmforge.perf.estimate import estimate_memory
+from lmforge.perf.estimate_setup import Setup, setup_from_config
+from lmforge.perf.flops import Trainability
+from lmforge.perf.tracker import TensorMemoryTracker
 from lmforge.peft.targets import LoraSpec
-from lmforge.train import metrics as M
-from lmforge.train.optim import Optimizers, build_optimizer
+from lmforge.train.optim import Optimizers
 from lmforge.train.model_setup import frozen_linears_to_bf16
 from lmforge.train.step import accumulate_gradients
 
@@ -74,7 +76,7 @@ def measure_step(lora: bool, ckpt: bool, micro_batch: int, bf16: bool = False,
         optimizers.zero_grad()
 
     step()  # creates the optimizer state
-    tracker = E.TensorMemoryTracker()
+    tracker = TensorMemoryTracker()
     tracker.track(list(model.parameters()) + [ids, batch["labels"]])
     tracker.track(t for state in optimizer.state.values() for t in state.values())
     with tracker:
@@ -83,12 +85,12 @@ def measure_step(lora: bool, ckpt: bool, micro_batch: int, bf16: bool = False,
     if lora:
         spec = LoraSpec(rank=cfg.lora.rank, targets=tuple(targets), quantize=quantize,
                         dropout=dropout)
-    setup = E.Setup(args=args, seq_len=SEQ, loss_chunk_tokens=loss_chunk, micro_batch=micro_batch, device="cpu",
-                    compute="bf16" if bf16 else "fp32",
-                    checkpointing="full" if ckpt else "none",
-                    trainable=M.Trainability.from_model(model), lora=spec,
-                    optimizer=cfg.optim.name, param_dtype=cfg.train.param_dtype,
-                    in_backward=cfg.optim.in_backward)
+    setup = Setup(args=args, seq_len=SEQ, loss_chunk_tokens=loss_chunk, micro_batch=micro_batch,
+                  device="cpu", compute="bf16" if bf16 else "fp32",
+                  checkpointing="full" if ckpt else "none",
+                  trainable=Trainability.from_model(model), lora=spec,
+                  optimizer=cfg.optim.name, param_dtype=cfg.train.param_dtype,
+                  in_backward=cfg.optim.in_backward)
     return tracker.peak, setup
 
 
@@ -111,7 +113,7 @@ EXTRA = [dict(lora=False, ckpt=False, micro_batch=4, bf16=True),
                          ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_estimate_within_15_percent_of_measured_peak(case):
     measured, setup = measure_step(**case)
-    estimated = E.estimate_memory(setup).peak_bytes
+    estimated = estimate_memory(setup).peak_bytes
     error = estimated / measured - 1
     assert abs(error) <= TOLERANCE, (
         f"estimate {estimated / 2**20:.3f} MiB vs measured {measured / 2**20:.3f} MiB "
@@ -123,34 +125,8 @@ def test_the_estimate_follows_the_measurement_across_micro_batches():
     from the static terms (within the same 15%)."""
     m1, s1 = measure_step(lora=False, ckpt=False, micro_batch=1)
     m4, s4 = measure_step(lora=False, ckpt=False, micro_batch=4)
-    e1, e4 = E.estimate_memory(s1).peak_bytes, E.estimate_memory(s4).peak_bytes
+    e1, e4 = estimate_memory(s1).peak_bytes, estimate_memory(s4).peak_bytes
     assert abs((e4 - e1) / (m4 - m1) - 1) <= TOLERANCE
-
-
-def test_tracker_counts_storage_once_and_sees_frees():
-    tracker = E.TensorMemoryTracker()
-    with tracker:
-        a = torch.empty(1000, dtype=torch.float32)  # 4000 bytes
-        view = a[10:]  # a view: no new storage
-        b = a * 2  # 4000 more
-        assert tracker.live == 8000
-        del a  # the view keeps the storage alive
-        assert tracker.live == 8000
-        del view, b
-    assert tracker.live == 0
-    assert tracker.peak == 8000
-
-
-def test_tracker_counts_tensors_made_before_it_only_when_told():
-    before = torch.ones(256)
-    tracker = E.TensorMemoryTracker()
-    tracker.track([before])
-    with tracker:
-        moved = before.t()  # a view of a pre-existing tensor: nothing new
-        assert tracker.live == 1024
-        del moved
-    del before
-    assert tracker.live == 0
 
 
 def test_measured_setup_matches_a_config_built_one():
@@ -163,8 +139,8 @@ def test_measured_setup_matches_a_config_built_one():
     cfg.data.seq_len, cfg.data.micro_batch_size = SEQ, 4
     cfg.lora.enabled, cfg.lora.targets = True, ["q_proj", "v_proj"]
     cfg.train.activation_checkpointing = "full"
-    from_cfg = E.setup_from_config(cfg, device="cpu")
+    from_cfg = setup_from_config(cfg, device="cpu")
     _, by_hand = measure_step(lora=True, ckpt=True, micro_batch=4)
     assert from_cfg.args == dataclasses.replace(by_hand.args)
-    assert E.estimate_memory(from_cfg).peak_bytes == pytest.approx(
-        E.estimate_memory(by_hand).peak_bytes, rel=1e-9)
+    assert estimate_memory(from_cfg).peak_bytes == pytest.approx(
+        estimate_memory(by_hand).peak_bytes, rel=1e-9)

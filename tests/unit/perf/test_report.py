@@ -5,7 +5,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from lmforge import report as R  # noqa: E402
+from lmforge.perf import report as R  # noqa: E402
 from lmforge.cli import build_parser  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -34,7 +34,7 @@ def check_pngs(out_dir, names):
         assert data.startswith(PNG_MAGIC) and len(data) > 2000, name
 
 
-def test_one_run(tmp_path):
+def test_report_of_one_run_writes_the_plots_and_a_summary_row(tmp_path):
     run = fake_run(tmp_path / "a")
     result = R.write_report([run])
     out = run / "report"
@@ -66,7 +66,7 @@ def test_two_runs_share_each_plot(tmp_path):
     assert len(rows) == 2 and "40.0%" in rows[0]
 
 
-def test_cli(tmp_path, capsys):
+def test_cli_prints_the_written_paths_and_names_a_missing_run(tmp_path, capsys):
     run = fake_run(tmp_path / "r")
     ns = build_parser().parse_args(["report", str(run), "--output", str(tmp_path / "out")])
     assert ns.func(ns) == 0

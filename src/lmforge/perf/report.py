@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from lmforge.train.metrics import iter_numbers, read_metrics
+import yaml
+
+from lmforge.perf.records import METRICS_FILE, iter_numbers, read_metrics
 
 
 @dataclass
@@ -53,7 +55,7 @@ def load_runs(run_dirs: list[str | Path]) -> list[Run]:
         label = name if names.count(name) == 1 else f"{p.resolve().parent.name}/{name}"
         records = read_metrics(p)
         if not records:
-            raise ValueError(f"{p / 'metrics.jsonl'}: no records")
+            raise ValueError(f"{p / METRICS_FILE}: no records")
         runs.append(Run(label, p, records, _read_config(p)))
     return runs
 
@@ -62,8 +64,6 @@ def _read_config(run_dir: Path) -> dict:
     path = run_dir / "config.yaml"
     if not path.is_file():
         return {}
-    import yaml
-
     try:
         return yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError:

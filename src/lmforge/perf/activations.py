@@ -1,0 +1,326 @@
+"""Activations: what autograd keeps for backward, per token, walked op by op through one
+block of our Llama (docs/estimate.md, "Activations of one block" and "Outside the
+blocks"). An op keeps only what its backward needs, and only for inputs that require
+grad, in the dtypes the run computes in; ``stage_activations`` multiplies them out for a
+pipeline stage (the micro-batches it holds at once, activation checkpointing)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lmforge.perf.estimate_setup import Setup, adapter_bytes, compute_bytes, residual_bytes
+from lmforge.perf.weights import stage_layers
+
+BATCH_BYTES_PER_TOKEN = 16.0  # the batch's input ids and labels (int64)
+
+
+@dataclass
+class Term:
+    """Bytes per token of one tensor kept for backward. ``split``: how tensor parallelism
+    divides it: "heads" (always by tp), "seq" (by tp with sequence parallelism), "none"."""
+    name: str
+    bytes: float
+    split: str = "heads"
+
+
+class _BlockWalk:
+    """Walks one block the way autograd sees it, collecting the terms it saves.
+
+    ``residual_bytes`` is R and ``matmul_bytes`` C of docs/estimate.md; ``cast``: autocast
+    copies fp32 activations to bf16 at every matmul."""
+
+    def __init__(self, setup: Setup):
+        self.setup, self.args, self.trainable = setup, setup.args, setup.trainable
+        self.matmul_bytes = compute_bytes(setup)
+        self.residual_bytes = residual_bytes(setup)
+        self.autocast = setup.autocast
+        self.cast = self.autocast and self.residual_bytes == 4
+        self.adapter_bytes = adapter_bytes(setup)
+        self.dropout = setup.lora is not None and setup.lora.dropout > 0
+        self.terms: list[Term] = []
+
+    def add(self, name: str, nbytes: float, split: str = "heads") -> None:
+        if nbytes:
+            self.terms.append(Term(name, nbytes, split))
+
+    def needs_grad(self, projection: str, input_needs_grad: bool) -> bool:
+        """Whether a projection's output requires grad."""
+        return (input_needs_grad or self.trainable.trains(projection)
+                or self.trainable.rank(projection) > 0)
+
+    def walk(self, input_needs_grad: bool) -> tuple[list[Term], bool]:
+        """The terms one block saves, and whether its output requires grad."""
+        self.terms = []
+        attention_needs_grad = self._attention(input_needs_grad)
+        hidden_needs_grad = input_needs_grad or attention_needs_grad
+        mlp_needs_grad = self._mlp(hidden_needs_grad)
+        return list(self.terms), hidden_needs_grad or mlp_needs_grad
+
+    def norm(self, label: str, input_needs_grad: bool) -> bool:
+        dim = self.args.dim
+        if input_needs_grad:  # x.float() (the input itself when fp32), rsqrt: kept by pow, mul
+            self.add(f"{label} input (fp32)", 4 * dim, "seq")
+            self.add(f"{label} rsqrt", 4, "seq")
+        if self.trainable.norms:  # weight * y keeps y for the weight's gradient
+            self.add(f"{label} normalized", self.residual_bytes * dim, "seq")
+        return input_needs_grad or self.trainable.norms
+
+    def linear_inputs(self, label: str, n_in: int, input_needs_grad: bool,
+                      consumers: list[str], in_bytes: int, split: str = "none",
+                      counted: bool = False) -> None:
+        """Copies of one activation kept by the matmuls that read it (``consumers``).
+        A trained weight's matmul keeps its input (a private bf16 copy under autocast when
+        the input is fp32); a LoRA adapter keeps ``dropout(x).to(adapter dtype)``, which
+        autocast casts again (a private bf16 copy). ``counted``: the activation is already
+        kept by another op, so sharing it costs nothing more."""
+        trained = [n for n in consumers if self.trainable.trains(n)]
+        adapted = [n for n in consumers if self.trainable.rank(n)]
+        private_copies, shared, masks = 0.0, False, 0
+        if trained:
+            if self.autocast and in_bytes == 4:
+                private_copies += 2 * len(trained)
+            else:
+                shared = True
+        # the dropout mask: bool from the fused CUDA kernel, the input's dtype on CPU
+        mask_bytes = 1 if self.setup.device == "cuda" else in_bytes
+        for _ in adapted:
+            if self.dropout and input_needs_grad:
+                masks += mask_bytes
+            if self.autocast:
+                private_copies += 2
+            elif self.dropout or in_bytes != self.adapter_bytes:
+                private_copies += self.adapter_bytes
+            else:
+                shared = True
+        self.add(f"{label} dropout masks", masks * n_in, split)
+        self.add(f"{label} copies", private_copies * n_in, split)
+        if shared and not counted:
+            self.add(label, in_bytes * n_in, split)
+
+    def adapter(self, name: str) -> None:
+        rank = self.trainable.rank(name)
+        if rank:
+            self.add(f"{name} lora_a output", self.matmul_bytes * rank, "heads")
+
+    def _attention(self, input_needs_grad: bool) -> bool:
+        """attention norm -> q/k/v -> RoPE -> SDPA -> o_proj; whether o_proj's output
+        requires grad."""
+        args, dim = self.args, self.args.dim
+        q_dim = args.n_heads * args.head_dim
+        normed_needs_grad = self.norm("attention norm", input_needs_grad)
+        qkv = ["q_proj", "k_proj", "v_proj"]
+        self.linear_inputs("q/k/v input", dim, normed_needs_grad, qkv, self.residual_bytes)
+        for name in qkv:
+            self.adapter(name)
+        q, k, v = (self.needs_grad(name, normed_needs_grad) for name in qkv)
+        self._rope(q, k)
+        scores_need_grad = q or k or v
+        if scores_need_grad:
+            self._sdpa()
+        # The o_proj input: a view of the SDPA output, which the flash/efficient kernels
+        # (CUDA and CPU) write as (batch, seq, heads, head_dim); a copy in eager.
+        is_view = scores_need_grad and self.setup.attention != "eager"
+        self.linear_inputs("o_proj input", q_dim, scores_need_grad, ["o_proj"],
+                           self.matmul_bytes, "heads", counted=is_view)
+        self.adapter("o_proj")
+        return self.needs_grad("o_proj", scores_need_grad)
+
+    def _rope(self, q_needs_grad: bool, k_needs_grad: bool) -> None:
+        """Each attention computes fp32 cos/sin tables (batch, seq, head_dim): kept as they
+        are in fp32; in bf16 apply_rope keeps bf16 copies, two per call (q and k)."""
+        head_dim = self.args.head_dim
+        if self.matmul_bytes == 4 and (q_needs_grad or k_needs_grad):
+            self.add("rope cos/sin (fp32)", 2 * 4 * head_dim, "none")
+        elif self.matmul_bytes != 4:
+            calls = q_needs_grad + k_needs_grad
+            self.add("rope cos/sin copies", calls * 2 * self.matmul_bytes * head_dim, "none")
+
+    def _sdpa(self) -> None:
+        args, out_bytes = self.args, self.matmul_bytes
+        q_dim, kv_dim = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+        if self.setup.attention == "eager":  # HF eager: k/v repeated, S x S kept twice
+            self.add("q (roped)", out_bytes * q_dim)
+            self.add("k, v repeated to all heads", 2 * out_bytes * q_dim)
+            self.add("attention softmax (fp32)", 4 * args.n_heads * self.setup.seq_len)
+            self.add("attention probs", out_bytes * args.n_heads * self.setup.seq_len)
+        else:  # flash/efficient SDPA keeps q, k, v, the output and the log-sum-exp
+            self.add("q, k (roped), v", out_bytes * (q_dim + 2 * kv_dim))
+            self.add("attention output", out_bytes * q_dim)
+            self.add("attention logsumexp (fp32)", 4 * args.n_heads)
+
+    def _mlp(self, input_needs_grad: bool) -> bool:
+        """ffn norm -> gate, up -> silu(gate) * up -> down_proj; whether down_proj's output
+        requires grad."""
+        ffn_dim, out_bytes = self.args.ffn_dim, self.matmul_bytes
+        normed_needs_grad = self.norm("ffn norm", input_needs_grad)
+        self.linear_inputs("gate/up input", self.args.dim, normed_needs_grad,
+                           ["gate_proj", "up_proj"], self.residual_bytes)
+        for name in ("gate_proj", "up_proj"):
+            self.adapter(name)
+        gate = self.needs_grad("gate_proj", normed_needs_grad)
+        up = self.needs_grad("up_proj", normed_needs_grad)
+        if gate:
+            self.add("gate output (silu input)", out_bytes * ffn_dim)
+        if up:
+            self.add("silu output", out_bytes * ffn_dim)
+        if gate:
+            self.add("up output", out_bytes * ffn_dim)
+        self.linear_inputs("down_proj input", ffn_dim, gate or up, ["down_proj"], out_bytes,
+                           "heads")
+        self.adapter("down_proj")
+        return self.needs_grad("down_proj", gate or up)
+
+
+def per_device(terms: list[Term], setup: Setup) -> float:
+    """Bytes per token on one device: tensor parallelism divides the head-split terms,
+    and the sequence-split ones with sequence parallelism."""
+    total = 0.0
+    for term in terms:
+        if term.split == "heads" or (term.split == "seq" and setup.sequence_parallel):
+            total += term.bytes / setup.tp
+        else:
+            total += term.bytes
+    return total
+
+
+@dataclass
+class Activations:
+    """Per-token bytes (per device) of what one micro-batch keeps, layer by layer."""
+    first_layer: float  # layer 0 (its input may not require grad)
+    other_layers: float
+    first_terms: list
+    other_terms: list
+    layer_input: float  # what checkpointing keeps per layer
+    head_inputs: float  # final norm + output-linear inputs
+    logits: float  # (V) in the activation dtype, until the loss is computed
+    log_softmax: float
+    batch_inputs: float  # the batch's ids and labels
+    backward_buffers: float  # gradient buffers at the MLP's elementwise backward
+    freed_down_proj_input: float  # down_proj's saved input, released just before that point
+    input_is_saved: bool  # the block's first norm keeps the block input itself (fp32)
+
+
+def activation_model(setup: Setup) -> Activations:
+    """Walks the first block (its input requires grad only if the embedding trains), a
+    later one, and the final norm and head; then the loss head and the backward buffers."""
+    args, walker = setup.args, _BlockWalk(setup)
+    first_terms, output_needs_grad = walker.walk(setup.trainable.embedding)
+    other_terms = walker.walk(True)[0] if args.n_layers > 1 else first_terms
+    if args.n_layers > 1:
+        # every later block sees a residual stream that requires grad once anything trains
+        output_needs_grad = True
+    down_proj_input = [t for t in other_terms if t.name.startswith("down_proj")]
+    return Activations(first_layer=per_device(first_terms, setup),
+                       other_layers=per_device(other_terms, setup),
+                       first_terms=first_terms, other_terms=other_terms,
+                       layer_input=walker.residual_bytes * _dim_per_device(setup),
+                       head_inputs=per_device(_head_terms(setup, output_needs_grad), setup),
+                       # loss parallel: the logits are split over the vocabulary
+                       logits=walker.matmul_bytes * args.vocab_size / setup.tp,
+                       log_softmax=4 * args.vocab_size / setup.tp,
+                       batch_inputs=BATCH_BYTES_PER_TOKEN,
+                       backward_buffers=_backward_buffers(setup, walker),
+                       freed_down_proj_input=per_device(down_proj_input, setup),
+                       input_is_saved=walker.residual_bytes == 4)
+
+
+def _head_terms(setup: Setup, input_needs_grad: bool) -> list[Term]:
+    """The final norm, and the output layer's input when the head trains (a bf16 copy
+    under autocast)."""
+    head = _BlockWalk(setup)
+    head.norm("final norm", input_needs_grad)
+    if setup.trainable.head:
+        nbytes = (2 if head.cast else head.residual_bytes) * setup.args.dim
+        head.add("output-layer input", nbytes, "none")
+    return head.terms
+
+
+def _backward_buffers(setup: Setup, walker: _BlockWalk) -> float:
+    """The peak inside a block's backward: at silu(g) * u, with the incoming residual
+    gradient, d(m), d(silu(g)) and d(u) alive and down_proj's saved input just freed."""
+    ffn_per_device = setup.args.ffn_dim / setup.tp
+    return (walker.residual_bytes * _dim_per_device(setup)
+            + 3 * walker.matmul_bytes * ffn_per_device)
+
+
+def _dim_per_device(setup: Setup) -> float:
+    """The residual stream's width on one device: sequence parallelism splits it over tp."""
+    return setup.args.dim / (setup.tp if setup.sequence_parallel else 1)
+
+
+def in_flight(setup: Setup, stage: int) -> float:
+    """Micro-batches whose activations stage ``stage`` holds at once (Korthikanti et al.
+    sec. 4.2: 1F1B keeps p - stage on stage ``stage``; interleaving adds (p-1)/(p v))."""
+    stages, microbatches = setup.pp, max(setup.microbatches, 1)
+    if stages == 1:
+        return 1.0
+    if setup.pp_schedule == "gpipe":
+        return float(microbatches)
+    held = min(stages - stage, microbatches)
+    if setup.pp_schedule == "interleaved_1f1b" and setup.pp_virtual_stages > 1:
+        held *= 1 + (stages - 1) / (stages * setup.pp_virtual_stages)
+    return float(held)
+
+
+# -------------------------------------------------------------- per pipeline stage
+
+@dataclass
+class StageActivations:
+    """Bytes per token of activations on one device of a pipeline stage."""
+    blocks: float  # every block's saved tensors, for the micro-batches in flight
+    blocks_at_first_block: float  # what is left when the backward reaches the first block
+    recomputed_block: float  # one checkpointed block, recomputed in backward
+    stage_input: float  # the batch on the first stage; received activations on later ones
+    head: float  # final norm and output-layer inputs (last stage)
+    logits: float  # freed once the loss is computed (its backward keeps the log-softmax)
+    log_softmax: float
+    fp32_logits: float  # the fp32 copy of bf16 logits in the loss's forward
+    backward_buffers: float  # gradients alive inside a block's backward (its peak)
+    freed_down_proj_input: float  # down_proj's saved input, freed before that peak
+
+    @property
+    def at_forward_end(self) -> float:
+        return self.blocks + self.head + self.stage_input
+
+    @property
+    def at_last_block(self) -> float:
+        return (self.blocks + self.recomputed_block + self.stage_input
+                - self.freed_down_proj_input)
+
+    @property
+    def at_first_block(self) -> float:
+        return (self.blocks_at_first_block + self.recomputed_block + self.stage_input
+                - self.freed_down_proj_input)
+
+
+def stage_activations(setup: Setup, act: Activations, stage: int) -> StageActivations:
+    """Activation checkpointing keeps each block's input and recomputes one block at a
+    time; pipeline parallelism multiplies by the micro-batches in flight (``in_flight``)."""
+    layers, first, last = stage_layers(setup, stage), stage == 0, stage == setup.pp - 1
+    held, per_layer = in_flight(setup, stage), act.other_layers
+    layer0 = act.first_layer if first else per_layer
+    if setup.checkpointing == "full":
+        blocks = held * layers * act.layer_input
+        blocks_at_first_block = act.layer_input
+        # one block recomputed in backward; its input is the one checkpointing kept
+        recomputed = per_layer - (act.layer_input if act.input_is_saved else 0.0)
+    else:
+        blocks = held * (layer0 + (layers - 1) * per_layer)
+        blocks_at_first_block = layer0 + (held - 1) * layers * per_layer
+        recomputed = 0.0
+    bf16_logits = compute_bytes(setup) == 2
+    return StageActivations(
+        blocks=blocks, blocks_at_first_block=blocks_at_first_block,
+        recomputed_block=recomputed,
+        # a later stage receives its input activations
+        stage_input=act.batch_inputs * held if first else held * act.layer_input,
+        head=act.head_inputs if last else 0.0, logits=act.logits if last else 0.0,
+        log_softmax=act.log_softmax if last else 0.0,
+        fp32_logits=4 * setup.args.vocab_size / setup.tp if bf16_logits and last else 0,
+        backward_buffers=act.backward_buffers, freed_down_proj_input=act.freed_down_proj_input)
+
+
+def loss_chunk_tokens(setup: Setup) -> int:
+    """Tokens whose logits exist at once: train.loss_chunk_tokens makes (and recomputes
+    in backward) one chunk's logits at a time; else the whole micro-batch's."""
+    tokens = setup.micro_batch * setup.seq_len
+    return min(setup.loss_chunk_tokens, tokens) if setup.loss_chunk_tokens else tokens

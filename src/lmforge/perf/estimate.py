@@ -1,0 +1,413 @@
+"""Peak memory per device for a config, before anything runs (``lmforge estimate``).
+
+The model (docs/estimate.md derives every term) follows what autograd keeps alive in our
+Llama: which tensors each op saves for backward, given which inputs require gradients and
+which weights train, in the dtypes the run uses. It is the Korthikanti et al. (2022)
+activation analysis written out for this model (RMSNorm, SwiGLU, RoPE, GQA, SDPA/flash
+attention) and evaluated at the points of a step where memory peaks: the end of the
+forward, the loss, the last and the first block of the backward, and the optimizer step.
+
+This module holds the terms of docs/estimate.md by name (weights, gradients, optimizer
+states, activations, loss head, autocast copies, FSDP transients, dequantization scratch,
+optimizer temporaries, framework overhead) and the phases that add them up; what the
+terms are made of is in ``weights`` (parameter storage) and ``activations`` (what one
+block saves). The same formulas serve GPU and CPU; only the framework overhead and one
+kernel layout detail differ by device. ``perf.tracker.TensorMemoryTracker`` measures the
+same quantity on a real step (tests/unit/perf/test_estimate_measured.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from lmforge.models.llama import LlamaArgs
+from lmforge.perf.activations import (Activations, StageActivations, activation_model,
+                                      loss_chunk_tokens, stage_activations)
+from lmforge.perf.estimate_setup import DTYPE_BYTES, Setup, compute_bytes, frozen_weight_dtype
+from lmforge.perf.flops import projection_shapes
+from lmforge.perf.weights import Weights, stage_layers, stage_weights
+
+GiB = 2**30
+# Scratch while one weight is dequantized (codes -> int64 indices -> fp32 values -> the
+# compute dtype), per parameter of the largest quantized matrix; measured on peft/quant.py.
+DEQUANT_SCRATCH_BYTES = {"nf4": 13.0, "int8": 8.0}
+# Optimizer states per trainable parameter (count, stored in the parameter's dtype).
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "lion": 1, "adamw_bf16": 2}
+# adamw_bf16 (train/low_memory.py) keeps its moments in bf16; the others in fp32.
+STATE_BYTES = {"adamw_bf16": 2}
+# optim.in_backward steps one parameter at a time. Bytes per element of the parameter
+# being stepped, beside its gradient: AdamWBF16 holds both moments, the weight and the
+# rounding noise in fp32 (16) and a rounding copy (fp32 bits and the bf16 result, 6); a
+# torch optimizer stepped per parameter, about two fp32 temporaries.
+IN_BACKWARD_STEP_BYTES = {"adamw_bf16": 22.0}
+IN_BACKWARD_STEP_BYTES_DEFAULT = 8.0
+# Not tensors: what a device needs beyond the allocator's peak allocated bytes.
+CUDA_CONTEXT_GIB = 0.6  # CUDA context, kernels, cuBLAS workspaces (0.3-1 GiB in practice)
+CUDA_ALLOCATOR_SLACK = 0.10  # reserved - allocated (fragmentation of the caching allocator)
+NCCL_BUFFERS_GIB = 0.5  # communicators and their buffers, with more than one device
+CPU_PROCESS_GIB = 0.3  # Python, torch, lmforge (0.22 GiB measured after import) + data
+
+
+# ------------------------------------------------- static terms: weights, optimizer states
+
+def static_terms(setup: Setup, weights: Weights) -> dict[str, float]:
+    """What every phase holds (the steady state, from step 2 on). FSDP2 (zero 2 and 3
+    alike) shards parameters and optimizer state over dp_shard."""
+    shard = setup.dp_shard
+    return {"weights (trainable)": weights.trainable_bytes / shard,
+            "weights (frozen base)": weights.frozen_bytes / shard,
+            "optimizer states": optimizer_state_bytes(setup, weights)}
+
+
+def optimizer_state_bytes(setup: Setup, weights: Weights) -> float:
+    """AdamW: exp_avg and exp_avg_sq per trainable parameter (fp32; bf16 for
+    adamw_bf16); SGD with momentum and Lion: one state."""
+    n_states = OPTIMIZER_STATES.get(setup.optimizer)
+    if n_states is None:
+        raise ValueError(f"optim.name: no memory model for {setup.optimizer!r} "
+                         f"(known: {', '.join(OPTIMIZER_STATES)})")
+    state_bytes = STATE_BYTES.get(setup.optimizer, 4)
+    return state_bytes * n_states * weights.trainable_params / setup.dp_shard
+
+
+# --------------------------------------------------------------------------- gradients
+
+@dataclass
+class Gradients:
+    """Gradient bytes on one device (a gradient has its parameter's dtype; FSDP2 shards
+    it over dp_shard) at the points of the backward where they matter."""
+    total: float  # every trainable parameter's: the optimizer step
+    per_block: float
+    down_proj: float  # the first a block's backward completes
+    before_blocks: float  # the head's and final norm's, done before any block's
+
+
+def stage_gradients(setup: Setup, weights: Weights, stage: int) -> Gradients:
+    grad_bytes, shard = DTYPE_BYTES[setup.param_dtype], setup.dp_shard
+    every = grad_bytes * weights.trainable_params / shard
+    per_block = grad_bytes * weights.block_trainable / shard
+    before_blocks = every - stage_layers(setup, stage) * per_block
+    args, tied = setup.args, setup.args.tie_embeddings and setup.pp == 1
+    if setup.trainable.embedding and stage == 0 and not tied:  # the embedding's comes last
+        before_blocks -= grad_bytes * args.vocab_size * args.dim / setup.tp / shard
+    return Gradients(total=every, per_block=per_block,
+                     down_proj=grad_bytes * weights.down_trainable / shard,
+                     before_blocks=max(before_blocks, 0.0))
+
+
+# ------------------------------------------------------------------ transient buffers
+
+@dataclass
+class AutocastCopies:
+    """autocast's bf16 copies of fp32 weights: trainable ones cached until the forward
+    ends, frozen ones made per use; either is kept by its matmul for backward, except
+    inside checkpointed blocks (recomputed there, one block at a time). The head's copy
+    is kept either way, but made per chunk with a chunked loss."""
+    trainable_cache: float
+    frozen: float  # the blocks' frozen ones (none kept with checkpointing)
+    kept_for_backward: float  # the blocks' copies their matmuls keep
+    one_layer: float  # one block's: what the block in backward holds (or recomputes)
+    down_proj: float  # freed after down_proj's backward
+    head: float
+    head_in_forward: float  # none with a chunked loss (made per chunk)
+    checkpointed: bool
+
+    @property
+    def at_forward_end(self) -> float:
+        return self.trainable_cache + self.frozen + self.head_in_forward
+
+    @property
+    def at_backward_loss(self) -> float:
+        return self.kept_for_backward + self.head
+
+    @property
+    def at_last_block(self) -> float:
+        recomputed = self.one_layer if self.checkpointed else 0.0
+        return self.kept_for_backward + recomputed - self.down_proj
+
+    @property
+    def at_first_block(self) -> float:
+        return max(self.one_layer - self.down_proj, 0.0)
+
+
+def autocast_copies(setup: Setup, weights: Weights, stage: int) -> AutocastCopies:
+    checkpointed = setup.checkpointing == "full"
+    cache = 2 * weights.matmul_trainable_fp32
+    frozen = 0.0 if checkpointed else 2 * weights.matmul_frozen_fp32
+    layers = max(stage_layers(setup, stage), 1)
+    return AutocastCopies(
+        trainable_cache=cache, frozen=frozen,
+        kept_for_backward=0.0 if checkpointed else cache + frozen,
+        one_layer=(cache + 2 * weights.matmul_frozen_fp32) / layers,
+        down_proj=weights.down_copy, head=weights.head_copy,
+        head_in_forward=0.0 if setup.loss_chunk_tokens else weights.head_copy,
+        checkpointed=checkpointed)
+
+
+def fsdp_unsharded_bytes(setup: Setup, weights: Weights, stage: int) -> float:
+    """Parameters FSDP2 gathers in the compute dtype (zero 3: this block and the
+    prefetched next; zero 2: every block, kept from forward to backward), and the
+    unsharded fp32 gradients of a block before their reduce-scatter."""
+    if not setup.fsdp:
+        return 0.0
+    gathered_blocks = 2 if setup.zero >= 3 else stage_layers(setup, stage)
+    return (compute_bytes(setup) * weights.block_total * gathered_blocks
+            + 2 * 4 * weights.block_trainable)
+
+
+def dequantization_scratch(setup: Setup, weights: Weights) -> float:
+    """QLoRA: int64 indices and fp32 values while the largest quantized weight is
+    dequantized (the dequantized weight is not kept for backward)."""
+    if setup.lora is None or not setup.lora.quantize:
+        return 0.0
+    return DEQUANT_SCRATCH_BYTES[setup.lora.quantize] * weights.largest_quantized
+
+
+def optimizer_temporaries(setup: Setup, weights: Weights) -> float:
+    """Fused AdamW (the CUDA default): none; foreach AdamW: a sqrt(v) temporary for every
+    parameter at once; per-tensor AdamW (CPU): sqrt(v) and its quotient, two of the
+    largest parameter."""
+    fused = setup.fused_optimizer
+    if fused is None:
+        fused = setup.device == "cuda"
+    if fused or setup.optimizer not in ("adamw", "adam"):
+        return 0.0
+    if setup.device == "cuda":
+        return 4 * weights.trainable_params / setup.dp_shard
+    return 2 * 4 * weights.largest_trainable
+
+
+# ------------------------------------------------------------------------------ phases
+
+@dataclass
+class StageTerms:
+    """The terms of one pipeline stage on one device that change over a step."""
+    layers: int  # blocks on the stage
+    tokens: int  # of the micro-batch
+    loss_tokens: int  # whose logits exist at once
+    activations: StageActivations  # per token
+    gradients: Gradients
+    copies: AutocastCopies
+    fsdp_unsharded: float
+    dequantization_scratch: float
+    optimizer_temporaries: float
+
+
+def stage_terms(setup: Setup, weights: Weights, act: Activations, stage: int) -> StageTerms:
+    return StageTerms(
+        layers=stage_layers(setup, stage), tokens=setup.micro_batch * setup.seq_len,
+        loss_tokens=loss_chunk_tokens(setup),
+        activations=stage_activations(setup, act, stage),
+        gradients=stage_gradients(setup, weights, stage),
+        copies=autocast_copies(setup, weights, stage),
+        fsdp_unsharded=fsdp_unsharded_bytes(setup, weights, stage),
+        dequantization_scratch=dequantization_scratch(setup, weights),
+        optimizer_temporaries=optimizer_temporaries(setup, weights))
+
+
+def step_phases(t: StageTerms) -> dict[str, dict[str, float]]:
+    """Phase -> {term: bytes} at the points of a step where memory peaks (docs/estimate.md,
+    "Phases and the peak"); the static terms come on top of each."""
+    act, loss_tokens = t.activations, t.loss_tokens
+    return {
+        "forward end": {
+            "activations": t.tokens * act.at_forward_end,
+            "loss head (logits, log-softmax)":
+                loss_tokens * (act.logits + act.log_softmax + act.fp32_logits),
+            "autocast weight copies": t.copies.at_forward_end,
+            "FSDP unsharded parameters": t.fsdp_unsharded},
+        "backward: loss": {
+            "activations": t.tokens * act.at_forward_end,
+            # the log-softmax, its gradient and the logits' gradient (fp32 each)
+            "loss head (logits, log-softmax)": loss_tokens * 3 * act.log_softmax,
+            "autocast weight copies": t.copies.at_backward_loss,
+            "FSDP unsharded parameters": t.fsdp_unsharded},
+        "backward: last block": {
+            "activations": t.tokens * act.at_last_block,
+            "autocast weight copies": t.copies.at_last_block,
+            "gradients": t.gradients.before_blocks + t.gradients.down_proj,
+            "backward buffers": t.tokens * act.backward_buffers,
+            "dequantization scratch": t.dequantization_scratch,
+            "FSDP unsharded parameters": t.fsdp_unsharded},
+        "backward: first block": {
+            "activations": t.tokens * act.at_first_block,
+            "autocast weight copies": t.copies.at_first_block,
+            "gradients": (t.gradients.before_blocks + (t.layers - 1) * t.gradients.per_block
+                          + t.gradients.down_proj),
+            "backward buffers": t.tokens * act.backward_buffers,
+            "dequantization scratch": t.dequantization_scratch,
+            "FSDP unsharded parameters": t.fsdp_unsharded},
+        "optimizer step": {
+            "gradients": t.gradients.total,
+            "optimizer temporaries": t.optimizer_temporaries},
+    }
+
+
+def step_in_backward_phases(setup: Setup, phases: dict[str, dict[str, float]]) -> None:
+    """optim.in_backward: a gradient is consumed by its parameter's step as soon as it is
+    complete and freed, so there is no separate optimizer step; backward holds one
+    parameter's gradient and step temporaries at a time: a block's largest projection in
+    the block phases, the output layer's right after the loss, the embedding's at the end
+    (a tied embedding's gradient waits there from the output layer on)."""
+    step_bytes = IN_BACKWARD_STEP_BYTES.get(setup.optimizer, IN_BACKWARD_STEP_BYTES_DEFAULT)
+    grad_bytes, trainable, args = DTYPE_BYTES[setup.param_dtype], setup.trainable, setup.args
+    largest_projection = max((n_in * n_out / setup.tp for name, (n_in, n_out)
+                              in projection_shapes(args).items() if trainable.trains(name)),
+                             default=0.0)
+    table = args.vocab_size * args.dim / setup.tp  # the embedding's, or the head's
+    tied = args.tie_embeddings and setup.pp == 1
+    waiting = grad_bytes * table if tied and trainable.embedding else 0.0
+    del phases["optimizer step"]
+    for name in ("backward: last block", "backward: first block"):
+        phases[name]["gradients"] = waiting + grad_bytes * largest_projection
+        phases[name]["optimizer temporaries"] = step_bytes * largest_projection
+    if trainable.head and not tied:
+        phases["backward: output layer step"] = {
+            "activations": phases["backward: loss"]["activations"],
+            "gradients": grad_bytes * table, "optimizer temporaries": step_bytes * table}
+    if trainable.embedding:
+        phases["backward: embedding step"] = {
+            "gradients": grad_bytes * table, "optimizer temporaries": step_bytes * table}
+
+
+def framework_overhead(setup: Setup, peak: float) -> dict[str, float]:
+    """Not tensors: the CUDA context and workspaces, the caching allocator's slack, NCCL
+    buffers with more than one device; on the CPU the Python process."""
+    if setup.device == "cuda":
+        out = {"CUDA context and workspaces": CUDA_CONTEXT_GIB * GiB,
+               "caching-allocator slack (10%)": CUDA_ALLOCATOR_SLACK * peak}
+        if setup.world_size > 1:
+            out["NCCL buffers"] = NCCL_BUFFERS_GIB * GiB
+        return out
+    return {"Python process (interpreter, libraries)": CPU_PROCESS_GIB * GiB}
+
+
+# ---------------------------------------------------------------------------- estimate
+
+@dataclass
+class MemoryEstimate:
+    setup: Setup
+    stage: int
+    phase: str  # where the peak falls
+    components: dict  # name -> bytes at the peak; they sum to peak_bytes
+    phases: dict  # phase -> bytes
+    overhead: dict  # name -> bytes, not tensors
+    activations: Activations
+
+    @property
+    def peak_bytes(self) -> float:
+        return sum(self.components.values())
+
+    @property
+    def overhead_bytes(self) -> float:
+        return sum(self.overhead.values())
+
+    @property
+    def total_bytes(self) -> float:
+        return self.peak_bytes + self.overhead_bytes
+
+    def as_dict(self) -> dict:
+        s = self.setup
+        return {
+            "model": describe_model(s.args),
+            "setup": {"seq_len": s.seq_len, "micro_batch": s.micro_batch, "device": s.device,
+                      "compute": s.compute, "checkpointing": s.checkpointing,
+                      "optimizer": s.optimizer, "lora": dataclasses.asdict(s.lora)
+                      if s.lora else None, "tp": s.tp, "pp": s.pp, "dp_shard": s.dp_shard,
+                      "dp_replicate": s.dp_replicate, "zero": s.zero,
+                      "sequence_parallel": s.sequence_parallel, "attention": s.attention,
+                      "microbatches": s.microbatches},
+            "notes": list(s.notes),
+            "pipeline_stage": self.stage,
+            "peak_phase": self.phase,
+            "components_gib": {k: v / GiB for k, v in self.components.items()},
+            "phases_gib": {k: v / GiB for k, v in self.phases.items()},
+            "peak_allocated_gib": self.peak_bytes / GiB,
+            "overhead_gib": {k: v / GiB for k, v in self.overhead.items()},
+            "total_gib": self.total_bytes / GiB,
+        }
+
+
+def describe_model(args: LlamaArgs) -> str:
+    return (f"dim {args.dim}, {args.n_layers} layers, {args.n_heads}/{args.n_kv_heads} "
+            f"heads, ffn {args.ffn_dim}, vocab {args.vocab_size}")
+
+
+def estimate_stage(setup: Setup, stage: int) -> MemoryEstimate:
+    """Pipeline stage ``stage`` on one device: the static terms plus the phase where the
+    sum peaks, its components, and the framework overhead on top."""
+    weights = stage_weights(setup, stage)
+    static = static_terms(setup, weights)
+    act = activation_model(setup)
+    phases = step_phases(stage_terms(setup, weights, act, stage))
+    if setup.in_backward:
+        step_in_backward_phases(setup, phases)
+    totals = {name: sum(static.values()) + sum(parts.values()) for name, parts in phases.items()}
+    peak_phase = max(totals, key=totals.get)
+    components = {k: v for k, v in {**static, **phases[peak_phase]}.items() if v}
+    return MemoryEstimate(setup=setup, stage=stage, phase=peak_phase, components=components,
+                          phases=totals,
+                          overhead=framework_overhead(setup, sum(components.values())),
+                          activations=act)
+
+
+def estimate_memory(setup: Setup) -> MemoryEstimate:
+    """The peak over pipeline stages (the first holds the most activations, the last the
+    loss head); with pp=1 the one stage."""
+    stages = {0, setup.pp - 1}
+    return max((estimate_stage(setup, st) for st in sorted(stages)),
+               key=lambda e: e.total_bytes)
+
+
+def max_micro_batch(setup: Setup, device_memory_gib: float, limit: int = 1 << 16) -> int:
+    """The largest micro-batch whose estimated total fits ``device_memory_gib``; 0 if even
+    one sequence does not."""
+    budget = device_memory_gib * GiB
+
+    def fits(b: int) -> bool:
+        return estimate_memory(dataclasses.replace(setup, micro_batch=b)).total_bytes <= budget
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def format_table(est: MemoryEstimate, device_memory_gib: Optional[float] = None,
+                 fit: Optional[int] = None) -> str:
+    s = est.setup
+    lora = "full training"
+    if s.lora is not None:
+        lora = (f"LoRA r{s.lora.rank} on {','.join(s.lora.targets)}, base "
+                f"{s.lora.quantize or frozen_weight_dtype(s)}")
+    lines = [
+        f"model: {describe_model(s.args)}",
+        f"run: seq {s.seq_len} x micro-batch {s.micro_batch}, {s.compute} compute, {lora}, "
+        f"{s.optimizer}, checkpointing {s.checkpointing}, attention {s.attention}",
+        f"layout: {s.world_size} device(s) on {s.device}: dp_replicate {s.dp_replicate} x "
+        f"dp_shard {s.dp_shard} x tp {s.tp} x pp {s.pp}, zero {s.zero}"
+        + (f"; pipeline stage {est.stage}" if s.pp > 1 else ""),
+        "",
+        f"{'per device':46s}{'GiB':>10s}",
+    ]
+    for name, value in est.components.items():
+        lines.append(f"  {name:44s}{value / GiB:10.3f}")
+    lines.append(f"  {'peak allocated (' + est.phase + ')':44s}{est.peak_bytes / GiB:10.3f}")
+    for name, value in est.overhead.items():
+        lines.append(f"  {name:44s}{value / GiB:10.3f}")
+    lines.append(f"  {'total':44s}{est.total_bytes / GiB:10.3f}")
+    for note in s.notes:
+        lines.append(f"note: {note}")
+    if device_memory_gib is not None:
+        verdict = "fits" if est.total_bytes <= device_memory_gib * GiB else "does NOT fit"
+        lines.append("")
+        lines.append(f"{verdict} in {device_memory_gib:g} GiB; largest micro-batch that fits: "
+                     f"{fit}")
+    return "\n".join(lines)

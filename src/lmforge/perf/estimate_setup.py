@@ -1,0 +1,183 @@
+"""What the memory estimate depends on: ``Setup`` (the model's shape, which weights train,
+the layout, the dtypes), filled from a config exactly as the trainer would run it, and the
+storage dtypes that follow from it (docs/estimate.md: R, C and the weights' storage)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from lmforge.config import ConfigError, model_args
+from lmforge.data.tokenizer import load_tokenizer
+from lmforge.models.hf import args_from_hf_config, read_hf_config
+from lmforge.models.llama import LlamaArgs
+from lmforge.perf.flops import Trainability
+from lmforge.peft.targets import LoraSpec, lora_spec
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass
+class Setup:
+    """Everything the estimate depends on; ``setup_from_config`` fills it from a config."""
+    args: LlamaArgs
+    seq_len: int
+    micro_batch: int
+    device: str = "cuda"  # cuda | cpu
+    compute: str = "bf16"  # bf16 (autocast, or FSDP2 bf16 params) | fp32
+    checkpointing: str = "none"  # none | full
+    trainable: Trainability = field(default_factory=Trainability.full)
+    lora: Optional[LoraSpec] = None
+    optimizer: str = "adamw"
+    fused_optimizer: Optional[bool] = None  # None: fused on cuda, per-tensor on cpu
+    tp: int = 1
+    pp: int = 1
+    dp_shard: int = 1
+    dp_replicate: int = 1
+    zero: int = 3
+    sequence_parallel: bool = True
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1
+    microbatches: int = 1  # micro-batches per optimizer step (accumulation / pipeline)
+    attention: str = "sdpa"  # sdpa (flash/efficient kernels) | eager (HF-style, S x S saved)
+    loss_chunk_tokens: int = 0  # train.loss_chunk_tokens: logits made per chunk, recomputed
+    param_dtype: str = "fp32"  # train.param_dtype: bf16 stores every weight in bf16
+    in_backward: bool = False  # optim.in_backward: each parameter stepped in backward
+    notes: list = field(default_factory=list)  # assumptions worth printing
+
+    def __post_init__(self):
+        if self.lora is not None and self.trainable == Trainability.full():
+            self.trainable = Trainability.lora(self.lora)  # LoRA trains only its adapters
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+
+    @property
+    def fsdp(self) -> bool:
+        """FSDP2 wraps the model whenever data parallelism is on (the trainer's rule); it
+        shards over dp_shard and, with bf16, gathers the parameters as bf16 (no autocast)."""
+        return self.dp_shard * self.dp_replicate > 1
+
+    @property
+    def autocast(self) -> bool:
+        """Whether autocast makes bf16 copies of fp32 weights (bf16 weights need none)."""
+        return self.compute == "bf16" and not self.fsdp and self.param_dtype == "fp32"
+
+
+# ------------------------------------------------------------------- storage dtypes
+
+def frozen_weight_dtype(setup: Setup) -> str:
+    """Storage of frozen, unquantized projection weights, as the trainer keeps them: bf16
+    for a LoRA run computing in bf16 without quantization (``frozen_linears_to_bf16``),
+    else fp32; ``--base-dtype`` overrides."""
+    if setup.param_dtype == "bf16":
+        return "bf16"
+    if setup.lora is not None and setup.lora.base_dtype:
+        return str(setup.lora.base_dtype)
+    if setup.lora is not None and not setup.lora.quantize and setup.compute == "bf16":
+        return "bf16"
+    return "fp32"
+
+
+def compute_bytes(setup: Setup) -> int:
+    """C in docs/estimate.md: bytes of the compute dtype, so of matmul outputs, logits and
+    parameters FSDP2 gathers."""
+    return 2 if setup.compute == "bf16" else 4
+
+
+def residual_bytes(setup: Setup) -> int:
+    """R in docs/estimate.md: bytes of the residual stream, the embedding's output dtype.
+    Autocast leaves the lookup alone, so under autocast it is the embedding's storage."""
+    if setup.compute != "bf16":
+        return 4
+    if setup.fsdp or setup.param_dtype == "bf16":
+        return 2
+    return 4 if setup.trainable.embedding else DTYPE_BYTES[frozen_weight_dtype(setup)]
+
+
+def adapter_bytes(setup: Setup) -> int:
+    """Bytes of a LoRA adapter's weights (and so of the input it keeps without autocast):
+    bf16 when FSDP2 gathers bf16 parameters or every weight is bf16, else fp32."""
+    bf16 = (setup.fsdp and setup.compute == "bf16") or setup.param_dtype == "bf16"
+    return 2 if bf16 else 4
+
+
+# ----------------------------------------------------------------------- from config
+
+def setup_from_config(cfg, device: Optional[str] = None, world_size: Optional[int] = None,
+                      attention: str = "sdpa", base_dtype: Optional[str] = None) -> Setup:
+    """A validated JobConfig -> Setup. ``device`` overrides train.device; ``world_size``
+    resolves parallel.dp_shard=-1 (default: 1 device per unset dimension); ``base_dtype``
+    (fp32 | bf16) is the storage of a LoRA run's frozen, unquantized weights."""
+    layout = cfg.parallel
+    dp_shard = _resolve_dp_shard(layout, world_size)
+    cfg.validate(world_size=layout.dp_replicate * layout.tp * layout.pp * dp_shard)
+    notes: list[str] = []
+    args = _model_args(cfg, notes)
+    for name, heads in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads)):
+        if heads % layout.tp:
+            raise ConfigError(f"parallel.tp: {layout.tp} does not divide model.{name} "
+                              f"({heads})")
+    device = device or cfg.train.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    compute = cfg.train.dtype
+    if compute == "auto":
+        compute = "bf16" if device == "cuda" else "fp32"
+    sequences_per_step = cfg.data.micro_batch_size * layout.dp_replicate * dp_shard
+    accumulation = (cfg.data.global_batch_size or sequences_per_step) // sequences_per_step
+    return Setup(args=args, seq_len=cfg.data.seq_len, micro_batch=cfg.data.micro_batch_size,
+                 device=device, compute=compute,
+                 checkpointing=cfg.train.activation_checkpointing,
+                 trainable=Trainability.from_config(cfg), lora=_lora(cfg, base_dtype),
+                 optimizer=cfg.optim.name, fused_optimizer=cfg.optim.fused, tp=layout.tp,
+                 pp=layout.pp, dp_shard=dp_shard, dp_replicate=layout.dp_replicate,
+                 zero=layout.zero, sequence_parallel=layout.sequence_parallel,
+                 pp_schedule=layout.pp_schedule, pp_virtual_stages=layout.pp_virtual_stages,
+                 microbatches=layout.microbatches or accumulation, attention=attention,
+                 loss_chunk_tokens=cfg.train.loss_chunk_tokens,
+                 param_dtype=cfg.train.param_dtype, in_backward=cfg.optim.in_backward,
+                 notes=notes)
+
+
+def _resolve_dp_shard(layout, world_size: Optional[int]) -> int:
+    """parallel.dp_shard, with -1 resolved from the world size (default: the other
+    dimensions' product, i.e. dp_shard 1)."""
+    if layout.dp_shard != -1:
+        return layout.dp_shard
+    others = layout.dp_replicate * layout.tp * layout.pp
+    devices = world_size or others
+    if devices % others:
+        raise ConfigError(f"parallel.dp_shard: world size {devices} is not divisible by "
+                          f"dp_replicate x tp x pp = {others}")
+    return devices // others
+
+
+def _model_args(cfg, notes: list[str]) -> LlamaArgs:
+    """The model's shape as the trainer builds it: from model.init_from's config.json, or
+    the preset with the vocabulary of the run's tokenizer when model.vocab_size is unset."""
+    if cfg.model.init_from:
+        return model_args(cfg, base=args_from_hf_config(read_hf_config(cfg.model.init_from)))
+    args = model_args(cfg)
+    if cfg.model.vocab_size is not None:
+        return args
+    if cfg.model.tokenizer:
+        vocab = load_tokenizer(cfg.model.tokenizer).vocab_size
+    else:
+        vocab = cfg.data.tokenizer_vocab_size
+        notes.append(f"vocab {vocab}: the tokenizer the run trains on its corpus "
+                     f"(data.tokenizer_vocab_size); set model.vocab_size to change")
+    return dataclasses.replace(args, vocab_size=vocab)
+
+
+def _lora(cfg, base_dtype: Optional[str]) -> Optional[LoraSpec]:
+    """The run's LoRA spec, with ``--base-dtype`` as the frozen weights' storage."""
+    spec = lora_spec(cfg)
+    if spec is not None and base_dtype:
+        if base_dtype not in ("fp32", "bf16"):
+            raise ConfigError(f"--base-dtype: {base_dtype!r} is not fp32 or bf16")
+        spec = dataclasses.replace(spec, base_dtype=base_dtype)
+    return spec

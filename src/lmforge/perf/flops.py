@@ -1,0 +1,270 @@
+"""Training FLOPs per token and the devices' peak FLOP/s, the two halves of MFU.
+
+FLOPs are *model* FLOPs: the matrix multiplies a training step needs, counted from the
+model's shape and from which weights take gradients (docs/metrics.md derives them). For
+full training they reduce to the familiar
+
+    6 * N_matmul + 6 * n_layers * seq_len * dim              per token, causal attention
+
+where N_matmul counts the weights that take part in matrix multiplies (every linear layer
+and the output head; the embedding lookup does none) and the attention term is the
+12 * L * S * d of the score and value products halved because a causal mask leaves the
+upper triangle out. Frozen weights (LoRA/QLoRA base) cost no weight-gradient FLOPs, and no
+input gradient is computed where nothing upstream needs one. Recomputation under activation
+checkpointing is not model FLOPs, so MFU does not count it.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from lmforge.models.llama import LlamaArgs
+from lmforge.peft.targets import PROJECTIONS, LoraSpec, lora_spec
+
+# --------------------------------------------------------------------------- peaks
+
+# Dense (no 2:4 sparsity) bf16 tensor-core peaks in TFLOP/s from the vendors' data sheets
+# (the sheets print the sparse figure first; these are half of it). A rule matches when
+# every one of its words is a word of torch.cuda.get_device_name(); the first match wins,
+# so the more specific rules come first.
+PEAK_BF16_TFLOPS: list[tuple[tuple[str, ...], float]] = [
+    (("GB200",), 2500.0),
+    (("B200",), 2250.0),
+    (("GH200",), 989.0),
+    (("H200", "NVL"), 835.0),
+    (("H200",), 989.0),
+    (("H100", "NVL"), 835.0),
+    (("H100", "PCIe"), 756.0),
+    (("H100", "SXM5"), 989.0),
+    (("H100", "SXM"), 989.0),
+    (("H100", "HBM3"), 989.0),  # "NVIDIA H100 80GB HBM3" is the SXM5 part
+    (("H800", "PCIe"), 756.0),
+    (("H800",), 989.0),
+    (("A100",), 312.0),
+    (("A800",), 312.0),
+    (("L40S",), 362.0),
+    (("L40",), 181.0),
+    (("L4",), 121.0),
+    (("A10",), 125.0),
+    (("MI325X",), 1307.0),
+    (("MI300X",), 1307.0),
+    (("MI250X",), 383.0),
+    (("MI250",), 362.0),
+]
+PEAK_ENV = "LMFORGE_PEAK_TFLOPS"
+
+
+def _words(name: str) -> set[str]:
+    return set(name.replace("-", " ").replace("_", " ").upper().split())
+
+
+def match_peak_tflops(device_name: str) -> Optional[float]:
+    """Dense bf16 peak (TFLOP/s) of a device called ``device_name``, None when unknown."""
+    words = _words(device_name)
+    for rule, tflops in PEAK_BF16_TFLOPS:
+        if all(w.upper() in words for w in rule):
+            return tflops
+    return None
+
+
+def device_peak_flops(device: torch.device) -> Optional[float]:
+    """Dense bf16 peak of one device in FLOP/s, or None: on the CPU (no MFU), and on an
+    accelerator not in the table, with a warning saying MFU is omitted and how to set it.
+    ``LMFORGE_PEAK_TFLOPS`` overrides the table (for an unknown part, or other clocks)."""
+    device = torch.device(device)
+    override = os.environ.get(PEAK_ENV)
+    if override:
+        try:
+            value = float(override)
+        except ValueError:
+            raise ValueError(f"{PEAK_ENV}={override!r}: expected a number of TFLOP/s") from None
+        return value * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    tflops = match_peak_tflops(name)
+    if tflops is None:
+        warnings.warn(f"MFU omitted: accelerator {name!r} is not in the dense bf16 peak "
+                      f"table (lmforge/perf/flops.py PEAK_BF16_TFLOPS); set {PEAK_ENV} "
+                      "to its dense bf16 peak in TFLOP/s to report MFU", stacklevel=2)
+        return None
+    return tflops * 1e12
+
+
+# ------------------------------------------------------------------- trainability
+
+@dataclass(frozen=True)
+class Trainability:
+    """Which weights take gradients, and which projections carry a LoRA adapter."""
+    embedding: bool = True
+    norms: bool = True
+    head: bool = True
+    linears: frozenset = field(default_factory=lambda: frozenset(PROJECTIONS))
+    adapters: tuple = ()  # ((projection, rank), ...)
+
+    @classmethod
+    def full(cls) -> "Trainability":
+        return cls()
+
+    @classmethod
+    def lora(cls, spec: LoraSpec) -> "Trainability":
+        return cls(embedding=False, norms=False, head=False, linears=frozenset(),
+                   adapters=tuple((t, spec.rank) for t in spec.targets))
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "Trainability":
+        spec = lora_spec(cfg)
+        return cls.full() if spec is None else cls.lora(spec)
+
+    @classmethod
+    def from_model(cls, model: Any) -> "Trainability":
+        """Read from a built model (a ``Llama``, a pipeline stage of one, or the trainer's
+        ``TrainModel`` holding ``parts``): ``requires_grad`` of each weight, and LoRA
+        adapters (``lora_a``/``lora_b`` beside a projection's ``weight``, modules or
+        tensors). Parts this rank does not hold are taken to train like its norms."""
+        parts = list(getattr(model, "parts", None) or [model])
+        layer = next(iter(layer for part in parts for layer in part.layers.values()))
+        linears, adapters = set(), []
+        for group in (layer.attention, layer.feed_forward):
+            for name in PROJECTIONS:
+                proj = getattr(group, name, None)
+                if proj is None:
+                    continue
+                weight = getattr(proj, "weight", None)
+                if isinstance(weight, torch.nn.Parameter) and weight.requires_grad:
+                    linears.add(name)
+                lora_a = getattr(proj, "lora_a", None)
+                if lora_a is not None:
+                    a = getattr(lora_a, "weight", lora_a)
+                    adapters.append((name, int(min(a.shape))))
+        norms = layer.attention_norm.weight.requires_grad
+
+        def trains(attr: str) -> bool:
+            for part in parts:
+                module = getattr(part, attr, None)
+                weight = getattr(module, "weight", None) if module is not None else None
+                if weight is not None:
+                    return bool(weight.requires_grad)
+            return norms
+
+        return cls(embedding=trains("tok_embeddings"), norms=norms, head=trains("output"),
+                   linears=frozenset(linears), adapters=tuple(adapters))
+
+    def rank(self, projection: str) -> int:
+        return dict(self.adapters).get(projection, 0)
+
+    def trains(self, projection: str) -> bool:
+        return projection in self.linears
+
+
+# -------------------------------------------------------------------------- FLOPs
+
+def projection_shapes(args: LlamaArgs) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each projection of one block."""
+    d, hd = args.dim, args.head_dim
+    return {"q_proj": (d, args.n_heads * hd), "k_proj": (d, args.n_kv_heads * hd),
+            "v_proj": (d, args.n_kv_heads * hd), "o_proj": (args.n_heads * hd, d),
+            "gate_proj": (d, args.ffn_dim), "up_proj": (d, args.ffn_dim),
+            "down_proj": (args.ffn_dim, d)}
+
+
+def matmul_params(args: LlamaArgs) -> int:
+    block = sum(i * o for i, o in projection_shapes(args).values())
+    return args.n_layers * block + args.dim * args.vocab_size
+
+
+@dataclass
+class FlopsBreakdown:
+    """Training FLOPs per token, by kind. ``forward``/``backward_*`` are the weight
+    matmuls (LoRA adapters included); ``attention_*`` the score and value products."""
+    forward: float = 0.0
+    backward_input: float = 0.0
+    backward_weight: float = 0.0
+    attention_forward: float = 0.0
+    attention_backward: float = 0.0
+
+    @property
+    def matmul(self) -> float:
+        return self.forward + self.backward_input + self.backward_weight
+
+    @property
+    def attention(self) -> float:
+        return self.attention_forward + self.attention_backward
+
+    @property
+    def total(self) -> float:
+        return self.matmul + self.attention
+
+    def as_dict(self) -> dict:
+        return {"forward": self.forward, "backward_input": self.backward_input,
+                "backward_weight": self.backward_weight,
+                "attention_forward": self.attention_forward,
+                "attention_backward": self.attention_backward, "total": self.total}
+
+
+def _linear(fl: FlopsBreakdown, shape: tuple[int, int], rg_in: bool, trains: bool,
+            rank: int) -> bool:
+    """Adds y = W x (+ B A x) to ``fl``; returns whether y requires grad."""
+    n_in, n_out = shape
+    fl.forward += 2 * n_in * n_out + 2 * rank * (n_in + n_out)
+    if rg_in:  # dx = W^T dy (+ A^T d(Ax))
+        fl.backward_input += 2 * n_in * n_out + 2 * rank * n_in
+    if trains:  # dW = dy x^T
+        fl.backward_weight += 2 * n_in * n_out
+    if rank:  # dB = dy (Ax)^T, d(Ax) = B^T dy, dA = d(Ax) x^T
+        fl.backward_input += 2 * rank * n_out
+        fl.backward_weight += 2 * rank * (n_in + n_out)
+    return rg_in or trains or rank > 0
+
+
+def flops_breakdown(args: LlamaArgs, seq_len: int, trainable: Optional[Trainability] = None,
+                    causal: bool = True) -> FlopsBreakdown:
+    """Model FLOPs per token of one training step (forward + backward) at ``seq_len``.
+
+    Follows autograd: a gradient is computed for an input only when something upstream of
+    it takes gradients (with a frozen embedding and frozen norms, the first block's q/k/v
+    need no input gradient), and for a weight only when it trains. ``causal`` halves the
+    attention products (each query sees on average S/2 keys); ``causal=False`` counts the
+    full S x S products, which is what torch's FlopCounterMode reports."""
+    tr = trainable or Trainability.full()
+    shapes = projection_shapes(args)
+    fl = FlopsBreakdown()
+    keys = seq_len / 2 if causal else seq_len
+    per_product = 2 * keys * args.n_heads * args.head_dim  # one of Q K^T, P V, per token
+
+    rg = tr.embedding  # the residual stream
+    for _ in range(args.n_layers):
+        n1 = rg or tr.norms
+        q, k, v = (_linear(fl, shapes[p], n1, tr.trains(p), tr.rank(p))
+                   for p in ("q_proj", "k_proj", "v_proj"))
+        fl.attention_forward += 2 * per_product
+        fl.attention_backward += per_product * ((q or k) + v + q + k)  # dP, dV, dQ, dK
+        attn = q or k or v
+        o = _linear(fl, shapes["o_proj"], attn, tr.trains("o_proj"), tr.rank("o_proj"))
+        rg = rg or o
+        n2 = rg or tr.norms
+        g = _linear(fl, shapes["gate_proj"], n2, tr.trains("gate_proj"), tr.rank("gate_proj"))
+        u = _linear(fl, shapes["up_proj"], n2, tr.trains("up_proj"), tr.rank("up_proj"))
+        down = _linear(fl, shapes["down_proj"], g or u, tr.trains("down_proj"),
+                       tr.rank("down_proj"))
+        rg = rg or down
+    _linear(fl, (args.dim, args.vocab_size), rg or tr.norms, tr.head, 0)
+    return fl
+
+
+def flops_per_token(args: LlamaArgs, seq_len: int, trainable: Optional[Trainability] = None,
+                    lora: Optional[LoraSpec] = None) -> float:
+    """Training model FLOPs per token; full training unless ``trainable``/``lora`` say."""
+    if trainable is None and lora is not None:
+        trainable = Trainability.lora(lora)
+    return flops_breakdown(args, seq_len, trainable).total
+
+
+def model_flops_per_token(model: Any, seq_len: int) -> float:
+    """Training FLOPs per token of a built model (or the trainer's ``TrainModel``),
+    reading what trains from the model itself."""
+    return flops_breakdown(model.args, seq_len, Trainability.from_model(model)).total

@@ -1,0 +1,72 @@
+"""Measuring the memory the estimate predicts: live tensor bytes and their peak, on any
+device, seen at the dispatcher. This is how the estimate is checked on CPU
+(tests/unit/perf/test_estimate_measured.py); on a GPU it is the counterpart of
+``torch.cuda.max_memory_allocated``."""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+class TensorMemoryTracker(TorchDispatchMode):
+    """Live bytes of tensor storage, and their peak, while the mode is active.
+
+    Every op's outputs are seen at the dispatcher (forward, backward, optimizer); a
+    storage counts from the op that created it until Python frees it (a weakref
+    finalizer on the storage). Views share their base's storage and count once. Tensors
+    made before the mode count only once passed to ``track`` (parameters, optimizer
+    state, the batch). Kernel-internal scratch (e.g. inside a fused attention kernel) is
+    not a tensor and is not seen."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._sizes: dict[int, int] = {}
+
+    def track(self, tensors) -> None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._register(t)
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def _register(self, t: torch.Tensor) -> None:
+        if t.device.type == "meta":
+            return
+        storage = t.untyped_storage()
+        key, nbytes = id(storage), storage.nbytes()
+        old = self._sizes.get(key)
+        if old is None:
+            self._sizes[key] = nbytes
+            self.live += nbytes
+            weakref.finalize(storage, self._free, key)
+        elif old != nbytes:  # resized in place
+            self._sizes[key] = nbytes
+            self.live += nbytes - old
+        self.peak = max(self.peak, self.live)
+
+    def _free(self, key: int) -> None:
+        self.live -= self._sizes.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = {id(t.untyped_storage()) for t in _tensors((args, kwargs))}
+        out = func(*args, **(kwargs or {}))
+        for t in _tensors(out):
+            key = id(t.untyped_storage())
+            if key not in inputs or key in self._sizes:
+                self._register(t)
+        return out
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    """The real (non-meta) tensors in nested tuples/lists/dicts."""
+    if isinstance(tree, torch.Tensor):
+        return [] if tree.device.type == "meta" else [tree]
+    if isinstance(tree, (list, tuple)):
+        return [t for item in tree for t in _tensors(item)]
+    if isinstance(tree, dict):
+        return [t for item in tree.values() for t in _tensors(item)]
+    return []

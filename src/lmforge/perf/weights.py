@@ -1,0 +1,159 @@
+"""The static terms' raw material: the parameters one device holds on a pipeline stage,
+how many train, and the bytes the trainer stores them in (docs/estimate.md, "Weights"
+and "Sharding"); plus the bf16 weight copies autocast makes of them."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lmforge.perf.estimate_setup import DTYPE_BYTES, Setup, frozen_weight_dtype
+from lmforge.perf.flops import projection_shapes
+
+# Bytes per parameter of a quantized frozen weight (peft/quant.py): NF4 packs two 4-bit
+# codes per byte plus one absmax per block of 64, itself int8 with an fp32 scale per 256
+# blocks (double quantization); int8 is one byte plus one fp32 scale per output row.
+NF4_BLOCK, NF4_SCALE_GROUP = 64, 256
+
+
+@dataclass
+class Weights:
+    """Bytes of parameter storage on one device, split the way the table shows them."""
+    trainable_params: int = 0
+    trainable_bytes: float = 0.0
+    frozen_params: int = 0
+    frozen_bytes: float = 0.0
+    # Blocks' matmul weights that autocast copies to bf16: trainable ones are cached for
+    # the whole forward, frozen fp32 ones copied at each use (elements).
+    matmul_trainable_fp32: int = 0
+    matmul_frozen_fp32: int = 0
+    head_copy: float = 0.0  # bytes of the output layer's bf16 weight copy under autocast
+    largest_trainable: int = 0
+    largest_quantized: int = 0
+    block_trainable: int = 0  # per block, for FSDP transients
+    block_total: int = 0
+    down_trainable: int = 0  # down_proj's trainable parameters (weight and/or adapter)
+    down_copy: float = 0.0  # bytes of down_proj's autocast bf16 weight copy
+
+
+def stage_layers(setup: Setup, stage: int) -> int:
+    """Blocks on pipeline stage ``stage`` (the first stages take the remainder)."""
+    base, extra = divmod(setup.args.n_layers, setup.pp)
+    return base + (1 if stage < extra else 0)
+
+
+def quantized_bytes(kind: str, n_in: int, n_out: int) -> float:
+    """Storage of one quantized ``n_in x n_out`` weight (codes, absmaxes and scales)."""
+    if kind == "nf4":
+        n = n_in * n_out
+        blocks = math.ceil(n / NF4_BLOCK)
+        return n / 2 + blocks + 4 * math.ceil(blocks / NF4_SCALE_GROUP) + 4
+    if kind == "int8":
+        return n_in * n_out + 4 * n_out
+    raise ValueError(f"lora.quantize: {kind!r} is not one of nf4, int8")
+
+
+class _Tally:
+    """Adds tensors to a ``Weights`` in the dtypes the trainer stores them: trained ones,
+    embeddings and norms in train.param_dtype, frozen projections in the frozen weights'
+    dtype, quantized ones in their packed storage."""
+
+    def __init__(self, setup: Setup):
+        self.weights = Weights()
+        self.param_bytes = DTYPE_BYTES[setup.param_dtype]
+        self.frozen_projection_bytes = DTYPE_BYTES[frozen_weight_dtype(setup)]
+
+    def add(self, n: float, trains: bool, matmul: bool) -> None:
+        """``n`` parameters; ``matmul``: a projection or the head (autocast copies it)."""
+        if trains:
+            self._add_trained(int(n), matmul)
+        else:
+            self._add_frozen(int(n), matmul)
+
+    def add_quantized(self, n: float, storage: float) -> None:
+        self.weights.frozen_params += int(n)
+        self.weights.frozen_bytes += storage
+
+    def _add_trained(self, n: int, matmul: bool) -> None:
+        w = self.weights
+        w.trainable_params += n
+        w.trainable_bytes += self.param_bytes * n
+        w.largest_trainable = max(w.largest_trainable, n)
+        if matmul:
+            w.matmul_trainable_fp32 += n
+
+    def _add_frozen(self, n: int, matmul: bool) -> None:
+        w = self.weights
+        w.frozen_params += n
+        w.frozen_bytes += (self.frozen_projection_bytes if matmul else self.param_bytes) * n
+        if matmul and self.frozen_projection_bytes == 4:
+            w.matmul_frozen_fp32 += n
+
+
+def stage_weights(setup: Setup, stage: int) -> Weights:
+    """Parameter storage of pipeline stage ``stage`` on one of its devices, after tensor
+    parallelism (the estimate divides by dp_shard for FSDP): its blocks, the embedding on
+    the first stage, the final norm and the head on the last."""
+    args, tp = setup.args, setup.tp
+    tally = _Tally(setup)
+    for _ in range(stage_layers(setup, stage)):
+        _add_block(tally, setup)
+    if stage == 0:
+        tally.add(args.vocab_size * args.dim / tp, setup.trainable.embedding, matmul=False)
+    if stage == setup.pp - 1:
+        _add_final_norm_and_head(tally, setup)
+    w = tally.weights
+    if not setup.autocast:
+        # fp32 compute casts nothing; FSDP2 computes with parameters gathered as bf16
+        w.matmul_trainable_fp32 = w.matmul_frozen_fp32 = 0
+        w.head_copy = 0.0
+    return w
+
+
+def _add_block(tally: _Tally, setup: Setup) -> None:
+    """One transformer block: seven projections (quantized when frozen under QLoRA, with
+    their adapters), two norms; records the block's totals for the FSDP transients."""
+    w, trainable, tp = tally.weights, setup.trainable, setup.tp
+    quantize = setup.lora.quantize if setup.lora is not None else None
+    trainable_before = w.trainable_params
+    total_before = w.trainable_params + w.frozen_params
+    for name, (n_in, n_out) in projection_shapes(setup.args).items():
+        trains, rank = trainable.trains(name), trainable.rank(name)
+        if not trains and quantize:
+            tally.add_quantized(n_in * n_out / tp, quantized_bytes(quantize, n_in, n_out) / tp)
+            w.largest_quantized = max(w.largest_quantized, n_in * n_out // tp)
+        else:
+            tally.add(n_in * n_out / tp, trains, matmul=True)
+        if rank:
+            tally.add(rank * (n_in + n_out / tp), True, matmul=True)
+        if name == "down_proj":
+            _add_down_proj_terms(tally, setup, trains, rank, (n_in, n_out))
+    tally.add(2 * setup.args.dim, trainable.norms, matmul=False)
+    w.block_trainable = w.trainable_params - trainable_before
+    w.block_total = w.trainable_params + w.frozen_params - total_before
+
+
+def _add_down_proj_terms(tally: _Tally, setup: Setup, trains: bool, rank: int,
+                         shape: tuple[int, int]) -> None:
+    """down_proj's trainable parameters (its gradients are the first a block's backward
+    completes) and the bf16 copies autocast makes for it, freed after its backward: the
+    weight's if it is fp32 (trained, or frozen fp32), and the adapter's."""
+    n_in, n_out = shape
+    w, quantize = tally.weights, setup.lora.quantize if setup.lora is not None else None
+    w.down_trainable = (trains * n_in * n_out + rank * (n_in + n_out)) // setup.tp
+    fp32_base = trains or (not quantize and tally.frozen_projection_bytes == 4)
+    copied = ((n_in * n_out if fp32_base else 0) + rank * (n_in + n_out)) / setup.tp
+    w.down_copy = 2.0 * copied if setup.autocast else 0.0
+
+
+def _add_final_norm_and_head(tally: _Tally, setup: Setup) -> None:
+    """The last stage's final norm and output layer. The head's autocast copy is counted
+    apart (``head_copy``: it is kept until its backward), not with the blocks' copies."""
+    w, args, trainable = tally.weights, setup.args, setup.trainable
+    block_copies = (w.matmul_trainable_fp32, w.matmul_frozen_fp32)
+    tally.add(args.dim, trainable.norms, matmul=False)
+    tied = args.tie_embeddings and setup.pp == 1
+    if not tied:  # (tied: the embedding's storage, already counted)
+        tally.add(args.vocab_size * args.dim / setup.tp, trainable.head, matmul=True)
+    if trainable.head or tally.frozen_projection_bytes == 4 or tied:
+        w.head_copy = 2.0 * args.vocab_size * args.dim / setup.tp  # (tied: fp32 embedding)
+    w.matmul_trainable_fp32, w.matmul_frozen_fp32 = block_copies
