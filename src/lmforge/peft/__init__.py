@@ -21,13 +21,13 @@ from lmforge.peft.lora import (LORA_TARGETS, LoraError, LoraLinear, after_materi
                                apply_lora, count_trainable, freeze_base, init_lora_weights,
                                lora_layers, merge_lora, prepare_model_for_lora,
                                resolve_targets, trainable_summary, unmerge_lora)
-from lmforge.peft.quant import (QuantizationError, QuantizedLinear, check_tensor_parallel,
-                                dequantize_base, is_quantized, quantize_base)
+from lmforge.peft.quant import (QuantizationError, QuantizedLinear, dequantize_base,
+                                is_quantized, quantize_base)
 
 __all__ = [
     "AdapterError", "LORA_TARGETS", "LoraError", "LoraLinear", "QuantizationError",
     "QuantizedLinear", "adapter_state_dict", "after_materialize", "apply_lora",
-    "check_tensor_parallel", "count_trainable", "dequantize_base", "export_merged",
+    "count_trainable", "dequantize_base", "export_merged",
     "freeze_base", "init_lora_weights", "is_quantized", "load_adapter", "lora_layers",
     "merge_lora", "merged_state_dict", "prepare_model_for_lora", "quantize_base",
     "read_adapter", "resolve_targets", "save_adapter", "trainable_summary", "unmerge_lora",
