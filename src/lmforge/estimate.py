@@ -107,7 +107,8 @@ def setup_from_config(cfg, device: Optional[str] = None, world_size: Optional[in
     """A validated JobConfig -> Setup. ``device`` overrides train.device; ``world_size``
     resolves parallel.dp_shard=-1 (default: 1 device per unset dimension); ``base_dtype``
     (fp32 | bf16) is the storage of a LoRA run's frozen, unquantized weights."""
-    from lmforge.config import ConfigError, model_args
+    from lmforge.config import ConfigError
+    from lmforge.models.presets import model_args
 
     p = cfg.parallel
     fixed = p.dp_replicate * p.tp * p.pp
