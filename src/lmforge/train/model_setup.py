@@ -41,7 +41,6 @@ class TrainModel:
     stage_ids: list[int] = field(default_factory=list)
     loss_chunk_tokens: int = 0  # train.loss_chunk_tokens (one process, dp, FSDP only)
     _n_valid: int = 1
-    _pipeline_loss_sums: list = field(default_factory=list)
 
     @property
     def mesh(self):
@@ -79,27 +78,28 @@ class TrainModel:
             return self._pipeline_step(micro_batches, n_valid, device, autocast)
 
     def _pipeline_step(self, micro_batches, n_valid, device, autocast) -> torch.Tensor:
-        self._n_valid, self._pipeline_loss_sums = n_valid, []
+        self._n_valid = n_valid
         parts = list(zip(self.stage_ids, self.parts))
         n_stages = self.dims.pp * len(self.parts)
         inputs = torch.cat([b["input_ids"] for b in micro_batches]).to(device)
         targets = torch.cat([b["labels"] for b in micro_batches]).to(device)
-        kwargs = {"target": targets} if has_last_stage(parts, n_stages) else {}
+        losses: list = []
+        kwargs = {}
+        if has_last_stage(parts, n_stages):
+            kwargs = {"target": targets, "losses": losses}
         with autocast():
             if has_first_stage(parts):
                 self.schedule.step(inputs, **kwargs)
             else:
                 self.schedule.step(**kwargs)
         total = torch.zeros((), device=device)
-        for loss_sum in self._pipeline_loss_sums:  # (none off the last stage)
-            total += loss_sum
-        return normalize_loss(total, n_valid)
+        for loss in losses:  # (none off the last stage)
+            total += full_value(loss)
+        return total / self.dims.dp  # the share normalize_loss(.., dp=1) gives
 
     def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The schedule's loss function, called per pipeline microbatch on the last stage."""
-        loss_sum = token_loss_sum(output, target)
-        self._pipeline_loss_sums.append(full_value(loss_sum))
-        return normalize_loss(loss_sum, self._n_valid, self.dims.dp)
+        return normalize_loss(token_loss_sum(output, target), self._n_valid, self.dims.dp)
 
     def evaluate(self, batches, device, autocast) -> tuple[float, int]:
         with self.loss_context():
