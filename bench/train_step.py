@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from lmforge.config import resolve_device  # noqa: E402
 from lmforge.models.llama import LlamaArgs, build_llama, materialize  # noqa: E402
 from lmforge.models.presets import PRESETS  # noqa: E402
 from lmforge.peft.targets import PROJECTIONS  # noqa: E402
@@ -60,12 +61,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def device_of(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
-
-
 def autocast(device: torch.device):
     if device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
@@ -76,6 +71,7 @@ def autocast(device: torch.device):
 
 def build_lmforge(args, model_args: LlamaArgs, device):
     from lmforge.config import JobConfig
+    from lmforge.parallel.mesh import ParallelDims
     from lmforge.parallel.parallelize import apply_model_parallel
 
     torch.manual_seed(0)
@@ -95,7 +91,7 @@ def build_lmforge(args, model_args: LlamaArgs, device):
         L.after_materialize(model, lcfg)
     else:
         materialize(model, device)
-    apply_model_parallel(model, None, cfg)
+    apply_model_parallel(model, ParallelDims(), cfg)
     from lmforge.models.loss import micro_batch_loss_sum
 
     def step(ids, labels):
@@ -184,7 +180,7 @@ def quantize_reference_4bit(model, targets) -> None:
 
 
 def run_side(args) -> dict:
-    device = device_of(args.device)
+    device = resolve_device(args.device, "--device")
     model_args = PRESETS[args.preset]
     build = build_lmforge if args.side == "lmforge" else build_reference
     model, step = build(args, model_args, device)
@@ -254,7 +250,7 @@ def main(argv=None) -> int:
     if args.side:
         print(json.dumps(run_side(args)))
         return 0
-    device = device_of(args.device)
+    device = resolve_device(args.device, "--device")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     method = args.method + (" (low-memory: bf16 weights and states)" if args.low_memory else "")
     print(f"{args.preset} {method}, seq {args.seq_len}, batch {args.batch}, "

@@ -679,7 +679,7 @@ def read_model_state(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
 def checkpoint_model_args(ckpt_dir: str | Path, model_sd: Optional[dict] = None):
     """The architecture a checkpoint was saved with: meta.json's record, else rebuilt
     from config.yaml (vocabulary size read off the embedding)."""
-    from lmforge.config import model_args
+    from lmforge.models.presets import model_args
 
     path = Path(ckpt_dir)
     recorded = read_meta(path).get("model_args") if (path / META_NAME).is_file() else None

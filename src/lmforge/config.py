@@ -233,42 +233,41 @@ def set_field(cfg: JobConfig, dotted: str, value: Any) -> None:
 
 
 def _coerce(name: str, value: Any, hint: Any) -> Any:
-    origin = typing.get_origin(hint)
-    if origin in (Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (Union, types.UnionType):
         if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
             return None
-        return _coerce(name, value, args[0])
-    if hint is Any or hint is list and isinstance(value, list):
-        return value
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{name}: expected true or false, got {value!r}")
-    if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise ConfigError(f"{name}: expected an integer, got {value!r}")
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)  # YAML 1.1 reads "3e-4" as a string
-            except ValueError:
-                pass
-        raise ConfigError(f"{name}: expected a number, got {value!r}")
-    if hint is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise ConfigError(f"{name}: expected a string, got {value!r}")
-    if hint is list:
-        if isinstance(value, list):
-            return value
-        raise ConfigError(f"{name}: expected a list, got {value!r}")
-    return value
+        return _coerce(name, value, next(a for a in typing.get_args(hint)
+                                         if a is not type(None)))
+    if hint not in _COERCIONS:
+        return value  # Any
+    accepts, convert, expected = _COERCIONS[hint]
+    if not accepts(value):
+        raise ConfigError(f"{name}: expected {expected}, got {value!r}")
+    return convert(value)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_float_text(value: Any) -> bool:
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return isinstance(value, str)
+
+
+# field type -> (accepts the value?, converts it, what the error says was expected)
+_COERCIONS = {
+    bool: (lambda v: isinstance(v, bool), bool, "true or false"),
+    int: (lambda v: _is_number(v) and (isinstance(v, int) or v.is_integer()), int,
+          "an integer"),
+    # YAML 1.1 reads "3e-4" as a string
+    float: (lambda v: _is_number(v) or _is_float_text(v), float, "a number"),
+    str: (lambda v: _is_number(v) or isinstance(v, str), str, "a string"),
+    list: (lambda v: isinstance(v, list), lambda v: v, "a list"),
+}
 
 
 def _one_line(err: Exception) -> str:
@@ -292,42 +291,45 @@ _CHOICES = {
     "train.activation_checkpointing": ("none", "full", "selective"),
     "train.on_nonfinite": ("skip", "stop"),
     "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b"),
+    "parallel.zero": (2, 3),
+    "lora.quantize": (None, *QUANTIZE_FORMATS),
 }
 
-
-def runs_distributed(parallel: ParallelConfig, world_size: int, torchrun: bool) -> bool:
-    """Whether a run uses a process group and a device mesh: with several processes, and
-    with one started by torchrun with ``parallel.dp_shard=1`` (FSDP2 on one device, so the
-    distributed path can be checked on one GPU). Otherwise one plain process."""
-    return world_size > 1 or (torchrun and parallel.dp_shard == 1)
+# field -> the range its value must lie in (a key of _RANGES); unset (None) fields pass
+_BOUNDS = {
+    **dict.fromkeys(("data.seq_len", "data.micro_batch_size", "data.tokenizer_vocab_size",
+                     "train.max_steps", "train.log_every",
+                     "train.activation_checkpointing_every", "optim.lr", "lora.rank",
+                     "lora.alpha", "model.dim", "model.n_layers", "model.n_heads",
+                     "model.n_kv_heads", "model.vocab_size", "model.ffn_dim",
+                     "model.max_seq_len"), "> 0"),
+    **dict.fromkeys(("optim.weight_decay", "optim.grad_clip", "optim.warmup_steps",
+                     "train.checkpoint_every", "train.eval_every", "train.keep_last",
+                     "train.threads", "train.loss_chunk_tokens", "data.num_workers"), ">= 0"),
+    **dict.fromkeys(("train.stop_at_step", "parallel.dp_replicate", "parallel.tp",
+                     "parallel.pp", "parallel.pp_virtual_stages", "parallel.microbatches"),
+                    ">= 1"),
+    "optim.min_lr_ratio": "in [0, 1]",
+    **dict.fromkeys(("optim.beta1", "optim.beta2", "data.eval_fraction", "lora.dropout"),
+                    "in [0, 1)"),
+}
+_RANGES = {"> 0": lambda v: v > 0, ">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1,
+           "in [0, 1]": lambda v: 0 <= v <= 1, "in [0, 1)": lambda v: 0 <= v < 1}
 
 
 def validate(cfg: JobConfig, world_size: int = 1, distributed: Optional[bool] = None) -> None:
     """Refuse a bad config before any compute; every message names the field.
-    ``distributed``: see ``runs_distributed`` (default: several processes)."""
+    ``distributed``: see ``parallel.mesh.runs_distributed`` (default: several processes)."""
     distributed = world_size > 1 if distributed is None else distributed
     for dotted, allowed in _CHOICES.items():
-        section, key = dotted.split(".")
-        value = getattr(getattr(cfg, section), key)
+        value = _get(cfg, dotted)
         if value not in allowed and not (dotted == "data.template" and "{" in str(value)):
-            raise ConfigError(f"{dotted}: {value!r} is not one of {', '.join(allowed)}")
-    _positive(cfg, "data.seq_len", "data.micro_batch_size", "train.max_steps",
-              "train.activation_checkpointing_every",
-              "train.log_every", "data.tokenizer_vocab_size")
-    _non_negative(cfg, "optim.weight_decay", "optim.grad_clip", "optim.warmup_steps",
-                  "train.checkpoint_every", "train.eval_every", "train.keep_last",
-                  "train.threads", "data.num_workers", "train.loss_chunk_tokens")
-    if not cfg.optim.lr > 0:
-        raise ConfigError(f"optim.lr: must be > 0, got {cfg.optim.lr}")
-    if not 0 <= cfg.optim.min_lr_ratio <= 1:
-        raise ConfigError(f"optim.min_lr_ratio: must be in [0, 1], got {cfg.optim.min_lr_ratio}")
-    for beta in ("beta1", "beta2"):
-        if not 0 <= getattr(cfg.optim, beta) < 1:
-            raise ConfigError(f"optim.{beta}: must be in [0, 1)")
-    if cfg.train.stop_at_step is not None and cfg.train.stop_at_step < 1:
-        raise ConfigError(f"train.stop_at_step: must be >= 1, got {cfg.train.stop_at_step}")
-    if not 0 <= cfg.data.eval_fraction < 1:
-        raise ConfigError(f"data.eval_fraction: must be in [0, 1), got {cfg.data.eval_fraction}")
+            raise ConfigError(f"{dotted}: {value!r} is not one of "
+                              f"{', '.join(map(str, allowed))}")
+    for dotted, bound in _BOUNDS.items():
+        value = _get(cfg, dotted)
+        if value is not None and not _RANGES[bound](value):
+            raise ConfigError(f"{dotted}: must be {bound}, got {value}")
     if cfg.data.kind in ("text", "pretrain", "sft") and not cfg.data.path:
         raise ConfigError(f"data.path: required when data.kind is {cfg.data.kind}")
     _validate_batch(cfg, world_size)
@@ -347,9 +349,14 @@ def validate(cfg: JobConfig, world_size: int = 1, distributed: Optional[bool] = 
                           "only (set it to 0 with parallel.tp > 1 or parallel.pp > 1)")
 
 
+def _get(cfg: JobConfig, dotted: str) -> Any:
+    section, key = dotted.split(".")
+    return getattr(getattr(cfg, section), key)
+
+
 def _validate_batch(cfg: JobConfig, world_size: int) -> None:
-    dp = data_parallel_size(cfg, world_size)
-    per_step = cfg.data.micro_batch_size * dp
+    layout = resolve_layout(cfg.parallel, world_size)
+    per_step = cfg.data.micro_batch_size * layout["dp_replicate"] * layout["dp_shard"]
     gbs = cfg.data.global_batch_size
     if gbs is not None and (gbs <= 0 or gbs % per_step):
         raise ConfigError(f"data.global_batch_size: {gbs} must be a positive multiple of "
@@ -377,22 +384,9 @@ def _validate_in_backward(cfg: JobConfig, world_size: int, distributed: bool) ->
                           "backward; use stop with optim.in_backward")
 
 
-def data_parallel_size(cfg: JobConfig, world_size: int) -> int:
-    p = cfg.parallel
-    for name in ("dp_replicate", "tp", "pp"):
-        if getattr(p, name) < 1:
-            raise ConfigError(f"parallel.{name}: must be >= 1")
-    rest = world_size // (p.dp_replicate * p.tp * p.pp) if world_size else 0
-    dp_shard = rest if p.dp_shard == -1 else p.dp_shard
-    if dp_shard < 1 or p.dp_replicate * dp_shard * p.tp * p.pp != world_size:
-        raise ConfigError(
-            f"parallel.dp_shard: dp_replicate({p.dp_replicate}) x dp_shard({p.dp_shard}) x "
-            f"tp({p.tp}) x pp({p.pp}) must equal the world size {world_size}")
-    return p.dp_replicate * dp_shard
-
-
 def _validate_model(cfg: JobConfig) -> None:
-    from lmforge.models.presets import PRESETS  # a leaf module: no cycle
+    # models imports config, so this import is deferred to the call (no cycle)
+    from lmforge.models.presets import PRESETS, check_model_args, model_args
 
     m = cfg.model
     if m.preset is not None and m.preset not in PRESETS:
@@ -400,32 +394,18 @@ def _validate_model(cfg: JobConfig) -> None:
                           f"(known: {', '.join(sorted(PRESETS))})")
     if m.preset is None and m.init_from is None:
         raise ConfigError("model.preset: set a preset or model.init_from")
-    if m.init_from is not None and not Path(m.init_from).is_dir():
-        raise ConfigError(f"model.init_from: {m.init_from} is not a directory")
-    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim",
-                 "max_seq_len"):
-        value = getattr(m, name)
-        if value is not None and value <= 0:
-            raise ConfigError(f"model.{name}: must be > 0, got {value}")
-    if m.init_from is not None:
-        return  # shape checks against config.json happen when the directory is read
+    if m.init_from is not None:  # shape checks against config.json: when it is read
+        if not Path(m.init_from).is_dir():
+            raise ConfigError(f"model.init_from: {m.init_from} is not a directory")
+        return
     args = model_args(cfg)
     check_model_args(args, cfg.data.seq_len)
     check_parallel_fits(cfg, args)
 
 
 def _validate_lora(lora: LoraConfig) -> None:
-    if lora.rank <= 0:
-        raise ConfigError(f"lora.rank: must be > 0, got {lora.rank}")
-    if not lora.alpha > 0:
-        raise ConfigError(f"lora.alpha: must be > 0, got {lora.alpha}")
-    if not 0 <= lora.dropout < 1:
-        raise ConfigError(f"lora.dropout: must be in [0, 1), got {lora.dropout}")
     # lora.targets is checked by its one rule, lmforge.peft.targets.resolve_targets, which
     # the trainer and the estimate call right after validate(), before any compute.
-    if lora.quantize is not None and lora.quantize not in QUANTIZE_FORMATS:
-        raise ConfigError(f"lora.quantize: {lora.quantize!r} is not one of "
-                          f"{', '.join(QUANTIZE_FORMATS)}")
     if lora.quantize and not lora.enabled:
         raise ConfigError("lora.quantize: a quantized base trains nothing without adapters "
                           "(set lora.enabled=true)")
@@ -440,13 +420,9 @@ def _validate_lora(lora: LoraConfig) -> None:
 def check_parallel_fits(cfg: JobConfig, args) -> None:
     """Layout checks that need the model shape; run before any process group work."""
     p = cfg.parallel
-    if p.zero not in (2, 3):
-        raise ConfigError(f"parallel.zero: {p.zero} is not 2 or 3")
     if args.n_heads % p.tp or args.n_kv_heads % p.tp:
         raise ConfigError(f"parallel.tp: {p.tp} must divide n_heads ({args.n_heads}) and "
                           f"n_kv_heads ({args.n_kv_heads}); kv heads are not replicated")
-    if p.pp_virtual_stages < 1:
-        raise ConfigError("parallel.pp_virtual_stages: must be >= 1")
     if p.pp_schedule == "interleaved_1f1b" and p.pp > 1 and p.pp_virtual_stages < 2:
         raise ConfigError("parallel.pp_virtual_stages: interleaved_1f1b needs >= 2 stages "
                           "per rank")
@@ -464,52 +440,6 @@ def check_parallel_fits(cfg: JobConfig, args) -> None:
         if cfg.data.document_mask or cfg.data.pack:
             raise ConfigError("parallel.pp: document masking / SFT packing is not supported "
                               "with pipeline parallelism yet")
-    if p.microbatches is not None and p.microbatches < 1:
-        raise ConfigError("parallel.microbatches: must be >= 1")
-
-
-def check_model_args(args, seq_len: Optional[int] = None) -> None:
-    if args.n_heads % args.n_kv_heads:
-        raise ConfigError(f"model.n_kv_heads: n_heads ({args.n_heads}) must be divisible "
-                          f"by n_kv_heads ({args.n_kv_heads})")
-    if args.dim % args.n_heads:
-        raise ConfigError(f"model.n_heads: dim ({args.dim}) must be divisible by "
-                          f"n_heads ({args.n_heads})")
-    if (args.dim // args.n_heads) % 2:
-        raise ConfigError("model.n_heads: head_dim = dim / n_heads must be even for RoPE")
-    if seq_len is not None and seq_len > args.max_seq_len:
-        raise ConfigError(f"data.seq_len: {seq_len} exceeds the model's max_seq_len "
-                          f"({args.max_seq_len})")
-
-
-_ARG_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim",
-               "max_seq_len", "rope_theta", "norm_eps", "tie_embeddings")
-
-
-def model_args(cfg: JobConfig, base=None):
-    """The model architecture: a preset (or ``base``, e.g. read from config.json) with the
-    fields set in ``model.*`` on top."""
-    from lmforge.models.presets import PRESETS
-
-    args = base if base is not None else PRESETS[cfg.model.preset]
-    changes = {k: getattr(cfg.model, k) for k in _ARG_FIELDS if getattr(cfg.model, k) is not None}
-    if "n_heads" in changes and "n_kv_heads" not in changes and args.n_kv_heads == args.n_heads:
-        changes["n_kv_heads"] = changes["n_heads"]
-    return dataclasses.replace(args, **changes)
-
-
-def _positive(cfg: JobConfig, *names: str) -> None:
-    for dotted in names:
-        section, key = dotted.split(".")
-        if getattr(getattr(cfg, section), key) <= 0:
-            raise ConfigError(f"{dotted}: must be > 0, got {getattr(getattr(cfg, section), key)}")
-
-
-def _non_negative(cfg: JobConfig, *names: str) -> None:
-    for dotted in names:
-        section, key = dotted.split(".")
-        if getattr(getattr(cfg, section), key) < 0:
-            raise ConfigError(f"{dotted}: must be >= 0, got {getattr(getattr(cfg, section), key)}")
 
 
 def resolve_device(name: str, field: str = "train.device", local_rank: int = 0):
@@ -523,3 +453,37 @@ def resolve_device(name: str, field: str = "train.device", local_rank: int = 0):
         raise ConfigError(f"{field}: cuda requested but no GPU is visible")
     use_cuda = name == "cuda" or (name == "auto" and torch.cuda.is_available())
     return torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+
+
+# ---------------------------------------------------------------------- derived facts
+
+def resolve_layout(p: ParallelConfig, world_size: int) -> dict[str, int]:
+    """The size of each mesh dimension, outermost first (pp, dp_replicate, dp_shard, tp),
+    with ``dp_shard=-1`` resolved to what is left of ``world_size`` (the product)."""
+    rest = world_size // (p.dp_replicate * p.tp * p.pp) if world_size else 0
+    dp_shard = rest if p.dp_shard == -1 else p.dp_shard
+    if dp_shard < 1 or p.dp_replicate * dp_shard * p.tp * p.pp != world_size:
+        raise ConfigError(
+            f"parallel.dp_shard: dp_replicate({p.dp_replicate}) x dp_shard({p.dp_shard}) x "
+            f"tp({p.tp}) x pp({p.pp}) must equal the world size {world_size}")
+    return {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": dp_shard, "tp": p.tp}
+
+
+def samples_per_step(cfg: JobConfig, dp_size: int) -> int:
+    """Sequences per optimizer step over all data-parallel ranks: data.global_batch_size,
+    else one micro-batch per rank."""
+    return cfg.data.global_batch_size or cfg.data.micro_batch_size * dp_size
+
+
+def grad_accumulation_steps(cfg: JobConfig, dp_size: int) -> int:
+    """Micro-batches each rank runs per optimizer step (the pipeline's microbatches too,
+    unless parallel.microbatches says otherwise)."""
+    return samples_per_step(cfg, dp_size) // (cfg.data.micro_batch_size * dp_size)
+
+
+def compute_dtype(cfg: JobConfig, device_type: str) -> str:
+    """bf16 | fp32: what the model computes in; train.dtype=auto is bf16 on a GPU and fp32
+    on the CPU."""
+    if cfg.train.dtype != "auto":
+        return cfg.train.dtype
+    return "bf16" if device_type == "cuda" else "fp32"

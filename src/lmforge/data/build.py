@@ -12,7 +12,8 @@ from lmforge.data.tokenizer import Tokenizer, read_text, train_bpe
 
 @dataclass
 class DataBundle:
-    train: object  # has next_batch(), state_dict(), load_state_dict()
+    # has next_batch(), consumed_samples, state_dict() / load_state_dict() (loader_state)
+    train: object
     eval_batches: Optional[Callable[[], Iterator[dict]]]  # a fresh pass over held-out data
     description: str
 

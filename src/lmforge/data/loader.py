@@ -10,8 +10,8 @@ rank's next micro-batch, forever (epochs roll over with a new shuffle)::
     sample_ids LongTensor (micro_batch,): the rows' indices in the global sample stream
 
 Rank ``r``'s rows are a pure function of (data, seed, dp_rank, dp_size, consumed samples)
-(see ``sampler.py``), and ``state_dict()`` is ``{"consumed_samples": ..}`` plus checks, so a
-resumed run reads exactly the rows an uninterrupted one would. SFT rows are padded to
+(see ``sampler.py``), and ``state_dict()`` is ``loader_state``: ``consumed_samples`` plus
+checks, so a resumed run reads exactly the rows an uninterrupted one would. SFT rows are padded to
 ``seq_len``. With ``data.num_workers > 0`` batches are built ahead in worker processes;
 the state counts only the batches handed out.
 """
@@ -34,6 +34,29 @@ from lmforge.data.templates import get_template
 from lmforge.data.tokenizer import read_text
 
 STATE_VERSION = 1
+
+
+def loader_state(consumed_samples: int, seed: int, micro_batch_size: int, dp_size: int,
+                 data: Iterable[int]) -> dict:
+    """The one schema of a training loader's resumable state (``BatchLoader`` and the
+    text corpora's ``PackedTokenLoader``): its position, a count of samples all ranks
+    together have consumed, and what ``resume_position`` checks it against."""
+    return {"version": STATE_VERSION, "consumed_samples": int(consumed_samples),
+            "seed": int(seed), "micro_batch_size": int(micro_batch_size),
+            "dp_size": int(dp_size), "data": [int(n) for n in data]}
+
+
+def resume_position(state: dict, seed: int, data: Iterable[int]) -> int:
+    """``consumed_samples`` of a ``loader_state``, refused when saved with another seed
+    (the sample order would differ); other data (sizes ``data``) only warn."""
+    if int(state.get("seed", seed)) != seed:
+        raise DataError(f"loader state: saved with train.seed={state['seed']}, this run "
+                        f"has {seed}; the sample order would differ")
+    if "data" in state and list(state["data"]) != list(data):
+        warnings.warn(f"loader state: the data differ from the checkpoint's (sizes "
+                      f"{state['data']} vs {list(data)}); resuming at the same sample "
+                      "count anyway", stacklevel=3)
+    return int(state["consumed_samples"])
 
 
 # --------------------------------------------------------------------------- collate
@@ -116,20 +139,13 @@ class BatchLoader:
             yield self.next_batch()
 
     def state_dict(self) -> dict:
-        return {"version": STATE_VERSION, "consumed_samples": self.consumed_samples,
-                "seed": self.seed, "micro_batch_size": self.sampler.micro_batch_size,
-                "dp_size": self.sampler.dp_size, "data": list(self.dataset.fingerprint())}
+        return loader_state(self.consumed_samples, self.seed, self.sampler.micro_batch_size,
+                            self.sampler.dp_size, self.dataset.fingerprint())
 
     def load_state_dict(self, state: dict) -> None:
-        if int(state.get("seed", self.seed)) != self.seed:
-            raise DataError(f"loader state: saved with train.seed={state['seed']}, this run "
-                            f"has {self.seed}; the sample order would differ")
-        if "data" in state and list(state["data"]) != list(self.dataset.fingerprint()):
-            warnings.warn("loader state: the data differ from the checkpoint's (sizes "
-                          f"{state['data']} vs {self.dataset.fingerprint()}); resuming at "
-                          "the same sample count anyway", stacklevel=2)
+        consumed = resume_position(state, self.seed, self.dataset.fingerprint())
         self.close()
-        self.sampler.consumed_samples = int(state["consumed_samples"])
+        self.sampler.consumed_samples = consumed
 
     def close(self) -> None:
         """Stops prefetching workers (they restart on the next ``next_batch``)."""

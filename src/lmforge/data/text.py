@@ -14,6 +14,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
+from lmforge.data.loader import loader_state, resume_position
 from lmforge.data.tokenizer import Tokenizer, iter_text_files, read_text
 
 # The demo reads this much of the standard library: enough text for a few hundred steps,
@@ -91,7 +92,7 @@ class PackedTokenLoader:
         if self.num_samples < micro_batch_size * dp_size:
             raise ValueError(f"data: {len(tokens)} tokens make {self.num_samples} windows of "
                              f"data.seq_len={seq_len}, fewer than one batch")
-        self.consumed = 0  # samples consumed by all ranks together
+        self.consumed_samples = 0  # by all ranks together
 
     def _order(self, epoch: int) -> np.ndarray:
         if getattr(self, "_cached_epoch", None) != epoch:
@@ -105,10 +106,10 @@ class PackedTokenLoader:
         per_epoch = self.num_samples - self.num_samples % global_batch
         ids = []
         for j in range(self.micro_batch_size):
-            position = self.consumed + self.dp_rank * self.micro_batch_size + j
+            position = self.consumed_samples + self.dp_rank * self.micro_batch_size + j
             epoch, offset = divmod(position, per_epoch)
             ids.append(int(self._order(epoch)[offset]) if self.shuffle else offset)
-        self.consumed += global_batch
+        self.consumed_samples += global_batch
         return self.batch_for(ids)
 
     def batch_for(self, sample_ids: list[int]) -> dict:
@@ -125,10 +126,8 @@ class PackedTokenLoader:
                                                          self.num_samples))))
 
     def state_dict(self) -> dict:
-        return {"consumed": self.consumed, "seed": self.seed, "num_samples": self.num_samples}
+        return loader_state(self.consumed_samples, self.seed, self.micro_batch_size,
+                            self.dp_size, [self.num_samples])
 
     def load_state_dict(self, state: dict) -> None:
-        if state["num_samples"] != self.num_samples:
-            raise ValueError(f"data: checkpoint was taken on {state['num_samples']} samples, "
-                             f"the data now has {self.num_samples}")
-        self.consumed, self.seed = state["consumed"], state["seed"]
+        self.consumed_samples = resume_position(state, self.seed, [self.num_samples])

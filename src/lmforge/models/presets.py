@@ -1,6 +1,11 @@
-"""Named model sizes. The published ones follow each model's released config.json."""
+"""Named model sizes (the published ones follow each model's released config.json), and
+the architecture of a run: a preset with the config's ``model.*`` fields on top."""
 from __future__ import annotations
 
+import dataclasses
+from typing import Optional
+
+from lmforge.config import ConfigError, JobConfig
 from lmforge.models.llama import LlamaArgs, RopeScaling
 
 _LLAMA31_SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -39,3 +44,32 @@ PRESETS: dict[str, LlamaArgs] = {
                              rope_theta=500000.0, rope_scaling=_LLAMA32_SCALING,
                              tie_embeddings=True),
 }
+
+
+def check_model_args(args: LlamaArgs, seq_len: Optional[int] = None) -> None:
+    """Refuse shapes the model cannot have (heads, RoPE) or a sequence it cannot take."""
+    if args.n_heads % args.n_kv_heads:
+        raise ConfigError(f"model.n_kv_heads: n_heads ({args.n_heads}) must be divisible "
+                          f"by n_kv_heads ({args.n_kv_heads})")
+    if args.dim % args.n_heads:
+        raise ConfigError(f"model.n_heads: dim ({args.dim}) must be divisible by "
+                          f"n_heads ({args.n_heads})")
+    if (args.dim // args.n_heads) % 2:
+        raise ConfigError("model.n_heads: head_dim = dim / n_heads must be even for RoPE")
+    if seq_len is not None and seq_len > args.max_seq_len:
+        raise ConfigError(f"data.seq_len: {seq_len} exceeds the model's max_seq_len "
+                          f"({args.max_seq_len})")
+
+
+_ARG_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim",
+               "max_seq_len", "rope_theta", "norm_eps", "tie_embeddings")
+
+
+def model_args(cfg: JobConfig, base: Optional[LlamaArgs] = None) -> LlamaArgs:
+    """The model architecture: a preset (or ``base``, e.g. read from config.json) with the
+    fields set in ``model.*`` on top."""
+    args = base if base is not None else PRESETS[cfg.model.preset]
+    changes = {k: getattr(cfg.model, k) for k in _ARG_FIELDS if getattr(cfg.model, k) is not None}
+    if "n_heads" in changes and "n_kv_heads" not in changes and args.n_kv_heads == args.n_heads:
+        changes["n_kv_heads"] = changes["n_heads"]
+    return dataclasses.replace(args, **changes)

@@ -9,8 +9,8 @@ dp_replicate > 1 the same call gives HSDP: sharded within a group, replicated ac
 
 FSDP averages gradients over the data-parallel ranks. Our loss is already divided by the
 global token count, so the trainer multiplies each rank's loss by the data-parallel size
-before backward (``TrainModel.grad_scale``) to turn that average into the needed sum; a
-divide factor of 1 would do the same but needs PREMUL_SUM, which gloo lacks.
+before backward (``train.step.normalize_loss``) to turn that average into the needed sum;
+a divide factor of 1 would do the same but needs PREMUL_SUM, which gloo lacks.
 """
 from __future__ import annotations
 

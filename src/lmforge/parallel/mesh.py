@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from lmforge.config import ConfigError, ParallelConfig
+from lmforge.config import ConfigError, ParallelConfig, resolve_layout
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -38,9 +38,16 @@ def read_dist_env(environ=os.environ) -> DistEnv:
     return DistEnv(0, 1, 0)
 
 
+def runs_distributed(parallel: ParallelConfig, world_size: int, torchrun: bool) -> bool:
+    """Whether a run uses a process group and a device mesh: with several processes, and
+    with one started by torchrun with ``parallel.dp_shard=1`` (FSDP2 on one device, so the
+    distributed path can be checked on one GPU). Otherwise one plain process."""
+    return world_size > 1 or (torchrun and parallel.dp_shard == 1)
+
+
 def init_distributed(env: DistEnv, device_type: str, distributed: bool) -> None:
     """Starts the default process group when the run is ``distributed`` (see
-    ``config.runs_distributed``: several processes, or FSDP2 on one)."""
+    ``runs_distributed``: several processes, or FSDP2 on one)."""
     if not distributed or dist.is_initialized():
         return
     if "MASTER_ADDR" not in os.environ:
@@ -72,25 +79,25 @@ def expand_first_slurm_host(nodelist: str) -> str:
     return prefix + first_range.split("-")[0]
 
 
-def mesh_shape(cfg: ParallelConfig, world_size: int) -> dict[str, int]:
-    rest = world_size // (cfg.dp_replicate * cfg.tp * cfg.pp)
-    dp_shard = rest if cfg.dp_shard == -1 else cfg.dp_shard
-    return {"pp": cfg.pp, "dp_replicate": cfg.dp_replicate, "dp_shard": dp_shard, "tp": cfg.tp}
-
-
-def build_mesh(cfg: ParallelConfig, world_size: int, device_type: str):
-    """The 4-D DeviceMesh, with a flattened "dp" dimension for data-parallel collectives."""
+def build_parallel_dims(cfg: ParallelConfig, world_size: int, device_type: str
+                        ) -> "ParallelDims":
+    """The 4-D DeviceMesh (with a flattened "dp" dimension for data-parallel collectives)
+    of the layout ``config.resolve_layout`` resolves, and this rank's place in it."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    shape = mesh_shape(cfg, world_size)
-    mesh = init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=MESH_DIMS)
+    shape = resolve_layout(cfg, world_size)
+    mesh = init_device_mesh(device_type, tuple(shape[d] for d in MESH_DIMS),
+                            mesh_dim_names=MESH_DIMS)
     mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    return mesh
+    return ParallelDims(**shape, pp_rank=mesh["pp"].get_local_rank(),
+                        dp_rank=mesh["dp"].get_local_rank(),
+                        tp_rank=mesh["tp"].get_local_rank(), mesh=mesh)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelDims:
-    """Sizes and this rank's coordinates, for code that only needs numbers."""
+    """The resolved layout, built once per run and passed down: each mesh dimension's
+    size, this rank's coordinates, and the DeviceMesh (None: one plain process)."""
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -98,26 +105,19 @@ class ParallelDims:
     pp_rank: int = 0
     dp_rank: int = 0
     tp_rank: int = 0
+    mesh: Any = None
 
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def uses_fsdp(self) -> bool:
+        """FSDP2 wraps the model when data parallelism is > 1, and on a one-device mesh
+        (one process under torchrun with parallel.dp_shard=1: the distributed path on one
+        GPU)."""
+        return self.mesh is not None and (self.dp > 1 or self.pp * self.dp * self.tp == 1)
 
-def uses_fsdp(mesh) -> bool:
-    """FSDP2 wraps the model when data parallelism is > 1, and on a one-device mesh (one
-    process under torchrun with parallel.dp_shard=1: the distributed path on one GPU)."""
-    return mesh is not None and (parallel_dims(mesh).dp > 1 or mesh.size() == 1)
-
-
-def parallel_dims(mesh) -> ParallelDims:
-    if mesh is None:
-        return ParallelDims()
-    size = {name: mesh[name].size() for name in MESH_DIMS}
-    return ParallelDims(**size, pp_rank=mesh["pp"].get_local_rank(),
-                        dp_rank=mesh["dp"].get_local_rank(),
-                        tp_rank=mesh["tp"].get_local_rank())
-
-
-def group(mesh, name: str) -> Optional[dist.ProcessGroup]:
-    return None if mesh is None else mesh[name].get_group()
+    def group(self, name: str) -> Optional[dist.ProcessGroup]:
+        """The process group of mesh dimension ``name`` (None in one plain process)."""
+        return None if self.mesh is None else self.mesh[name].get_group()

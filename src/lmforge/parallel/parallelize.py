@@ -10,21 +10,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lmforge.config import JobConfig
-from lmforge.parallel.mesh import parallel_dims, uses_fsdp
+from lmforge.parallel.fsdp import apply_fsdp
+from lmforge.parallel.mesh import ParallelDims
+from lmforge.parallel.tensor import apply_tensor_parallel
 
 
-def parallelize_llama(model: nn.Module, mesh, cfg: JobConfig,
-                      param_dtype: Optional[torch.dtype] = None) -> None:
-    apply_model_parallel(model, mesh, cfg)
-    apply_data_parallel(model, mesh, cfg, param_dtype)
-
-
-def apply_model_parallel(model: nn.Module, mesh, cfg: JobConfig) -> None:
+def apply_model_parallel(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> None:
     """Tensor + sequence parallel, then activation checkpointing and compile per block."""
-    if parallel_dims(mesh).tp > 1:
-        from lmforge.parallel.tensor import apply_tensor_parallel
-
-        apply_tensor_parallel(model, mesh["tp"], cfg.parallel.sequence_parallel)
+    if dims.tp > 1:
+        apply_tensor_parallel(model, dims.mesh["tp"], cfg.parallel.sequence_parallel)
     for layer in model.layers.values():
         if _checkpointed(cfg, int(layer.layer_id)):
             checkpoint_forward(layer)
@@ -32,13 +26,11 @@ def apply_model_parallel(model: nn.Module, mesh, cfg: JobConfig) -> None:
             layer.compile()
 
 
-def apply_data_parallel(model: nn.Module, mesh, cfg: JobConfig,
+def apply_data_parallel(model: nn.Module, dims: ParallelDims, cfg: JobConfig,
                         param_dtype: Optional[torch.dtype] = None) -> None:
     """FSDP2 over the data-parallel dimensions (HSDP when both are > 1)."""
-    dims = parallel_dims(mesh)
-    if uses_fsdp(mesh):
-        from lmforge.parallel.fsdp import apply_fsdp
-
+    if dims.uses_fsdp:
+        mesh = dims.mesh
         dp_mesh = mesh["dp_shard"] if dims.dp_replicate == 1 else mesh["dp_replicate", "dp_shard"]
         apply_fsdp(model, dp_mesh, cfg.parallel.zero, param_dtype)
 

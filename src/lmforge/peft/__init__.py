@@ -25,14 +25,14 @@ from lmforge.peft.lora import (LoraError, LoraLinear, after_materialize, apply_l
                                count_trainable, freeze_base, init_lora_weights, lora_layers,
                                merge_lora, prepare_model_for_lora, trainable_summary,
                                unmerge_lora)
-from lmforge.peft.quant import (QuantizationError, QuantizedLinear, check_tensor_parallel,
+from lmforge.peft.quant import (QuantizationError, QuantizedLinear,
                                 dequantize_base, is_quantized, quantize_base)
 from lmforge.peft.targets import PROJECTIONS, LoraSpec, lora_spec, resolve_targets
 
 __all__ = [
     "AdapterError", "LoraError", "LoraLinear", "LoraSpec", "PROJECTIONS",
     "QuantizationError", "QuantizedLinear", "adapter_state_dict", "after_materialize",
-    "apply_lora", "check_tensor_parallel", "count_trainable", "dequantize_base",
+    "apply_lora", "count_trainable", "dequantize_base",
     "export_merged", "freeze_base", "init_lora_weights", "is_quantized", "load_adapter",
     "lora_layers", "lora_spec", "merge_lora", "merged_state_dict", "prepare_model_for_lora",
     "quantize_base", "read_adapter", "resolve_targets", "save_adapter", "trainable_summary",

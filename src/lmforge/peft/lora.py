@@ -204,7 +204,7 @@ def apply_lora(model: nn.Module, cfg, module_names: Optional[Iterable[str]] = No
             raise LoraError(f"lora.targets: {name} is a {type(module).__name__}, not a linear "
                             f"layer")
         new = LoraLinear.from_linear(module, cfg.rank, cfg.alpha, cfg.dropout, cfg.rslora)
-        _set_module(model, name, new)
+        model.set_submodule(name, new)
         swapped.append(name)
     if not swapped and not any(isinstance(m, LoraLinear) for m in model.modules()):
         what = sorted(module_names) if module_names is not None else cfg.targets
@@ -304,9 +304,3 @@ def _human(n: int) -> str:
         if n >= size:
             return f"{n / size:.3g}{unit}"
     return str(n)
-
-
-def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, leaf = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, leaf, new)

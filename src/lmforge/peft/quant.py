@@ -17,7 +17,8 @@ scales), so ``to``, ``to_empty``, FSDP2 (which shards and all-gathers them as by
 casting) and distributed checkpoints handle them like any other parameter. The forward
 dequantizes inside a custom autograd function that keeps no 16-bit copy of the weight for
 backward: it dequantizes again there, so activation memory stays that of the codes.
-Tensor parallelism over a quantized layer is not supported (``check_tensor_parallel``).
+Tensor parallelism over a quantized layer is not supported (config validation refuses
+LoRA with parallel.tp > 1).
 """
 from __future__ import annotations
 
@@ -278,8 +279,8 @@ def quantize_base(model: nn.Module, fmt: str, targets: Iterable[str] | str = "al
                 module.quantize_base(fmt, double_quant, device)
                 done.append(name)
         elif type(module) is nn.Linear:
-            _set_module(model, name,
-                        QuantizedLinear.from_linear(module, fmt, double_quant, device))
+            model.set_submodule(name,
+                                QuantizedLinear.from_linear(module, fmt, double_quant, device))
             done.append(name)
     if not done and not any(isinstance(m, QuantizedLinear) for m in model.modules()):
         raise QuantizationError(f"lora.targets: no linear layer named "
@@ -300,7 +301,7 @@ def dequantize_base(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> li
                 module.dequantize_base(dtype)
                 done.append(name)
         elif isinstance(module, QuantizedLinear):
-            _set_module(model, name, module.to_linear(dtype))
+            model.set_submodule(name, module.to_linear(dtype))
             done.append(name)
     return done
 
@@ -309,24 +310,10 @@ def is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, QuantizedLinear) for m in model.modules())
 
 
-def check_tensor_parallel(model: nn.Module) -> None:
-    """Raise when the model holds quantized layers: TP shards ``weight``, which a
-    quantized layer does not have."""
-    if is_quantized(model):
-        raise QuantizationError("lora.quantize: a quantized base does not support tensor "
-                                "parallelism (parallel.tp > 1); use FSDP (dp_shard) instead")
-
-
 def _check_format(fmt: str) -> None:
     if fmt not in QUANTIZE_FORMATS:
         raise QuantizationError(f"lora.quantize: {fmt!r} is not one of "
                                 f"{', '.join(QUANTIZE_FORMATS)}")
-
-
-def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, leaf = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, leaf, new)
 
 
 def quantized_bytes(model: nn.Module) -> int:

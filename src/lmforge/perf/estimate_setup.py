@@ -7,12 +7,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
 
-from lmforge.config import ConfigError, model_args
+from lmforge.config import (ConfigError, compute_dtype, grad_accumulation_steps, resolve_device,
+                            resolve_layout)
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.models.hf import args_from_hf_config, read_hf_config
 from lmforge.models.llama import LlamaArgs
+from lmforge.models.presets import model_args
 from lmforge.perf.flops import Trainability
 from lmforge.peft.targets import LoraSpec, lora_spec
 
@@ -113,8 +114,10 @@ def setup_from_config(cfg, device: Optional[str] = None, world_size: Optional[in
     resolves parallel.dp_shard=-1 (default: 1 device per unset dimension); ``base_dtype``
     (fp32 | bf16) is the storage of a LoRA run's frozen, unquantized weights."""
     layout = cfg.parallel
-    dp_shard = _resolve_dp_shard(layout, world_size)
-    cfg.validate(world_size=layout.dp_replicate * layout.tp * layout.pp * dp_shard)
+    # Without a world size, each unset dimension is one device (dp_shard=-1 resolves to 1).
+    devices = world_size or layout.dp_replicate * layout.tp * layout.pp * max(layout.dp_shard, 1)
+    dp_shard = resolve_layout(layout, devices)["dp_shard"]
+    cfg.validate(world_size=devices)
     notes: list[str] = []
     args = _model_args(cfg, notes)
     for name, heads in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads)):
@@ -122,13 +125,10 @@ def setup_from_config(cfg, device: Optional[str] = None, world_size: Optional[in
             raise ConfigError(f"parallel.tp: {layout.tp} does not divide model.{name} "
                               f"({heads})")
     device = device or cfg.train.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    compute = cfg.train.dtype
-    if compute == "auto":
-        compute = "bf16" if device == "cuda" else "fp32"
-    sequences_per_step = cfg.data.micro_batch_size * layout.dp_replicate * dp_shard
-    accumulation = (cfg.data.global_batch_size or sequences_per_step) // sequences_per_step
+    if device == "auto":  # this machine's (an explicit cuda is estimated even without one)
+        device = resolve_device("auto").type
+    compute = compute_dtype(cfg, device)
+    accumulation = grad_accumulation_steps(cfg, layout.dp_replicate * dp_shard)
     return Setup(args=args, seq_len=cfg.data.seq_len, micro_batch=cfg.data.micro_batch_size,
                  device=device, compute=compute,
                  checkpointing=cfg.train.activation_checkpointing,
@@ -141,19 +141,6 @@ def setup_from_config(cfg, device: Optional[str] = None, world_size: Optional[in
                  loss_chunk_tokens=cfg.train.loss_chunk_tokens,
                  param_dtype=cfg.train.param_dtype, in_backward=cfg.optim.in_backward,
                  notes=notes)
-
-
-def _resolve_dp_shard(layout, world_size: Optional[int]) -> int:
-    """parallel.dp_shard, with -1 resolved from the world size (default: the other
-    dimensions' product, i.e. dp_shard 1)."""
-    if layout.dp_shard != -1:
-        return layout.dp_shard
-    others = layout.dp_replicate * layout.tp * layout.pp
-    devices = world_size or others
-    if devices % others:
-        raise ConfigError(f"parallel.dp_shard: world size {devices} is not divisible by "
-                          f"dp_replicate x tp x pp = {others}")
-    return devices // others
 
 
 def _model_args(cfg, notes: list[str]) -> LlamaArgs:

@@ -14,7 +14,7 @@ import math
 import os
 import random
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -22,20 +22,24 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lmforge.config import (ConfigError, resolve_device, JobConfig, check_model_args, check_parallel_fits,
-                            model_args, runs_distributed, save_config)
+from lmforge.config import (ConfigError, JobConfig, check_parallel_fits, compute_dtype,
+                            grad_accumulation_steps, resolve_device, samples_per_step,
+                            save_config)
 from lmforge.data.build import DataBundle, build_data, train_corpus_tokenizer
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
+from lmforge.models.hf import args_from_hf_config, read_hf_config
 from lmforge.models.llama import Llama, LlamaArgs, build_llama, count_parameters, materialize
-from lmforge.parallel.mesh import (DistEnv, ParallelDims, build_mesh, init_distributed,
-                                   parallel_dims, read_dist_env, uses_fsdp)
+from lmforge.models.presets import check_model_args, model_args
+from lmforge.parallel.mesh import (DistEnv, ParallelDims, build_parallel_dims,
+                                   init_distributed, read_dist_env, runs_distributed)
+from lmforge.peft.lora import trainable_summary
 from lmforge.peft.targets import resolve_targets
 from lmforge.perf.flops import device_peak_flops, model_flops_per_token
 from lmforge.train import metrics as M
 from lmforge.train.model_setup import (TrainModel, build_train_model, clip_grad_norm,
                                        gather_full_state_dict)
 from lmforge.train.optim import Optimizers
-from lmforge.train.step import count_valid_tokens
+from lmforge.train.step import count_valid_tokens, global_step_loss, global_valid_tokens
 
 
 @dataclass
@@ -44,9 +48,12 @@ class Runtime:
     autocast: object  # a context-manager factory
     rank: int = 0
     world_size: int = 1
-    mesh: object = None  # DeviceMesh when world_size > 1
-    dims: ParallelDims = field(default_factory=ParallelDims)
+    dims: ParallelDims = ParallelDims()  # the layout (and its DeviceMesh when distributed)
     param_dtype: Optional[torch.dtype] = None  # FSDP's compute dtype for parameters
+
+    @property
+    def mesh(self):
+        return self.dims.mesh
 
     @property
     def is_logging_rank(self) -> bool:
@@ -79,13 +86,11 @@ def _run(cfg: JobConfig, rt: Runtime) -> dict:
     tokenizer = prepare_tokenizer(cfg, out_dir, rt)
     args = resolve_model_args(cfg, tokenizer)
     data = build_data(cfg, tokenizer, rt.dp_rank, rt.dp_size, cache_dir=out_dir / "cache")
-    model = build_train_model(cfg, args, rt.device, rt.mesh, rt.param_dtype)
+    model = build_train_model(cfg, args, rt.device, rt.dims, rt.param_dtype)
     optimizers = Optimizers(model.parts, cfg.optim, cfg.train.max_steps)
     _say(rt, f"model: {count_parameters(build_llama(args)):,} parameters ({_describe(args)}) "
              f"on {rt.world_size} x {rt.device.type} ({_layout(rt)}); data: {data.description}")
     if cfg.lora.enabled:
-        from lmforge.peft.lora import trainable_summary
-
         _say(rt, f"LoRA rank {cfg.lora.rank} on {cfg.lora.targets}"
                  f"{', ' + cfg.lora.quantize + ' base' if cfg.lora.quantize else ''}: "
                  f"{trainable_summary(model.parts[0])}"
@@ -127,15 +132,15 @@ def init_runtime(cfg: JobConfig, env: DistEnv, distributed: bool = False) -> Run
         torch.use_deterministic_algorithms(True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     init_distributed(env, device_type, distributed)
-    mesh = build_mesh(cfg.parallel, env.world_size, device_type) if distributed else None
-    dims = parallel_dims(mesh)
-    use_bf16 = t.dtype == "bf16" or (t.dtype == "auto" and device.type == "cuda")
+    dims = (build_parallel_dims(cfg.parallel, env.world_size, device_type) if distributed
+            else ParallelDims())
+    use_bf16 = compute_dtype(cfg, device_type) == "bf16"
     # Under FSDP, parameters are cast to bf16 when gathered; elsewhere autocast does it.
-    param_dtype = torch.bfloat16 if use_bf16 and uses_fsdp(mesh) else None
-    autocast = (functools.partial(torch.autocast, device.type, dtype=torch.bfloat16)
+    param_dtype = torch.bfloat16 if use_bf16 and dims.uses_fsdp else None
+    autocast = (functools.partial(torch.autocast, device_type, dtype=torch.bfloat16)
                 if use_bf16 and param_dtype is None else contextlib.nullcontext)
     return Runtime(device=device, autocast=autocast, rank=env.rank,
-                   world_size=env.world_size, mesh=mesh, dims=dims, param_dtype=param_dtype)
+                   world_size=env.world_size, dims=dims, param_dtype=param_dtype)
 
 
 def seed_everything(seed: int) -> None:
@@ -179,8 +184,6 @@ def _barrier(rt: Runtime) -> None:
 
 def resolve_model_args(cfg: JobConfig, tokenizer: Tokenizer) -> LlamaArgs:
     if cfg.model.init_from:
-        from lmforge.models.hf import args_from_hf_config, read_hf_config
-
         base = args_from_hf_config(read_hf_config(cfg.model.init_from))
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim",
                      "tie_embeddings"):
@@ -204,11 +207,6 @@ def resolve_model_args(cfg: JobConfig, tokenizer: Tokenizer) -> LlamaArgs:
 
 # ------------------------------------------------------------------------------ loop
 
-def grad_accumulation_steps(cfg: JobConfig, dp_size: int) -> int:
-    per_micro_step = cfg.data.micro_batch_size * dp_size
-    return (cfg.data.global_batch_size or per_micro_step) // per_micro_step
-
-
 def run_loop(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optimizers,
              data: DataBundle, out_dir: Path, checkpoints: "Checkpoints",
              start_step: int = 0, end_step: Optional[int] = None) -> list[dict]:
@@ -222,9 +220,9 @@ def run_loop(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optimiz
     end_step = end_step or t.max_steps
     for step in range(start_step + 1, end_step + 1):
         micro_batches = [data.train.next_batch() for _ in range(accum)]
-        n_valid = global_count(rt, count_valid_tokens(micro_batches))
+        n_valid = global_valid_tokens(count_valid_tokens(micro_batches), rt.dims, rt.device)
         local_loss = model.forward_backward(micro_batches, n_valid, rt.device, rt.autocast)
-        loss = global_loss(rt, local_loss)
+        loss = global_step_loss(local_loss, rt.dims)
         # With the update fused into backward no gradient outlives its parameter's step.
         grad_norm = None if cfg.optim.in_backward else clip_grad_norm(model, cfg.optim.grad_clip)
         lr = optimizers.lr
@@ -237,9 +235,9 @@ def run_loop(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optimiz
             record = {"loss": float(loss), "lr": lr,
                       "grad_norm": None if grad_norm is None else float(grad_norm),
                       **throughput.report(), **M.memory_metrics(rt.device),
-                      "tokens": step * cfg.data.seq_len * _samples_per_step(cfg, rt),
+                      "tokens": step * cfg.data.seq_len * samples_per_step(cfg, rt.dp_size),
                       "valid_tokens": n_valid, "nonfinite_steps": nonfinite_steps,
-                      "consumed_samples": _consumed(data)}
+                      "consumed_samples": data.train.consumed_samples}
             if t.log_sample_ids:
                 record["sample_ids"] = [int(i) for b in micro_batches
                                         for i in b.get("sample_ids", [])]
@@ -257,15 +255,6 @@ def run_loop(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optimiz
         bar.close()
     logger.close()
     return history
-
-
-def _samples_per_step(cfg: JobConfig, rt: Runtime) -> int:
-    return cfg.data.global_batch_size or cfg.data.micro_batch_size * rt.dp_size
-
-
-def _consumed(data: DataBundle) -> int:
-    state = data.train.state_dict()
-    return int(state.get("consumed_samples", state.get("consumed", 0)))
 
 
 class NonFiniteError(FloatingPointError):
@@ -339,26 +328,6 @@ class Checkpoints:
 
     def wait(self) -> None:
         self.writer.wait()
-
-
-def global_count(rt: Runtime, local: int) -> int:
-    """Valid tokens of the step on all data-parallel ranks. Every tp and pp rank of a
-    data-parallel group loads the same batch, so the world sum counts each tp x pp times."""
-    if rt.world_size == 1:
-        return local
-    total = torch.tensor(local, dtype=torch.int64, device=rt.device)
-    dist.all_reduce(total)
-    return int(total) // (rt.dims.tp * rt.dims.pp)
-
-
-def global_loss(rt: Runtime, local: torch.Tensor) -> torch.Tensor:
-    """The step loss, the same on every rank: each rank holds its token-loss sum over the
-    global count; tp ranks hold copies, and only last pipeline stages hold any."""
-    if rt.world_size == 1:
-        return local
-    total = local.detach().clone().float()
-    dist.all_reduce(total)
-    return total / rt.dims.tp
 
 
 # ------------------------------------------------------------------------- finishing
@@ -470,7 +439,7 @@ def _say(rt: Runtime, message: str) -> None:
 def _layout(rt: Runtime) -> str:
     d = rt.dims
     return (f"pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x tp {d.tp}"
-            + (", FSDP2" if uses_fsdp(rt.mesh) else ""))
+            + (", FSDP2" if d.uses_fsdp else ""))
 
 
 def _describe(args: LlamaArgs) -> str:

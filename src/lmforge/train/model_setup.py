@@ -17,15 +17,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lmforge.config import JobConfig
+from lmforge.config import JobConfig, compute_dtype, grad_accumulation_steps
 from lmforge.eval.evaluate import evaluate
+from lmforge.models.hf import from_hf_state_dict, read_hf_state_dict
 from lmforge.models.llama import Llama, LlamaArgs, build_llama, count_parameters, materialize
 from lmforge.models.loss import token_loss_sum
 from lmforge.parallel import full_value
-from lmforge.parallel.mesh import ParallelDims, group, parallel_dims
+from lmforge.parallel.mesh import ParallelDims
 from lmforge.parallel.parallelize import apply_data_parallel, apply_model_parallel
+from lmforge.parallel.pipeline import (build_schedule, has_first_stage, has_last_stage,
+                                       split_model)
 from lmforge.peft.adapters import load_adapter
-from lmforge.train.step import accumulate_gradients
+from lmforge.peft.lora import after_materialize, is_lora_param, prepare_model_for_lora
+from lmforge.train.step import accumulate_gradients, normalize_loss
 
 LAYOUT_INDEPENDENT_INIT_BYTES = 4 * 2**30
 
@@ -36,11 +40,14 @@ class TrainModel:
     parts: list[nn.Module]  # one module, or this rank's pipeline stages
     args: LlamaArgs
     dims: ParallelDims
-    mesh: object = None
     schedule: object = None  # pipeline schedule when pp > 1
     stage_ids: list[int] = field(default_factory=list)
     loss_chunk_tokens: int = 0  # train.loss_chunk_tokens (one process, dp, FSDP only)
     _n_valid: int = 1
+
+    @property
+    def mesh(self):
+        return self.dims.mesh
 
     @property
     def whole(self) -> Optional[Llama]:
@@ -64,24 +71,17 @@ class TrainModel:
             return loss_parallel()
         return contextlib.nullcontext()
 
-    @property
-    def grad_scale(self) -> float:
-        """FSDP averages gradients over dp ranks; scaling the loss by dp makes it a sum."""
-        return float(self.dims.dp)
-
     def forward_backward(self, micro_batches: list[dict], n_valid: int,
                          device: torch.device, autocast) -> torch.Tensor:
         """This rank's share of the step loss (sum of its token losses / n_valid)."""
         with self.loss_context():
             if self.schedule is None:
                 return accumulate_gradients(self.parts[0], micro_batches, device, autocast,
-                                            n_valid, self.grad_scale, self.loss_chunk_tokens)
+                                            n_valid, self.dims.dp, self.loss_chunk_tokens)
             return self._pipeline_step(micro_batches, n_valid, device, autocast)
 
     def _pipeline_step(self, micro_batches, n_valid, device, autocast) -> torch.Tensor:
-        from lmforge.parallel.pipeline import has_first_stage, has_last_stage
-
-        self._n_valid = max(n_valid, 1)
+        self._n_valid = n_valid
         parts = list(zip(self.stage_ids, self.parts))
         n_stages = self.dims.pp * len(self.parts)
         inputs = torch.cat([b["input_ids"] for b in micro_batches]).to(device)
@@ -96,39 +96,37 @@ class TrainModel:
             else:
                 self.schedule.step(**kwargs)
         total = torch.zeros((), device=device)
-        for loss in losses:
+        for loss in losses:  # (none off the last stage)
             total += full_value(loss)
-        return total / self.grad_scale
+        return total / self.dims.dp  # the share normalize_loss(.., dp=1) gives
 
     def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return token_loss_sum(output, target) * (self.grad_scale / self._n_valid)
+        """The schedule's loss function, called per pipeline microbatch on the last stage."""
+        return normalize_loss(token_loss_sum(output, target), self._n_valid, self.dims.dp)
 
     def evaluate(self, batches, device, autocast) -> tuple[float, int]:
         with self.loss_context():
             return evaluate(self.parts[0], batches, device, autocast, self.loss_chunk_tokens)
 
 
-def build_train_model(cfg: JobConfig, args: LlamaArgs, device: torch.device, mesh,
+def build_train_model(cfg: JobConfig, args: LlamaArgs, device: torch.device,
+                      dims: ParallelDims = ParallelDims(),
                       param_dtype: Optional[torch.dtype] = None) -> TrainModel:
-    dims = parallel_dims(mesh)
+    """This rank's model for the layout ``dims`` (default: one plain process);
+    ``param_dtype``: FSDP's compute dtype for parameters."""
     model = build_llama(args)  # meta: nothing allocated yet
     if dims.pp > 1:
-        from lmforge.parallel.pipeline import split_model
-
         stages = split_model(model, dims.pp_rank, dims.pp, cfg.parallel.pp_virtual_stages)
     else:
         stages = [(0, model)]
-    tm = TrainModel([part for _, part in stages], args, dims, mesh,
+    tm = TrainModel([part for _, part in stages], args, dims,
                     stage_ids=[i for i, _ in stages],
                     loss_chunk_tokens=cfg.train.loss_chunk_tokens)
-    if cfg.lora.enabled:  # module swap on the meta model, before any sharding
-        from lmforge.peft.lora import prepare_model_for_lora
-
-        for part in tm.parts:
-            prepare_model_for_lora(part, cfg.lora)
     for part in tm.parts:
-        apply_model_parallel(part, mesh, cfg)
-    full_sd = initial_state_dict(cfg, args, mesh)
+        if cfg.lora.enabled:  # module swap on the meta model, before any sharding
+            prepare_model_for_lora(part, cfg.lora)
+        apply_model_parallel(part, dims, cfg)
+    full_sd = initial_state_dict(cfg, args, dims)
     small = 4 * count_parameters(model) <= LAYOUT_INDEPENDENT_INIT_BYTES
     if full_sd is not None and small:
         # Load while only tensor-parallel sharded (a full copy / tp per rank), then shard
@@ -152,12 +150,10 @@ def build_train_model(cfg: JobConfig, args: LlamaArgs, device: torch.device, mes
         for part in tm.parts:
             part.to(torch.bfloat16)
     if dims.pp > 1:
-        from lmforge.parallel.pipeline import build_schedule
-
-        n_micro = cfg.parallel.microbatches or _grad_accum(cfg, dims.dp)
+        n_micro = cfg.parallel.microbatches or grad_accumulation_steps(cfg, dims.dp)
         tm.schedule = build_schedule(list(zip(tm.stage_ids, tm.parts)),
                                      dims.pp * len(tm.parts), cfg.parallel.pp_schedule,
-                                     n_micro, tm.pipeline_loss, device, group(mesh, "pp"))
+                                     n_micro, tm.pipeline_loss, device, dims.group("pp"))
     tm.train()
     return tm
 
@@ -167,19 +163,14 @@ def _finish_lora(tm: TrainModel, cfg: JobConfig) -> None:
     NF4/int8 quantization of the frozen base, optional adapter load."""
     if not cfg.lora.enabled:
         return
-    from lmforge.peft.lora import after_materialize
-
     torch.manual_seed(cfg.train.seed + 1)
     for part in tm.parts:
         after_materialize(part, cfg.lora)
         if cfg.lora.adapter_from:
             load_adapter(part, cfg.lora.adapter_from)
-        if _computes_in_bf16(cfg, next(part.parameters()).device) and not cfg.lora.quantize:
+        device_type = next(part.parameters()).device.type
+        if compute_dtype(cfg, device_type) == "bf16" and not cfg.lora.quantize:
             frozen_linears_to_bf16(part)
-
-
-def _computes_in_bf16(cfg: JobConfig, device: torch.device) -> bool:
-    return cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and device.type == "cuda")
 
 
 def frozen_linears_to_bf16(model: nn.Module) -> None:
@@ -197,47 +188,31 @@ def frozen_linears_to_bf16(model: nn.Module) -> None:
 
 def _materialize_all(tm: TrainModel, device: torch.device) -> None:
     for part in tm.parts:
-        _materialize(part, device)
+        materialize(part, device, init=False)
 
 
 def _apply_data_parallel_all(tm: TrainModel, cfg: JobConfig, param_dtype) -> None:
     for part in tm.parts:
-        apply_data_parallel(part, tm.mesh, cfg, param_dtype)
+        apply_data_parallel(part, tm.dims, cfg, param_dtype)
 
 
-def initial_state_dict(cfg: JobConfig, args: LlamaArgs, mesh) -> Optional[dict]:
+def initial_state_dict(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims
+                       ) -> Optional[dict]:
     """Full starting weights when they are affordable on every rank: a local HF model,
     or (with several processes) a seeded initialisation of the whole model, the same
     draws as a single process makes. None: initialise in place / per shard."""
     if cfg.model.init_from:
-        from lmforge.models.hf import from_hf_state_dict, read_hf_state_dict
-
         sd = from_hf_state_dict(read_hf_state_dict(cfg.model.init_from), args,
                                 source=f"{cfg.model.init_from} weights")
         return {k: v.float() for k, v in sd.items()}
-    if mesh is None or 4 * count_parameters(build_llama(args)) > LAYOUT_INDEPENDENT_INIT_BYTES:
+    if dims.mesh is None or 4 * count_parameters(build_llama(args)) > LAYOUT_INDEPENDENT_INIT_BYTES:
         return None
     torch.manual_seed(cfg.train.seed)
     return materialize(build_llama(args), "cpu").state_dict()
 
 
-def _grad_accum(cfg: JobConfig, dp: int) -> int:
-    per_micro_step = cfg.data.micro_batch_size * dp
-    return (cfg.data.global_batch_size or per_micro_step) // per_micro_step
-
-
-def _materialize(part: nn.Module, device: torch.device) -> None:
-    tied = (part.tok_embeddings is not None and part.output is not None
-            and part.args.tie_embeddings)
-    part.to_empty(device=device)
-    if tied:  # to_empty allocates each reference separately, which unties them
-        part.output.weight = part.tok_embeddings.weight
-
-
 def load_full_state_dict(tm: TrainModel, sd: dict) -> None:
     """Full (unsharded) tensors -> each part's shards."""
-    from lmforge.peft.lora import is_lora_param
-
     for part in tm.parts:
         # Adapter weights are not in a base checkpoint; they are initialised afterwards.
         wanted = {k: sd[k] for k in part.state_dict() if not is_lora_param(k)}
@@ -267,7 +242,7 @@ def gather_full_state_dict(tm: TrainModel) -> Optional[dict]:
     # One representative per stage (dp and tp coordinates 0) sends its stage to rank 0.
     if tm.dims.dp_rank != 0 or tm.dims.tp_rank != 0:
         return None
-    pp_group = group(tm.mesh, "pp")
+    pp_group = tm.dims.group("pp")
     gathered = [None] * tm.dims.pp if dist.get_rank() == 0 else None
     dist.gather_object(sd, gathered, dst=0, group=pp_group)
     if dist.get_rank() != 0:
@@ -295,7 +270,7 @@ def clip_grad_norm(tm: TrainModel, max_norm: float) -> torch.Tensor:
     if squared is None:
         squared = torch.zeros((), device=next(iter(tm.parameters())).device)
     if tm.dims.pp > 1:
-        dist.all_reduce(squared, group=group(tm.mesh, "pp"))
+        dist.all_reduce(squared, group=tm.dims.group("pp"))
     total = squared.sqrt()
     if max_norm > 0:
         # A Python float scales plain and sharded gradients alike.

@@ -2,7 +2,8 @@
 
 The loss of a step is the sum of the token cross-entropies over all its micro-batches
 divided by the number of valid (label != -100) tokens in the whole step, so it does not
-depend on how the step is split into micro-batches or how padding falls.
+depend on how the step is split into micro-batches or how padding falls; every layout
+normalises with ``normalize_loss``.
 """
 from __future__ import annotations
 
@@ -10,33 +11,75 @@ import contextlib
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lmforge.models.loss import IGNORE_INDEX, micro_batch_loss_sum
 from lmforge.parallel import full_value
+from lmforge.parallel.mesh import ParallelDims
+
+
+def normalize_loss(loss_sum: torch.Tensor, n_valid: int, dp: int = 1) -> torch.Tensor:
+    """``loss_sum`` (a sum of token cross-entropies) as its share of the step loss
+
+        loss = (sum of the token cross-entropies of the step) / N,
+
+    N = the step's valid (label != -100) tokens on all data-parallel ranks together
+    (``global_valid_tokens``; at least 1, so a step of only padding gives 0, not NaN).
+    What is back-propagated is ``loss_sum * dp / N`` in every layout:
+
+    - gradient accumulation: each micro-batch's sum is divided by the whole step's N, not
+      by its own count, so splitting a step into micro-batches changes nothing;
+    - data parallel (DDP, FSDP2, HSDP): each rank holds its own micro-batches' sums, and
+      the wrapper averages gradients over the dp ranks, so ``x dp`` turns that average
+      into the sum the formula needs (``dp=1``: the plain value, as logged);
+    - tensor / sequence parallel: the tp ranks of a data-parallel group load the same
+      batch and, under ``loss_parallel``, each holds the whole (replicated) loss sum, so
+      they back-propagate the same value and N counts that batch once;
+    - pipeline parallel: the schedule calls this for each pipeline microbatch on the last
+      stage, with the step's N, and does not rescale gradients (``scale_grads=False``).
+    """
+    return loss_sum * (dp / max(n_valid, 1))
 
 
 def count_valid_tokens(batches: Iterable[dict]) -> int:
     return int(sum((b["labels"] != IGNORE_INDEX).sum().item() for b in batches))
 
 
+def global_valid_tokens(local: int, dims: ParallelDims, device: torch.device) -> int:
+    """N of ``normalize_loss``: the step's valid tokens on all data-parallel ranks. Every
+    tp and pp rank of a data-parallel group loads the same batch, so the world sum counts
+    each tp x pp times."""
+    if dims.mesh is None:
+        return local
+    total = torch.tensor(local, dtype=torch.int64, device=device)
+    dist.all_reduce(total)
+    return int(total) // (dims.tp * dims.pp)
+
+
+def global_step_loss(local: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
+    """The step loss, the same on every rank, from each rank's ``normalize_loss`` share
+    (dp=1): tp ranks hold copies, and only last pipeline stages hold any."""
+    if dims.mesh is None:
+        return local
+    total = local.detach().clone().float()
+    dist.all_reduce(total)
+    return total / dims.tp
+
+
 def accumulate_gradients(model: nn.Module, micro_batches: list[dict], device: torch.device,
                          autocast=contextlib.nullcontext, n_valid: int | None = None,
-                         grad_scale: float = 1.0, loss_chunk_tokens: int = 0) -> torch.Tensor:
-    """Forward/backward over the micro-batches of one step; returns the step's loss.
-
-    ``n_valid`` is the token count the loss is divided by: this step's valid tokens on
-    every data-parallel rank together (the caller all-reduces it), else this rank's own.
-    ``grad_scale`` multiplies what is back-propagated (not the returned loss), to undo a
-    data-parallel wrapper's gradient averaging. ``loss_chunk_tokens``: see
-    ``chunked_loss_sum`` (0: the whole micro-batch's logits at once).
+                         dp: int = 1, loss_chunk_tokens: int = 0) -> torch.Tensor:
+    """Forward/backward over the micro-batches of one step; returns this rank's share of
+    the step loss. ``n_valid``, ``dp``: see ``normalize_loss`` (default: this rank's own
+    valid tokens, one process). ``loss_chunk_tokens``: see ``chunked_loss_sum`` (0: the
+    whole micro-batch's logits at once).
     """
     if n_valid is None:
         n_valid = count_valid_tokens(micro_batches)
-    n_valid = max(n_valid, 1)  # a step of only padding contributes zero, not NaN
     loss_sum = torch.zeros((), device=device)
     for batch in micro_batches:
         micro_loss = micro_batch_loss_sum(model, batch, device, autocast, loss_chunk_tokens)
-        (micro_loss * (grad_scale / n_valid)).backward()
+        normalize_loss(micro_loss, n_valid, dp).backward()
         loss_sum += full_value(micro_loss)  # (a replicated DTensor under loss parallel)
-    return loss_sum / n_valid
+    return normalize_loss(loss_sum, n_valid)

@@ -1,7 +1,8 @@
 """Config loading, overrides and validation: bad values are refused with the field named."""
 import pytest
 
-from lmforge.config import ConfigError, JobConfig, load_config, model_args
+from lmforge.config import ConfigError, JobConfig, load_config
+from lmforge.models.presets import model_args
 
 
 def test_defaults_are_the_cpu_demo_and_validate():

@@ -4,6 +4,7 @@ import torch
 
 from lmforge.config import load_config
 from lmforge.models.llama import LlamaArgs, build_llama, materialize
+from lmforge.parallel.mesh import ParallelDims
 from lmforge.parallel.parallelize import apply_model_parallel
 from lmforge.train.step import accumulate_gradients
 
@@ -14,7 +15,8 @@ ARGS = LlamaArgs(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=67, ffn
 def _model(mode):
     torch.manual_seed(0)
     model = materialize(build_llama(ARGS), "cpu")
-    apply_model_parallel(model, None, load_config(None, [f"train.activation_checkpointing={mode}"]))
+    apply_model_parallel(model, ParallelDims(),
+                         load_config(None, [f"train.activation_checkpointing={mode}"]))
     return model
 
 
@@ -34,5 +36,5 @@ def test_checkpointing_keeps_parameter_names_and_gradients(mode):
 
 def test_compile_per_block_keeps_parameter_names():
     compiled = _model("none")
-    apply_model_parallel(compiled, None, load_config(None, ["train.compile=true"]))
+    apply_model_parallel(compiled, ParallelDims(), load_config(None, ["train.compile=true"]))
     assert list(compiled.state_dict()) == list(_model("none").state_dict())

@@ -21,7 +21,8 @@ def test_rank_comes_from_torchrun_or_slurm_alike():
 
 
 def test_one_process_is_distributed_only_under_torchrun_with_dp_shard_1():
-    from lmforge.config import ParallelConfig, runs_distributed
+    from lmforge.config import ParallelConfig
+    from lmforge.parallel.mesh import runs_distributed
 
     assert runs_distributed(ParallelConfig(dp_shard=1), 1, torchrun=True)
     assert not runs_distributed(ParallelConfig(), 1, torchrun=True)  # dp_shard=-1: plain

@@ -11,7 +11,7 @@ from lmforge.train.optim import Optimizers
 
 def _model(*overrides):
     cfg = load_config(None, ["lora.enabled=true", "lora.targets=all-linear", *overrides])
-    return cfg, build_train_model(cfg, PRESETS["debug"], torch.device("cpu"), None)
+    return cfg, build_train_model(cfg, PRESETS["debug"], torch.device("cpu"))
 
 
 def test_only_adapters_train_and_reach_the_optimizer():

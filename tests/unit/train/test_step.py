@@ -7,7 +7,7 @@ from lmforge.train.optim import lr_multiplier
 from lmforge.config import OptimConfig
 from lmforge.eval.evaluate import evaluate
 from lmforge.models.loss import IGNORE_INDEX
-from lmforge.train.step import accumulate_gradients
+from lmforge.train.step import accumulate_gradients, normalize_loss
 
 ARGS = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, ffn_dim=64,
                  max_seq_len=64)
@@ -65,6 +65,25 @@ def test_all_padding_step_gives_zero_loss_not_nan():
     batch = _padded_batch([0, 0])
     loss = accumulate_gradients(_model(), [batch], torch.device("cpu"))
     assert loss.item() == 0.0
+
+
+def test_normalize_loss_is_sum_times_dp_over_global_valid_tokens():
+    loss_sum = torch.tensor(12.0)
+    assert normalize_loss(loss_sum, 4).item() == 3.0
+    assert normalize_loss(loss_sum, 4, dp=2).item() == 6.0  # undoes FSDP's dp-average
+    assert normalize_loss(loss_sum, 0).item() == 12.0  # no valid tokens: divide by 1
+
+
+def test_data_parallel_factor_scales_gradients_not_the_returned_loss():
+    batch = _padded_batch([12, 5])
+    model = _model()
+    loss_one = accumulate_gradients(model, [batch], torch.device("cpu"))
+    grads_one = _grads(model)
+    model.zero_grad()
+    loss_dp = accumulate_gradients(model, [batch], torch.device("cpu"), dp=4)
+    assert loss_dp.item() == loss_one.item()
+    for name, grad in _grads(model).items():
+        torch.testing.assert_close(grad, 4 * grads_one[name])
 
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor():

@@ -1,0 +1,67 @@
+"""The facts derived from a config (layout, accumulation, compute dtype) and their one
+definition each in config.py."""
+import pytest
+
+from lmforge.config import (ConfigError, ParallelConfig, compute_dtype,
+                            grad_accumulation_steps, load_config, resolve_layout,
+                            samples_per_step)
+
+
+def test_dp_shard_minus_one_takes_what_the_world_size_leaves():
+    layout = resolve_layout(ParallelConfig(dp_replicate=2, tp=2), 16)
+    assert layout == {"pp": 1, "dp_replicate": 2, "dp_shard": 4, "tp": 2}
+    assert list(layout) == ["pp", "dp_replicate", "dp_shard", "tp"]  # outermost first
+    assert resolve_layout(ParallelConfig(dp_shard=3), 3)["dp_shard"] == 3
+
+
+def test_layout_whose_product_is_not_the_world_size_is_refused():
+    with pytest.raises(ConfigError, match="^parallel.dp_shard"):
+        resolve_layout(ParallelConfig(dp_shard=3), 4)
+    with pytest.raises(ConfigError, match="^parallel.dp_shard"):
+        resolve_layout(ParallelConfig(tp=3), 4)  # nothing left for dp_shard
+
+
+def test_grad_accumulation_is_global_batch_over_one_micro_batch_per_rank():
+    cfg = load_config(None, ["data.micro_batch_size=2", "data.global_batch_size=16"])
+    assert samples_per_step(cfg, 4) == 16
+    assert grad_accumulation_steps(cfg, 4) == 2
+    assert grad_accumulation_steps(cfg, 1) == 8
+    unset = load_config(None, ["data.micro_batch_size=2"])
+    assert samples_per_step(unset, 4) == 8 and grad_accumulation_steps(unset, 4) == 1
+
+
+def test_auto_dtype_computes_in_bf16_on_a_gpu_and_fp32_on_the_cpu():
+    auto = load_config(None, [])
+    assert compute_dtype(auto, "cuda") == "bf16" and compute_dtype(auto, "cpu") == "fp32"
+    forced = load_config(None, ["train.dtype=bf16"])
+    assert compute_dtype(forced, "cpu") == "bf16"
+    assert compute_dtype(load_config(None, ["train.dtype=fp32"]), "cuda") == "fp32"
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["parallel.zero=1"], "parallel.zero"),
+    (["parallel.pp_virtual_stages=0"], "parallel.pp_virtual_stages"),
+    (["parallel.microbatches=0"], "parallel.microbatches"),
+    (["parallel.tp=0"], "parallel.tp"),
+    (["lora.rank=0"], "lora.rank"),
+    (["lora.dropout=1.0"], "lora.dropout"),
+    (["lora.quantize=fp4"], "lora.quantize"),
+    (["optim.min_lr_ratio=2"], "optim.min_lr_ratio"),
+    (["train.stop_at_step=0"], "train.stop_at_step"),
+    (["data.eval_fraction=1"], "data.eval_fraction"),
+    (["model.dim=-8"], "model.dim"),
+    (["train.keep_last=-1"], "train.keep_last"),
+])
+def test_bounds_table_refuses_values_out_of_range_naming_the_field(overrides, field):
+    with pytest.raises(ConfigError, match=rf"^{field}: "):
+        load_config(None, overrides).validate()
+
+
+def test_integral_float_is_an_int_and_yaml_exponent_text_is_a_float():
+    cfg = load_config(None, ["data.seq_len=128.0", "optim.lr=3e-4", "train.save=false"])
+    assert cfg.data.seq_len == 128 and isinstance(cfg.data.seq_len, int)
+    assert cfg.optim.lr == pytest.approx(3e-4) and cfg.train.save is False
+    for bad, field in (("data.seq_len=1.5", "data.seq_len"), ("train.save=1", "train.save"),
+                       ("optim.lr=fast", "optim.lr")):
+        with pytest.raises(ConfigError, match=rf"^{field}: expected"):
+            load_config(None, [bad])

@@ -1,0 +1,45 @@
+"""Both training loaders (indexed/SFT data and in-memory text) save one state schema."""
+import warnings
+
+import numpy as np
+import pytest
+
+from lmforge.data.errors import DataError
+from lmforge.data.loader import STATE_VERSION, loader_state, resume_position
+from lmforge.data.text import PackedTokenLoader
+
+
+def _text_loader(dp_rank=0, dp_size=1, seed=3, n_tokens=401):
+    return PackedTokenLoader(np.arange(n_tokens, dtype=np.int32), 10, 2, seed, dp_rank, dp_size)
+
+
+def test_text_loader_state_is_the_loader_state_schema():
+    loader = _text_loader(dp_size=2)
+    loader.next_batch()
+    assert loader.state_dict() == loader_state(4, 3, 2, 2, [40])
+    assert loader.state_dict()["version"] == STATE_VERSION
+    assert loader.consumed_samples == 4
+
+
+def test_text_loader_resumes_at_the_same_sample_on_another_dp_size():
+    two = [_text_loader(r, 2) for r in range(2)]
+    for _ in range(3):
+        for loader in two:
+            loader.next_batch()
+    one = _text_loader()
+    one.load_state_dict(two[0].state_dict())
+    reference = _text_loader()
+    for _ in range(6):
+        reference.next_batch()
+    assert one.next_batch()["sample_ids"].tolist() == reference.next_batch()["sample_ids"].tolist()
+
+
+def test_resume_refuses_another_seed_and_warns_on_other_data():
+    state = loader_state(8, 3, 2, 1, [40])
+    with pytest.raises(DataError, match="train.seed=3"):
+        resume_position(state, 4, [40])
+    with pytest.warns(UserWarning, match="data differ"):
+        assert resume_position(state, 3, [41]) == 8
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resume_position(state, 3, [40]) == 8
