@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from lmforge.config import data_parallel_size, load_config
+from lmforge.config import load_config, resolve_layout
 from lmforge.models.llama import build_llama
 from lmforge.models.presets import PRESETS
 from lmforge.peft.lora import apply_lora, is_lora_param
@@ -70,7 +70,8 @@ def test_cpt_recipe_steps_a_million_tokens_sharded_over_every_gpu():
     assert cfg.data.seq_len * cfg.data.global_batch_size == 1 << 20
     assert cfg.parallel.zero == 3
     for gpus in (8, 16):  # dp_shard=-1: FSDP2 over however many GPUs the job has
-        assert data_parallel_size(cfg, gpus) == gpus
+        layout = resolve_layout(cfg.parallel, gpus)
+        assert layout["dp_replicate"] * layout["dp_shard"] == gpus
 
 
 @pytest.mark.parametrize("name, adapter_millions", [("llama2-7b-lora.yaml", 40),
