@@ -334,7 +334,6 @@ def validate(cfg: JobConfig, world_size: int = 1, distributed: Optional[bool] = 
         raise ConfigError(f"data.path: required when data.kind is {cfg.data.kind}")
     _validate_batch(cfg, world_size)
     _validate_in_backward(cfg, world_size, distributed)
-    _validate_model(cfg)
     _validate_lora(cfg.lora)
     if cfg.lora.enabled and cfg.parallel.tp > 1:
         raise ConfigError("parallel.tp: LoRA under tensor parallelism is not supported yet "
@@ -382,25 +381,6 @@ def _validate_in_backward(cfg: JobConfig, world_size: int, distributed: bool) ->
     if cfg.train.on_nonfinite != "stop":
         raise ConfigError("train.on_nonfinite: skip cannot undo an update made in "
                           "backward; use stop with optim.in_backward")
-
-
-def _validate_model(cfg: JobConfig) -> None:
-    # models imports config, so this import is deferred to the call (no cycle)
-    from lmforge.models.presets import PRESETS, check_model_args, model_args
-
-    m = cfg.model
-    if m.preset is not None and m.preset not in PRESETS:
-        raise ConfigError(f"model.preset: unknown preset {m.preset!r} "
-                          f"(known: {', '.join(sorted(PRESETS))})")
-    if m.preset is None and m.init_from is None:
-        raise ConfigError("model.preset: set a preset or model.init_from")
-    if m.init_from is not None:  # shape checks against config.json: when it is read
-        if not Path(m.init_from).is_dir():
-            raise ConfigError(f"model.init_from: {m.init_from} is not a directory")
-        return
-    args = model_args(cfg)
-    check_model_args(args, cfg.data.seq_len)
-    check_parallel_fits(cfg, args)
 
 
 def _validate_lora(lora: LoraConfig) -> None:

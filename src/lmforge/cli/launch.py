@@ -7,6 +7,7 @@ from pathlib import Path
 
 from lmforge.cli.common import config_and_overrides
 from lmforge.config import load_config
+from lmforge.models.presets import validate_job
 from lmforge.launch import render_slurm_script
 
 
@@ -38,7 +39,7 @@ def _slurm(args) -> int:
         raise ValueError("--nodes and --gpus-per-node must be >= 1")
     config, overrides = config_and_overrides(args.config, args.overrides)
     # Refuse a layout that cannot run on this many processes before writing anything.
-    load_config(config, overrides).validate(world_size=args.nodes * args.gpus_per_node)
+    validate_job(load_config(config, overrides), world_size=args.nodes * args.gpus_per_node)
     script = render_slurm_script(config, overrides, args.nodes, args.gpus_per_node,
                                  args.job_name, args.time_limit, args.cpus_per_task,
                                  args.partition, args.account, port=args.port)

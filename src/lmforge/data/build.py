@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from lmforge.config import JobConfig
+from lmforge.data.loader import build_dataset_loader
 from lmforge.data.text import PackedTokenLoader, corpus_files, tokenize_files
 from lmforge.data.tokenizer import Tokenizer, read_text, train_bpe
 
@@ -37,8 +38,6 @@ def build_data(cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int = 0, dp_size: 
     d = cfg.data
     if d.kind in ("stdlib", "text"):
         return _build_text(cfg, tokenizer, dp_rank, dp_size)
-    from lmforge.data.loader import build_dataset_loader
-
     train = build_dataset_loader(cfg, tokenizer, dp_rank, dp_size, "train", cache_dir)
     eval_batches = None
     if d.eval_path:

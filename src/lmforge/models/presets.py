@@ -3,9 +3,10 @@ the architecture of a run: a preset with the config's ``model.*`` fields on top.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Optional
 
-from lmforge.config import ConfigError, JobConfig
+from lmforge.config import ConfigError, JobConfig, check_parallel_fits
 from lmforge.models.llama import LlamaArgs, RopeScaling
 
 _LLAMA31_SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -73,3 +74,27 @@ def model_args(cfg: JobConfig, base: Optional[LlamaArgs] = None) -> LlamaArgs:
     if "n_heads" in changes and "n_kv_heads" not in changes and args.n_kv_heads == args.n_heads:
         changes["n_kv_heads"] = changes["n_heads"]
     return dataclasses.replace(args, **changes)
+
+
+def validate_job(cfg: JobConfig, world_size: int = 1, distributed: bool = False) -> JobConfig:
+    """Everything refused before any compute: the config's own fields
+    (``JobConfig.validate``) and the model section, which needs the presets."""
+    cfg.validate(world_size=world_size, distributed=distributed)
+    _validate_model(cfg)
+    return cfg
+
+
+def _validate_model(cfg: JobConfig) -> None:
+    m = cfg.model
+    if m.preset is not None and m.preset not in PRESETS:
+        raise ConfigError(f"model.preset: unknown preset {m.preset!r} "
+                          f"(known: {', '.join(sorted(PRESETS))})")
+    if m.preset is None and m.init_from is None:
+        raise ConfigError("model.preset: set a preset or model.init_from")
+    if m.init_from is not None:  # shape checks against config.json: when it is read
+        if not Path(m.init_from).is_dir():
+            raise ConfigError(f"model.init_from: {m.init_from} is not a directory")
+        return
+    args = model_args(cfg)
+    check_model_args(args, cfg.data.seq_len)
+    check_parallel_fits(cfg, args)

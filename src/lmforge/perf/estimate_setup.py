@@ -13,7 +13,7 @@ from lmforge.config import (ConfigError, compute_dtype, grad_accumulation_steps,
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.models.hf import args_from_hf_config, read_hf_config
 from lmforge.models.llama import LlamaArgs
-from lmforge.models.presets import model_args
+from lmforge.models.presets import model_args, validate_job
 from lmforge.perf.flops import Trainability
 from lmforge.peft.targets import LoraSpec, lora_spec
 
@@ -117,7 +117,7 @@ def setup_from_config(cfg, device: Optional[str] = None, world_size: Optional[in
     # Without a world size, each unset dimension is one device (dp_shard=-1 resolves to 1).
     devices = world_size or layout.dp_replicate * layout.tp * layout.pp * max(layout.dp_shard, 1)
     dp_shard = resolve_layout(layout, devices)["dp_shard"]
-    cfg.validate(world_size=devices)
+    validate_job(cfg, world_size=devices)
     notes: list[str] = []
     args = _model_args(cfg, notes)
     for name, heads in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads)):

@@ -29,7 +29,7 @@ from lmforge.data.build import DataBundle, build_data, train_corpus_tokenizer
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
 from lmforge.models.hf import args_from_hf_config, read_hf_config
 from lmforge.models.llama import Llama, LlamaArgs, build_llama, count_parameters, materialize
-from lmforge.models.presets import check_model_args, model_args
+from lmforge.models.presets import check_model_args, model_args, validate_job
 from lmforge.parallel.mesh import (DistEnv, ParallelDims, build_parallel_dims,
                                    init_distributed, read_dist_env, runs_distributed)
 from lmforge.peft.lora import trainable_summary
@@ -72,7 +72,7 @@ def train(cfg: JobConfig) -> dict:
     """Runs the job described by ``cfg``; returns a summary of what happened."""
     env = read_dist_env()
     distributed = runs_distributed(cfg.parallel, env.world_size, env.torchrun)
-    cfg.validate(world_size=env.world_size, distributed=distributed)
+    validate_job(cfg, world_size=env.world_size, distributed=distributed)
     resolve_targets(cfg.lora.targets)  # lora.targets by peft's one rule, before any compute
     summary = _run(cfg, init_runtime(cfg, env, distributed))
     # The model, optimizers and mesh died with _run's frame: only now can the process

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from lmforge.config import OptimConfig
+from lmforge.train.low_memory import AdamWBF16, fuse_step_into_backward
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -17,8 +18,6 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     if cfg.name == "adamw_bf16":
-        from lmforge.train.low_memory import AdamWBF16
-
         return AdamWBF16(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     fused = cfg.fused
     if fused is None:  # the fused kernel exists for CUDA tensors; CPU uses foreach
@@ -57,8 +56,6 @@ class Optimizers:
         self.schedulers = [build_scheduler(o, cfg, max_steps) for o in self.optimizers]
         self.in_backward = cfg.in_backward
         if self.in_backward:
-            from lmforge.train.low_memory import fuse_step_into_backward
-
             for o in self.optimizers:
                 fuse_step_into_backward(o)
 

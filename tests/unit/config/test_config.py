@@ -2,7 +2,7 @@
 import pytest
 
 from lmforge.config import ConfigError, JobConfig, load_config
-from lmforge.models.presets import model_args
+from lmforge.models.presets import model_args, validate_job
 
 
 def test_defaults_are_the_cpu_demo_and_validate():
@@ -57,7 +57,7 @@ def test_bad_override_names_the_field(override, field):
 def test_validate_refuses_bad_values_naming_the_field(overrides, field):
     cfg = load_config(None, overrides)
     with pytest.raises(ConfigError, match=rf"^{field}"):
-        cfg.validate()
+        validate_job(cfg)
 
 
 def test_bad_yaml_file_is_named(tmp_path):

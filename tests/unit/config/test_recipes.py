@@ -7,7 +7,7 @@ import pytest
 
 from lmforge.config import load_config, resolve_layout
 from lmforge.models.llama import build_llama
-from lmforge.models.presets import PRESETS
+from lmforge.models.presets import PRESETS, validate_job
 from lmforge.peft.lora import apply_lora, is_lora_param
 
 CONFIGS_DIR = Path(__file__).resolve().parents[3] / "configs"
@@ -51,7 +51,7 @@ def test_recipe_header_command_sets_its_keys_and_validates(path, tmp_path):
         cfg.data.path = str(tmp_path / "data")
     if cfg.model.init_from is not None:  # shapes come from config.json at run time
         cfg.model.init_from, cfg.model.preset = str(tmp_path), "llama2-7b"
-    cfg.validate(world_size=processes)
+    validate_job(cfg, world_size=processes)
 
 
 def test_the_documented_recipes_exist():
