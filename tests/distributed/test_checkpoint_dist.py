@@ -161,11 +161,12 @@ def _one_rank_fails(root: Path, model, optimizer, rank: int) -> None:
     import torch.distributed.checkpoint.filesystem as fs
 
     import lmforge.checkpoint as ckpt
+    from lmforge import fsio
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    for module, name in ((ckpt, "_write_file"), (fs, "_write_item")):
+    for module, name in ((fsio, "write_file"), (fs, "_write_item")):
         real = getattr(module, name)
         if rank == 1:
             setattr(module, name, full)

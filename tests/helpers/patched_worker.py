@@ -33,18 +33,18 @@ if kind == "nan":
     model_setup.accumulate_gradients = poisoned
 
 elif kind == "hang_commit":
-    import lmforge.checkpoint as checkpoint
+    from lmforge.checkpoint import layout
 
     hang_step = int(params[0])
-    original_commit = checkpoint._commit
+    original_commit = layout.commit
 
     def stalled_commit(tmp, final):
-        if checkpoint.checkpoint_step(final) == hang_step:
+        if layout.checkpoint_step(final) == hang_step:
             open(os.environ["LMFORGE_TEST_SIGNAL"], "w").close()
             time.sleep(600)
         return original_commit(tmp, final)
 
-    checkpoint._commit = stalled_commit
+    layout.commit = stalled_commit
 
 if __name__ == "__main__":
     from lmforge.cli import main

@@ -1,7 +1,7 @@
 """``lmforge export``: a training checkpoint to Hugging Face / PEFT / merged."""
 from __future__ import annotations
 
-from lmforge.checkpoint import EXPORT_DTYPES, export_checkpoint
+from lmforge.export import EXPORT_DTYPES, FORMATS, export_checkpoint
 
 
 def add_parser(subparsers) -> None:
@@ -13,7 +13,7 @@ def add_parser(subparsers) -> None:
         "offline in one process, whatever the layout the checkpoint was saved on.")
     p.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR")
     p.add_argument("out_dir", metavar="OUT_DIR")
-    p.add_argument("--format", dest="fmt", choices=("hf", "peft", "merged"), default="hf")
+    p.add_argument("--format", dest="fmt", choices=FORMATS, default="hf")
     p.add_argument("--tokenizer", metavar="DIR", default=None,
                    help="tokenizer directory (default: the run's tokenizer/)")
     p.add_argument("--dtype", choices=tuple(EXPORT_DTYPES), default=None,

@@ -21,7 +21,6 @@ they are complete. The reader maps both files and never copies tokens.
 from __future__ import annotations
 
 import os
-import socket
 import struct
 from array import array
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 
+from lmforge import fsio
 from lmforge.data.errors import DataError
 
 HEADER = b"MMIDIDX\x00\x00"
@@ -39,12 +39,6 @@ DTYPES: dict[int, np.dtype] = {
     8: np.dtype(np.uint16)}
 CODES: dict[np.dtype, int] = {dtype: code for code, dtype in DTYPES.items()}
 _FIXED = len(HEADER) + 8 + 1 + 8 + 8  # bytes before the arrays
-
-
-def tmp_tag() -> str:
-    """A suffix for temporary files unique to this process, also across nodes sharing a
-    file system."""
-    return f".tmp-{socket.gethostname()}-{os.getpid()}"
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -87,7 +81,7 @@ class IndexedDatasetWriter:
         self.dtype = np.dtype(dtype)
         if self.dtype not in CODES:
             raise DataError(f"{self.prefix}: token dtype {self.dtype} has no MMIDIDX code")
-        tag = tmp_tag()
+        tag = fsio.tmp_tag()
         self._tmp_bin, self._tmp_idx = bin_path(self.prefix) + tag, idx_path(self.prefix) + tag
         self._tmp_lengths = f"{self.prefix}.lengths{tag}"
         self._tmp_docs = f"{self.prefix}.docs{tag}"
@@ -188,8 +182,8 @@ class IndexedDatasetWriter:
         self._write_index()
         self._lengths_file.close()
         self._docs_file.close()
-        os.replace(self._tmp_bin, bin_path(self.prefix))
-        os.replace(self._tmp_idx, idx_path(self.prefix))
+        fsio.replace_file(self._tmp_bin, bin_path(self.prefix))
+        fsio.replace_file(self._tmp_idx, idx_path(self.prefix))
         for tmp in (self._tmp_lengths, self._tmp_docs):
             os.unlink(tmp)
         self._done = True

@@ -40,7 +40,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from lmforge.data.errors import DataError
-from lmforge.data.indexed import IndexedDataset, bin_path, idx_path, strip_suffix, tmp_tag
+from lmforge.data.indexed import IndexedDataset, bin_path, idx_path, strip_suffix
+from lmforge.fsio import atomic_file, atomic_write_bytes, tmp_tag
 
 IGNORE_INDEX = -100
 INDEX_VERSION = 1
@@ -144,16 +145,12 @@ def keyed_dir(root: Path, params: dict, stamp: dict) -> Path:
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + tmp_tag())
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    atomic_write_bytes(path, data)
 
 
 def save_npy(path: Path, array: np.ndarray) -> None:
-    tmp = path.with_name(path.name + tmp_tag())
-    with open(tmp, "wb") as f:
+    with atomic_file(path) as f:
         np.save(f, array)
-    os.replace(tmp, path)
 
 
 def load_or_build(path: Path, build) -> np.ndarray:

@@ -10,14 +10,12 @@ safetensors only, never by plain unpickling.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from lmforge import fsio
 from lmforge.models.llama import Llama, LlamaArgs, RopeScaling, build_llama, materialize
 
 
@@ -314,7 +312,7 @@ def save_hf_model(model: Llama, out_dir: str | Path, tokenizer=None,
                   generation_config: Optional[dict] = None) -> Path:
     """Write a directory ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
 
-    Everything is written to a temporary sibling and renamed into place at the end, so a
+    Written with ``fsio.atomic_dir`` (a temporary sibling renamed into place), so a
     reader never sees half a model. An existing ``out_dir`` is replaced only when it is
     empty or a model directory (has config.json)."""
     out = Path(out_dir)
@@ -327,19 +325,12 @@ def save_hf_model(model: Llama, out_dir: str | Path, tokenizer=None,
     config = hf_config_from_args(model.args, torch_dtype=stored_dtype, **ids)
     generation = {k: v for k, v in ids.items() if v is not None} | (generation_config or {})
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with fsio.atomic_dir(out) as tmp:
         _write_json(tmp / CONFIG_NAME, config)
         _write_json(tmp / "generation_config.json", generation)
         write_safetensors_shards(sd, tmp, max_shard_bytes)
         if tokenizer is not None:
             tokenizer.save(tmp)
-        replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
@@ -376,18 +367,6 @@ def _check_replaceable(out: Path) -> None:
             (out / CONFIG_NAME).is_file() or not any(out.iterdir()))):
         raise HFCheckpointError(f"{out}: exists and is not a model directory; "
                                 f"refusing to replace it")
-
-
-def replace_dir(tmp: Path, out: Path) -> None:
-    """Swap a finished temporary directory into place (two renames; a reader sees the
-    old or the new directory, never a partial one)."""
-    if not out.exists():
-        os.replace(tmp, out)
-        return
-    old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-    os.replace(out, old)
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -17,10 +17,7 @@ a plain Hugging Face model directory with the adapters added into the weights
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Optional
@@ -28,8 +25,9 @@ from typing import Optional
 import torch
 from torch import nn
 
+from lmforge import fsio
 from lmforge.config import LoraConfig
-from lmforge.models.hf import hf_names, replace_dir, save_hf_model
+from lmforge.models.hf import hf_names, save_hf_model
 from lmforge.models.llama import build_llama
 from lmforge.parallel import full_value
 from lmforge.peft.lora import LoraLinear, apply_lora, lora_layers
@@ -101,16 +99,9 @@ def save_adapter(model: nn.Module, out_dir: str | Path, base_model_path: Optiona
                                                or not any(out.iterdir()))):
         raise AdapterError(f"{out}: exists and is not an adapter directory; refusing to "
                            f"replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with fsio.atomic_dir(out) as tmp:
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         save_file(sd, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

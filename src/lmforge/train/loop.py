@@ -22,13 +22,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lmforge.checkpoint import (AsyncCheckpointer, capture_rng, clean_stale_tmp,
+                                load_checkpoint, read_meta, resolve_resume, restore_rng)
 from lmforge.config import (ConfigError, JobConfig, check_parallel_fits, compute_dtype,
                             grad_accumulation_steps, resolve_device, samples_per_step,
                             save_config)
 from lmforge.data.build import DataBundle, build_data, train_corpus_tokenizer
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
+from lmforge.export import export_trained, trained_model
 from lmforge.models.hf import args_from_hf_config, read_hf_config
-from lmforge.models.llama import Llama, LlamaArgs, build_llama, count_parameters, materialize
+from lmforge.models.llama import LlamaArgs, build_llama, count_parameters
 from lmforge.models.presets import check_model_args, model_args, validate_job
 from lmforge.parallel.mesh import (DistEnv, ParallelDims, build_parallel_dims,
                                    init_distributed, read_dist_env, runs_distributed)
@@ -284,8 +287,6 @@ class Checkpoints:
     """When to save, resume and prune; the mechanics live in lmforge.checkpoint."""
 
     def __init__(self, cfg: JobConfig, rt: Runtime, out_dir: Path):
-        from lmforge.checkpoint import AsyncCheckpointer, clean_stale_tmp
-
         self.cfg, self.rt = cfg, rt
         self.root = out_dir / "checkpoints"
         if rt.is_logging_rank:
@@ -297,8 +298,6 @@ class Checkpoints:
     def resume(self, model: TrainModel, optimizers: Optimizers, data: DataBundle) -> int:
         """Loads ``train.resume`` (auto: the newest complete checkpoint) on any layout;
         returns the step to continue after (0 for a fresh start)."""
-        from lmforge.checkpoint import load_checkpoint, read_meta, resolve_resume, restore_rng
-
         path = resolve_resume(self.cfg.train.resume, self.root)
         if path is None:
             return 0
@@ -319,8 +318,6 @@ class Checkpoints:
         every = self.cfg.train.checkpoint_every
         if not ((final and self.cfg.train.save) or (every and step % every == 0)):
             return
-        from lmforge.checkpoint import capture_rng
-
         extra = {"step": step, "scheduler": optimizers.scheduler_state(),
                  "data": data.train.state_dict()}
         self.writer.save(step, model.parts, optimizers.optimizers, extra, capture_rng(),
@@ -351,18 +348,20 @@ def finish(cfg: JobConfig, rt: Runtime, model: TrainModel, tokenizer: Tokenizer,
         return summary
     full_sd = gather_full_state_dict(model)
     if rt.is_logging_rank:
-        export = _plain_model(model, full_sd, cfg)
-        export_hf(cfg, export, tokenizer, out_dir)
+        # A single-device model holding the trained weights, for export and sampling.
+        trained = model.parts[0] if model.mesh is None else trained_model(
+            model.args, full_sd, cfg.lora)
+        export_trained(cfg, trained, tokenizer, out_dir)
         if "eval_loss" not in summary and data.eval_batches:  # pipelined: evaluate the export
             from lmforge.eval.evaluate import evaluate
 
             summary["eval_loss"], summary["eval_tokens"] = evaluate(
-                export, data.eval_batches(), torch.device("cpu"))
+                trained, data.eval_batches(), torch.device("cpu"))
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         prompt = tokenizer.encode(cfg.train.sample_prompt)
         stops = tuple(tokenizer.eos_ids)
         with rt.autocast():
-            new = generate(export, prompt, cfg.train.sample_tokens, greedy=False,
+            new = generate(trained, prompt, cfg.train.sample_tokens, greedy=False,
                            temperature=0.8, top_k=50, stop_ids=stops,
                            generator=torch.Generator().manual_seed(cfg.train.seed))
         summary["sample"] = cfg.train.sample_prompt + tokenizer.decode(new)
@@ -370,40 +369,6 @@ def finish(cfg: JobConfig, rt: Runtime, model: TrainModel, tokenizer: Tokenizer,
         print(f"sample ({cfg.train.sample_tokens} tokens, temperature 0.8):\n"
               f"{summary['sample']}", flush=True)
     return summary
-
-
-def _plain_model(model: TrainModel, full_sd: dict, cfg: JobConfig) -> Llama:
-    """A single-device model holding the trained weights (for export/sampling)."""
-    if model.mesh is None:
-        return model.parts[0]
-    plain = build_llama(model.args)
-    if cfg.lora.enabled:
-        from lmforge.peft.lora import prepare_model_for_lora
-
-        prepare_model_for_lora(plain, cfg.lora)
-    materialize(plain, "cpu", init=False)
-    plain.load_state_dict(full_sd, strict=True)
-    return plain
-
-
-def export_hf(cfg: JobConfig, model: Llama, tokenizer: Tokenizer, out_dir: Path) -> None:
-    """``hf/``: a transformers-loadable model (adapters merged in); with LoRA also
-    ``adapter/`` in PEFT layout. Chat templates stop on their end-of-turn token."""
-    from lmforge.checkpoint import chat_export
-    from lmforge.models.hf import save_hf_model
-
-    tokenizer, generation = chat_export(cfg, tokenizer)
-    if not cfg.lora.enabled:
-        save_hf_model(model, out_dir / "hf", tokenizer=tokenizer, generation_config=generation)
-        return
-    from lmforge.peft.adapters import export_merged, save_adapter
-
-    save_adapter(model, out_dir / "adapter", base_model_path=cfg.model.init_from,
-                 lora_cfg=cfg.lora)
-    # A base stored in bf16 (frozen weights under bf16 compute) is exported in bf16.
-    bf16 = any(p.dtype == torch.bfloat16 for p in model.parameters())
-    export_merged(model, out_dir / "hf", tokenizer=tokenizer, generation_config=generation,
-                  dtype=torch.bfloat16 if bf16 else None)
 
 
 def _progress_bar(cfg: JobConfig, rt: Runtime, start_step: int = 0):

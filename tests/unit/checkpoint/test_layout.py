@@ -1,4 +1,4 @@
-"""Atomic commit, discovery, retention, failure handling and asynchronous saves."""
+"""Atomic commit, discovery, retention and failure handling of checkpoint directories."""
 from __future__ import annotations
 
 import errno
@@ -7,42 +7,12 @@ import shutil
 
 import pytest
 import torch
+from helpers.tiny_checkpoints import assert_loads, make_model, save, steps, weights
 
-import lmforge.checkpoint as ckpt
-from lmforge.checkpoint import (AsyncCheckpointer, CheckpointError, clean_stale_tmp,
-                                latest_checkpoint, list_checkpoints, load_checkpoint,
-                                prune_checkpoints, resolve_resume, save_checkpoint)
-from lmforge.models.llama import LlamaArgs, build_llama, materialize
-
-ARGS = LlamaArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=32, ffn_dim=32,
-                 max_seq_len=32)
-
-
-def make_model(seed: int = 0):
-    torch.manual_seed(seed)
-    model = materialize(build_llama(ARGS, "meta"), "cpu")
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-
-def save(root, step, model, optimizer, **kwargs):
-    return save_checkpoint(root, step, model, optimizer, {"step": step}, None,
-                           {"train": {"max_steps": 5}}, **kwargs)
-
-
-def weights(model) -> dict:
-    return {k: v.clone() for k, v in model.state_dict().items()}
-
-
-def assert_loads(path, expected: dict):
-    model, optimizer = make_model(seed=123)
-    extra, _ = load_checkpoint(path, model, optimizer)
-    for name, value in model.state_dict().items():
-        assert torch.equal(value, expected[name]), name
-    return extra
-
-
-def steps(root) -> list[int]:
-    return [ckpt.checkpoint_step(p) for p in list_checkpoints(root)]
+from lmforge.checkpoint import (MARKER, CheckpointError, clean_stale_tmp, latest_checkpoint,
+                                list_checkpoints, load_checkpoint, prune_checkpoints,
+                                resolve_resume)
+from lmforge.checkpoint import state
 
 
 # ---------------------------------------------------------------- discovery
@@ -52,7 +22,7 @@ def test_incomplete_directories_are_never_listed(tmp_path):
     save(tmp_path, 2, model, optimizer)
     shutil.copytree(tmp_path / "step-0000002", tmp_path / "step-0000009.tmp")  # has marker
     shutil.copytree(tmp_path / "step-0000002", tmp_path / "step-0000008")
-    (tmp_path / "step-0000008" / ckpt.MARKER).unlink()  # no marker
+    (tmp_path / "step-0000008" / MARKER).unlink()  # no marker
     (tmp_path / "step-0000007").mkdir()
     (tmp_path / "notes").mkdir()
     assert steps(tmp_path) == [2]
@@ -66,7 +36,7 @@ def test_incomplete_directories_are_never_listed(tmp_path):
             load_checkpoint(tmp_path / bad, model, optimizer)
 
 
-def test_resolve_resume(tmp_path):
+def test_resolve_resume_takes_the_newest_or_names_what_is_wrong(tmp_path):
     assert resolve_resume(None, tmp_path) is None
     assert resolve_resume("auto", tmp_path) is None  # nothing yet: a fresh start
     assert resolve_resume("auto", tmp_path / "missing") is None
@@ -81,7 +51,7 @@ def test_resolve_resume(tmp_path):
         resolve_resume(str(tmp_path), tmp_path)
 
 
-def test_sorted_by_step_not_by_name(tmp_path):
+def test_checkpoints_are_sorted_by_step_not_by_name(tmp_path):
     model, optimizer = make_model()
     for step in (10, 9, 10_000_000, 100):
         save(tmp_path, step, model, optimizer)
@@ -114,7 +84,7 @@ def test_keep_last_prunes_oldest_after_commit(tmp_path):
     assert prune_checkpoints(tmp_path, 1) == []  # never the newest
 
 
-def test_clean_stale_tmp(tmp_path):
+def test_clean_stale_tmp_removes_only_what_crashed_saves_left(tmp_path):
     model, optimizer = make_model()
     save(tmp_path, 1, model, optimizer)
     for name in ("step-0000002.tmp", ".step-0000001.deleting-abcd1234", "keep.tmp"):
@@ -179,7 +149,7 @@ def test_crash_mid_write_leaves_no_visible_checkpoint(tmp_path, monkeypatch):
         save(tmp_path, 2, model, optimizer)
     monkeypatch.undo()
     tmp = tmp_path / "step-0000002.tmp"
-    assert (tmp / ".metadata").is_file() and (tmp / ckpt.MARKER).is_file()
+    assert (tmp / ".metadata").is_file() and (tmp / MARKER).is_file()
     assert steps(tmp_path) == [1]
     assert resolve_resume("auto", tmp_path) == tmp_path / "step-0000001"
     with pytest.raises(CheckpointError):
@@ -189,88 +159,16 @@ def test_crash_mid_write_leaves_no_visible_checkpoint(tmp_path, monkeypatch):
     assert steps(tmp_path) == [1, 2]
 
 
-def test_crash_before_the_marker(tmp_path, monkeypatch):
+def test_crash_before_the_marker_leaves_no_visible_checkpoint(tmp_path, monkeypatch):
     model, optimizer = make_model()
-    real = ckpt._write_side_files
+    real = state.write_side_files
 
     def side_files_then_die(tmp, *args):
         real(tmp, *args)
         raise SystemExit(1)
 
-    monkeypatch.setattr(ckpt, "_write_side_files", side_files_then_die)
+    monkeypatch.setattr(state, "write_side_files", side_files_then_die)
     with pytest.raises(SystemExit):
         save(tmp_path, 1, model, optimizer)
     assert (tmp_path / "step-0000001.tmp" / "extra.json").is_file()
     assert list_checkpoints(tmp_path) == [] and latest_checkpoint(tmp_path) is None
-
-
-# -------------------------------------------------------------------- async
-
-def test_async_save_completes_and_loads(tmp_path):
-    model, optimizer = make_model()
-    checkpointer = AsyncCheckpointer(tmp_path, keep_last=2)
-    saved = {}
-    for step in (1, 2, 3):
-        with torch.no_grad():
-            model.norm.weight.add_(1)
-        assert checkpointer.save(step, model, optimizer, {"step": step}, ckpt.capture_rng(),
-                                 None) is None or not checkpointer.use_async
-        saved[step] = weights(model)
-        # Training goes on while the write runs: the staged copy must not see this.
-        with torch.no_grad():
-            model.norm.weight.add_(100)
-        checkpointer.maybe_finalize()
-    assert checkpointer.wait() in (None, tmp_path / "step-0000003")
-    assert checkpointer.wait() is None  # nothing pending any more
-    assert steps(tmp_path) == [2, 3]
-    extra = assert_loads(tmp_path / "step-0000003", saved[3])
-    assert extra == {"step": 3}
-    assert_loads(tmp_path / "step-0000002", saved[2])
-
-
-def test_async_maybe_finalize_commits_without_wait(tmp_path):
-    model, optimizer = make_model()
-    checkpointer = AsyncCheckpointer(tmp_path)
-    checkpointer.save(5, model, optimizer, {}, None, None)
-    assert checkpointer.pending_step in (5, None)
-    for _ in range(500):
-        if checkpointer.maybe_finalize() is not None or checkpointer.pending_step is None:
-            break
-        torch.randn(64, 64) @ torch.randn(64, 64)  # "training"
-        import time
-        time.sleep(0.01)
-    assert checkpointer.pending_step is None
-    assert steps(tmp_path) == [5]
-
-
-def test_async_failure_surfaces_and_keeps_previous(tmp_path, monkeypatch):
-    model, optimizer = make_model()
-    checkpointer = AsyncCheckpointer(tmp_path, keep_last=1)
-    checkpointer.save(1, model, optimizer, {}, None, None)
-    checkpointer.wait()
-    import torch.distributed.checkpoint.filesystem as fs
-
-    def full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(fs, "_write_item", full)
-    for step in (2, 3):
-        checkpointer.save(step, model, optimizer, {}, None, None)
-        with pytest.raises(CheckpointError, match=f"step-000000{step}.*No space left"):
-            if step == 2:
-                checkpointer.wait()
-            else:  # found by maybe_finalize (a warning), raised by the next wait/save
-                with pytest.warns(UserWarning, match="asynchronous checkpoint failed"):
-                    while checkpointer.pending_step is not None:
-                        assert checkpointer.maybe_finalize() is None
-                checkpointer.save(4, model, optimizer, {}, None, None)
-        assert steps(tmp_path) == [1]
-        assert not (tmp_path / f"step-000000{step}.tmp").exists()
-    checkpointer.wait()  # the error was raised once, not again
-
-
-def test_sync_fallback(tmp_path):
-    model, optimizer = make_model()
-    checkpointer = AsyncCheckpointer(tmp_path, use_async=False)
-    assert checkpointer.save(1, model, optimizer, {}, None, None) == tmp_path / "step-0000001"
-    assert steps(tmp_path) == [1]

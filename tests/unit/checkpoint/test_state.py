@@ -1,5 +1,6 @@
 """Save -> load gives back exactly the training state: the next steps' losses equal those
-of the run that never stopped (model, AdamW moments, LR schedule, RNG all restored)."""
+of the run that never stopped (model, AdamW moments, LR schedule, RNG all restored); and
+a checkpoint's model read offline."""
 from __future__ import annotations
 
 import random
@@ -10,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from lmforge.checkpoint import (CheckpointError, capture_rng, latest_checkpoint,
-                                load_checkpoint, read_meta, restore_rng, save_checkpoint)
+                                load_checkpoint, read_meta, read_model_state, restore_rng,
+                                save_checkpoint)
 from lmforge.config import OptimConfig
 from lmforge.models.llama import LlamaArgs, build_llama, materialize
 from lmforge.train.optim import build_optimizer, build_scheduler
@@ -115,7 +117,7 @@ def test_names_do_not_depend_on_compile_or_activation_checkpointing(tmp_path):
     assert plain_opt.state_dict()["state"][0]["exp_avg"].abs().sum() > 0
 
 
-def test_tied_embeddings_round_trip(tmp_path):
+def test_tied_embeddings_stay_tied_after_a_load(tmp_path):
     import dataclasses
 
     args = dataclasses.replace(ARGS, tie_embeddings=True)
@@ -147,6 +149,15 @@ def test_non_json_extra_and_bad_rank_state_are_refused(tmp_path):
         save_checkpoint(tmp_path, 1, model, optimizer, {}, {"f": object()}, None)
     assert latest_checkpoint(tmp_path) is None
     assert not any(tmp_path.iterdir())  # the partial directory was removed
+
+
+def test_read_model_state_gives_whole_tensors_without_a_process_group(tmp_path):
+    model, optimizer, _ = make_run(seed=0)
+    path = save_checkpoint(tmp_path, 1, model, optimizer, {}, None, None)
+    sd = read_model_state(path)
+    assert sd.keys() == model.state_dict().keys()
+    for name, value in model.state_dict().items():
+        assert torch.equal(sd[name], value), name
 
 
 def _stages(seed: int):

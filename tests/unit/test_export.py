@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from lmforge.cli import build_parser
-from lmforge.checkpoint import (CheckpointError, export_checkpoint,
-                                read_model_state, save_checkpoint)
+from lmforge.checkpoint import CheckpointError, read_model_state, save_checkpoint
 from lmforge.config import JobConfig
 from lmforge.data.tokenizer import train_bpe
+from lmforge.export import export_checkpoint
 from lmforge.models.llama import LlamaArgs, build_llama, materialize
 
 transformers = pytest.importorskip("transformers")
@@ -96,15 +96,7 @@ def test_export_without_recorded_architecture_uses_config_yaml(tmp_path):
         assert torch.equal(value, model.state_dict()[name].to(torch.bfloat16)), name
 
 
-def test_read_model_state_is_whole_tensors(tmp_path):
-    _, path, model, _ = make_run_dir(tmp_path)
-    sd = read_model_state(path)
-    assert sd.keys() == model.state_dict().keys()
-    for name, value in model.state_dict().items():
-        assert torch.equal(sd[name], value)
-
-
-def test_cli_export_and_refusals(tmp_path, capsys):
+def test_cli_export_writes_hf_and_refuses_bad_requests_in_one_line(tmp_path, capsys):
     run, path, _, _ = make_run_dir(tmp_path)
     parser = build_parser()
     args = parser.parse_args(["export", str(path), str(tmp_path / "out"), "--format", "hf"])
@@ -122,7 +114,7 @@ def test_cli_export_and_refusals(tmp_path, capsys):
         parser.parse_args(["export", str(path), str(tmp_path / "x"), "--format", "gguf"])
 
 
-def test_lora_checkpoint_exports_merged_and_peft(tmp_path):
+def test_lora_checkpoint_exports_merged_with_the_same_logits_and_peft(tmp_path):
     pytest.importorskip("lmforge.peft.adapters")
     from lmforge.peft.adapters import read_adapter
 
@@ -140,7 +132,7 @@ def test_lora_checkpoint_exports_merged_and_peft(tmp_path):
     assert torch.equal(weights[key], model.layers["0"].attention.q_proj.lora_b.detach())
 
 
-def test_qlora_checkpoint_exports_merged(tmp_path):
+def test_qlora_checkpoint_exports_merged_with_the_same_logits(tmp_path):
     pytest.importorskip("lmforge.peft.quant")
     run, path, model, tokenizer = make_run_dir(tmp_path, lora=True, quantize="nf4")
     assert any(k.endswith("weight_nf4") for k in read_model_state(path))

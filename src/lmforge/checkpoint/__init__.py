@@ -1,0 +1,28 @@
+"""Distributed checkpoints of a training run: ``ROOT/step-NNNNNNN/`` directories that are
+written atomically and load on any parallel layout.
+
+- ``layout``: names, the ``COMPLETE`` marker, discovery, the atomic commit, retention;
+- ``state``: what is saved and loaded through torch.distributed.checkpoint (model,
+  optimizer, RNG, side files), and reading a checkpoint offline;
+- ``async_writer``: saves that run in the background while training goes on;
+- ``collective``: ``CheckpointError`` and how the ranks agree on a failure.
+
+Exporting a checkpoint to Hugging Face / PEFT formats lives in ``lmforge.export``.
+"""
+from lmforge.checkpoint.async_writer import AsyncCheckpointer
+from lmforge.checkpoint.collective import CheckpointError
+from lmforge.checkpoint.layout import (CONFIG_NAME, EXTRA_NAME, MARKER, META_NAME,
+                                       checkpoint_dir, checkpoint_step, clean_stale_tmp,
+                                       find_checkpoint, is_complete, latest_checkpoint,
+                                       list_checkpoints, prune_checkpoints, resolve_resume)
+from lmforge.checkpoint.state import (capture_rng, load_checkpoint, read_job_config,
+                                      read_meta, read_model_state, restore_rng,
+                                      save_checkpoint)
+
+__all__ = [
+    "AsyncCheckpointer", "CheckpointError", "CONFIG_NAME", "EXTRA_NAME", "MARKER",
+    "META_NAME", "capture_rng", "checkpoint_dir", "checkpoint_step", "clean_stale_tmp",
+    "find_checkpoint", "is_complete", "latest_checkpoint", "list_checkpoints",
+    "load_checkpoint", "prune_checkpoints", "read_job_config", "read_meta",
+    "read_model_state", "restore_rng", "resolve_resume", "save_checkpoint",
+]

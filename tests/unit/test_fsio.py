@@ -1,0 +1,74 @@
+"""Atomic writes: a reader, or a crash, sees the old content or the new, never half of it,
+and nothing temporary is left behind."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from lmforge import fsio
+
+
+def names(directory) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def test_atomic_dir_replaces_an_existing_directory_as_a_whole(tmp_path):
+    out = tmp_path / "model"
+    with fsio.atomic_dir(out) as tmp:
+        (tmp / "a.txt").write_text("old")
+        (tmp / "old-only.txt").write_text("old")
+    with fsio.atomic_dir(out) as tmp:
+        assert names(out) == ["a.txt", "old-only.txt"]  # untouched while the new one is built
+        (tmp / "a.txt").write_text("new")
+    assert names(out) == ["a.txt"] and (out / "a.txt").read_text() == "new"
+    assert names(tmp_path) == ["model"]
+
+
+def test_atomic_dir_failure_keeps_the_old_directory_and_removes_the_temporary_one(tmp_path):
+    out = tmp_path / "nested" / "model"
+    with fsio.atomic_dir(out) as tmp:
+        (tmp / "a.txt").write_text("old")
+    with pytest.raises(KeyboardInterrupt):  # BaseException too: a kill mid-write
+        with fsio.atomic_dir(out) as tmp:
+            (tmp / "a.txt").write_text("half")
+            raise KeyboardInterrupt
+    assert (out / "a.txt").read_text() == "old"
+    assert names(out.parent) == ["model"]
+
+
+def test_atomic_file_appears_complete_or_not_at_all(tmp_path):
+    path = tmp_path / "meta.json"
+    fsio.atomic_write_bytes(path, b"first")
+    with pytest.raises(OSError):
+        with fsio.atomic_file(path) as f:
+            f.write(b"second, cut short")
+            raise OSError("disk full")
+    assert path.read_bytes() == b"first"
+    assert names(tmp_path) == ["meta.json"]
+
+
+def test_written_files_are_fsynced(tmp_path, monkeypatch):
+    synced = []
+    real = os.fsync
+
+    def spy(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    with fsio.atomic_dir(tmp_path / "out") as tmp:
+        (tmp / "weights.bin").write_bytes(b"1234")
+    assert any(p.endswith("weights.bin") for p in synced)
+    assert str(tmp_path) in synced  # the rename itself is made durable
+
+
+def test_set_aside_leftovers_are_recognised_by_their_original_name(tmp_path):
+    directory = tmp_path / "step-0000003"
+    directory.mkdir()
+    aside = fsio.set_aside(directory, "deleting")
+    assert fsio.set_aside_original(aside.name) == "step-0000003"
+    assert fsio.set_aside_original("step-0000003") is None
+    assert fsio.set_aside_original(".step-0000003.tmp") is None
+    fsio.remove_dir(aside)
+    assert names(tmp_path) == []
