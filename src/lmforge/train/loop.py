@@ -30,6 +30,7 @@ from lmforge.config import (ConfigError, JobConfig, check_parallel_fits, compute
 from lmforge.data.build import DataBundle, build_data, train_corpus_tokenizer
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
 from lmforge.export import export_trained, trained_model
+from lmforge.models.generate import generate
 from lmforge.models.hf import args_from_hf_config, read_hf_config
 from lmforge.models.llama import LlamaArgs, build_llama, count_parameters
 from lmforge.models.presets import check_model_args, model_args, validate_job
@@ -331,8 +332,6 @@ class Checkpoints:
 
 def finish(cfg: JobConfig, rt: Runtime, model: TrainModel, tokenizer: Tokenizer,
            data: DataBundle, out_dir: Path, history: list[dict]) -> dict:
-    from lmforge.models.generate import generate
-
     summary = {"first_loss": history[0]["loss"] if history else None,
                "last_loss": history[-1]["loss"] if history else None,
                "steps": cfg.train.max_steps,
