@@ -1,0 +1,4 @@
+"""lmforge: pretrain, continue pretraining and fine-tune (full, LoRA, QLoRA) open LLMs with
+PyTorch, from one CPU to a GPU cluster. The packages, bottom to top: config and fsio;
+models and data; parallel; peft and checkpoint; perf and eval; export; train; cli (README,
+"Layout")."""
