@@ -6,15 +6,15 @@ import pytest
 import torch
 from torch import nn
 
-from lmforge.models.llama import LlamaArgs, build_llama, materialize
+from helpers.tiny_models import tiny_llama_args
+from lmforge.models.llama import build_llama, materialize
 from lmforge.models.loss import micro_batch_loss_sum
 from lmforge.peft.quant import QuantizedLinear
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-ARGS = LlamaArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=301, ffn_dim=352,
-                 max_seq_len=256)
+ARGS = tiny_llama_args(dim=128, vocab_size=301, ffn_dim=352, max_seq_len=256)
 
 
 def _batch(seed: int = 0) -> dict:

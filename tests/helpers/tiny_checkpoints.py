@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from helpers.tiny_models import tiny_llama_args
 from lmforge.checkpoint import checkpoint_step, list_checkpoints, load_checkpoint, save_checkpoint
-from lmforge.models.llama import LlamaArgs, build_llama, materialize
+from lmforge.models.llama import build_llama, materialize
 
-ARGS = LlamaArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=32, ffn_dim=32,
-                 max_seq_len=32)
+ARGS = tiny_llama_args(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=32, ffn_dim=32,
+                       max_seq_len=32)
 
 
 def make_model(seed: int = 0):

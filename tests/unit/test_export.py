@@ -7,12 +7,13 @@ import json
 import pytest
 import torch
 
+from helpers.tiny_models import tiny_llama_args
 from lmforge.cli import build_parser
 from lmforge.checkpoint import CheckpointError, read_model_state, save_checkpoint
 from lmforge.config import JobConfig
 from lmforge.data.tokenizer import train_bpe
 from lmforge.export import export_checkpoint
-from lmforge.models.llama import LlamaArgs, build_llama, materialize
+from lmforge.models.llama import build_llama, materialize
 
 transformers = pytest.importorskip("transformers")
 
@@ -24,9 +25,7 @@ def make_run_dir(tmp_path, tie: bool = False, lora: bool = False, quantize=None)
     run = tmp_path / "run"
     tokenizer = train_bpe(TEXTS, vocab_size=300)
     tokenizer.save(run / "tokenizer")
-    args = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                     vocab_size=tokenizer.vocab_size, ffn_dim=64, max_seq_len=64,
-                     tie_embeddings=tie)
+    args = tiny_llama_args(vocab_size=tokenizer.vocab_size, tie_embeddings=tie)
     torch.manual_seed(0)
     model = build_llama(args, "meta")
     cfg = JobConfig()

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers.tiny_models import tiny_llama_args
 from lmforge.checkpoint import (CheckpointError, capture_rng, latest_checkpoint,
                                 load_checkpoint, read_meta, read_model_state, restore_rng,
                                 save_checkpoint)
@@ -17,8 +18,7 @@ from lmforge.config import OptimConfig
 from lmforge.models.llama import LlamaArgs, build_llama, materialize
 from lmforge.train.optim import build_optimizer, build_scheduler
 
-ARGS = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=64,
-                 max_seq_len=64)
+ARGS = tiny_llama_args()
 OPTIM = OptimConfig(lr=1e-2, warmup_steps=2, weight_decay=0.1)
 MAX_STEPS = 10
 

@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers.tiny_models import tiny_llama_args
 from lmforge.data.tokenizer import train_bpe
 from lmforge.eval.evaluate import eval_batches_for, evaluate
-from lmforge.models.llama import LlamaArgs, build_llama, materialize
+from lmforge.models.llama import build_llama, materialize
 from lmforge.models.loss import IGNORE_INDEX
 
 CPU = torch.device("cpu")
@@ -18,8 +19,7 @@ CPU = torch.device("cpu")
 
 def tiny_model(vocab_size: int = 61) -> torch.nn.Module:
     torch.manual_seed(0)
-    args = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=vocab_size,
-                     ffn_dim=64, max_seq_len=64)
+    args = tiny_llama_args(vocab_size=vocab_size)
     return materialize(build_llama(args), "cpu")
 
 

@@ -6,10 +6,11 @@ import json
 import pytest
 import torch
 
+from helpers.tiny_models import tiny_llama_args
 from lmforge.data.tokenizer import train_bpe
 from lmforge.eval.rouge import (corpus_rouge_l, evaluate_prompt_response, lcs_length,
                                 prompt_ids, read_prompt_response, rouge_l, words)
-from lmforge.models.llama import LlamaArgs, build_llama, materialize
+from lmforge.models.llama import build_llama, materialize
 
 
 def test_words_lowercase_and_split_on_non_alphanumerics():
@@ -49,8 +50,7 @@ def test_evaluate_prompt_response_scores_loss_and_rouge_of_a_tiny_model(tmp_path
     records = [{"prompt": f"Dialogue:\nA: hi {i}\nSummary:", "response": f"A says hi {i}."}
                for i in range(5)]
     tok = train_bpe([json.dumps(r) for r in records] * 20, 300)
-    args = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=tok.vocab_size,
-                     ffn_dim=176, max_seq_len=64, norm_eps=1e-5)
+    args = tiny_llama_args(dim=64, vocab_size=tok.vocab_size, ffn_dim=176, norm_eps=1e-5)
     torch.manual_seed(0)
     model = materialize(build_llama(args), "cpu").eval()
     # plain template, a tokenizer that adds no BOS: the prompt text and its newline only

@@ -1,11 +1,11 @@
 """Generation: greedy decoding with the KV cache equals re-running the whole sequence."""
 import torch
 
+from helpers.tiny_models import tiny_llama_args
 from lmforge.models.generate import generate
-from lmforge.models.llama import LlamaArgs, build_llama, materialize
+from lmforge.models.llama import build_llama, materialize
 
-ARGS = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=53, ffn_dim=64,
-                 max_seq_len=64)
+ARGS = tiny_llama_args(vocab_size=53)
 
 
 def _model():

@@ -4,12 +4,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.tiny_models import tiny_llama_args
 from lmforge.models.llama import (
     LlamaArgs, RMSNorm, RopeScaling, build_llama, count_parameters, materialize)
 from lmforge.models.presets import PRESETS
 
-SMALL = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=101, ffn_dim=160,
-                  max_seq_len=128, rope_scaling=RopeScaling(original_max_position_embeddings=32))
+SMALL = tiny_llama_args(dim=64, vocab_size=101, ffn_dim=160, max_seq_len=128,
+                        rope_scaling=RopeScaling(original_max_position_embeddings=32))
 
 
 def small_model(seed: int = 0, **overrides) -> torch.nn.Module:

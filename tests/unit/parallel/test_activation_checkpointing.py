@@ -2,14 +2,14 @@
 import pytest
 import torch
 
+from helpers.tiny_models import tiny_llama_args
 from lmforge.config import load_config
-from lmforge.models.llama import LlamaArgs, build_llama, materialize
+from lmforge.models.llama import build_llama, materialize
 from lmforge.parallel.mesh import ParallelDims
 from lmforge.parallel.parallelize import apply_model_parallel
 from lmforge.train.step import accumulate_gradients
 
-ARGS = LlamaArgs(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=67, ffn_dim=64,
-                 max_seq_len=64)
+ARGS = tiny_llama_args(n_layers=4, vocab_size=67)
 
 
 def _model(mode):

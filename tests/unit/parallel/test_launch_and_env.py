@@ -33,11 +33,11 @@ def test_one_process_is_distributed_only_under_torchrun_with_dp_shard_1():
 @pytest.mark.parametrize("nodelist, first", [
     ("gpu001", "gpu001"), ("gpu[003-005,007]", "gpu003"), ("a1,b2", "a1"),
     ("node[12,14]", "node12")])
-def test_first_slurm_host(nodelist, first):
+def test_the_rendezvous_host_is_the_first_host_of_a_slurm_nodelist(nodelist, first):
     assert expand_first_slurm_host(nodelist) == first
 
 
-def test_slurm_script_for_4_nodes_x_8_gpus(tmp_path, capsys):
+def test_slurm_script_runs_one_torchrun_per_node_over_4_nodes_x_8_gpus(tmp_path, capsys):
     out = tmp_path / "job.sbatch"
     code = main(["launch", "slurm", "model.preset=llama2-7b", "parallel.tp=8",
                  "data.seq_len=4096", "--nodes", "4", "--gpus-per-node", "8",

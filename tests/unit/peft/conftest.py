@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from helpers.tiny_models import tiny_llama_args
 from lmforge.config import LoraConfig
 from lmforge.models.llama import LlamaArgs, build_llama, materialize
 from lmforge.peft import lora_layers
@@ -16,8 +17,7 @@ from helpers.hf_models import random_hf_llama
 
 VOCAB = 96
 # ffn_dim 176 is not a multiple of the NF4 block (64): the padded last block is exercised.
-TINY = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, ffn_dim=176,
-                 max_seq_len=64, norm_eps=1e-5)
+TINY = tiny_llama_args(dim=64, vocab_size=VOCAB, ffn_dim=176, norm_eps=1e-5)
 
 
 def lora_cfg(**kw) -> LoraConfig:

@@ -13,8 +13,9 @@ import functools
 import pytest
 import torch
 
+from helpers.tiny_models import tiny_llama_args
 from lmforge.config import JobConfig
-from lmforge.models.llama import LlamaArgs, build_llama, materialize
+from lmforge.models.llama import build_llama, materialize
 from lmforge.parallel.parallelize import checkpoint_forward
 from lmforge.peft.lora import after_materialize, prepare_model_for_lora
 from lmforge.perf.estimate import estimate_memory
@@ -27,8 +28,7 @@ from lmforge.train.model_setup import frozen_linears_to_bf16
 from lmforge.train.step import accumulate_gradients
 
 TOLERANCE = 0.15
-ARGS = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=176,
-                 max_seq_len=128)
+ARGS = tiny_llama_args(dim=64, vocab_size=256, ffn_dim=176, max_seq_len=128)
 SEQ = 64
 
 

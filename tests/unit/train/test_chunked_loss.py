@@ -4,6 +4,7 @@ import functools
 import pytest
 import torch
 
+from helpers.tiny_models import tiny_llama_args
 from lmforge.config import ConfigError, JobConfig, validate
 from lmforge.perf.tracker import TensorMemoryTracker
 from lmforge.models.llama import LlamaArgs, build_llama, materialize
@@ -11,8 +12,7 @@ from lmforge.eval.evaluate import evaluate
 from lmforge.models.loss import IGNORE_INDEX
 from lmforge.train.step import accumulate_gradients
 
-ARGS = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, ffn_dim=64,
-                 max_seq_len=64)
+ARGS = tiny_llama_args(vocab_size=97)
 CPU = torch.device("cpu")
 
 

@@ -5,14 +5,14 @@ import copy
 import pytest
 import torch
 
+from helpers.tiny_models import tiny_llama_args
 from lmforge.config import OptimConfig
-from lmforge.models.llama import LlamaArgs, build_llama, materialize
+from lmforge.models.llama import build_llama, materialize
 from lmforge.train.low_memory import AdamWBF16, fuse_step_into_backward, stochastic_round_to_bf16
 from lmforge.train.optim import build_optimizer
 from lmforge.train.step import accumulate_gradients
 
-ARGS = LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, ffn_dim=128,
-                 max_seq_len=64)
+ARGS = tiny_llama_args(dim=64, vocab_size=97, ffn_dim=128)
 
 
 def test_stochastic_rounding_is_unbiased_where_truncation_is_not():

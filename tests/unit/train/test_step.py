@@ -2,15 +2,15 @@
 import pytest
 import torch
 
-from lmforge.models.llama import LlamaArgs, build_llama, materialize
+from helpers.tiny_models import tiny_llama_args
+from lmforge.models.llama import build_llama, materialize
 from lmforge.train.optim import lr_multiplier
 from lmforge.config import OptimConfig
 from lmforge.eval.evaluate import evaluate
 from lmforge.models.loss import IGNORE_INDEX
 from lmforge.train.step import accumulate_gradients, normalize_loss
 
-ARGS = LlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, ffn_dim=64,
-                 max_seq_len=64)
+ARGS = tiny_llama_args(vocab_size=61)
 
 
 def _model():
