@@ -7,16 +7,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from lmforge.cli.common import DEVICES
 from lmforge.config import resolve_device
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.eval.rouge import evaluate_prompt_response, read_prompt_response
+from lmforge.export import EXPORT_DTYPES
 from lmforge.models.hf import load_hf_model
 from lmforge.peft.adapters import export_merged, load_adapter
 
-_DTYPES = ("auto", "fp32", "bf16", "fp16")
+_DTYPES = ("auto", *EXPORT_DTYPES)  # auto: the base model's
 
 
 def add_parser(sub) -> None:
@@ -56,8 +55,7 @@ def add_parser(sub) -> None:
 def _merge(args) -> int:
     model = load_hf_model(args.model)
     load_adapter(model, args.adapter)
-    dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16,
-             "fp16": torch.float16}[args.dtype]
+    dtype = EXPORT_DTYPES.get(args.dtype)  # None (auto): keep the base model's
     out = export_merged(model, args.output, tokenizer=_tokenizer_or_none(args.model),
                         dtype=dtype)
     print(f"merged {args.adapter} into {args.model}: {out}")

@@ -131,7 +131,7 @@ def keyed_dir(root: Path, params: dict, stamp: dict) -> Path:
     meta = out / "meta.json"
     if not meta.is_file():
         out.mkdir(parents=True, exist_ok=True)
-        _atomic_write(meta, json.dumps({"params": params, "data": stamp}, indent=1).encode())
+        atomic_write_bytes(meta, json.dumps({"params": params, "data": stamp}, indent=1).encode())
         for other in root.iterdir():
             if other == out or not other.is_dir():
                 continue
@@ -142,10 +142,6 @@ def keyed_dir(root: Path, params: dict, stamp: dict) -> Path:
             except (OSError, ValueError):
                 pass
     return out
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    atomic_write_bytes(path, data)
 
 
 def save_npy(path: Path, array: np.ndarray) -> None:

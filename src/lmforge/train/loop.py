@@ -56,10 +56,6 @@ class Runtime:
     param_dtype: Optional[torch.dtype] = None  # FSDP's compute dtype for parameters
 
     @property
-    def mesh(self):
-        return self.dims.mesh
-
-    @property
     def is_logging_rank(self) -> bool:
         return self.rank == 0
 
