@@ -103,6 +103,9 @@ class TrainConfig:
     # max_steps: for time-limited cluster jobs that resume with train.resume=auto.
     stop_at_step: Optional[int] = None
     resume: Optional[str] = None  # auto | a checkpoint path
+    # A fresh run in an output_dir holding checkpoints is refused unless this says to
+    # delete the earlier run's outputs (checkpoints, hf/, adapter/, logs) and start over.
+    overwrite: bool = False
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
     param_dtype: str = "fp32"  # fp32 master weights | bf16 weights (with optim.name=adamw_bf16)
@@ -332,6 +335,9 @@ def validate(cfg: JobConfig, world_size: int = 1, distributed: Optional[bool] = 
             raise ConfigError(f"{dotted}: must be {bound}, got {value}")
     if cfg.data.kind in ("text", "pretrain", "sft") and not cfg.data.path:
         raise ConfigError(f"data.path: required when data.kind is {cfg.data.kind}")
+    if cfg.train.overwrite and cfg.train.resume:
+        raise ConfigError("train.overwrite: cannot be combined with train.resume (one starts "
+                          "over, the other continues)")
     _validate_batch(cfg, world_size)
     _validate_in_backward(cfg, world_size, distributed)
     _validate_lora(cfg.lora)

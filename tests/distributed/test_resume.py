@@ -1,6 +1,7 @@
 """Checkpoints in real runs: bit-exact resume, crash safety, resharding, NaN policy,
 export of a sharded checkpoint."""
 import hashlib
+import json
 import shutil
 import signal
 import subprocess
@@ -54,6 +55,11 @@ def test_sigkill_during_checkpoint_write_keeps_the_previous_one(tiny_corpus, tmp
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         assert time.time() < deadline, "the trainer never reached the step-4 commit"
         time.sleep(0.2)
+    # The directory has one owner: a second run on it, even one that would resume, is
+    # refused while the first is alive, naming the lock.
+    second = run_lmforge(crashed, base + ["train.resume=auto"], check=False)
+    assert second.returncode == 2, second.stderr[-2000:]
+    assert second.stderr.count("\n") == 1 and "lmforge.lock" in second.stderr
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     ckpts = crashed / "checkpoints"
@@ -61,15 +67,30 @@ def test_sigkill_during_checkpoint_write_keeps_the_previous_one(tiny_corpus, tmp
     assert (ckpts / "step-0000004.tmp").is_dir(), "killed mid-write, as intended"
     assert not (ckpts / "step-0000004").exists()
 
+    # A fresh run (no resume) in the killed run's directory: refused, nothing touched.
+    before = _tree_digest(ckpts)
+    fresh = run_lmforge(crashed, base, check=False)
+    assert fresh.returncode == 2 and "train.resume=auto" in fresh.stderr, fresh.stderr[-2000:]
+    assert _tree_digest(ckpts) == before
+
     resumed = run_lmforge(crashed, base + ["train.resume=auto"])
     assert "resumed from" in resumed.stdout and "step-0000002" in resumed.stdout
     straight = tmp_path / "straight"
     run_lmforge(straight, base)
-    after = {r["step"]: r["loss"] for r in read_metrics(crashed)}
-    for record in read_metrics(straight):
-        if record["step"] > 2:
-            assert after[record["step"]] == record["loss"]
+    # Each step recorded once (the killed invocation's steps 3-4 replaced by the resumed
+    # ones), with the losses of the uninterrupted run; the summary covers the whole run.
+    after = read_metrics(crashed)
+    assert [r["step"] for r in after] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in after] == [r["loss"] for r in read_metrics(straight)]
+    summaries = [json.loads((out / "summary.json").read_text()) for out in (crashed, straight)]
+    assert summaries[0]["first_loss"] == summaries[1]["first_loss"]
+    assert summaries[0]["last_loss"] == summaries[1]["last_loss"]
     assert not (ckpts / "step-0000004.tmp").exists(), "stale partial save cleaned up"
+
+
+def _tree_digest(root) -> dict:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 RESHARD_MODEL = ["model.n_heads=4", "model.n_kv_heads=4"]  # tp=4 divides the heads
@@ -130,3 +151,12 @@ def test_nan_on_one_rank_is_caught(tiny_corpus, tmp_path, policy):
         names = sorted(p.name for p in (out / "checkpoints").iterdir())
         assert names == ["step-0000002"], names
         assert not (out / "hf").exists()
+
+
+def test_under_torchrun_a_refused_config_is_one_line_from_rank_0(tiny_corpus, tmp_path):
+    proc = run_lmforge(tmp_path / "run", tiny_overrides(tiny_corpus, 2) + [
+        "parallel.dp_shard=2", f"train.resume={tmp_path / 'nowhere' / 'step-0000002'}"],
+        nproc=2, check=False)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if "lmforge: error:" in line]
+    assert len(errors) == 1 and "train.resume:" in errors[0], proc.stderr[-3000:]

@@ -5,7 +5,7 @@ import os
 import sys
 
 from lmforge.cli.common import add_config_arguments, config_and_overrides
-from lmforge.config import load_config
+from lmforge.config import ConfigError, load_config
 from lmforge.parallel.mesh import read_dist_env
 from lmforge.train.loop import train
 
@@ -19,8 +19,14 @@ def add_parser(sub) -> None:
 
 
 def _train(args) -> int:
-    train(load_config(*config_and_overrides(args.config, args.overrides)))
-    if read_dist_env().torchrun:
+    env = read_dist_env()
+    try:
+        train(load_config(*config_and_overrides(args.config, args.overrides)))
+    except ConfigError:
+        if env.rank != 0:  # every rank refuses a config alike: rank 0 alone says why
+            return 2
+        raise
+    if env.torchrun:
         _leave_without_teardown()
     return 0
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lmforge.checkpoint import (AsyncCheckpointer, capture_rng, clean_stale_tmp,
+from lmforge.checkpoint import (AsyncCheckpointer, CheckpointError, capture_rng, clean_stale_tmp, is_complete,
                                 load_checkpoint, read_meta, resolve_resume, restore_rng)
 from lmforge.config import (ConfigError, JobConfig, check_parallel_fits, compute_dtype,
                             grad_accumulation_steps, resolve_device, samples_per_step,
@@ -43,6 +43,7 @@ from lmforge.train import metrics as M
 from lmforge.train.model_setup import (TrainModel, build_train_model, clip_grad_norm,
                                        gather_full_state_dict)
 from lmforge.train.optim import Optimizers
+from lmforge.train.run_dir import RunLock, claim_run_dir
 from lmforge.train.step import count_valid_tokens, global_step_loss, global_valid_tokens
 
 
@@ -74,6 +75,7 @@ def train(cfg: JobConfig) -> dict:
     distributed = runs_distributed(cfg.parallel, env.world_size, env.torchrun)
     validate_job(cfg, world_size=env.world_size, distributed=distributed)
     resolve_targets(cfg.lora.targets)  # lora.targets by peft's one rule, before any compute
+    check_resume_path(cfg.train.resume)
     summary = _run(cfg, init_runtime(cfg, env, distributed))
     # The model, optimizers and mesh died with _run's frame: only now can the process
     # groups they held be destroyed for good (see _shutdown).
@@ -82,7 +84,15 @@ def train(cfg: JobConfig) -> dict:
 
 
 def _run(cfg: JobConfig, rt: Runtime) -> dict:
-    out_dir = prepare_output_dir(cfg, rt)
+    out_dir, lock = prepare_output_dir(cfg, rt)
+    try:
+        return _run_in(cfg, rt, out_dir)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_in(cfg: JobConfig, rt: Runtime, out_dir: Path) -> dict:
     tokenizer = prepare_tokenizer(cfg, out_dir, rt)
     args = resolve_model_args(cfg, tokenizer)
     data = build_data(cfg, tokenizer, rt.dp_rank, rt.dp_size, cache_dir=out_dir / "cache")
@@ -149,19 +159,36 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def prepare_output_dir(cfg: JobConfig, rt: Runtime) -> Path:
+def prepare_output_dir(cfg: JobConfig, rt: Runtime) -> tuple[Path, Optional[RunLock]]:
+    """Rank 0 claims ``train.output_dir`` (its lock and the fresh-run rule, see
+    ``run_dir``) and writes the config there; every rank raises the same one-line error
+    when that fails. Returns the directory and, on rank 0, the held lock."""
     out = Path(cfg.train.output_dir)
+    lock, error = None, None
     if rt.is_logging_rank:
         try:
-            out.mkdir(parents=True, exist_ok=True)
+            lock = claim_run_dir(cfg, out)
             save_config(cfg, out / "config.yaml")
+        except ConfigError as e:
+            error = str(e)
         except OSError as e:
-            raise ConfigError(f"train.output_dir: cannot write to {out} ({e.strerror})") from None
-        # A fresh run starts fresh logs; a resumed one appends.
-        if not cfg.train.resume:
-            (out / "metrics.jsonl").unlink(missing_ok=True)
-    _barrier(rt)
-    return out
+            error = f"train.output_dir: cannot write to {out} ({e.strerror or e})"
+        if error and lock is not None:
+            lock.release()
+    error = _from_rank0(rt, error)
+    if error:
+        raise ConfigError(error)
+    return out, lock
+
+
+def check_resume_path(resume: Optional[str]) -> None:
+    """An explicit ``train.resume`` path is checked before any set-up (``auto`` is
+    resolved once the run directory is claimed)."""
+    if resume and resume.strip().lower() != "auto" and not is_complete(resume):
+        try:
+            resolve_resume(resume, Path(resume))  # raises, saying what the path is instead
+        except CheckpointError as e:
+            raise ConfigError(str(e)) from None
 
 
 def prepare_tokenizer(cfg: JobConfig, out_dir: Path, rt: Runtime) -> Tokenizer:
@@ -180,6 +207,15 @@ def prepare_tokenizer(cfg: JobConfig, out_dir: Path, rt: Runtime) -> Tokenizer:
 def _barrier(rt: Runtime) -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _from_rank0(rt: Runtime, value):
+    """``value`` as rank 0 has it, on every rank (also a barrier)."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def resolve_model_args(cfg: JobConfig, tokenizer: Tokenizer) -> LlamaArgs:
@@ -214,9 +250,11 @@ def run_loop(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optimiz
     accum = grad_accumulation_steps(cfg, rt.dp_size)
     throughput = M.Throughput(model_flops_per_token(model, cfg.data.seq_len),
                               device_peak_flops(rt.device), rt.world_size)
-    logger = M.MetricsLogger(out_dir, enabled=rt.is_logging_rank, config=cfg.to_dict())
+    logger = M.MetricsLogger(out_dir, enabled=rt.is_logging_rank, config=cfg.to_dict(),
+                             start_step=start_step)
     bar = _progress_bar(cfg, rt, start_step)
-    history, nonfinite_steps = [], 0
+    # The whole run's records (rank 0): an earlier invocation's, then this one's.
+    history, nonfinite_steps = list(logger.earlier), 0
     end_step = end_step or t.max_steps
     for step in range(start_step + 1, end_step + 1):
         micro_batches = [data.train.next_batch() for _ in range(accum)]

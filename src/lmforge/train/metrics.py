@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import torch
 
+from lmforge import fsio
 from lmforge.perf.records import METRICS_FILE, is_finite_number
 
 # ------------------------------------------------------------------------- memory
@@ -86,9 +87,15 @@ class MetricsLogger:
     ``wandb`` package is imported only then, and its absence is a one-line error."""
 
     def __init__(self, out_dir: Path, enabled: bool = True, wandb_project: Optional[str] = None,
-                 run_name: Optional[str] = None, config: Optional[dict] = None):
+                 run_name: Optional[str] = None, config: Optional[dict] = None,
+                 start_step: int = 0):
+        """``start_step``: the step the run continues after (0: a fresh run). The records
+        of later steps, written before a crash by the invocation that is now being
+        repeated, are dropped so that each step appears once; ``earlier`` holds the
+        records kept."""
         self.enabled = enabled
         self._jsonl = self._tb = self._wandb = None
+        self.earlier: list[dict] = []
         if not enabled:
             return
         out_dir = Path(out_dir)
@@ -96,10 +103,13 @@ class MetricsLogger:
         wandb_project = wandb_project or os.environ.get(WANDB_ENV)
         if wandb_project:
             self._wandb = _start_wandb(wandb_project, run_name or out_dir.name, out_dir, config)
+        self.earlier = keep_records_until(out_dir / METRICS_FILE, start_step)
         self._jsonl = open(out_dir / METRICS_FILE, "a")
         from torch.utils.tensorboard import SummaryWriter
 
-        self._tb = SummaryWriter(str(out_dir / "tensorboard"))
+        # purge_step: TensorBoard hides the events of the repeated steps the same way.
+        self._tb = SummaryWriter(str(out_dir / "tensorboard"),
+                                 purge_step=start_step + 1 if start_step else None)
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
@@ -122,6 +132,25 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
         self.enabled = False
+
+
+def keep_records_until(path: Path, step: int) -> list[dict]:
+    """Rewrite ``path`` (atomically) to hold only the records of steps up to ``step``;
+    returns them. A torn last line, left by a killed run, is dropped with the rest."""
+    if not path.is_file():
+        return []
+    kept, lines = [], []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) \
+                and record["step"] <= step:
+            kept.append(record)
+            lines.append(line + "\n")
+    fsio.atomic_write_bytes(path, "".join(lines).encode())
+    return kept
 
 
 def _json_default(value: Any):

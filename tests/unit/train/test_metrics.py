@@ -44,6 +44,27 @@ def test_logger_writes_jsonl_and_tensorboard(tmp_path, monkeypatch):
     assert "train/loss_nan" not in scalars  # non-finite values stay out of TensorBoard
 
 
+def test_a_resumed_logger_keeps_each_step_once(tmp_path, monkeypatch):
+    """A run killed after step 4 whose last checkpoint is step 2: the resumed invocation
+    repeats steps 3-4, so their first records go (in metrics.jsonl and TensorBoard)."""
+    monkeypatch.delenv(M.WANDB_ENV, raising=False)
+    first = M.MetricsLogger(tmp_path)
+    for step in range(1, 5):
+        first.log(step, {"loss": 10.0 + step})
+    first.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "lo')  # torn by the kill
+    resumed = M.MetricsLogger(tmp_path, start_step=2)
+    assert [r["step"] for r in resumed.earlier] == [1, 2]
+    for step in range(3, 5):
+        resumed.log(step, {"loss": 20.0 + step})
+    resumed.close()
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [
+        (1, 11.0), (2, 12.0), (3, 23.0), (4, 24.0)]
+    assert read_tensorboard(tmp_path)["loss/loss"] == [(1, 11.0), (2, 12.0), (3, 23.0),
+                                                       (4, 24.0)]
+
+
 def test_disabled_logger_writes_nothing(tmp_path):
     logger = M.MetricsLogger(tmp_path / "off", enabled=False)
     logger.log(1, {"loss": 1.0})

@@ -1,0 +1,111 @@
+"""A run directory has one owner: the lock, the fresh-run rule, train.overwrite."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from lmforge.config import ConfigError, JobConfig
+from lmforge.train.run_dir import LOCK_NAME, RunLock, claim_run_dir, holder_alive
+
+
+def _checkpoint(run_dir, step):
+    path = run_dir / "checkpoints" / f"step-{step:07d}"
+    path.mkdir(parents=True)
+    (path / "COMPLETE").write_text("{}")
+    (path / "__0_0.distcp").write_bytes(b"weights")
+    return path
+
+
+def _cfg(**train):
+    cfg = JobConfig()
+    for key, value in train.items():
+        setattr(cfg.train, key, value)
+    return cfg
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_second_holder_is_refused_naming_the_first(tmp_path):
+    first = RunLock(tmp_path)
+    first.acquire()
+    with pytest.raises(ConfigError) as refused:
+        RunLock(tmp_path).acquire()  # a second open file: flock refuses it, same process too
+    message = str(refused.value)
+    assert message.startswith("train.output_dir:") and "\n" not in message
+    assert LOCK_NAME in message and f"pid {os.getpid()}" in message
+    first.release()
+    second = RunLock(tmp_path)
+    second.acquire()  # released: free again
+    second.release()
+
+
+def test_a_lock_left_by_a_killed_run_is_taken_over(tmp_path):
+    (tmp_path / LOCK_NAME).write_text(json.dumps(
+        {"pid": _dead_pid(), "host": socket.gethostname(), "started": "earlier"}))
+    lock = RunLock(tmp_path)
+    lock.acquire()  # nobody holds the flock: the dead run's record does not matter
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] != "earlier"
+    lock.release()
+    assert "released" in json.loads((tmp_path / LOCK_NAME).read_text())
+
+
+def test_without_flock_the_recorded_holder_decides(monkeypatch):
+    here = socket.gethostname()
+    assert holder_alive({"pid": os.getpid(), "host": here})
+    assert not holder_alive({"pid": _dead_pid(), "host": here})
+    assert holder_alive({"pid": 1, "host": here + "-elsewhere"})  # cannot see it: trust it
+    assert not holder_alive({"pid": os.getpid(), "host": here, "released": "then"})
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    # a requeued SLURM job finds its own earlier attempt's lock: that attempt is over
+    assert not holder_alive({"pid": 1, "host": here + "-elsewhere", "slurm_job": "77"})
+
+
+def test_fresh_run_in_a_directory_with_checkpoints_is_refused_and_touches_nothing(tmp_path):
+    step = _checkpoint(tmp_path, 20)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 20, "loss": 1.0}\n')
+    with pytest.raises(ConfigError) as refused:
+        claim_run_dir(_cfg(), tmp_path)
+    assert "step-0000020" in str(refused.value)
+    assert "train.resume=auto" in str(refused.value)
+    assert "train.overwrite=true" in str(refused.value)
+    assert (step / "__0_0.distcp").read_bytes() == b"weights"
+    assert (tmp_path / "metrics.jsonl").read_text().startswith('{"step": 20')
+    RunLock(tmp_path).acquire()  # the refused run let its lock go
+
+
+def test_resume_auto_continues_and_overwrite_starts_over(tmp_path):
+    step = _checkpoint(tmp_path, 20)
+    claim_run_dir(_cfg(resume="auto"), tmp_path).release()
+    assert step.is_dir()
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "cache").mkdir()
+    claim_run_dir(_cfg(overwrite=True), tmp_path).release()
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "hf").exists()
+    assert not (tmp_path / "metrics.jsonl").exists()
+    assert (tmp_path / "cache").is_dir()  # keyed by its sources: still valid
+
+
+def test_overwrite_with_resume_is_refused():
+    with pytest.raises(ConfigError, match="train.overwrite"):
+        _cfg(overwrite=True, resume="auto").validate()
+
+
+def test_a_missing_resume_path_is_refused_before_any_set_up(tmp_path, monkeypatch):
+    from lmforge.train import loop
+
+    def no_set_up(*args, **kwargs):
+        raise AssertionError("the runtime was set up before train.resume was checked")
+
+    monkeypatch.setattr(loop, "init_runtime", no_set_up)
+    cfg = _cfg(resume=str(tmp_path / "run" / "checkpoints" / "step-0000010"),
+               output_dir=str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match=r"^train.resume: .*step-0000010: not found"):
+        loop.train(cfg)
