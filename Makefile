@@ -5,7 +5,7 @@ setup:
 	bash scripts/setup.sh
 
 demo: setup
-	.venv/bin/lmforge train
+	.venv/bin/lmforge train train.overwrite=true  # each demo starts over in runs/demo
 
 test: setup
 	.venv/bin/python -m pytest tests
