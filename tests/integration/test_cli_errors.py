@@ -18,6 +18,7 @@ def _run(capsys, argv):
 
 @pytest.mark.parametrize("override, field", [
     ("optim.lr=-1", "optim.lr"),
+    ("optim.lr=inf", "optim.lr"),
     ("model.n_kv_heads=3", "model.n_kv_heads"),
     ("data.seq_len=100000", "data.seq_len"),
     ("optim.nope=1", "optim.nope"),
