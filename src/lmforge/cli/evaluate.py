@@ -5,6 +5,7 @@ import json
 import math
 from pathlib import Path
 
+from lmforge import fsio
 from lmforge.cli.common import DEVICES
 from lmforge.config import resolve_device
 from lmforge.data.tokenizer import load_tokenizer
@@ -32,6 +33,8 @@ def add_parser(sub) -> None:
 def _eval(args) -> int:
     if args.seq_len <= 0 or args.batch_size <= 0:
         raise ValueError("--seq-len and --batch-size must be > 0")
+    output = Path(args.output or "eval.json")
+    fsio.check_writable(output, "--output")  # before the evaluation, not after it
     device = resolve_device(args.device, "--device")
     model = load_hf_model(args.model, device=device)
     tokenizer = load_tokenizer(args.model)
@@ -42,5 +45,5 @@ def _eval(args) -> int:
               "seq_len": args.seq_len, "tokens": tokens, "loss": loss,
               "perplexity": math.exp(loss)}
     print(json.dumps(result, indent=2))
-    Path(args.output or "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    output.write_text(json.dumps(result, indent=2) + "\n")
     return 0
