@@ -157,3 +157,14 @@ def test_eval_refuses_an_unwritable_output_before_evaluating(capsys, tmp_path, m
     err = _refused_in_one_line(capsys, ["eval", "--model", str(tmp_path), "--data", "x",
                                         "--output", str(out_file)], out_file)
     assert "--output" in err
+
+
+def test_eval_refuses_a_seq_len_above_the_models_maximum_naming_both(capsys, tmp_path):
+    args = tiny_llama_args()
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_from_args(args)))
+    too_long = args.max_seq_len + 1
+    code, err = _run(capsys, ["eval", "--model", str(tmp_path), "--data", str(tmp_path),
+                              "--seq-len", str(too_long), "--output", str(tmp_path / "e.json")])
+    assert code == 2 and "\n" not in err
+    assert err.startswith(f"lmforge: error: --seq-len: {too_long} is above the model's "
+                          f"maximum sequence length {args.max_seq_len}")
