@@ -7,6 +7,7 @@ config costs a second, not a queued GPU job.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -305,7 +306,7 @@ _BOUNDS = {
                      "train.activation_checkpointing_every", "optim.lr", "lora.rank",
                      "lora.alpha", "model.dim", "model.n_layers", "model.n_heads",
                      "model.n_kv_heads", "model.vocab_size", "model.ffn_dim",
-                     "model.max_seq_len"), "> 0"),
+                     "model.max_seq_len", "optim.eps"), "> 0"),
     **dict.fromkeys(("optim.weight_decay", "optim.grad_clip", "optim.warmup_steps",
                      "train.checkpoint_every", "train.eval_every", "train.keep_last",
                      "train.threads", "train.loss_chunk_tokens", "data.num_workers"), ">= 0"),
@@ -329,6 +330,7 @@ def validate(cfg: JobConfig, world_size: int = 1, distributed: Optional[bool] = 
         if value not in allowed and not (dotted == "data.template" and "{" in str(value)):
             raise ConfigError(f"{dotted}: {value!r} is not one of "
                               f"{', '.join(map(str, allowed))}")
+    _validate_optim_numbers(cfg.optim)
     for dotted, bound in _BOUNDS.items():
         value = _get(cfg, dotted)
         if value is not None and not _RANGES[bound](value):
@@ -357,6 +359,15 @@ def validate(cfg: JobConfig, world_size: int = 1, distributed: Optional[bool] = 
 def _get(cfg: JobConfig, dotted: str) -> Any:
     section, key = dotted.split(".")
     return getattr(getattr(cfg, section), key)
+
+
+def _validate_optim_numbers(optim: OptimConfig) -> None:
+    # inf passes every "> 0" bound and nan fails them with a puzzling message; either would
+    # only show up as a non-finite loss a step or two into the run.
+    for f in dataclasses.fields(optim):
+        value = getattr(optim, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"optim.{f.name}: {value} is not a finite number")
 
 
 def _validate_batch(cfg: JobConfig, world_size: int) -> None:

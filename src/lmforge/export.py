@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from lmforge import fsio
 from lmforge.checkpoint import (CONFIG_NAME, META_NAME, CheckpointError, find_checkpoint,
                                 read_job_config, read_meta, read_model_state)
 from lmforge.checkpoint.collective import describe
@@ -99,6 +100,7 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, fmt: str = "hf"
         raise CheckpointError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
     if dtype is not None and dtype not in EXPORT_DTYPES:
         raise CheckpointError(f"--dtype: {dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
+    fsio.check_writable(out_dir, "OUT_DIR", kind="dir")
     path = find_checkpoint(ckpt_dir)
     sd = read_model_state(path)
     cfg = read_job_config(path) if (path / CONFIG_NAME).is_file() else None

@@ -35,6 +35,39 @@ def tmp_sibling(path: str | Path) -> Path:
     return path.with_name(f".{path.name}{tmp_tag()}-{uuid.uuid4().hex[:8]}")
 
 
+# ------------------------------------------------------------------------ destinations
+
+def check_writable(path: str | Path, what: str, kind: str = "file") -> None:
+    """Refuse, before any work, an output ``path`` (a ``kind`` "file" or "dir") that could
+    not be written: the wrong kind of thing in the way, or no permission. Every writer
+    here creates or renames entries in the parent, so the nearest existing ancestor
+    must be a writable directory. ``what`` names the option in the message."""
+    path = Path(path)
+    if kind not in ("file", "dir"):
+        raise ValueError(f"kind must be file or dir, got {kind!r}")
+    if kind == "file" and path.is_dir():
+        raise IsADirectoryError(f"{path}: {what} is a file to write, but a directory is "
+                                f"in the way")
+    if kind == "dir" and path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"{path}: {what} is a directory to write, but a file is "
+                                 f"in the way")
+    if path.exists() and not os.access(path, os.W_OK | (os.X_OK if kind == "dir" else 0)):
+        raise PermissionError(f"{path}: {what} is not writable (permission denied)")
+    parent = _nearest_existing(path.parent)
+    if not parent.is_dir():
+        raise NotADirectoryError(f"{path}: cannot write {what}: {parent} is a file, not a "
+                                 f"directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(f"{path}: cannot write {what}: no permission to create "
+                              f"files in {parent}")
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 # ------------------------------------------------------------------------------ files
 
 def fsync_path(path: str | Path) -> None:

@@ -1,5 +1,6 @@
 """Bad input exits non-zero with one line naming the field or file, before any compute."""
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ def _run(capsys, argv):
 
 @pytest.mark.parametrize("override, field", [
     ("optim.lr=-1", "optim.lr"),
+    ("optim.lr=inf", "optim.lr"),
     ("model.n_kv_heads=3", "model.n_kv_heads"),
     ("data.seq_len=100000", "data.seq_len"),
     ("optim.nope=1", "optim.nope"),
@@ -82,3 +84,87 @@ def test_only_the_cli_package_knows_argparse():
     users = sorted(str(p.relative_to(src)) for p in src.rglob("*.py")
                    if "argparse" in p.read_text() and p.parts[-2] != "cli")
     assert users == []
+
+
+# An output that cannot be written is refused first, in one line naming it: the inputs
+# named here do not exist, so any work done before the check would fail differently.
+
+def _unwritable_outputs(tmp_path, how):
+    """(a file output, a directory output) that cannot be written, ``how``: read-only
+    (a directory without write permission) or in-the-way (a file or directory is where
+    the other kind is needed)."""
+    if how == "read-only":
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        return locked / "out", locked / "out-dir"
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "a-dir").mkdir()
+    return tmp_path / "a-dir", tmp_path / "a-file"
+
+
+CASES = [pytest.param("read-only", marks=pytest.mark.skipif(
+    os.geteuid() == 0, reason="root ignores file permissions")), "in-the-way"]
+
+
+def _refused_in_one_line(capsys, argv, output):
+    code, err = _run(capsys, argv)
+    assert code == 2 and "\n" not in err and err.startswith(f"lmforge: error: {output}")
+    return err
+
+
+@pytest.mark.parametrize("how", CASES)
+def test_preprocess_refuses_an_unwritable_output_prefix_before_reading_anything(
+        capsys, tmp_path, how):
+    prefix, _ = _unwritable_outputs(tmp_path, how)
+    if how == "in-the-way":  # PREFIX.bin is a directory
+        (tmp_path / "corpus.bin").mkdir()
+        prefix = tmp_path / "corpus"
+    err = _refused_in_one_line(capsys, ["preprocess", "--input", str(tmp_path / "absent"),
+                                        "--output-prefix", str(prefix), "--tokenizer",
+                                        str(tmp_path / "no-tokenizer")], prefix)
+    assert "--output-prefix" in err
+
+
+@pytest.mark.parametrize("how", CASES)
+def test_tokenizer_train_refuses_an_unwritable_output_before_training(capsys, tmp_path, how):
+    _, out_dir = _unwritable_outputs(tmp_path, how)
+    err = _refused_in_one_line(capsys, ["tokenizer", "train", "--input",
+                                        str(tmp_path / "absent"), "--vocab-size", "300",
+                                        "--output", str(out_dir)], out_dir)
+    assert "--output" in err
+
+
+@pytest.mark.parametrize("how", CASES)
+def test_export_refuses_an_unwritable_out_dir_before_reading_the_checkpoint(
+        capsys, tmp_path, how):
+    _, out_dir = _unwritable_outputs(tmp_path, how)
+    err = _refused_in_one_line(capsys, ["export", str(tmp_path / "no-checkpoint"),
+                                        str(out_dir)], out_dir)
+    assert "OUT_DIR" in err
+
+
+@pytest.mark.parametrize("how", CASES)
+def test_eval_refuses_an_unwritable_output_before_evaluating(capsys, tmp_path, monkeypatch,
+                                                             how):
+    import lmforge.cli.evaluate as cli_eval
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the model was loaded or evaluated before the output check")
+
+    for name in ("load_hf_model", "load_tokenizer", "eval_batches_for", "evaluate"):
+        monkeypatch.setattr(cli_eval, name, no_work)
+    out_file, _ = _unwritable_outputs(tmp_path, how)
+    err = _refused_in_one_line(capsys, ["eval", "--model", str(tmp_path), "--data", "x",
+                                        "--output", str(out_file)], out_file)
+    assert "--output" in err
+
+
+def test_eval_refuses_a_seq_len_above_the_models_maximum_naming_both(capsys, tmp_path):
+    args = tiny_llama_args()
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_from_args(args)))
+    too_long = args.max_seq_len + 1
+    code, err = _run(capsys, ["eval", "--model", str(tmp_path), "--data", str(tmp_path),
+                              "--seq-len", str(too_long), "--output", str(tmp_path / "e.json")])
+    assert code == 2 and "\n" not in err
+    assert err.startswith(f"lmforge: error: --seq-len: {too_long} is above the model's "
+                          f"maximum sequence length {args.max_seq_len}")

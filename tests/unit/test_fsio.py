@@ -72,3 +72,43 @@ def test_set_aside_leftovers_are_recognised_by_their_original_name(tmp_path):
     assert fsio.set_aside_original(".step-0000003.tmp") is None
     fsio.remove_dir(aside)
     assert names(tmp_path) == []
+
+
+as_root = pytest.mark.skipif(os.geteuid() == 0, reason="root ignores file permissions")
+
+
+def test_check_writable_accepts_new_and_existing_destinations(tmp_path):
+    fsio.check_writable(tmp_path / "new" / "deeper" / "out.json", "--output")
+    fsio.check_writable(tmp_path / "new-dir", "OUT_DIR", kind="dir")
+    (tmp_path / "old.json").write_text("{}")
+    fsio.check_writable(tmp_path / "old.json", "--output")
+    fsio.check_writable(tmp_path, "OUT_DIR", kind="dir")
+
+
+def test_check_writable_refuses_the_wrong_kind_of_thing_in_the_way(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(NotADirectoryError, match=r"a-file/out.json: cannot write --output: "
+                                                 r".*a-file is a file, not a directory"):
+        fsio.check_writable(tmp_path / "a-file" / "out.json", "--output")
+    with pytest.raises(NotADirectoryError, match=r"a-file: OUT_DIR is a directory to write, "
+                                                 r"but a file is in the way"):
+        fsio.check_writable(tmp_path / "a-file", "OUT_DIR", kind="dir")
+    with pytest.raises(IsADirectoryError, match=r"--output is a file to write, but a "
+                                                r"directory is in the way"):
+        fsio.check_writable(tmp_path, "--output")
+
+
+@as_root
+def test_check_writable_refuses_a_read_only_directory_naming_it(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    (locked / "old.json").write_text("{}")
+    locked.chmod(0o500)
+    try:
+        with pytest.raises(PermissionError, match=r"no permission to create files in "
+                                                  r".*locked$"):
+            fsio.check_writable(locked / "sub" / "out.json", "--output")
+        with pytest.raises(PermissionError, match="locked"):
+            fsio.check_writable(locked, "OUT_DIR", kind="dir")
+    finally:
+        locked.chmod(0o700)

@@ -14,7 +14,8 @@ from importlib.metadata import PackageNotFoundError, version
 from lmforge.cli import data, evaluate, export, generate, launch, lora, perf, train
 
 # Errors a user can cause and fix: reported as one line, never as a traceback.
-USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError)
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+               PermissionError)
 COMMAND_MODULES = (train, evaluate, generate, data, export, perf, launch, lora)
 
 

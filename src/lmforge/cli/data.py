@@ -4,6 +4,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from lmforge import fsio
 from lmforge.data.preprocess import preprocess
 from lmforge.data.tokenizer import iter_text_files, read_text, train_bpe
 
@@ -76,6 +77,7 @@ def _add_tokenizer(sub) -> None:
 def _tokenizer_train(args) -> int:
     if args.vocab_size < 260:
         raise ValueError("--vocab-size must be at least 260 (256 bytes + special tokens)")
+    fsio.check_writable(args.output, "--output", kind="dir")
     files = list(iter_text_files(args.input))
     if not files:
         raise ValueError(f"{', '.join(args.input)}: no .txt/.md/.py/.rst files found")

@@ -7,7 +7,7 @@ from typing import Callable, Iterator, Optional
 
 from lmforge.config import JobConfig
 from lmforge.data.loader import build_dataset_loader
-from lmforge.data.text import PackedTokenLoader, corpus_files, tokenize_files
+from lmforge.data.text import PackedTokenLoader, corpus_files, split_tokens, tokenize_files
 from lmforge.data.tokenizer import Tokenizer, read_text, train_bpe
 
 
@@ -56,19 +56,25 @@ def _build_text(cfg, tokenizer, dp_rank, dp_size) -> DataBundle:
     d = cfg.data
     train_files, eval_files = corpus_files(d.kind, d.path, d.eval_path, d.eval_fraction)
     train_tokens = tokenize_files(train_files, tokenizer)
+    if eval_files:
+        eval_tokens, held = tokenize_files(eval_files, tokenizer), f"{len(eval_files)} files"
+    elif d.eval_path:
+        eval_tokens, held = train_tokens[:0], "0 files"
+    else:  # too few files to hold whole ones out: hold out the tail of the tokens
+        train_tokens, eval_tokens = split_tokens(train_tokens, d.eval_fraction, d.seq_len,
+                                                 d.micro_batch_size * dp_size)
+        held = f"the last {len(eval_tokens):,} tokens"
     train = PackedTokenLoader(train_tokens, d.seq_len, d.micro_batch_size, cfg.train.seed,
                               dp_rank, dp_size)
     eval_batches = None
-    if eval_files:
-        eval_tokens = tokenize_files(eval_files, tokenizer)
-        if (len(eval_tokens) - 1) // d.seq_len >= 1:
-            def eval_batches():
-                loader = PackedTokenLoader(eval_tokens, d.seq_len, 1, 0, shuffle=False)
-                loader.micro_batch_size = d.micro_batch_size
-                return _limited_iter(loader.iter_once(), cfg.train.eval_batches)
+    if (len(eval_tokens) - 1) // d.seq_len >= 1:
+        def eval_batches():
+            loader = PackedTokenLoader(eval_tokens, d.seq_len, 1, 0, shuffle=False)
+            loader.micro_batch_size = d.micro_batch_size
+            return _limited_iter(loader.iter_once(), cfg.train.eval_batches)
     where = "the Python standard library" if d.kind == "stdlib" else str(d.path)
     desc = (f"{len(train_files)} files from {where}: {len(train_tokens):,} training tokens, "
-            f"{len(eval_files)} files held out")
+            f"{held} held out")
     return DataBundle(train, eval_batches, desc)
 
 

@@ -266,20 +266,20 @@ class IndexedDataset:
         size = os.path.getsize(idx)
         if size < expected:
             raise DataError(f"{idx}: truncated ({size} bytes, the header promises {expected})")
+        if size not in (expected, expected + n_seq):  # + n_seq: Megatron's multimodal modes
+            raise DataError(f"{idx}: {size} bytes, but the header's {n_seq} sequences and "
+                            f"{n_doc - 1} documents make {expected}")
         self._idx = np.memmap(idx, dtype=np.uint8, mode="r")
         self.sequence_lengths = np.frombuffer(self._idx, np.int32, n_seq, _FIXED)
         self.sequence_pointers = np.frombuffer(self._idx, np.int64, n_seq, _FIXED + 4 * n_seq)
         self.document_indices = np.frombuffer(self._idx, np.int64, n_doc, _FIXED + 12 * n_seq)
-        if n_doc == 0 or self.document_indices[0] != 0 or self.document_indices[-1] != n_seq:
-            raise DataError(f"{idx}: document index must run from 0 to the sequence count")
         bin_size = os.path.getsize(binp)
-        need = int(self.sequence_pointers[-1] + self.sequence_lengths[-1] * self.dtype.itemsize
-                   ) if n_seq else 0
-        if bin_size < need:
-            raise DataError(f"{binp}: truncated ({bin_size} bytes, the index needs {need})")
         if bin_size % self.dtype.itemsize:
             raise DataError(f"{binp}: size {bin_size} is not a multiple of the "
                             f"{self.dtype} token size")
+        _check_sequences(idx, self.sequence_lengths, self.sequence_pointers,
+                         self.dtype.itemsize, bin_size)
+        _check_documents(idx, self.document_indices, n_seq)
         self.tokens = (np.memmap(binp, dtype=self.dtype, mode="r") if bin_size
                        else np.empty(0, dtype=self.dtype))
         self._num_tokens: Optional[int] = None
@@ -338,3 +338,74 @@ class IndexedDataset:
     def __iter__(self):
         for i in range(len(self)):
             yield self[i]
+
+
+# ------------------------------------------------------------------------- index checks
+# A wrong length or pointer would silently train on the wrong tokens (or on a window of
+# billions of them), so the reader checks the whole index at open. The checks run block by
+# block over the memory maps into reused buffers: vectorised, in flat memory whatever the
+# index size, and without faulting in fresh pages for temporaries (which cost more than
+# the arithmetic).
+
+_CHECK_BLOCK = 1 << 18
+
+
+def _first_bad(check, n: int) -> Optional[int]:
+    """The first ``i < n - 1`` where ``check(start, stop, out)`` (which fills ``out`` with
+    one flag per ``i`` in ``[start, stop)``) raises a flag; None when none does."""
+    out = np.empty(min(_CHECK_BLOCK, max(n - 1, 0)), dtype=bool)
+    for start in range(0, n - 1, _CHECK_BLOCK):
+        stop = min(start + _CHECK_BLOCK, n - 1)
+        flags = out[:stop - start]
+        check(start, stop, flags)
+        if flags.any():
+            return start + int(np.argmax(flags))
+    return None
+
+
+def _check_sequences(idx: str, lengths: np.ndarray, pointers: np.ndarray, itemsize: int,
+                     bin_size: int) -> None:
+    """Pointers start at 0, each is the previous one plus the previous length, and the last
+    sequence ends exactly where ``.bin`` does (Megatron writes sequences back to back)."""
+    n, held = len(lengths), bin_size // itemsize
+    if n == 0:
+        if held:
+            raise DataError(f"{idx}: no sequences, but the .bin holds {held} tokens")
+        return
+    if pointers[0] != 0:
+        raise DataError(f"{idx}: sequence 0 starts at byte {int(pointers[0])}, not 0")
+    ends = np.empty(min(_CHECK_BLOCK, n), dtype=np.int64)
+
+    def disagree(start, stop, flags):
+        block = ends[:stop - start]
+        np.multiply(lengths[start:stop], itemsize, out=block)
+        np.add(block, pointers[start:stop], out=block)
+        np.not_equal(block, pointers[start + 1:stop + 1], out=flags)
+        flags |= lengths[start:stop] < 0
+
+    i = _first_bad(disagree, n)
+    if i is not None:
+        apart = (int(pointers[i + 1]) - int(pointers[i])) // itemsize
+        raise DataError(f"{idx}: sequence {i} has {int(lengths[i])} tokens but its pointer "
+                        f"and the next are {apart} tokens apart (the lengths and pointers "
+                        f"disagree)")
+    end = (int(pointers[-1]) + int(lengths[-1]) * itemsize) // itemsize
+    if lengths[-1] < 0 or end > held:
+        raise DataError(f"{idx}: sequence {n - 1} has {int(lengths[-1])} tokens and ends at "
+                        f"token {end}, but the .bin holds only {held} tokens (truncated, or "
+                        f"not this index's .bin)")
+    if end < held:
+        raise DataError(f"{idx}: the sequences end at token {end}, but the .bin holds {held} "
+                        f"tokens (not this index's .bin?)")
+
+
+def _check_documents(idx: str, starts: np.ndarray, n_seq: int) -> None:
+    """The document index runs from 0 to the sequence count and never decreases."""
+    if len(starts) == 0 or starts[0] != 0 or starts[-1] != n_seq:
+        raise DataError(f"{idx}: the document index must run from 0 to the sequence count "
+                        f"{n_seq}")
+    d = _first_bad(lambda start, stop, flags: np.less(
+        starts[start + 1:stop + 1], starts[start:stop], out=flags), len(starts))
+    if d is not None:
+        raise DataError(f"{idx}: document {d + 1} starts at sequence {int(starts[d + 1])}, "
+                        f"before document {d} (sequence {int(starts[d])})")

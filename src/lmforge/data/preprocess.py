@@ -28,8 +28,9 @@ from typing import Iterator, Optional
 
 import numpy as np
 
+from lmforge import fsio
 from lmforge.data.errors import DataError
-from lmforge.data.indexed import IndexedDatasetWriter, token_dtype
+from lmforge.data.indexed import IndexedDatasetWriter, bin_path, idx_path, token_dtype
 from lmforge.data.readers import (find_inputs, input_kind, iter_chunks, one_line,
                                   parse_lines, record_texts)
 from lmforge.data.tokenizer import TokenizerError, load_tokenizer
@@ -225,6 +226,9 @@ def preprocess(inputs: list[str | Path], output_prefix: str | Path, tokenizer_di
     if special_tokens not in ("tokenizer", "none"):
         raise DataError(f"--special-tokens: {special_tokens!r} is not one of tokenizer, none")
     keys = list(dict.fromkeys(json_keys))
+    for out in output_prefixes(str(output_prefix), keys):
+        for path in (bin_path(out), idx_path(out)):
+            fsio.check_writable(path, "--output-prefix")
     files = find_inputs(list(inputs))
     if len(keys) > 1 and any(input_kind(f).startswith(".txt") for f in files):
         raise DataError("--json-key: several keys need JSON or parquet inputs "

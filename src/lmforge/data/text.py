@@ -44,13 +44,28 @@ def stdlib_files(char_budget: int = STDLIB_CHAR_BUDGET) -> list[Path]:
 
 
 def split_files(files: list[Path], eval_fraction: float) -> tuple[list[Path], list[Path]]:
-    """Deterministic train/held-out split by a hash of the file name."""
+    """Deterministic train/held-out split by a hash of the file name. A corpus whose every
+    file hashes into the held-out share (one file, say) holds none out: training needs the
+    text, and ``split_tokens`` then holds out the tail of its tokens instead."""
     if eval_fraction <= 0:
         return files, []
     cut = int(eval_fraction * 10_000)
     held = [f for f in files if zlib.crc32(f.name.encode()) % 10_000 < cut]
+    if len(held) == len(files):
+        return files, []
     train = [f for f in files if f not in set(held)]
     return train, held
+
+
+def split_tokens(tokens: np.ndarray, eval_fraction: float, seq_len: int,
+                 min_train_windows: int) -> tuple[np.ndarray, np.ndarray]:
+    """The last ``eval_fraction`` of the tokens (at least one window of ``seq_len + 1``)
+    held out, for a corpus with too few files to hold out whole ones. Nothing is held out
+    when that would leave fewer than ``min_train_windows`` windows to train on."""
+    held = max(int(len(tokens) * eval_fraction), seq_len + 1)
+    if eval_fraction <= 0 or (len(tokens) - held - 1) // seq_len < min_train_windows:
+        return tokens, tokens[:0]
+    return tokens[:-held], tokens[-held:]
 
 
 def corpus_files(kind: str, path, eval_path, eval_fraction: float
@@ -88,10 +103,13 @@ class PackedTokenLoader:
                  dp_rank: int = 0, dp_size: int = 1, shuffle: bool = True):
         self.tokens, self.seq_len, self.micro_batch_size = tokens, seq_len, micro_batch_size
         self.seed, self.dp_rank, self.dp_size, self.shuffle = seed, dp_rank, dp_size, shuffle
-        self.num_samples = (len(tokens) - 1) // seq_len
-        if self.num_samples < micro_batch_size * dp_size:
+        self.num_samples = max(len(tokens) - 1, 0) // seq_len
+        batch = micro_batch_size * dp_size
+        if self.num_samples < batch:
             raise ValueError(f"data: {len(tokens)} tokens make {self.num_samples} windows of "
-                             f"data.seq_len={seq_len}, fewer than one batch")
+                             f"data.seq_len={seq_len}, fewer than one batch of {batch} "
+                             f"(needs {batch * seq_len + 1} tokens: add text, or lower "
+                             f"data.seq_len or data.micro_batch_size)")
         self.consumed_samples = 0  # by all ranks together
 
     def _order(self, epoch: int) -> np.ndarray:

@@ -60,6 +60,21 @@ def test_validate_refuses_bad_values_naming_the_field(overrides, field):
         validate_job(cfg)
 
 
+@pytest.mark.parametrize("override", [
+    "optim.lr=inf", "optim.lr=nan", "optim.min_lr_ratio=nan", "optim.weight_decay=inf",
+    "optim.beta1=-inf", "optim.beta2=nan", "optim.eps=inf", "optim.grad_clip=inf"])
+def test_every_optim_float_must_be_finite_and_the_message_names_the_field(override):
+    field, value = override.split("=")
+    cfg = load_config(None, [override])
+    with pytest.raises(ConfigError, match=rf"^{field}: {value} is not a finite number$"):
+        validate_job(cfg)
+
+
+def test_optim_eps_must_be_positive():
+    with pytest.raises(ConfigError, match=r"^optim.eps: must be > 0"):
+        validate_job(load_config(None, ["optim.eps=0"]))
+
+
 def test_bad_yaml_file_is_named(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("optim: [unclosed\n")

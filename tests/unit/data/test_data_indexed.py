@@ -6,6 +6,7 @@ import struct
 import numpy as np
 import pytest
 
+from lmforge.data import indexed
 from lmforge.data.errors import DataError
 from lmforge.data.indexed import (IndexedDataset, IndexedDatasetWriter, bin_path, idx_path,
                                   token_dtype)
@@ -121,3 +122,55 @@ def test_we_read_files_megatron_wrote(tmp_path, megatron):
     assert ours.dtype == np.int32 and ours.num_documents == 40 and len(ours) == 60
     for i, d in enumerate(docs):
         np.testing.assert_array_equal(ours.document(i), d)
+
+
+def _ten_documents(tmp_path):
+    prefix = tmp_path / "x_text_document"
+    with IndexedDatasetWriter(prefix, np.uint16) as w:
+        for d in range(10):
+            w.add_document(np.full(d + 1, d))
+    return prefix
+
+
+def _patch_idx(prefix, offset, fmt, value):
+    data = bytearray(open(idx_path(prefix), "rb").read())
+    struct.pack_into(fmt, data, offset, value)
+    open(idx_path(prefix), "wb").write(bytes(data))
+
+
+_LENGTHS, _S = 34, 10  # byte offset of the length array; sequences in _ten_documents
+_POINTERS, _DOCS = _LENGTHS + 4 * _S, _LENGTHS + 12 * _S
+
+
+@pytest.mark.parametrize("offset, fmt, value, message", [
+    (_LENGTHS + 4 * 3, "<i", 2_000_000_000,
+     r"x_text_document.idx: sequence 3 has 2000000000 tokens but its pointer and the next"),
+    (_LENGTHS + 4 * 9, "<i", 2_000_000_000,
+     r"sequence 9 has 2000000000 tokens .* the .bin holds only 55 tokens"),
+    (_LENGTHS + 4 * 5, "<i", -1, r"sequence 5 has -1 tokens but its pointer and the next"),
+    (_POINTERS + 8 * 7, "<q", 4, r"sequence 6 has 7 tokens but its pointer and the next"),
+    (_POINTERS, "<q", 2, r"sequence 0 starts at byte 2"),
+    (_DOCS + 8 * 4, "<q", 1, r"document 4 starts at sequence 1, before document 3"),
+    (_DOCS + 8 * 10, "<q", 9, r"document index must run from 0 to the sequence count 10"),
+])
+def test_an_index_whose_lengths_pointers_or_documents_disagree_is_refused_naming_the_place(
+        tmp_path, monkeypatch, offset, fmt, value, message):
+    monkeypatch.setattr(indexed, "_CHECK_BLOCK", 3)  # the checks cross block boundaries
+    prefix = _ten_documents(tmp_path)
+    IndexedDataset(prefix)  # consistent as written
+    _patch_idx(prefix, offset, fmt, value)
+    with pytest.raises(DataError, match=message):
+        IndexedDataset(prefix)
+
+
+def test_an_index_whose_header_counts_disagree_with_its_size_or_the_bin_is_refused(tmp_path):
+    prefix = _ten_documents(tmp_path)
+    with open(idx_path(prefix), "ab") as f:
+        f.write(b"\x00" * 24)  # three int64 more than the header's counts say
+    with pytest.raises(DataError, match=r"x_text_document.idx: .* bytes, but the header"):
+        IndexedDataset(prefix)
+    prefix = _ten_documents(tmp_path)
+    with open(bin_path(prefix), "ab") as f:
+        f.write(b"\x00\x00")  # one token no sequence covers
+    with pytest.raises(DataError, match=r"end at token 55, but the .bin holds 56 tokens"):
+        IndexedDataset(prefix)

@@ -1,0 +1,53 @@
+"""Raw-text corpora (data.kind=text): the train/held-out split works for any number of
+files, and too little text is refused with what to change."""
+import zlib
+
+import numpy as np
+import pytest
+
+from lmforge.config import load_config
+from lmforge.data.build import build_data, corpus_texts_for_tokenizer
+from lmforge.data.text import PackedTokenLoader, split_files, tokenize_files
+
+from .conftest import make_docs
+
+HELD_OUT_NAME = "notes16.txt"  # its name hashes into the 5% held-out share
+
+
+def test_the_name_used_below_hashes_into_the_held_out_share():
+    assert zlib.crc32(HELD_OUT_NAME.encode()) % 10_000 < 500
+
+
+def test_a_single_file_corpus_trains_on_its_head_and_holds_out_its_tail(tmp_path, tokenizer):
+    corpus = tmp_path / HELD_OUT_NAME
+    corpus.write_text("\n\n".join(make_docs(60, seed=4)))
+    cfg = load_config(None, ["data.kind=text", f"data.path={corpus}", "data.seq_len=32",
+                             "data.micro_batch_size=2"])
+    assert split_files([corpus], 0.05) == ([corpus], [])
+    assert list(corpus_texts_for_tokenizer(cfg)) == [corpus.read_text()]
+    bundle = build_data(cfg, tokenizer)
+    everything = tokenize_files([corpus], tokenizer)
+    train = bundle.train.tokens
+    assert bundle.train.num_samples >= 2 and bundle.eval_batches is not None
+    held = next(iter(bundle.eval_batches()))["input_ids"]
+    assert len(train) < len(everything) and np.array_equal(train, everything[:len(train)])
+    tail = everything[len(train):]
+    assert len(tail) == int(0.05 * len(everything))
+    assert np.array_equal(held[0].numpy(), tail[:32]), "held out = the tail, not trained on"
+    assert "held out" in bundle.description
+
+
+def test_a_corpus_with_just_one_batch_trains_on_all_of_it(tmp_path, tokenizer):
+    corpus = tmp_path / HELD_OUT_NAME
+    corpus.write_text(make_docs(1, seed=5)[0])
+    tokens = len(tokenize_files([corpus], tokenizer))
+    cfg = load_config(None, ["data.kind=text", f"data.path={corpus}", "data.micro_batch_size=2",
+                             f"data.seq_len={(tokens - 1) // 2}"])  # exactly two windows
+    bundle = build_data(cfg, tokenizer)
+    assert len(bundle.train.tokens) == tokens and bundle.eval_batches is None
+
+
+def test_too_few_tokens_for_one_batch_are_refused_with_what_to_change():
+    with pytest.raises(ValueError, match=r"^data: 0 tokens make 0 windows of data.seq_len=256"
+                                         r", fewer than one batch of 8 .*data.seq_len"):
+        PackedTokenLoader(np.zeros(0, np.int32), 256, 8, seed=0)
