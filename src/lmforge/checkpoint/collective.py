@@ -38,7 +38,11 @@ def world_size() -> int:
     return dist.get_world_size() if distributed() else 1
 
 
-def _gather_errors(error: Optional[str], pg) -> list[str]:
+def group_size(pg) -> int:
+    return dist.get_world_size(pg) if distributed() else 1
+
+
+def gather_errors(error: Optional[str], pg) -> list[str]:
     """Every rank's error (None = fine); also a barrier."""
     if not distributed():
         return [error] if error else []
@@ -50,7 +54,7 @@ def _gather_errors(error: Optional[str], pg) -> list[str]:
 def agree(error: Optional[str], pg, tmp: Optional[Path] = None) -> None:
     """Raise the same ``CheckpointError`` on every rank when any rank failed (rank 0
     removes the partial directory first)."""
-    errors = _gather_errors(error, pg)
+    errors = gather_errors(error, pg)
     if not errors:
         return
     if tmp is not None:
@@ -73,6 +77,18 @@ class QuietSingleProcess:
 
     def __exit__(self, *exc):
         self._ctx.__exit__(*exc)
+
+
+def raised_checkpoint_error(err: BaseException) -> Optional[CheckpointError]:
+    """The ``CheckpointError`` our own reader or planner raised inside DCP (which wraps
+    each rank's failure), so its one line reaches the user unchanged."""
+    if isinstance(err, CheckpointError):
+        return err
+    for wrapped in (getattr(err, "failures", None) or {}).values():
+        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        if isinstance(inner, BaseException):
+            return raised_checkpoint_error(inner)
+    return None
 
 
 def describe(err: BaseException) -> str:
