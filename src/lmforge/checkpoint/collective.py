@@ -2,6 +2,8 @@
 failures, and the agreement itself (a rank that failed makes every rank raise)."""
 from __future__ import annotations
 
+import errno
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -16,6 +18,11 @@ except ImportError:  # pragma: no cover
         pass
 
 CAUGHT = (Exception, DCPException)  # what a failed write raises
+_DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+# torch.save to a path writes through its zip writer (inline_container.cc), which reports
+# a short write on a full disk as an enforce failure, without the errno.
+_ZIP_WRITE_FAILED = re.compile(r"\[enforce fail at inline_container\.cc:\d+\]\s*\.?\s*"
+                               r"(.*(?:failed writing file|unexpected pos).*)")
 
 
 class CheckpointError(ValueError):
@@ -100,9 +107,15 @@ def describe(err: BaseException) -> str:
             if isinstance(inner, BaseException):
                 return describe(inner)
         return type(err).__name__
+    if isinstance(err, OSError) and err.errno in _DISK_FULL:
+        return f"disk full ({err.strerror or 'no space left on device'})"
     if isinstance(err, OSError) and err.strerror:
         return err.strerror
-    return " ".join(str(err).split()) or type(err).__name__
+    text = " ".join(str(err).split())
+    zip_write = _ZIP_WRITE_FAILED.search(text)
+    if zip_write:
+        return f"disk full, or another failed write (torch: {zip_write.group(1)})"
+    return text or type(err).__name__
 
 
 def write_error(directory: Path, err: BaseException) -> str:
