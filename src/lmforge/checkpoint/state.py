@@ -35,7 +35,7 @@ from lmforge.checkpoint import layout
 from lmforge.checkpoint.collective import (CAUGHT, CheckpointError, QuietSingleProcess, agree,
                                            describe, distributed, global_rank, group_rank,
                                            raised_checkpoint_error, world_size, write_error)
-from lmforge.checkpoint.integrity import HashingWriter, missing_shard
+from lmforge.checkpoint.integrity import HashingWriter, check_share, missing_shard
 from lmforge.checkpoint.safe_load import (METADATA_NAME, SafeLoadPlanner, SafeReader,
                                           read_metadata_file)
 from lmforge.config import JobConfig, apply_dict
@@ -351,10 +351,15 @@ def _read_rank_state(path: Path) -> Optional[dict]:
 
 # ------------------------------------------------------------------ offline reading
 
-def read_model_state(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
+def read_model_state(ckpt_dir: str | Path, *, verify: bool = True
+                     ) -> dict[str, torch.Tensor]:
     """A checkpoint's model tensors, whole (shards reassembled), on the CPU, without a
-    process group. Keys are the model's FQNs."""
+    process group. Keys are the model's FQNs. ``verify``: check the recorded checksums
+    first (an export of damaged weights would look fine and be wrong)."""
     path = Path(ckpt_dir)
+    problem = check_share(path) if verify else None
+    if problem:
+        raise CheckpointError(f"{path}: {problem}")
     metadata = _read_dcp_metadata(path)
     sd = {key: torch.empty(item.size, dtype=item.properties.dtype)
           for key, item in metadata.state_dict_metadata.items()

@@ -12,7 +12,7 @@ from helpers.tiny_checkpoints import assert_loads, make_model, save, weights
 
 from lmforge import fsio
 from lmforge.checkpoint import (AsyncCheckpointer, CheckpointError, capture_rng,
-                                load_checkpoint, resolve_resume)
+                                load_checkpoint, read_model_state, resolve_resume)
 from lmforge.checkpoint.collective import describe
 from lmforge.checkpoint.integrity import MANIFEST_NAME, missing_file, verify_checkpoint
 
@@ -64,6 +64,8 @@ def test_flipped_bits_make_auto_fall_back_to_the_previous_checkpoint(tmp_path):
         resolve_resume(str(newest), tmp_path)  # asked for by name: an error, no fallback
     assert str(err.value) == f"train.resume: {newest}: checksum mismatch in __0_0.distcp"
     assert resolve_resume(str(newest), tmp_path, verify=False) == newest
+    with pytest.raises(CheckpointError, match="checksum mismatch in __0_0.distcp"):
+        read_model_state(newest)  # what export reads: damaged weights are not exported
 
 
 def test_unreadable_metadata_and_missing_shards_are_skipped_with_the_cause(tmp_path):
