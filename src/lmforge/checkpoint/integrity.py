@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from lmforge import fsio
 from lmforge.checkpoint.collective import describe, gather_errors, group_rank, group_size
 from lmforge.checkpoint.safe_load import (METADATA_NAME, MetadataError, data_files,
-                                          read_metadata_file)
+                                          is_plain_name, read_metadata_file)
 
 MANIFEST_NAME = "checksums.json"
 ALGORITHM = "sha256"
@@ -102,9 +102,15 @@ def read_manifest(path: Path) -> Optional[dict[str, dict]]:
     if not manifest_path.is_file():
         return None
     manifest = json.loads(manifest_path.read_text())
-    if manifest.get("algorithm") != ALGORITHM or not isinstance(manifest.get("files"), dict):
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if manifest.get("algorithm") != ALGORITHM or not isinstance(files, dict):
         raise ValueError(f"not a {ALGORITHM} manifest")
-    return manifest["files"]
+    for name, recorded in files.items():
+        # Only names inside the directory: a crafted manifest must not make verification
+        # read /dev/zero or a file elsewhere.
+        if not is_plain_name(name) or not isinstance(recorded, dict):
+            raise ValueError(f"bad entry {name!r}")
+    return files
 
 
 def missing_file(name: str) -> str:

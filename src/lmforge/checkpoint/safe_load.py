@@ -101,9 +101,14 @@ def _check_shape(metadata: Any, path: Path) -> None:
                             f"not DCP metadata: holds {type(metadata).__name__}")
     for info in (metadata.storage_data or {}).values():
         name = getattr(info, "relative_path", None)
-        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+        if not is_plain_name(name):
             raise MetadataError(path, "refused", f"names a data file outside the "
                                                  f"checkpoint directory ({name!r})")
+
+
+def is_plain_name(name: Any) -> bool:
+    """A file name inside a directory: no separator, not ``.``/``..``, not absolute."""
+    return isinstance(name, str) and Path(name).name == name and name not in ("", ".", "..")
 
 
 def data_files(metadata: dcp_metadata.Metadata) -> set[str]:

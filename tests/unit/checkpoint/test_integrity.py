@@ -81,6 +81,15 @@ def test_unreadable_metadata_and_missing_shards_are_skipped_with_the_cause(tmp_p
     assert missing_file("__1_0.distcp") == "missing shard __1_0.distcp (written by rank 1)"
 
 
+def test_a_manifest_naming_files_outside_the_checkpoint_is_refused(tmp_path):
+    model, optimizer = make_model()
+    path = save(tmp_path, 2, model, optimizer)
+    manifest = json.loads((path / MANIFEST_NAME).read_text())
+    manifest["files"]["/dev/zero"] = {"sha256": "0", "bytes": 0}
+    (path / MANIFEST_NAME).write_text(json.dumps(manifest))
+    assert verify_checkpoint(path) == f"unreadable {MANIFEST_NAME} (bad entry '/dev/zero')"
+
+
 def test_a_missing_shard_is_named_by_load_without_verification(tmp_path):
     model, optimizer = make_model()
     path = save(tmp_path, 2, model, optimizer)
