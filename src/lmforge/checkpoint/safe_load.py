@@ -67,8 +67,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if name in _ALLOWED_CLASSES.get(module, ()):
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
+        # vars(), not getattr: torch's module __getattr__ imports submodules on demand.
+        if module == "torch" and isinstance(vars(torch).get(name), torch.dtype):
+            return vars(torch)[name]
         raise _Refused(f"{module}.{name}")
 
     def persistent_load(self, pid: Any) -> Any:
@@ -155,10 +156,12 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def _refusal(self, read_item, err: Exception) -> str:
         info = self.metadata.storage_data.get(read_item.storage_index)
         where = self.ckpt_dir / getattr(info, "relative_path", "?")
+        fqn = read_item.dest_index.fqn
         asked = _GLOBAL.search(str(err))
-        why = (f"asks for {asked.group(1)}, which a checkpoint never holds" if asked
-               else f"not loadable with weights_only ({describe(err).split('. ')[0]})")
-        return f"{where}: refused: entry {read_item.dest_index.fqn} {why}"
+        if asked:
+            return (f"{where}: refused: entry {fqn} asks for {asked.group(1)}, which a "
+                    f"checkpoint never holds")
+        return f"{where}: unreadable entry {fqn} ({describe(err).split('. ')[0]})"
 
 
 def _set_path(root: Any, path: tuple, value: Any) -> None:
