@@ -206,9 +206,48 @@ def worker_resume(out: Path) -> None:
         state = _full_state(model, optimizer)["optimizer"]
         for name, value in ref["optimizer"].items():
             assert torch.equal(full_value(state[name]), value), name
+    _integrity_on_two_ranks(out)
     dist.barrier()
     if dist.get_rank() == 0:
         (out / "resume-ok").write_text("ok")
+
+
+def _integrity_on_two_ranks(out: Path) -> None:
+    """Each rank hashed its own files into the manifest; the ranks share verification
+    and agree: a bit flipped in rank 1's shard makes both fall back to the same step, a
+    missing shard is named with the rank that wrote it."""
+    import shutil
+    import warnings
+
+    import torch.distributed as dist
+
+    from lmforge.checkpoint import CheckpointError, resolve_resume
+    from lmforge.checkpoint.integrity import MANIFEST_NAME
+
+    flipped, lost = out / "flipped", out / "lost"
+    if dist.get_rank() == 0:
+        shutil.copytree(out / "checkpoints", flipped)
+        shard = flipped / "step-0000003" / "__1_0.distcp"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x04
+        shard.write_bytes(bytes(data))
+        shutil.copytree(out / "checkpoints" / "step-0000002", lost / "step-0000002")
+        (lost / "step-0000002" / "__1_0.distcp").unlink()
+    dist.barrier()
+    manifest = json.loads((flipped / "step-0000003" / MANIFEST_NAME).read_text())["files"]
+    assert {"__0_0.distcp", "__1_0.distcp", "rank-00000.pt", "rank-00001.pt",
+            ".metadata"} <= manifest.keys(), manifest.keys()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert resolve_resume("auto", flipped) == flipped / "step-0000002"
+    for path, cause in ((flipped / "step-0000003", "checksum mismatch in __1_0.distcp"),
+                        (lost / "step-0000002",
+                         "missing shard __1_0.distcp (written by rank 1)")):
+        try:
+            resolve_resume(str(path), path.parent)
+            raise AssertionError(f"{path} should not verify")
+        except CheckpointError as e:
+            assert str(e) == f"train.resume: {path}: {cause}", str(e)
 
 
 def _worker_main(mode: str, out: str) -> None:

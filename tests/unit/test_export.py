@@ -85,6 +85,7 @@ def test_export_without_recorded_architecture_uses_config_yaml(tmp_path):
     meta = json.loads((path / "meta.json").read_text())
     meta["model_args"] = None
     (path / "meta.json").write_text(json.dumps(meta))
+    (path / "checksums.json").unlink()  # such old checkpoints recorded no checksums either
     # The run directory works as CHECKPOINT_DIR too: its newest checkpoint is taken.
     out = export_checkpoint(run, tmp_path / "hf", dtype="bf16")
     from lmforge.models.hf import load_hf_model

@@ -2,6 +2,8 @@
 failures, and the agreement itself (a rank that failed makes every rank raise)."""
 from __future__ import annotations
 
+import errno
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -16,6 +18,11 @@ except ImportError:  # pragma: no cover
         pass
 
 CAUGHT = (Exception, DCPException)  # what a failed write raises
+_DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+# torch.save to a path writes through its zip writer (inline_container.cc), which reports
+# a short write on a full disk as an enforce failure, without the errno.
+_ZIP_WRITE_FAILED = re.compile(r"\[enforce fail at inline_container\.cc:\d+\]\s*\.?\s*"
+                               r"(.*(?:failed writing file|unexpected pos).*)")
 
 
 class CheckpointError(ValueError):
@@ -38,7 +45,11 @@ def world_size() -> int:
     return dist.get_world_size() if distributed() else 1
 
 
-def _gather_errors(error: Optional[str], pg) -> list[str]:
+def group_size(pg) -> int:
+    return dist.get_world_size(pg) if distributed() else 1
+
+
+def gather_errors(error: Optional[str], pg) -> list[str]:
     """Every rank's error (None = fine); also a barrier."""
     if not distributed():
         return [error] if error else []
@@ -50,7 +61,7 @@ def _gather_errors(error: Optional[str], pg) -> list[str]:
 def agree(error: Optional[str], pg, tmp: Optional[Path] = None) -> None:
     """Raise the same ``CheckpointError`` on every rank when any rank failed (rank 0
     removes the partial directory first)."""
-    errors = _gather_errors(error, pg)
+    errors = gather_errors(error, pg)
     if not errors:
         return
     if tmp is not None:
@@ -75,6 +86,18 @@ class QuietSingleProcess:
         self._ctx.__exit__(*exc)
 
 
+def raised_checkpoint_error(err: BaseException) -> Optional[CheckpointError]:
+    """The ``CheckpointError`` our own reader or planner raised inside DCP (which wraps
+    each rank's failure), so its one line reaches the user unchanged."""
+    if isinstance(err, CheckpointError):
+        return err
+    for wrapped in (getattr(err, "failures", None) or {}).values():
+        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        if isinstance(inner, BaseException):
+            return raised_checkpoint_error(inner)
+    return None
+
+
 def describe(err: BaseException) -> str:
     """One line for an exception, digging the first real cause out of DCP's wrapper."""
     if isinstance(err, DCPException):
@@ -84,9 +107,15 @@ def describe(err: BaseException) -> str:
             if isinstance(inner, BaseException):
                 return describe(inner)
         return type(err).__name__
+    if isinstance(err, OSError) and err.errno in _DISK_FULL:
+        return f"disk full ({err.strerror or 'no space left on device'})"
     if isinstance(err, OSError) and err.strerror:
         return err.strerror
-    return " ".join(str(err).split()) or type(err).__name__
+    text = " ".join(str(err).split())
+    zip_write = _ZIP_WRITE_FAILED.search(text)
+    if zip_write:
+        return f"disk full, or another failed write (torch: {zip_write.group(1)})"
+    return text or type(err).__name__
 
 
 def write_error(directory: Path, err: BaseException) -> str:

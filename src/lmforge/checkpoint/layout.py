@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Optional
 
 from lmforge import fsio
-from lmforge.checkpoint.collective import CAUGHT, CheckpointError, describe, write_error
+from lmforge.checkpoint.collective import (CAUGHT, CheckpointError, describe, global_rank,
+                                           write_error)
+from lmforge.checkpoint.integrity import has_checksums, verify_checkpoint
 
 MARKER = "COMPLETE"
 EXTRA_NAME = "extra.json"  # global state, identical on all ranks
@@ -74,25 +76,61 @@ def latest_checkpoint(root: str | Path) -> Optional[Path]:
     return found[-1] if found else None
 
 
-def resolve_resume(resume: Optional[str], root: str | Path) -> Optional[Path]:
+def resolve_resume(resume: Optional[str], root: str | Path, *, verify: bool = True,
+                   process_group=None) -> Optional[Path]:
     """``train.resume``: None/"" -> None; ``auto`` -> the newest complete checkpoint under
-    ``root`` (None when there is none); a path -> that checkpoint, which must be complete."""
+    ``root`` that verifies (None when there is none; the ones skipped are warned about);
+    a path -> that checkpoint, which must be complete and verify. ``verify`` checks the
+    recorded checksums and that every shard is there (collective when distributed: the
+    ranks share the hashing)."""
     if resume is None or str(resume).strip() == "":
         return None
     if str(resume).strip().lower() == "auto":
-        return latest_checkpoint(root)
+        return _newest_verified(root, verify, process_group)
     path = Path(resume)
-    if is_complete(path):
-        return path
+    if not is_complete(path):
+        raise CheckpointError(f"train.resume: {path}: {_why_not_a_checkpoint(path)}")
+    problem = _verify(path, verify, process_group)
+    if problem:
+        raise CheckpointError(f"train.resume: {path}: {problem}")
+    return path
+
+
+def _newest_verified(root: str | Path, verify: bool, process_group) -> Optional[Path]:
+    found = list_checkpoints(root)
+    for path in reversed(found):
+        problem = _verify(path, verify, process_group)
+        if not problem:
+            return path
+        _warn(f"train.resume=auto: skipping {path}: {problem}")
+    if found:
+        raise CheckpointError(f"train.resume=auto: none of the {len(found)} checkpoints "
+                              f"under {root} verifies (see the warnings above)")
+    return None
+
+
+def _verify(path: Path, verify: bool, process_group) -> Optional[str]:
+    if not verify:
+        return None
+    if not has_checksums(path):
+        _warn(f"{path}: no checksums recorded (saved before they were); only checking "
+              f"that its shards are there")
+    return verify_checkpoint(path, process_group)
+
+
+def _warn(message: str) -> None:
+    if global_rank() == 0:  # the same on every rank: said once
+        warnings.warn(message, stacklevel=3)
+
+
+def _why_not_a_checkpoint(path: Path) -> str:
     if path.name.endswith(_TMP_SUFFIX) or _looks_uncommitted(path):
-        why = "incomplete (no COMPLETE marker: the save did not finish)"
-    elif path.is_dir():
+        return "incomplete (no COMPLETE marker: the save did not finish)"
+    if path.is_dir():
         newest = latest_checkpoint(path) or latest_checkpoint(path / "checkpoints")
-        why = "not a checkpoint directory" + (f" (the newest one inside is {newest})"
-                                              if newest else "")
-    else:
-        why = "not found"
-    raise CheckpointError(f"train.resume: {path}: {why}")
+        return "not a checkpoint directory" + (f" (the newest one inside is {newest})"
+                                               if newest else "")
+    return "not found"
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -131,7 +169,7 @@ def commit_and_prune(tmp: Path, final: Path, keep_last: int) -> Optional[str]:
         return write_error(tmp, e)
     if keep_last:
         try:
-            prune_checkpoints(final.parent, keep_last)
+            prune_checkpoints(final.parent, keep_last, protect=final)
         except OSError as e:  # retention is housekeeping: never fail a good save for it
             warnings.warn(f"{final.parent}: could not prune old checkpoints ({describe(e)})")
     return None
@@ -139,13 +177,19 @@ def commit_and_prune(tmp: Path, final: Path, keep_last: int) -> Optional[str]:
 
 # ------------------------------------------------------------------------- retention
 
-def prune_checkpoints(root: str | Path, keep_last: int) -> list[Path]:
+def prune_checkpoints(root: str | Path, keep_last: int,
+                      protect: Optional[Path] = None) -> list[Path]:
     """Delete complete checkpoints older than the newest ``keep_last`` (0 keeps all; the
-    newest is always kept). ``.tmp`` directories are never touched here."""
+    newest is always kept). ``protect`` (the checkpoint just committed) is never deleted:
+    a run resumed from step 20 while step 50 exists still has step 50 "newer" than the
+    step 30 it just saved. ``.tmp`` directories are never touched here."""
     if keep_last <= 0:
         return []
     removed = []
+    protected = Path(protect).resolve() if protect is not None else None
     for path in list_checkpoints(root)[:-keep_last]:
+        if path.resolve() == protected:
+            continue
         fsio.remove_dir(path)  # renamed first: never half-deleted under its name
         removed.append(path)
     return removed

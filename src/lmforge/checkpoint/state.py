@@ -34,7 +34,10 @@ from lmforge import fsio
 from lmforge.checkpoint import layout
 from lmforge.checkpoint.collective import (CAUGHT, CheckpointError, QuietSingleProcess, agree,
                                            describe, distributed, global_rank, group_rank,
-                                           world_size, write_error)
+                                           raised_checkpoint_error, world_size, write_error)
+from lmforge.checkpoint.integrity import HashingWriter, check_share, missing_shard
+from lmforge.checkpoint.safe_load import (METADATA_NAME, SafeLoadPlanner, SafeReader,
+                                          read_metadata_file)
 from lmforge.config import JobConfig, apply_dict
 
 FORMAT_VERSION = 1
@@ -212,7 +215,9 @@ def _meta(step: int, model: ModelParts, has_optimizer: bool) -> dict:
 
 
 def dcp_writer(tmp: Path):
-    return dcp.FileSystemWriter(str(tmp), sync_files=True)
+    """DCP's writer, also recording checksums (this rank hashes its own files)."""
+    own = [layout.rank_file(tmp, global_rank()).name]
+    return HashingWriter(tmp, own_files=own, sync_files=True)
 
 
 def stage_save(root: Path, step: int, model: ModelParts, optimizers, extra: dict,
@@ -274,19 +279,22 @@ def _read_json(path: Path) -> dict:
 
 
 def _read_dcp_metadata(path: Path):
-    try:
-        return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    except Exception as e:
-        raise CheckpointError(f"{path}: no readable DCP metadata ({describe(e)})") from None
+    """The DCP metadata, read without running code from it, once every data file it
+    names is known to be on disk."""
+    metadata = read_metadata_file(path / METADATA_NAME)
+    missing = missing_shard(path, metadata)
+    if missing:
+        raise CheckpointError(f"{path}: {missing}")
+    return metadata
 
 
 def _load_request(state: dict, path: Path) -> dict:
     """What to read: everything, except optimizer hyperparameters the checkpoint lacks
     (a scheduler's ``initial_lr``, an option a newer torch added), which keep their
     current values. Tensors must all be there."""
+    saved = _read_dcp_metadata(path).state_dict_metadata
     if "optimizer" not in state:
         return state
-    saved = _read_dcp_metadata(path)
     optim = {k: v for k, v in state["optimizer"].items()
              if not k.startswith("param_groups.") or f"optimizer.{k}" in saved}
     return {**state, "optimizer": optim}
@@ -307,11 +315,11 @@ def load_checkpoint(path: str | Path, model: ModelParts, optimizers, *,
     request = _load_request(state, path)
     try:
         with QuietSingleProcess():
-            dcp.load(request, checkpoint_id=str(path), process_group=process_group,
-                     no_dist=not distributed())
+            dcp.load(request, storage_reader=SafeReader(path), planner=SafeLoadPlanner(path),
+                     process_group=process_group, no_dist=not distributed())
     except CAUGHT as e:
-        raise CheckpointError(f"{path}: cannot load into this model ({describe(e)})"
-                              ) from None
+        raise raised_checkpoint_error(e) or CheckpointError(
+            f"{path}: cannot load into this model ({describe(e)})") from None
     if "optimizer" in state:
         state["optimizer"].update(request["optimizer"])
     _hand_to_parts(state, per_part, model, optimizers)
@@ -343,23 +351,29 @@ def _read_rank_state(path: Path) -> Optional[dict]:
 
 # ------------------------------------------------------------------ offline reading
 
-def read_model_state(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
+def read_model_state(ckpt_dir: str | Path, *, verify: bool = True
+                     ) -> dict[str, torch.Tensor]:
     """A checkpoint's model tensors, whole (shards reassembled), on the CPU, without a
-    process group. Keys are the model's FQNs."""
+    process group. Keys are the model's FQNs. ``verify``: check the recorded checksums
+    first (an export of damaged weights would look fine and be wrong)."""
     path = Path(ckpt_dir)
-    reader = dcp.FileSystemReader(str(path))
-    try:
-        metadata = reader.read_metadata()
-    except Exception as e:
-        raise CheckpointError(f"{path}: no readable DCP metadata ({describe(e)})") from None
+    problem = check_share(path) if verify else None
+    if problem:
+        raise CheckpointError(f"{path}: {problem}")
+    metadata = _read_dcp_metadata(path)
     sd = {key: torch.empty(item.size, dtype=item.properties.dtype)
           for key, item in metadata.state_dict_metadata.items()
           if key.startswith("model.") and isinstance(item, TensorStorageMetadata)}
     if not sd:
         raise CheckpointError(f"{path}: holds no model tensors")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*single process")
-        dcp.load(sd, storage_reader=reader, no_dist=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*single process")
+            dcp.load(sd, storage_reader=SafeReader(path), planner=SafeLoadPlanner(path),
+                     no_dist=True)
+    except CAUGHT as e:
+        raise raised_checkpoint_error(e) or CheckpointError(
+            f"{path}: cannot read the model tensors ({describe(e)})") from None
     return {key[len("model."):]: value for key, value in sd.items()}
 
 

@@ -84,6 +84,18 @@ def test_keep_last_prunes_oldest_after_commit(tmp_path):
     assert prune_checkpoints(tmp_path, 1) == []  # never the newest
 
 
+def test_retention_never_deletes_the_checkpoint_just_committed(tmp_path):
+    """A run resumed from step 20 while step 50 exists: its step-30 save is not the
+    newest by step number, and must survive keep_last=1 all the same."""
+    model, optimizer = make_model()
+    for step in (20, 50):
+        save(tmp_path, step, model, optimizer)
+    assert resolve_resume(str(tmp_path / "step-0000020"), tmp_path) == tmp_path / "step-0000020"
+    save(tmp_path, 30, model, optimizer, keep_last=1)
+    assert steps(tmp_path) == [30, 50]
+    assert prune_checkpoints(tmp_path, 1, protect=tmp_path / "step-0000030") == []
+
+
 def test_clean_stale_tmp_removes_only_what_crashed_saves_left(tmp_path):
     model, optimizer = make_model()
     save(tmp_path, 1, model, optimizer)
