@@ -107,6 +107,10 @@ class TrainConfig:
     # A fresh run in an output_dir holding checkpoints is refused unless this says to
     # delete the earlier run's outputs (checkpoints, hf/, adapter/, logs) and start over.
     overwrite: bool = False
+    # Check the checksums a checkpoint recorded before resuming from it (reads it all once,
+    # shared by the ranks; docs/security.md gives the cost). resume=auto falls back to the
+    # newest checkpoint that verifies.
+    verify_checkpoint: bool = True
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
     param_dtype: str = "fp32"  # fp32 master weights | bf16 weights (with optim.name=adamw_bf16)

@@ -22,8 +22,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lmforge.checkpoint import (AsyncCheckpointer, CheckpointError, capture_rng, clean_stale_tmp, is_complete,
-                                load_checkpoint, read_meta, resolve_resume, restore_rng)
+from lmforge.checkpoint import (AsyncCheckpointer, CheckpointError, capture_rng,
+                                checkpoint_step, clean_stale_tmp, is_complete,
+                                list_checkpoints, load_checkpoint, read_meta, resolve_resume,
+                                restore_rng)
 from lmforge.config import (ConfigError, JobConfig, check_parallel_fits, compute_dtype,
                             grad_accumulation_steps, resolve_device, samples_per_step,
                             save_config)
@@ -333,9 +335,11 @@ class Checkpoints:
     def resume(self, model: TrainModel, optimizers: Optimizers, data: DataBundle) -> int:
         """Loads ``train.resume`` (auto: the newest complete checkpoint) on any layout;
         returns the step to continue after (0 for a fresh start)."""
-        path = resolve_resume(self.cfg.train.resume, self.root)
+        path = resolve_resume(self.cfg.train.resume, self.root,
+                              verify=self.cfg.train.verify_checkpoint)
         if path is None:
             return 0
+        self._refuse_later_checkpoints(path)
         extra, rank_state = load_checkpoint(path, model.parts, optimizers.optimizers)
         optimizers.load_scheduler_state(extra["scheduler"])
         data.train.load_state_dict(extra["data"])
@@ -346,6 +350,17 @@ class Checkpoints:
             seed_everything(self.cfg.train.seed + step)
         _say(self.rt, f"resumed from {path} (step {step})")
         return step
+
+    def _refuse_later_checkpoints(self, path: Path) -> None:
+        """Continuing from step N beside checkpoints of later steps (a rewind, or another
+        run's) would leave those to be taken by the next ``resume=auto``."""
+        step = checkpoint_step(path)
+        later = [p.name for p in list_checkpoints(self.root) if checkpoint_step(p) > step]
+        if later and self.cfg.train.resume.strip().lower() != "auto":
+            raise ConfigError(
+                f"train.resume: {path} is older than {later[-1]} in {self.root}; a later "
+                f"train.resume=auto would continue that one. Move the later checkpoints "
+                f"away, or resume into another train.output_dir")
 
     def after_step(self, step: int, model: TrainModel, optimizers: Optimizers,
                    data: DataBundle, final: bool = False) -> None:

@@ -109,3 +109,18 @@ def test_a_missing_resume_path_is_refused_before_any_set_up(tmp_path, monkeypatc
                output_dir=str(tmp_path / "run"))
     with pytest.raises(ConfigError, match=r"^train.resume: .*step-0000010: not found"):
         loop.train(cfg)
+
+
+def test_resuming_an_older_checkpoint_beside_later_ones_is_refused(tmp_path):
+    """A rewind to step 20 beside step 50 would leave step 50 for the next resume=auto."""
+    import torch
+
+    from lmforge.train.loop import Checkpoints, Runtime
+
+    older, _ = _checkpoint(tmp_path, 20), _checkpoint(tmp_path, 50)
+    cfg = _cfg(resume=str(older), verify_checkpoint=False)
+    checkpoints = Checkpoints(cfg, Runtime(device=torch.device("cpu"), autocast=None),
+                              tmp_path)
+    with pytest.raises(ConfigError, match=r"step-0000020 is older than step-0000050"):
+        checkpoints.resume(model=None, optimizers=None, data=None)
+    assert (tmp_path / "checkpoints" / "step-0000050" / "__0_0.distcp").is_file()
