@@ -14,14 +14,15 @@ from lmforge.train.loop import train
 def _run(out, corpus, *extra):
     cfg = load_config(None, [
         *tiny_model_overrides(vocab_size=259), "data.kind=text", f"data.path={corpus}",
-        "data.seq_len=32", "data.micro_batch_size=2", "data.global_batch_size=4", "data.tokenizer_vocab_size=259",
+        "data.seq_len=32", "data.micro_batch_size=2", "data.global_batch_size=4",
+        "data.tokenizer_vocab_size=259",
         "data.eval_fraction=0", "train.max_steps=4", "train.log_every=1",
         "train.checkpoint_every=2", "train.keep_last=0", "train.deterministic=true",
         "train.sample_tokens=0", "train.progress_bar=false", "train.device=cpu",
         "train.save=false", "optim.lr=1e-2", "optim.warmup_steps=0",
         f"train.output_dir={out}", *extra])
     train(cfg)
-    return read_metrics(out)  # a resumed run appends
+    return read_metrics(out)
 
 
 def test_a_corrupt_newest_checkpoint_is_skipped_and_training_continues_exactly(tmp_path):
@@ -40,5 +41,6 @@ def test_a_corrupt_newest_checkpoint_is_skipped_and_training_continues_exactly(t
     with pytest.warns(UserWarning, match=r"skipping .*step-0000003: checksum mismatch in "
                                          r"__0_0\.distcp"):
         resumed = _run(split, corpus, "train.resume=auto")
-    assert [r["step"] for r in resumed] == [1, 2, 3, 3, 4]  # went on from step 2
-    assert [r["loss"] for r in resumed[3:]] == [straight[3], straight[4]]
+    # went on from step 2: the records of the first step 3 were replaced by the new ones
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert [r["loss"] for r in resumed[2:]] == [straight[3], straight[4]]
