@@ -8,6 +8,13 @@ def random_hf_llama(seed: int = 0, **config):
     """A random fp32 ``transformers.LlamaForCausalLM`` in eval mode (eager attention, no
     special tokens); its norm weights are randomised too, so they are exercised.
     ``config``: LlamaConfig fields replacing the defaults below."""
+    return random_hf_causal_lm("llama", seed, **config)
+
+
+def random_hf_causal_lm(model_type: str, seed: int = 0, **config):
+    """``random_hf_llama`` for any Llama-shaped ``model_type`` (mistral, qwen2, qwen3):
+    the same tiny shape; norm weights and attention biases randomised (transformers
+    initialises them to constants, which would hide a mapping mistake)."""
     import transformers
 
     kwargs = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -17,9 +24,12 @@ def random_hf_llama(seed: int = 0, **config):
                   attn_implementation="eager")
     kwargs.update(config)
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs)).eval()
+    attn = kwargs.pop("attn_implementation")
+    hf_config = transformers.AutoConfig.for_model(model_type, **kwargs)
+    model = transformers.AutoModelForCausalLM.from_config(
+        hf_config, attn_implementation=attn).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith(("norm.weight", "proj.bias")):
                 p.add_(0.1 * torch.randn_like(p))
     return model

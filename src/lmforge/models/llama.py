@@ -39,10 +39,18 @@ class LlamaArgs:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # The Llama-shaped families differ from Llama only in these flags (issue #15).
+    family: str = "llama"  # HF model_type: llama | mistral | qwen2 | qwen3
+    # Qwen3 and Mistral Nemo size heads independently of dim. A separate name from the
+    # ``head_dim`` property so ``dataclasses.replace(args, dim=...)`` never keeps a stale one.
+    explicit_head_dim: Optional[int] = None
+    attention_bias: bool = False  # Qwen2: biases on q/k/v (never on o)
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on each q and k head, before RoPE
+    sliding_window: Optional[int] = None  # Mistral: a query sees at most this many keys
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.explicit_head_dim or self.dim // self.n_heads
 
 
 class RMSNorm(nn.Module):
@@ -133,10 +141,14 @@ class Attention(nn.Module):
         super().__init__()
         self.args = args
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=bias)
+        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
+        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
         self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        if args.qk_norm:  # one weight shared by all heads, so tensor parallelism replicates it
+            self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
 
     def forward(self, x, positions=None, mask=None, cache: Optional[KVCache] = None):
         batch, seq, _ = x.shape
@@ -147,8 +159,11 @@ class Attention(nn.Module):
         # block's input is only this rank's slice of it.
         cos, sin = rope_cos_sin(self.args, positions)  # (batch, seq, head_dim)
         # -1 instead of the head counts: under tensor parallelism each rank holds a slice.
-        q = self.q_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)  # (b, h, s, hd)
-        k = self.k_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)  # (b, kv, s, hd)
+        q = self.q_proj(x).view(batch, seq, -1, self.head_dim)  # (b, s, h, hd)
+        k = self.k_proj(x).view(batch, seq, -1, self.head_dim)  # (b, s, kv, hd)
+        if self.args.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (b, h, s, hd), (b, kv, s, hd)
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)  # (b, kv, s, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
@@ -164,6 +179,11 @@ class Attention(nn.Module):
     def reset_parameters(self, std: float, out_std: float) -> None:
         for proj in (self.q_proj, self.k_proj, self.v_proj):
             nn.init.trunc_normal_(proj.weight, std=std, a=-3 * std, b=3 * std)
+            if proj.bias is not None:
+                nn.init.zeros_(proj.bias)
+        if self.args.qk_norm:
+            self.q_norm.reset_parameters()
+            self.k_norm.reset_parameters()
         nn.init.trunc_normal_(self.o_proj.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
 
 
@@ -172,6 +192,19 @@ def _causal_mask(seq: int, past: int, device) -> torch.Tensor:
     q_pos = torch.arange(past, past + seq, device=device)[:, None]
     k_pos = torch.arange(past + seq, device=device)[None, :]
     return k_pos <= q_pos
+
+
+def sliding_window_mask(mask: Optional[torch.Tensor], seq: int, past: int,
+                        window: Optional[int], device) -> Optional[torch.Tensor]:
+    """``mask`` narrowed so query i sees keys j with i - window < j <= i (transformers'
+    sliding-window mask: the window counts the query itself). Unchanged, keeping SDPA's
+    fast causal path, when no query has more than ``window`` keys."""
+    if window is None or past + seq <= window:
+        return mask
+    q_pos = torch.arange(past, past + seq, device=device)[:, None]
+    k_pos = torch.arange(past + seq, device=device)[None, :]
+    window_mask = (k_pos <= q_pos) & (k_pos > q_pos - window)  # (seq, past + seq)
+    return window_mask if mask is None else mask & window_mask
 
 
 class FeedForward(nn.Module):
@@ -233,6 +266,9 @@ class Llama(nn.Module):
         boolean (batch, 1, seq, keys), True = may attend; None = causal. head=False stops
         after the final norm, for a loss that applies ``output`` a chunk at a time."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        past = caches[0].length if caches else 0
+        mask = sliding_window_mask(mask, tokens.shape[1], past, self.args.sliding_window,
+                                   tokens.device)  # built once, shared by every layer
         for i, layer in enumerate(self.layers.values()):
             h = layer(h, positions, mask, caches[i] if caches else None)  # (batch, seq, dim)
         if self.norm is not None:

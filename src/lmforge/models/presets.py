@@ -14,6 +14,13 @@ _LLAMA31_SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor
 _LLAMA32_SCALING = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                original_max_position_embeddings=8192)
 
+
+
+def _shape(dim, n_layers, n_heads, ffn_dim, vocab_size, tie_embeddings) -> dict:
+    return dict(dim=dim, n_layers=n_layers, n_heads=n_heads, ffn_dim=ffn_dim,
+                vocab_size=vocab_size, tie_embeddings=tie_embeddings)
+
+
 PRESETS: dict[str, LlamaArgs] = {
     # Test and demo sizes. "tiny" trains on 2 CPU cores in minutes.
     "debug": LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=259,
@@ -44,6 +51,21 @@ PRESETS: dict[str, LlamaArgs] = {
                              vocab_size=128256, ffn_dim=8192, max_seq_len=131072,
                              rope_theta=500000.0, rope_scaling=_LLAMA32_SCALING,
                              tie_embeddings=True),
+    "mistral-7b": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
+                            ffn_dim=14336, max_seq_len=32768, family="mistral",
+                            sliding_window=4096),
+    **{name: LlamaArgs(**shape, n_kv_heads=kv, max_seq_len=max_len, rope_theta=1e6,
+                       norm_eps=1e-6, family="qwen2", attention_bias=True)
+       for name, shape, kv, max_len in (
+           ("qwen2.5-0.5b", _shape(896, 24, 14, 4864, 151936, True), 2, 32768),
+           ("qwen2.5-1.5b", _shape(1536, 28, 12, 8960, 151936, True), 2, 131072),
+           ("qwen2.5-7b", _shape(3584, 28, 28, 18944, 152064, False), 4, 131072))},
+    **{name: LlamaArgs(**shape, n_kv_heads=8, max_seq_len=40960, rope_theta=1e6,
+                       norm_eps=1e-6, family="qwen3", explicit_head_dim=128, qk_norm=True)
+       for name, shape in (
+           ("qwen3-0.6b", _shape(1024, 28, 16, 3072, 151936, True)),
+           ("qwen3-1.7b", _shape(2048, 28, 16, 6144, 151936, True)),
+           ("qwen3-8b", _shape(4096, 36, 32, 12288, 151936, False)))},
 }
 
 
@@ -52,11 +74,11 @@ def check_model_args(args: LlamaArgs, seq_len: Optional[int] = None) -> None:
     if args.n_heads % args.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads: n_heads ({args.n_heads}) must be divisible "
                           f"by n_kv_heads ({args.n_kv_heads})")
-    if args.dim % args.n_heads:
+    if args.explicit_head_dim is None and args.dim % args.n_heads:
         raise ConfigError(f"model.n_heads: dim ({args.dim}) must be divisible by "
                           f"n_heads ({args.n_heads})")
-    if (args.dim // args.n_heads) % 2:
-        raise ConfigError("model.n_heads: head_dim = dim / n_heads must be even for RoPE")
+    if args.head_dim % 2:
+        raise ConfigError(f"model.n_heads: head_dim ({args.head_dim}) must be even for RoPE")
     if seq_len is not None and seq_len > args.max_seq_len:
         raise ConfigError(f"data.seq_len: {seq_len} exceeds the model's max_seq_len "
                           f"({args.max_seq_len})")

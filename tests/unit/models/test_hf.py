@@ -117,8 +117,8 @@ def test_config_reads_transformers4_top_level_rope_fields():
     assert args.n_kv_heads == 4 and not args.tie_embeddings
 
 
-@pytest.mark.parametrize("field,value", [("model_type", "mistral"), ("hidden_act", "gelu"),
-                                         ("attention_bias", True), ("head_dim", 32)])
+@pytest.mark.parametrize("field,value", [("model_type", "gpt2"), ("hidden_act", "gelu"),
+                                         ("attention_bias", True), ("mlp_bias", True)])
 def test_config_refuses_unsupported_fields_naming_them(field, value):
     config = hf_config_from_args(args_from_hf_config(make_hf_model().config.to_dict()))
     config[field] = value

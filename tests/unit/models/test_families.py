@@ -1,0 +1,112 @@
+"""Mistral, Qwen2/2.5 and Qwen3 are Llama with flags (sliding window, q/k/v biases, q/k
+norm, explicit head_dim): each loads from a transformers directory with equal logits and
+greedy decodes, and exports back bit-identical."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lmforge.models.generate import generate
+from lmforge.models.hf import HFCheckpointError, load_hf_model, save_hf_model
+from lmforge.models.llama import build_llama, count_parameters, sliding_window_mask
+from lmforge.models.presets import PRESETS
+from tests.helpers.hf_models import random_hf_causal_lm
+
+SEQ = 24
+FAMILIES = {  # id -> (model_type, config fields beyond the tiny Llama shape)
+    "mistral-window8": ("mistral", {"sliding_window": 8}),
+    "qwen2-bias": ("qwen2", {"tie_word_embeddings": True}),
+    "qwen3-head_dim24": ("qwen3", {"head_dim": 24}),
+    "qwen3-tied": ("qwen3", {"head_dim": 24, "tie_word_embeddings": True}),
+}
+
+
+@pytest.fixture(params=sorted(FAMILIES), scope="module")
+def hf_dir(request, tmp_path_factory):
+    model_type, config = FAMILIES[request.param]
+    model = random_hf_causal_lm(model_type, seed=1, **config)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    return model, path
+
+
+def _tokens(vocab: int, seq: int = SEQ) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(0))
+
+
+def test_logits_equal_transformers(hf_dir):
+    hf_model, path = hf_dir
+    ours = load_hf_model(path)
+    tokens = _tokens(ours.args.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), hf_model(tokens).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_decode_equals_transformers(hf_dir):
+    hf_model, path = hf_dir
+    prompt = _tokens(hf_model.config.vocab_size, 6)[0].tolist()
+    ours = generate(load_hf_model(path), prompt, 14, greedy=True)  # 20 tokens > window 8
+    theirs = hf_model.generate(torch.tensor([prompt]), max_new_tokens=14, do_sample=False,
+                               min_new_tokens=14, pad_token_id=0)
+    assert ours == theirs[0, len(prompt):].tolist()
+
+
+def test_export_is_bit_identical_and_loads_in_transformers(hf_dir, tmp_path):
+    import transformers
+    hf_model, path = hf_dir
+    save_hf_model(load_hf_model(path), tmp_path / "out")
+    original, exported = load_file(path / "model.safetensors"), load_file(
+        tmp_path / "out" / "model.safetensors")
+    assert original.keys() == exported.keys()
+    assert all(torch.equal(original[k], exported[k]) for k in original)
+    before = json.loads((path / "config.json").read_text())
+    after = json.loads((tmp_path / "out" / "config.json").read_text())
+    for key in ("model_type", "architectures", "sliding_window", "tie_word_embeddings",
+                "num_key_value_heads", "use_sliding_window"):
+        assert after.get(key) == before.get(key), key
+    default_head_dim = before["hidden_size"] // before["num_attention_heads"]
+    assert after["head_dim"] == before.get("head_dim", default_head_dim)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", attn_implementation="eager").eval()
+    tokens = _tokens(hf_model.config.vocab_size)
+    with torch.no_grad():
+        assert torch.equal(reloaded(tokens).logits, hf_model(tokens).logits)
+
+
+def test_unknown_model_type_is_refused_naming_config_json_and_model_type(tmp_path):
+    random_hf_causal_lm("llama").save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"model_type": "gpt2"}))
+    with pytest.raises(HFCheckpointError, match=r"config\.json: model_type = 'gpt2'"):
+        load_hf_model(tmp_path)
+
+
+def test_qwen_per_layer_sliding_window_is_refused_naming_the_key(tmp_path):
+    random_hf_causal_lm("qwen2", use_sliding_window=True, sliding_window=8,
+                        max_window_layers=1).save_pretrained(tmp_path)
+    with pytest.raises(HFCheckpointError, match="use_sliding_window"):
+        load_hf_model(tmp_path)
+
+
+def test_window_mask_counts_the_query_itself_and_is_skipped_when_it_cannot_bite():
+    mask = sliding_window_mask(None, seq=5, past=0, window=3, device="cpu")
+    assert mask[4].tolist() == [False, False, True, True, True]
+    assert sliding_window_mask(None, seq=3, past=0, window=3, device="cpu") is None
+    decode = sliding_window_mask(None, seq=1, past=4, window=3, device="cpu")
+    assert decode.tolist() == [[False, False, True, True, True]]
+
+
+# Published totals; Qwen3-1.7B ties its embeddings, so lm_head is not counted twice.
+PUBLISHED_PARAMETERS = {
+    "mistral-7b": 7_241_732_096, "qwen2.5-0.5b": 494_032_768,
+    "qwen2.5-1.5b": 1_543_714_304, "qwen2.5-7b": 7_615_616_512,
+    "qwen3-0.6b": 596_049_920, "qwen3-1.7b": 1_720_574_976, "qwen3-8b": 8_190_735_360,
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED_PARAMETERS))
+def test_family_presets_have_the_published_parameter_counts(preset):
+    assert count_parameters(build_llama(PRESETS[preset])) == PUBLISHED_PARAMETERS[preset]
