@@ -122,6 +122,9 @@ def from_meta_state_dict(sd: dict, args: LlamaArgs, source: str = "Meta state di
 
 def to_meta_state_dict(sd: dict, args: LlamaArgs) -> dict:
     """Ours -> Meta names and interleaved q/k (output.weight always written)."""
+    if args.family != "llama":  # Meta's layout has no names for biases, q/k norms, windows
+        raise HFCheckpointError(f"the Meta consolidated format holds Llama models only, "
+                                f"not model_type {args.family!r}; export to HF instead")
     ours_to_meta = {ours: meta for meta, ours in _meta_names(args).items()}
     sd = _permute_qk(sd, args, half_to_interleaved)
     return {ours_to_meta.get(k, k): v for k, v in sd.items()}

@@ -221,6 +221,15 @@ def _linear(fl: FlopsBreakdown, shape: tuple[int, int], rg_in: bool, trains: boo
     return rg_in or trains or rank > 0
 
 
+def mean_keys_per_query(seq_len: int, window: Optional[int] = None) -> float:
+    """Keys a causal query sees on average: S/2, or with a sliding window W < S (each
+    query sees min(position, W) keys) W - W^2 / 2S. Same continuous approximation as S/2.
+    Only for the ``causal`` count: a masked SDPA still computes the full S x S products."""
+    if window is None or window >= seq_len:
+        return seq_len / 2
+    return window - window * window / (2 * seq_len)
+
+
 def flops_breakdown(args: LlamaArgs, seq_len: int, trainable: Optional[Trainability] = None,
                     causal: bool = True) -> FlopsBreakdown:
     """Model FLOPs per token of one training step (forward + backward) at ``seq_len``.
@@ -233,7 +242,7 @@ def flops_breakdown(args: LlamaArgs, seq_len: int, trainable: Optional[Trainabil
     tr = trainable or Trainability.full()
     shapes = projection_shapes(args)
     fl = FlopsBreakdown()
-    keys = seq_len / 2 if causal else seq_len
+    keys = mean_keys_per_query(seq_len, args.sliding_window) if causal else seq_len
     per_product = 2 * keys * args.n_heads * args.head_dim  # one of Q K^T, P V, per token
 
     rg = tr.embedding  # the residual stream

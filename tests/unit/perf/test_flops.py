@@ -11,6 +11,7 @@ report attention with the causal halving. So:
 * with the causal halving (what MFU uses) we are lower by exactly half the attention
   products, the stated tolerance: 1 - ours / counted = attention share / 2.
 """
+import dataclasses
 import warnings
 
 import pytest
@@ -129,3 +130,22 @@ def test_peak_env_overrides_the_table_and_the_cpu_has_no_peak(monkeypatch):
     monkeypatch.setenv(F.PEAK_ENV, "fast")
     with pytest.raises(ValueError, match=F.PEAK_ENV):
         F.device_peak_flops(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("flags", [dict(family="qwen2", attention_bias=True),
+                                   dict(family="qwen3", qk_norm=True, explicit_head_dim=24),
+                                   dict(family="mistral", sliding_window=8)])
+def test_family_flags_count_exactly_with_attention_sized_by_heads_times_head_dim(flags):
+    # head_dim 24 makes n_heads * head_dim (96) differ from dim (64): attention must use it.
+    torch.manual_seed(0)
+    model = materialize(build_llama(dataclasses.replace(PRESETS["debug"], **flags)), "cpu")
+    ours = F.flops_breakdown(model.args, SEQ, causal=False).total * BATCH * SEQ
+    assert ours == counted_training_flops(model)
+
+
+def test_sliding_window_shortens_the_causal_attention_count():
+    assert F.mean_keys_per_query(32, None) == F.mean_keys_per_query(32, 32) == 16
+    assert F.mean_keys_per_query(32, 8) == 8 - 64 / 64  # W - W^2 / 2S
+    args = PRESETS["mistral-7b"]
+    assert F.flops_per_token(args, 32768) < F.flops_per_token(
+        dataclasses.replace(args, sliding_window=None), 32768)
