@@ -12,8 +12,10 @@ from safetensors.torch import load_file
 from lmforge.models.generate import generate
 from lmforge.models.hf import HFCheckpointError, load_hf_model, save_hf_model
 from lmforge.models.llama import build_llama, count_parameters, sliding_window_mask
+from lmforge.config import LoraConfig
 from lmforge.models.presets import PRESETS
-from tests.helpers.hf_models import random_hf_causal_lm
+from lmforge.peft import apply_lora, export_merged, lora_layers, save_adapter
+from helpers.hf_models import random_hf_causal_lm
 
 SEQ = 24
 FAMILIES = {  # id -> (model_type, config fields beyond the tiny Llama shape)
@@ -74,6 +76,35 @@ def test_export_is_bit_identical_and_loads_in_transformers(hf_dir, tmp_path):
     tokens = _tokens(hf_model.config.vocab_size)
     with torch.no_grad():
         assert torch.equal(reloaded(tokens).logits, hf_model(tokens).logits)
+
+
+@torch.no_grad()
+def test_lora_adapter_loads_in_peft_and_the_merged_export_agrees(hf_dir, tmp_path):
+    """Adapters on every linear layer (the q/k/v biases and q/k norms stay frozen): peft
+    loads ours on transformers' model with our logits, and the merged export, loaded by
+    transformers, gives the same logits again."""
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    hf_model, path = hf_dir
+    ours = load_hf_model(path).eval()
+    apply_lora(ours, LoraConfig(enabled=True, rank=4, alpha=8.0, targets="all-linear"))
+    g = torch.Generator().manual_seed(2)
+    for layer in lora_layers(ours).values():  # fresh adapters are a no-op (B = 0)
+        layer.lora_a.copy_(torch.randn(layer.lora_a.shape, generator=g) * 0.2)
+        layer.lora_b.copy_(torch.randn(layer.lora_b.shape, generator=g) * 0.2)
+    adapter = save_adapter(ours, tmp_path / "adapter", base_model_path=str(path))
+    merged = export_merged(ours, tmp_path / "merged", dtype=torch.float32)
+    x = _tokens(hf_model.config.vocab_size)
+    base = hf_model(x).logits
+    with_adapter = peft.PeftModel.from_pretrained(hf_model, adapter).eval()
+    reference = with_adapter(x).logits
+    with_adapter.unload()  # give the fixture's model back without adapters
+    assert (reference - base).abs().max() > 1e-3  # the adapter matters
+    torch.testing.assert_close(ours(x), reference, rtol=1e-5, atol=1e-5)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+        merged, dtype=torch.float32, attn_implementation="eager").eval()
+    torch.testing.assert_close(reloaded(x).logits, reference, rtol=1e-4, atol=1e-4)
 
 
 def test_unknown_model_type_is_refused_naming_config_json_and_model_type(tmp_path):
