@@ -17,7 +17,8 @@ from lmforge.checkpoint.integrity import MANIFEST_NAME, verify_checkpoint
 from lmforge.checkpoint.layout import (CONFIG_NAME, EXTRA_NAME, MARKER, META_NAME,
                                        checkpoint_dir, checkpoint_step, clean_stale_tmp,
                                        find_checkpoint, is_complete, latest_checkpoint,
-                                       list_checkpoints, prune_checkpoints, resolve_resume)
+                                       list_checkpoints, prune_checkpoints, resolve_resume,
+                                       resume_is_auto)
 from lmforge.checkpoint.state import (capture_rng, load_checkpoint, read_job_config,
                                       read_meta, read_model_state, restore_rng,
                                       save_checkpoint)
@@ -27,5 +28,6 @@ __all__ = [
     "MARKER", "META_NAME", "capture_rng", "checkpoint_dir", "checkpoint_step", "clean_stale_tmp",
     "find_checkpoint", "is_complete", "latest_checkpoint", "list_checkpoints",
     "load_checkpoint", "prune_checkpoints", "read_job_config", "read_meta",
-    "read_model_state", "restore_rng", "resolve_resume", "save_checkpoint", "verify_checkpoint",
+    "read_model_state", "restore_rng", "resolve_resume", "resume_is_auto", "save_checkpoint",
+    "verify_checkpoint",
 ]

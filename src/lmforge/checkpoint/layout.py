@@ -76,6 +76,11 @@ def latest_checkpoint(root: str | Path) -> Optional[Path]:
     return found[-1] if found else None
 
 
+def resume_is_auto(resume: Optional[str]) -> bool:
+    """``train.resume=auto``: the newest checkpoint that verifies, found at start-up."""
+    return str(resume).strip().lower() == "auto"
+
+
 def resolve_resume(resume: Optional[str], root: str | Path, *, verify: bool = True,
                    process_group=None) -> Optional[Path]:
     """``train.resume``: None/"" -> None; ``auto`` -> the newest complete checkpoint under
@@ -85,7 +90,7 @@ def resolve_resume(resume: Optional[str], root: str | Path, *, verify: bool = Tr
     ranks share the hashing)."""
     if resume is None or str(resume).strip() == "":
         return None
-    if str(resume).strip().lower() == "auto":
+    if resume_is_auto(resume):
         return _newest_verified(root, verify, process_group)
     path = Path(resume)
     if not is_complete(path):

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from lmforge.checkpoint import (AsyncCheckpointer, CheckpointError, capture_rng,
                                 checkpoint_step, clean_stale_tmp, is_complete,
                                 list_checkpoints, load_checkpoint, read_meta, resolve_resume,
-                                restore_rng)
+                                restore_rng, resume_is_auto)
 from lmforge.config import (ConfigError, JobConfig, check_parallel_fits, compute_dtype,
                             grad_accumulation_steps, resolve_device, samples_per_step,
                             save_config)
@@ -186,7 +186,7 @@ def prepare_output_dir(cfg: JobConfig, rt: Runtime) -> tuple[Path, Optional[RunL
 def check_resume_path(resume: Optional[str]) -> None:
     """An explicit ``train.resume`` path is checked before any set-up (``auto`` is
     resolved once the run directory is claimed)."""
-    if resume and resume.strip().lower() != "auto" and not is_complete(resume):
+    if resume and not resume_is_auto(resume) and not is_complete(resume):
         try:
             resolve_resume(resume, Path(resume))  # raises, saying what the path is instead
         except CheckpointError as e:
@@ -356,7 +356,7 @@ class Checkpoints:
         run's) would leave those to be taken by the next ``resume=auto``."""
         step = checkpoint_step(path)
         later = [p.name for p in list_checkpoints(self.root) if checkpoint_step(p) > step]
-        if later and self.cfg.train.resume.strip().lower() != "auto":
+        if later and not resume_is_auto(self.cfg.train.resume):
             raise ConfigError(
                 f"train.resume: {path} is older than {later[-1]} in {self.root}; a later "
                 f"train.resume=auto would continue that one. Move the later checkpoints "
