@@ -45,7 +45,7 @@ from lmforge.train import metrics as M
 from lmforge.train.model_setup import (TrainModel, build_train_model, clip_grad_norm,
                                        gather_full_state_dict)
 from lmforge.train.optim import Optimizers
-from lmforge.train.run_dir import RunLock, claim_run_dir
+from lmforge.train.run_dir import CHECKPOINTS, RunLock, claim_run_dir
 from lmforge.train.step import count_valid_tokens, global_step_loss, global_valid_tokens
 
 
@@ -77,7 +77,7 @@ def train(cfg: JobConfig) -> dict:
     distributed = runs_distributed(cfg.parallel, env.world_size, env.torchrun)
     validate_job(cfg, world_size=env.world_size, distributed=distributed)
     resolve_targets(cfg.lora.targets)  # lora.targets by peft's one rule, before any compute
-    check_resume_path(cfg.train.resume)
+    check_resume_path(cfg.train.resume, Path(cfg.train.output_dir) / CHECKPOINTS)
     summary = _run(cfg, init_runtime(cfg, env, distributed))
     # The model, optimizers and mesh died with _run's frame: only now can the process
     # groups they held be destroyed for good (see _shutdown).
@@ -183,14 +183,25 @@ def prepare_output_dir(cfg: JobConfig, rt: Runtime) -> tuple[Path, Optional[RunL
     return out, lock
 
 
-def check_resume_path(resume: Optional[str]) -> None:
+def check_resume_path(resume: Optional[str], root: Path) -> None:
     """An explicit ``train.resume`` path is checked before any set-up (``auto`` is
-    resolved once the run directory is claimed)."""
-    if resume and not resume_is_auto(resume) and not is_complete(resume):
+    resolved once the run directory is claimed): it must be a complete checkpoint, and
+    none of a later step may sit in this run's ``root``. Continuing from step N beside
+    later ones (a rewind, or another run's) would leave those to the next ``auto``."""
+    if not resume or resume_is_auto(resume):
+        return
+    if not is_complete(resume):
         try:
             resolve_resume(resume, Path(resume))  # raises, saying what the path is instead
         except CheckpointError as e:
             raise ConfigError(str(e)) from None
+    step = checkpoint_step(resume)
+    later = [p.name for p in list_checkpoints(root) if checkpoint_step(p) > step]
+    if later:
+        raise ConfigError(
+            f"train.resume: {resume} is older than {later[-1]} in {root}; a later "
+            f"train.resume=auto would continue that one. Move the later checkpoints "
+            f"away, or resume into another train.output_dir")
 
 
 def prepare_tokenizer(cfg: JobConfig, out_dir: Path, rt: Runtime) -> Tokenizer:
@@ -325,7 +336,7 @@ class Checkpoints:
 
     def __init__(self, cfg: JobConfig, rt: Runtime, out_dir: Path):
         self.cfg, self.rt = cfg, rt
-        self.root = out_dir / "checkpoints"
+        self.root = out_dir / CHECKPOINTS
         if rt.is_logging_rank:
             clean_stale_tmp(self.root)
         _barrier(rt)
@@ -339,7 +350,6 @@ class Checkpoints:
                               verify=self.cfg.train.verify_checkpoint)
         if path is None:
             return 0
-        self._refuse_later_checkpoints(path)
         extra, rank_state = load_checkpoint(path, model.parts, optimizers.optimizers)
         optimizers.load_scheduler_state(extra["scheduler"])
         data.train.load_state_dict(extra["data"])
@@ -350,17 +360,6 @@ class Checkpoints:
             seed_everything(self.cfg.train.seed + step)
         _say(self.rt, f"resumed from {path} (step {step})")
         return step
-
-    def _refuse_later_checkpoints(self, path: Path) -> None:
-        """Continuing from step N beside checkpoints of later steps (a rewind, or another
-        run's) would leave those to be taken by the next ``resume=auto``."""
-        step = checkpoint_step(path)
-        later = [p.name for p in list_checkpoints(self.root) if checkpoint_step(p) > step]
-        if later and not resume_is_auto(self.cfg.train.resume):
-            raise ConfigError(
-                f"train.resume: {path} is older than {later[-1]} in {self.root}; a later "
-                f"train.resume=auto would continue that one. Move the later checkpoints "
-                f"away, or resume into another train.output_dir")
 
     def after_step(self, step: int, model: TrainModel, optimizers: Optimizers,
                    data: DataBundle, final: bool = False) -> None:

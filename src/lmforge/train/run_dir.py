@@ -30,9 +30,10 @@ from lmforge.config import ConfigError, JobConfig
 from lmforge.perf.records import METRICS_FILE
 
 LOCK_NAME = "lmforge.lock"
+CHECKPOINTS = "checkpoints"  # the run's checkpoints root, inside the run directory
 # What an earlier run left that a fresh run with train.overwrite=true removes. The data
 # cache stays: its entries are keyed by what they were built from.
-RUN_OUTPUTS = ("checkpoints", "hf", "adapter", "tensorboard", METRICS_FILE, "summary.json")
+RUN_OUTPUTS = (CHECKPOINTS, "hf", "adapter", "tensorboard", METRICS_FILE, "summary.json")
 _NO_FLOCK = {errno.ENOLCK, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP}
 
 
@@ -175,7 +176,7 @@ def _fresh_run_rule(cfg: JobConfig, run_dir: Path) -> None:
     if cfg.train.overwrite:
         remove_run_outputs(run_dir)
         return
-    newest = latest_checkpoint(run_dir / "checkpoints")
+    newest = latest_checkpoint(run_dir / CHECKPOINTS)
     if newest is not None:
         raise ConfigError(
             f"train.output_dir: {run_dir} holds checkpoints of an earlier run (newest "

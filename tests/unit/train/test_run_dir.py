@@ -98,29 +98,30 @@ def test_overwrite_with_resume_is_refused():
         _cfg(overwrite=True, resume="auto").validate()
 
 
-def test_a_missing_resume_path_is_refused_before_any_set_up(tmp_path, monkeypatch):
+@pytest.fixture
+def train_without_set_up(monkeypatch):
+    """``train`` whose runtime set-up fails the test: what it refuses, it refuses first."""
     from lmforge.train import loop
 
     def no_set_up(*args, **kwargs):
         raise AssertionError("the runtime was set up before train.resume was checked")
 
     monkeypatch.setattr(loop, "init_runtime", no_set_up)
+    return loop.train
+
+
+def test_a_missing_resume_path_is_refused_before_any_set_up(tmp_path, train_without_set_up):
     cfg = _cfg(resume=str(tmp_path / "run" / "checkpoints" / "step-0000010"),
                output_dir=str(tmp_path / "run"))
     with pytest.raises(ConfigError, match=r"^train.resume: .*step-0000010: not found"):
-        loop.train(cfg)
+        train_without_set_up(cfg)
 
 
-def test_resuming_an_older_checkpoint_beside_later_ones_is_refused(tmp_path):
+def test_resuming_an_older_checkpoint_beside_later_ones_is_refused(tmp_path,
+                                                                    train_without_set_up):
     """A rewind to step 20 beside step 50 would leave step 50 for the next resume=auto."""
-    import torch
-
-    from lmforge.train.loop import Checkpoints, Runtime
-
     older, _ = _checkpoint(tmp_path, 20), _checkpoint(tmp_path, 50)
-    cfg = _cfg(resume=str(older), verify_checkpoint=False)
-    checkpoints = Checkpoints(cfg, Runtime(device=torch.device("cpu"), autocast=None),
-                              tmp_path)
+    cfg = _cfg(resume=str(older), output_dir=str(tmp_path))
     with pytest.raises(ConfigError, match=r"step-0000020 is older than step-0000050"):
-        checkpoints.resume(model=None, optimizers=None, data=None)
+        train_without_set_up(cfg)
     assert (tmp_path / "checkpoints" / "step-0000050" / "__0_0.distcp").is_file()
