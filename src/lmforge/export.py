@@ -24,9 +24,10 @@ from lmforge.checkpoint.collective import describe
 from lmforge.config import JobConfig
 from lmforge.data.templates import get_template
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
+from lmforge.models.common import materialize
 from lmforge.models.hf import args_from_hf_config, read_hf_config, save_hf_model
-from lmforge.models.llama import Llama, LlamaArgs, RopeScaling, build_llama, materialize
 from lmforge.models.presets import model_args
+from lmforge.models.registry import args_from_dict, build_model
 from lmforge.peft.adapters import export_merged, save_adapter
 from lmforge.peft.lora import apply_lora, is_lora_param, prepare_model_for_lora
 from lmforge.peft.quant import quantize_base
@@ -61,10 +62,10 @@ def chat_export(cfg: Optional[JobConfig], tokenizer: Optional[Tokenizer]):
 
 # ------------------------------------------------------------- from the live model
 
-def trained_model(args: LlamaArgs, full_sd: dict, lora_cfg=None) -> Llama:
+def trained_model(args, full_sd: dict, lora_cfg=None) -> nn.Module:
     """A single-device CPU model holding the trained weights (``full_sd``, gathered from
     a sharded or pipelined model), with LoRA layers when ``lora_cfg`` is enabled."""
-    plain = build_llama(args)
+    plain = build_model(args)
     if lora_cfg is not None and lora_cfg.enabled:
         prepare_model_for_lora(plain, lora_cfg)
     materialize(plain, "cpu", init=False)
@@ -72,7 +73,7 @@ def trained_model(args: LlamaArgs, full_sd: dict, lora_cfg=None) -> Llama:
     return plain
 
 
-def export_trained(cfg: JobConfig, model: Llama, tokenizer: Tokenizer, out_dir: Path) -> None:
+def export_trained(cfg: JobConfig, model: nn.Module, tokenizer: Tokenizer, out_dir: Path) -> None:
     """``hf/``: a transformers-loadable model (adapters merged in); with LoRA also
     ``adapter/`` in PEFT layout. Chat templates stop on their end-of-turn token."""
     tokenizer, generation = chat_export(cfg, tokenizer)
@@ -118,21 +119,19 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, fmt: str = "hf"
                                   f"--format merged (full model) or --format peft (adapter)")
         return _export_lora(fmt, sd, args, cfg, Path(out_dir), tokenizer, path, torch_dtype,
                             generation)
-    model = materialize(build_llama(args, "meta"), "cpu", init=False)
+    model = materialize(build_model(args), "cpu", init=False)
     _load_exact(model, sd, path)
     return save_hf_model(model, out_dir, tokenizer=tokenizer, dtype=torch_dtype,
                          generation_config=generation)
 
 
-def checkpoint_model_args(ckpt_dir: str | Path, model_sd: Optional[dict] = None) -> LlamaArgs:
+def checkpoint_model_args(ckpt_dir: str | Path, model_sd: Optional[dict] = None):
     """The architecture a checkpoint was saved with: meta.json's record, else rebuilt
     from config.yaml (vocabulary size read off the embedding)."""
     path = Path(ckpt_dir)
     recorded = read_meta(path).get("model_args") if (path / META_NAME).is_file() else None
     if recorded:
-        scaling = recorded.get("rope_scaling")
-        return LlamaArgs(**{**recorded,
-                            "rope_scaling": RopeScaling(**scaling) if scaling else None})
+        return args_from_dict(recorded)
     cfg = read_job_config(path)
     base = None
     if cfg.model.init_from and Path(cfg.model.init_from, "config.json").is_file():
@@ -166,7 +165,7 @@ def _export_lora(fmt: str, sd: dict, args, cfg, out_dir: Path, tokenizer, path: 
     modules = sorted({k.rsplit(".", 1)[0] for k in sd if is_lora_param(k)})
     # Rank from the tensors themselves, so the rebuilt layers always fit the weights.
     lora_cfg = dataclasses.replace(lora_cfg, rank=sd[f"{modules[0]}.lora_a"].shape[0])
-    model = build_llama(args, "meta")
+    model = build_model(args)
     apply_lora(model, lora_cfg, module_names=modules)
     quantized = bool(getattr(lora_cfg, "quantize", None))
     # A quantized base needs real (any) weights to quantize before its tensors load.

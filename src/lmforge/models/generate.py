@@ -5,11 +5,11 @@ from typing import Optional
 
 import torch
 
-from lmforge.models.llama import Llama
+from torch import nn
 
 
 @torch.no_grad()
-def generate(model: Llama, prompt_ids: list[int], max_new_tokens: int, greedy: bool = True,
+def generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, greedy: bool = True,
              temperature: float = 1.0, top_k: Optional[int] = None,
              top_p: Optional[float] = None, stop_ids: tuple[int, ...] = (),
              generator: Optional[torch.Generator] = None) -> list[int]:

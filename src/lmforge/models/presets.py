@@ -1,84 +1,25 @@
-"""Named model sizes (the published ones follow each model's released config.json), and
-the architecture of a run: a preset with the config's ``model.*`` fields on top."""
+"""The architecture of a run: a named size (any family's preset) or a model's
+config.json, with the config's ``model.*`` fields on top; and the model checks run
+before any compute."""
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from lmforge.config import ConfigError, JobConfig, check_parallel_fits
-from lmforge.models.llama import LlamaArgs, RopeScaling
+from lmforge.models.hf import read_hf_config
+from lmforge.models.registry import PRESETS, ModelFamily, family_for_config, family_of
 
-_LLAMA31_SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                               original_max_position_embeddings=8192)
-_LLAMA32_SCALING = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                               original_max_position_embeddings=8192)
+__all__ = ["PRESETS", "check_model_args", "job_family", "model_args", "validate_job"]
 
 
-
-def _shape(dim, n_layers, n_heads, ffn_dim, vocab_size, tie_embeddings) -> dict:
-    return dict(dim=dim, n_layers=n_layers, n_heads=n_heads, ffn_dim=ffn_dim,
-                vocab_size=vocab_size, tie_embeddings=tie_embeddings)
-
-
-PRESETS: dict[str, LlamaArgs] = {
-    # Test and demo sizes. "tiny" trains on 2 CPU cores in minutes.
-    "debug": LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=259,
-                       ffn_dim=176, max_seq_len=512),
-    "tiny": LlamaArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=2048,
-                      ffn_dim=688, max_seq_len=1024, tie_embeddings=True),
-    "small": LlamaArgs(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=32000,
-                       ffn_dim=1376, max_seq_len=2048),
-    "llama2-7b": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32000,
-                           ffn_dim=11008, max_seq_len=4096),
-    "llama2-13b": LlamaArgs(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40,
-                            vocab_size=32000, ffn_dim=13824, max_seq_len=4096),
-    "llama2-70b": LlamaArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=32000,
-                            ffn_dim=28672, max_seq_len=4096),
-    "llama3-8b": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
-                           ffn_dim=14336, max_seq_len=8192, rope_theta=500000.0),
-    "llama3-70b": LlamaArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
-                            vocab_size=128256, ffn_dim=28672, max_seq_len=8192,
-                            rope_theta=500000.0),
-    "llama3.1-8b": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
-                             vocab_size=128256, ffn_dim=14336, max_seq_len=131072,
-                             rope_theta=500000.0, rope_scaling=_LLAMA31_SCALING),
-    "llama3.2-1b": LlamaArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
-                             vocab_size=128256, ffn_dim=8192, max_seq_len=131072,
-                             rope_theta=500000.0, rope_scaling=_LLAMA32_SCALING,
-                             tie_embeddings=True),
-    "llama3.2-3b": LlamaArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8,
-                             vocab_size=128256, ffn_dim=8192, max_seq_len=131072,
-                             rope_theta=500000.0, rope_scaling=_LLAMA32_SCALING,
-                             tie_embeddings=True),
-    "mistral-7b": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
-                            ffn_dim=14336, max_seq_len=32768, family="mistral",
-                            sliding_window=4096),
-    **{name: LlamaArgs(**shape, n_kv_heads=kv, max_seq_len=max_len, rope_theta=1e6,
-                       norm_eps=1e-6, family="qwen2", attention_bias=True)
-       for name, shape, kv, max_len in (
-           ("qwen2.5-0.5b", _shape(896, 24, 14, 4864, 151936, True), 2, 32768),
-           ("qwen2.5-1.5b", _shape(1536, 28, 12, 8960, 151936, True), 2, 131072),
-           ("qwen2.5-7b", _shape(3584, 28, 28, 18944, 152064, False), 4, 131072))},
-    **{name: LlamaArgs(**shape, n_kv_heads=8, max_seq_len=40960, rope_theta=1e6,
-                       norm_eps=1e-6, family="qwen3", explicit_head_dim=128, qk_norm=True)
-       for name, shape in (
-           ("qwen3-0.6b", _shape(1024, 28, 16, 3072, 151936, True)),
-           ("qwen3-1.7b", _shape(2048, 28, 16, 6144, 151936, True)),
-           ("qwen3-8b", _shape(4096, 36, 32, 12288, 151936, False)))},
-}
-
-
-def check_model_args(args: LlamaArgs, seq_len: Optional[int] = None) -> None:
+def check_model_args(args, seq_len: Optional[int] = None) -> None:
     """Refuse shapes the model cannot have (heads, RoPE) or a sequence it cannot take."""
     if args.n_heads % args.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads: n_heads ({args.n_heads}) must be divisible "
                           f"by n_kv_heads ({args.n_kv_heads})")
-    if args.explicit_head_dim is None and args.dim % args.n_heads:
-        raise ConfigError(f"model.n_heads: dim ({args.dim}) must be divisible by "
-                          f"n_heads ({args.n_heads})")
-    if args.head_dim % 2:
-        raise ConfigError(f"model.n_heads: head_dim ({args.head_dim}) must be even for RoPE")
+    family_of(args).check_args(args)
     if seq_len is not None and seq_len > args.max_seq_len:
         raise ConfigError(f"data.seq_len: {seq_len} exceeds the model's max_seq_len "
                           f"({args.max_seq_len})")
@@ -88,7 +29,7 @@ _ARG_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_di
                "max_seq_len", "rope_theta", "norm_eps", "tie_embeddings")
 
 
-def model_args(cfg: JobConfig, base: Optional[LlamaArgs] = None) -> LlamaArgs:
+def model_args(cfg: JobConfig, base: Optional[Any] = None) -> Any:
     """The model architecture: a preset (or ``base``, e.g. read from config.json) with the
     fields set in ``model.*`` on top."""
     args = base if base is not None else PRESETS[cfg.model.preset]
@@ -96,6 +37,15 @@ def model_args(cfg: JobConfig, base: Optional[LlamaArgs] = None) -> LlamaArgs:
     if "n_heads" in changes and "n_kv_heads" not in changes and args.n_kv_heads == args.n_heads:
         changes["n_kv_heads"] = changes["n_heads"]
     return dataclasses.replace(args, **changes)
+
+
+def job_family(cfg: JobConfig) -> ModelFamily:
+    """The family a validated job trains: model.init_from's config.json model_type, or the
+    preset's."""
+    if cfg.model.init_from:
+        return family_for_config(read_hf_config(cfg.model.init_from),
+                                 f"{cfg.model.init_from}/config.json")
+    return family_of(PRESETS[cfg.model.preset])
 
 
 def validate_job(cfg: JobConfig, world_size: int = 1, distributed: bool = False) -> JobConfig:

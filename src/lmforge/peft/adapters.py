@@ -28,7 +28,7 @@ from torch import nn
 from lmforge import fsio
 from lmforge.config import LoraConfig
 from lmforge.models.hf import hf_names, save_hf_model
-from lmforge.models.llama import build_llama
+from lmforge.models.registry import build_model
 from lmforge.parallel import full_value
 from lmforge.peft.lora import LoraLinear, apply_lora, lora_layers
 from lmforge.peft.quant import QuantizedLinear, is_quantized
@@ -55,7 +55,7 @@ def _module_names(model: nn.Module) -> dict[str, str]:
     """Our module name -> HF module name for every linear an HF checkpoint holds."""
     args = getattr(model, "args", None)
     if args is None:
-        raise AdapterError("adapters: the model has no .args (an lmforge Llama is needed "
+        raise AdapterError("adapters: the model has no .args (an lmforge model is needed "
                            "to translate module names)")
     return {ours.removesuffix(".weight"): theirs.removesuffix(".weight")
             for ours, theirs in hf_names(args).items()}
@@ -308,7 +308,7 @@ def export_merged(model: nn.Module, out_dir: str | Path, tokenizer=None,
     quantized base is dequantized to ``dtype`` first, bf16 by default). Uses
     ``lmforge.models.hf.save_hf_model``; the model passed in is left as it was."""
     sd = merged_state_dict(model, dtype)
-    plain = build_llama(model.args, "meta")
+    plain = build_model(model.args)
     plain.load_state_dict(sd, strict=True, assign=True)
     if model.args.tie_embeddings:
         plain.output.weight = plain.tok_embeddings.weight

@@ -10,7 +10,7 @@ with two more parameters beside the weight::
 A is Kaiming-uniform and B zero at initialisation, as in peft, so a fresh adapter leaves
 the model's outputs unchanged. The order of work in a trainer::
 
-    model = build_llama(args)                     # meta device
+    model = build_model(args)                     # meta device
     prepare_model_for_lora(model, cfg.lora)       # swap + freeze (meta or real)
     ... parallelize, to_empty, init_weights() or load weights ...
     after_materialize(model, cfg.lora)            # init A/B, quantize the base if asked
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmforge.peft.quant import QuantizedLinear, quantize_base
-from lmforge.peft.targets import resolve_targets
+from lmforge.peft.targets import model_projections, resolve_targets
 
 LORA_PARAM_NAMES = ("lora_a", "lora_b")
 
@@ -194,7 +194,7 @@ def apply_lora(model: nn.Module, cfg, module_names: Optional[Iterable[str]] = No
         wanted = set(module_names)
         match = lambda name: name in wanted  # noqa: E731
     else:
-        leaves = set(resolve_targets(cfg.targets))
+        leaves = set(resolve_targets(cfg.targets, model_projections(model)))
         match = lambda name: name.rsplit(".", 1)[-1] in leaves  # noqa: E731
     swapped = []
     for name, module in list(model.named_modules()):

@@ -30,7 +30,7 @@ from torch import nn
 
 from lmforge.config import QUANTIZE_FORMATS
 from lmforge.parallel import full_value
-from lmforge.peft.targets import resolve_targets
+from lmforge.peft.targets import model_projections, resolve_targets
 
 # The 16 NF4 levels (QLoRA, appendix E): 8 positive and 7 negative quantiles of N(0, 1)
 # at evenly spaced probabilities in [0.5, 0.9677], normalised to [-1, 1], plus an exact 0.
@@ -254,7 +254,7 @@ class HoldsQuantizableBase(Protocol):
 def quantize_base(model: nn.Module, fmt: str, targets: Iterable[str] | str = "all-linear",
                   double_quant: bool = True, device=None) -> list[str]:
     """Quantize the frozen base weight of every ``targets`` linear (module leaf names, or
-    "all-linear" for the seven projections; embeddings and the output head stay as they
+    "all-linear" for every projection; embeddings and the output head stay as they
     are) of a materialised model. A layer holding a base of its own (LoRA:
     ``HoldsQuantizableBase``) quantizes just that base, keeping its adapters in full
     precision. Returns the names of the quantized modules.
@@ -269,7 +269,7 @@ def quantize_base(model: nn.Module, fmt: str, targets: Iterable[str] | str = "al
         model.to("cuda")                              # the rest: embeddings, norms, adapters
     """
     _check_format(fmt)
-    names = resolve_targets(targets)
+    names = resolve_targets(targets, model_projections(model))
     done = []
     for name, module in list(model.named_modules()):
         if name.rsplit(".", 1)[-1] not in names:

@@ -1,18 +1,20 @@
-"""Which linear layers get LoRA: the seven projection names and the one rule that reads
-``lora.targets``. The trainer's LoRA swap, QLoRA's quantization, adapter save/load (peft's
-``target_modules``), the FLOPs count and the memory estimate all resolve targets here.
+"""Which linear layers get LoRA: the one rule that reads ``lora.targets`` against the
+model family's projections (``models.registry.Projections``). The trainer's LoRA swap,
+QLoRA's quantization, adapter save/load (peft's ``target_modules``), the FLOPs count and
+the memory estimate all resolve targets here.
 
 The rule, for each entry of ``lora.targets`` (a list, or one string), case and
 surrounding spaces ignored:
 
-- a projection name: ``q_proj k_proj v_proj o_proj gate_proj up_proj down_proj``;
-- a short name of one: ``q k v o gate up down``, or Meta's ``wq wk wv wo`` and
-  ``w1`` (gate), ``w3`` (up), ``w2`` (down);
+- a projection name of the family: Llama's ``q_proj k_proj v_proj o_proj gate_proj
+  up_proj down_proj``, GPT-J's ``q_proj k_proj v_proj out_proj fc_in fc_out``;
+- another name the family gives one: ``q k v o``; for Llama ``gate up down`` and Meta's
+  ``wq wk wv wo w1`` (gate) ``w3`` (up) ``w2`` (down); for GPT-J ``out`` and ``o_proj``;
 - a module path ending in one of those (``attention.q_proj``, ``self_attn.q_proj``,
-  ``mlp.down_proj``, ``feed_forward.w2``): that projection, in every layer;
-- a group: ``all-linear`` (all seven, as peft's: not the embedding or the output head),
-  ``attention`` (q, k, v, o), ``mlp`` (gate, up, down); spelled also ``all_linear``,
-  ``attn`` / ``self_attn``, ``ffn`` / ``feed_forward``.
+  ``mlp.down_proj``, ``mlp.fc_in``): that projection, in every layer;
+- a group: ``all-linear`` (every projection, as peft's: not the embedding or the output
+  head), ``attention`` (q, k, v and the attention output), ``mlp`` (the MLP's); spelled
+  also ``all_linear``, ``attn`` / ``self_attn``, ``ffn`` / ``feed_forward``.
 
 Refused with an error naming ``lora.targets``: anything else, an empty list, ``all``
 (it could be read to include the embedding and the head), and a path through one layer
@@ -26,56 +28,60 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 from lmforge.config import QUANTIZE_FORMATS, ConfigError, LoraConfig
+from lmforge.models.registry import LLAMA, Projections, family_of
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-ATTENTION_PROJECTIONS = PROJECTIONS[:4]
-MLP_PROJECTIONS = PROJECTIONS[4:]
+PROJECTIONS = LLAMA.projections.all  # the Llama family's, the default
 
-_SHORT_NAMES = {
-    "q": "q_proj", "wq": "q_proj", "k": "k_proj", "wk": "k_proj", "v": "v_proj",
-    "wv": "v_proj", "o": "o_proj", "wo": "o_proj", "gate": "gate_proj", "w1": "gate_proj",
-    "up": "up_proj", "w3": "up_proj", "down": "down_proj", "w2": "down_proj",
-}
 _GROUPS = {
-    "all-linear": PROJECTIONS, "all_linear": PROJECTIONS,
-    "attention": ATTENTION_PROJECTIONS, "attn": ATTENTION_PROJECTIONS,
-    "self_attn": ATTENTION_PROJECTIONS,
-    "mlp": MLP_PROJECTIONS, "ffn": MLP_PROJECTIONS, "feed_forward": MLP_PROJECTIONS,
+    "all-linear": "all", "all_linear": "all",
+    "attention": "attention", "attn": "attention", "self_attn": "attention",
+    "mlp": "mlp", "ffn": "mlp", "feed_forward": "mlp",
 }
-_KNOWN = (f"known: {', '.join(PROJECTIONS)}, their short names (q, wq, ..., w1/w2/w3), "
-          f"paths ending in one, or the groups all-linear, attention, mlp")
 
 
-def resolve_targets(targets: Any) -> tuple[str, ...]:
-    """``lora.targets`` -> projection names in model order (see the module docstring)."""
+def resolve_targets(targets: Any, projections: Projections = LLAMA.projections
+                    ) -> tuple[str, ...]:
+    """``lora.targets`` -> the family's projection names in model order (see the module
+    docstring)."""
     items = [targets] if isinstance(targets, str) else targets
     if not isinstance(items, (list, tuple)) or not items:
         raise ConfigError(f"lora.targets: expected a list of module names or 'all-linear', "
                           f"got {targets!r}")
     found: set[str] = set()
     for item in items:
-        found.update(_resolve_one(item))
-    return tuple(p for p in PROJECTIONS if p in found)
+        found.update(_resolve_one(item, projections))
+    return tuple(p for p in projections.all if p in found)
 
 
-def _resolve_one(item: Any) -> tuple[str, ...]:
+def _resolve_one(item: Any, projections: Projections) -> tuple[str, ...]:
     key = str(item).strip().lower()
     if key in _GROUPS:
-        return _GROUPS[key]
+        return getattr(projections, _GROUPS[key])
     path = key.split(".")
     if any(part.isdigit() for part in path):
         raise ConfigError(f"lora.targets: {item!r} names one layer; targets apply to every "
                           f"layer (write {path[-1]!r})")
-    leaf = _SHORT_NAMES.get(path[-1], path[-1])
-    if leaf not in PROJECTIONS:
-        raise ConfigError(f"lora.targets: unknown module {item!r} ({_KNOWN})")
+    leaf = projections.aliases.get(path[-1], path[-1])
+    if leaf not in projections.all:
+        raise ConfigError(f"lora.targets: unknown module {item!r} (known: "
+                          f"{', '.join(projections.all)}, other names for them "
+                          f"({', '.join(projections.aliases)}), paths ending in one, or the "
+                          f"groups all-linear, attention, mlp)")
     return (leaf,)
+
+
+def model_projections(model: Any) -> Projections:
+    """The projections of ``model``'s family (a whole model or a pipeline stage); a bare
+    module without ``args`` (a block or a layer of one, in tests) takes the default
+    family's, Llama's."""
+    args = getattr(model, "args", None)
+    return LLAMA.projections if args is None else family_of(args).projections
 
 
 def target_modules(module_names: Iterable[str]) -> list[str]:
     """peft's ``target_modules`` for adapters on these (full) module names: their leaf
-    names, sorted; peft matches every module whose name ends with one. For the seven
-    projections our leaf names and Hugging Face's are the same."""
+    names, sorted; peft matches every module whose name ends with one. Our projections'
+    leaf names are Hugging Face's (``models.registry.Projections``)."""
     return sorted({name.rsplit(".", 1)[-1] for name in module_names})
 
 
@@ -92,14 +98,16 @@ class LoraSpec:
     base_dtype: Optional[str] = None  # storage of unquantized frozen weights; None: auto
 
 
-def lora_spec(cfg: Any) -> Optional[LoraSpec]:
-    """The ``lora`` section of a JobConfig as a LoraSpec; None when absent or disabled.
-    ``lora.targets`` is resolved even when LoRA is off, so a bad name is refused either
-    way. Read defensively: the section's fields are optional here."""
+def lora_spec(cfg: Any, projections: Projections = LLAMA.projections) -> Optional[LoraSpec]:
+    """The ``lora`` section of a JobConfig as a LoraSpec for a model with ``projections``;
+    None when absent or disabled. ``lora.targets`` is resolved even when LoRA is off, so a
+    bad name is refused either way. Read defensively: the section's fields are optional
+    here."""
     section = getattr(cfg, "lora", None)
     if section is None:
         return None
-    targets = resolve_targets(getattr(section, "targets", None) or list(DEFAULT_TARGETS))
+    targets = resolve_targets(getattr(section, "targets", None) or list(DEFAULT_TARGETS),
+                              projections)
     if not getattr(section, "enabled", True):
         return None
     rank = getattr(section, "rank", None) or getattr(section, "r", None) or 8

@@ -21,7 +21,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from lmforge.models.llama import LlamaArgs
 from lmforge.perf.activations import (Activations, StageActivations, activation_model,
                                       loss_chunk_tokens, stage_activations)
 from lmforge.perf.estimate_setup import DTYPE_BYTES, Setup, compute_bytes, frozen_weight_dtype
@@ -329,8 +328,8 @@ class MemoryEstimate:
         }
 
 
-def describe_model(args: LlamaArgs) -> str:
-    return (f"dim {args.dim}, {args.n_layers} layers, {args.n_heads}/{args.n_kv_heads} "
+def describe_model(args) -> str:
+    return (f"{args.family}, dim {args.dim}, {args.n_layers} layers, {args.n_heads}/{args.n_kv_heads} "
             f"heads, ffn {args.ffn_dim}, vocab {args.vocab_size}")
 
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 
 from lmforge.config import (ConfigError, compute_dtype, grad_accumulation_steps, resolve_device,
                             resolve_layout)
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.models.hf import args_from_hf_config, read_hf_config
-from lmforge.models.llama import LlamaArgs
 from lmforge.models.presets import model_args, validate_job
+from lmforge.models.registry import family_of
 from lmforge.perf.flops import Trainability
 from lmforge.peft.targets import LoraSpec, lora_spec
 
@@ -23,7 +23,7 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 @dataclass
 class Setup:
     """Everything the estimate depends on; ``setup_from_config`` fills it from a config."""
-    args: LlamaArgs
+    args: Any  # the family's args
     seq_len: int
     micro_batch: int
     device: str = "cuda"  # cuda | cpu
@@ -132,7 +132,7 @@ def setup_from_config(cfg, device: Optional[str] = None, world_size: Optional[in
     return Setup(args=args, seq_len=cfg.data.seq_len, micro_batch=cfg.data.micro_batch_size,
                  device=device, compute=compute,
                  checkpointing=cfg.train.activation_checkpointing,
-                 trainable=Trainability.from_config(cfg), lora=_lora(cfg, base_dtype),
+                 trainable=Trainability.from_config(cfg, args), lora=_lora(cfg, args, base_dtype),
                  optimizer=cfg.optim.name, fused_optimizer=cfg.optim.fused, tp=layout.tp,
                  pp=layout.pp, dp_shard=dp_shard, dp_replicate=layout.dp_replicate,
                  zero=layout.zero, sequence_parallel=layout.sequence_parallel,
@@ -143,7 +143,7 @@ def setup_from_config(cfg, device: Optional[str] = None, world_size: Optional[in
                  notes=notes)
 
 
-def _model_args(cfg, notes: list[str]) -> LlamaArgs:
+def _model_args(cfg, notes: list[str]):
     """The model's shape as the trainer builds it: from model.init_from's config.json, or
     the preset with the vocabulary of the run's tokenizer when model.vocab_size is unset."""
     if cfg.model.init_from:
@@ -160,9 +160,9 @@ def _model_args(cfg, notes: list[str]) -> LlamaArgs:
     return dataclasses.replace(args, vocab_size=vocab)
 
 
-def _lora(cfg, base_dtype: Optional[str]) -> Optional[LoraSpec]:
+def _lora(cfg, args, base_dtype: Optional[str]) -> Optional[LoraSpec]:
     """The run's LoRA spec, with ``--base-dtype`` as the frozen weights' storage."""
-    spec = lora_spec(cfg)
+    spec = lora_spec(cfg, family_of(args).projections)
     if spec is not None and base_dtype:
         if base_dtype not in ("fp32", "bf16"):
             raise ConfigError(f"--base-dtype: {base_dtype!r} is not fp32 or bf16")

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
-from lmforge.models.llama import LlamaArgs
-from lmforge.peft.targets import PROJECTIONS, LoraSpec, lora_spec
+from lmforge.models.registry import family_of
+from lmforge.peft.targets import LoraSpec, lora_spec
 
 # --------------------------------------------------------------------------- peaks
 
@@ -103,7 +103,7 @@ class Trainability:
     embedding: bool = True
     norms: bool = True
     head: bool = True
-    linears: frozenset = field(default_factory=lambda: frozenset(PROJECTIONS))
+    linears: Optional[frozenset] = None  # projections whose weight trains; None: all
     adapters: tuple = ()  # ((projection, rank), ...)
 
     @classmethod
@@ -116,8 +116,8 @@ class Trainability:
                    adapters=tuple((t, spec.rank) for t in spec.targets))
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "Trainability":
-        spec = lora_spec(cfg)
+    def from_config(cls, cfg: Any, args: Any) -> "Trainability":
+        spec = lora_spec(cfg, family_of(args).projections)
         return cls.full() if spec is None else cls.lora(spec)
 
     @classmethod
@@ -129,8 +129,9 @@ class Trainability:
         parts = list(getattr(model, "parts", None) or [model])
         layer = next(iter(layer for part in parts for layer in part.layers.values()))
         linears, adapters = set(), []
+        projections = family_of(parts[0].args).projections.all
         for group in (layer.attention, layer.feed_forward):
-            for name in PROJECTIONS:
+            for name in projections:
                 proj = getattr(group, name, None)
                 if proj is None:
                     continue
@@ -152,27 +153,24 @@ class Trainability:
             return norms
 
         return cls(embedding=trains("tok_embeddings"), norms=norms, head=trains("output"),
-                   linears=frozenset(linears), adapters=tuple(adapters))
+                   linears=None if linears == set(projections) else frozenset(linears),
+                   adapters=tuple(adapters))
 
     def rank(self, projection: str) -> int:
         return dict(self.adapters).get(projection, 0)
 
     def trains(self, projection: str) -> bool:
-        return projection in self.linears
+        return self.linears is None or projection in self.linears
 
 
 # -------------------------------------------------------------------------- FLOPs
 
-def projection_shapes(args: LlamaArgs) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of each projection of one block."""
-    d, hd = args.dim, args.head_dim
-    return {"q_proj": (d, args.n_heads * hd), "k_proj": (d, args.n_kv_heads * hd),
-            "v_proj": (d, args.n_kv_heads * hd), "o_proj": (args.n_heads * hd, d),
-            "gate_proj": (d, args.ffn_dim), "up_proj": (d, args.ffn_dim),
-            "down_proj": (args.ffn_dim, d)}
+def projection_shapes(args: Any) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each projection of one block, in model order."""
+    return family_of(args).projection_shapes(args)
 
 
-def matmul_params(args: LlamaArgs) -> int:
+def matmul_params(args: Any) -> int:
     block = sum(i * o for i, o in projection_shapes(args).values())
     return args.n_layers * block + args.dim * args.vocab_size
 
@@ -230,7 +228,7 @@ def mean_keys_per_query(seq_len: int, window: Optional[int] = None) -> float:
     return window - window * window / (2 * seq_len)
 
 
-def flops_breakdown(args: LlamaArgs, seq_len: int, trainable: Optional[Trainability] = None,
+def flops_breakdown(args: Any, seq_len: int, trainable: Optional[Trainability] = None,
                     causal: bool = True) -> FlopsBreakdown:
     """Model FLOPs per token of one training step (forward + backward) at ``seq_len``.
 
@@ -240,32 +238,34 @@ def flops_breakdown(args: LlamaArgs, seq_len: int, trainable: Optional[Trainabil
     attention products (each query sees on average S/2 keys); ``causal=False`` counts the
     full S x S products, which is what torch's FlopCounterMode reports."""
     tr = trainable or Trainability.full()
-    shapes = projection_shapes(args)
+    family = family_of(args)
+    names, shapes = family.projections, projection_shapes(args)
     fl = FlopsBreakdown()
     keys = mean_keys_per_query(seq_len, args.sliding_window) if causal else seq_len
     per_product = 2 * keys * args.n_heads * args.head_dim  # one of Q K^T, P V, per token
 
+    def linear(name: str, rg_in: bool) -> bool:
+        return _linear(fl, shapes[name], rg_in, tr.trains(name), tr.rank(name))
+
     rg = tr.embedding  # the residual stream
     for _ in range(args.n_layers):
         n1 = rg or tr.norms
-        q, k, v = (_linear(fl, shapes[p], n1, tr.trains(p), tr.rank(p))
-                   for p in ("q_proj", "k_proj", "v_proj"))
+        q, k, v = (linear(p, n1) for p in names.attention[:3])
         fl.attention_forward += 2 * per_product
         fl.attention_backward += per_product * ((q or k) + v + q + k)  # dP, dV, dQ, dK
-        attn = q or k or v
-        o = _linear(fl, shapes["o_proj"], attn, tr.trains("o_proj"), tr.rank("o_proj"))
-        rg = rg or o
-        n2 = rg or tr.norms
-        g = _linear(fl, shapes["gate_proj"], n2, tr.trains("gate_proj"), tr.rank("gate_proj"))
-        u = _linear(fl, shapes["up_proj"], n2, tr.trains("up_proj"), tr.rank("up_proj"))
-        down = _linear(fl, shapes["down_proj"], g or u, tr.trains("down_proj"),
-                       tr.rank("down_proj"))
-        rg = rg or down
+        o = linear(names.attention_output, q or k or v)
+        if family.parallel_block:  # the MLP reads the attention's input norm (GPT-J)
+            n2 = n1
+        else:  # the MLP's norm reads the stream after attention (Llama)
+            n2 = rg or o or tr.norms
+        hidden = any([linear(p, n2) for p in names.mlp_inputs])
+        mlp_out = linear(names.mlp_output, hidden)
+        rg = rg or o or mlp_out
     _linear(fl, (args.dim, args.vocab_size), rg or tr.norms, tr.head, 0)
     return fl
 
 
-def flops_per_token(args: LlamaArgs, seq_len: int, trainable: Optional[Trainability] = None,
+def flops_per_token(args: Any, seq_len: int, trainable: Optional[Trainability] = None,
                     lora: Optional[LoraSpec] = None) -> float:
     """Training model FLOPs per token; full training unless ``trainable``/``lora`` say."""
     if trainable is None and lora is not None:

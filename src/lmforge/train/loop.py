@@ -34,8 +34,9 @@ from lmforge.data.tokenizer import Tokenizer, load_tokenizer
 from lmforge.export import export_trained, trained_model
 from lmforge.models.generate import generate
 from lmforge.models.hf import args_from_hf_config, read_hf_config
-from lmforge.models.llama import LlamaArgs, build_llama, count_parameters
-from lmforge.models.presets import check_model_args, model_args, validate_job
+from lmforge.models.common import count_parameters
+from lmforge.models.registry import build_model
+from lmforge.models.presets import check_model_args, job_family, model_args, validate_job
 from lmforge.parallel.mesh import (DistEnv, ParallelDims, build_parallel_dims,
                                    init_distributed, read_dist_env, runs_distributed)
 from lmforge.peft.lora import trainable_summary
@@ -76,7 +77,8 @@ def train(cfg: JobConfig) -> dict:
     env = read_dist_env()
     distributed = runs_distributed(cfg.parallel, env.world_size, env.torchrun)
     validate_job(cfg, world_size=env.world_size, distributed=distributed)
-    resolve_targets(cfg.lora.targets)  # lora.targets by peft's one rule, before any compute
+    # lora.targets by peft's one rule, against the model family's names, before any compute
+    resolve_targets(cfg.lora.targets, job_family(cfg).projections)
     check_resume_path(cfg.train.resume, Path(cfg.train.output_dir) / CHECKPOINTS)
     summary = _run(cfg, init_runtime(cfg, env, distributed))
     # The model, optimizers and mesh died with _run's frame: only now can the process
@@ -100,7 +102,7 @@ def _run_in(cfg: JobConfig, rt: Runtime, out_dir: Path) -> dict:
     data = build_data(cfg, tokenizer, rt.dp_rank, rt.dp_size, cache_dir=out_dir / "cache")
     model = build_train_model(cfg, args, rt.device, rt.dims, rt.param_dtype)
     optimizers = Optimizers(model.parts, cfg.optim, cfg.train.max_steps)
-    _say(rt, f"model: {count_parameters(build_llama(args)):,} parameters ({_describe(args)}) "
+    _say(rt, f"model: {count_parameters(build_model(args)):,} parameters ({_describe(args)}) "
              f"on {rt.world_size} x {rt.device.type} ({_layout(rt)}); data: {data.description}")
     if cfg.lora.enabled:
         _say(rt, f"LoRA rank {cfg.lora.rank} on {cfg.lora.targets}"
@@ -231,7 +233,7 @@ def _from_rank0(rt: Runtime, value):
     return box[0]
 
 
-def resolve_model_args(cfg: JobConfig, tokenizer: Tokenizer) -> LlamaArgs:
+def resolve_model_args(cfg: JobConfig, tokenizer: Tokenizer):
     if cfg.model.init_from:
         base = args_from_hf_config(read_hf_config(cfg.model.init_from))
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim",
@@ -454,6 +456,6 @@ def _layout(rt: Runtime) -> str:
             + (", FSDP2" if d.uses_fsdp else ""))
 
 
-def _describe(args: LlamaArgs) -> str:
-    return (f"dim {args.dim}, {args.n_layers} layers, {args.n_heads} heads / "
+def _describe(args) -> str:
+    return (f"{args.family}, dim {args.dim}, {args.n_layers} layers, {args.n_heads} heads / "
             f"{args.n_kv_heads} kv, vocab {args.vocab_size}")

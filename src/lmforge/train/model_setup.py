@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -20,7 +20,8 @@ from torch import nn
 from lmforge.config import JobConfig, compute_dtype, grad_accumulation_steps
 from lmforge.eval.evaluate import evaluate
 from lmforge.models.hf import from_hf_state_dict, read_hf_state_dict
-from lmforge.models.llama import Llama, LlamaArgs, build_llama, count_parameters, materialize
+from lmforge.models.common import count_parameters, materialize
+from lmforge.models.registry import build_model
 from lmforge.models.loss import token_loss_sum
 from lmforge.parallel import full_value
 from lmforge.parallel.mesh import ParallelDims
@@ -38,7 +39,7 @@ LAYOUT_INDEPENDENT_INIT_BYTES = 4 * 2**30
 class TrainModel:
     """This rank's part of the model and how to run a step on it."""
     parts: list[nn.Module]  # one module, or this rank's pipeline stages
-    args: LlamaArgs
+    args: Any  # the family's args (LlamaArgs, GPTJArgs)
     dims: ParallelDims
     schedule: object = None  # pipeline schedule when pp > 1
     stage_ids: list[int] = field(default_factory=list)
@@ -50,7 +51,7 @@ class TrainModel:
         return self.dims.mesh
 
     @property
-    def whole(self) -> Optional[Llama]:
+    def whole(self) -> Optional[nn.Module]:
         return self.parts[0] if self.dims.pp == 1 else None
 
     def parameters(self):
@@ -109,12 +110,12 @@ class TrainModel:
             return evaluate(self.parts[0], batches, device, autocast, self.loss_chunk_tokens)
 
 
-def build_train_model(cfg: JobConfig, args: LlamaArgs, device: torch.device,
+def build_train_model(cfg: JobConfig, args, device: torch.device,
                       dims: ParallelDims = ParallelDims(),
                       param_dtype: Optional[torch.dtype] = None) -> TrainModel:
     """This rank's model for the layout ``dims`` (default: one plain process);
     ``param_dtype``: FSDP's compute dtype for parameters."""
-    model = build_llama(args)  # meta: nothing allocated yet
+    model = build_model(args)  # meta: nothing allocated yet
     if dims.pp > 1:
         stages = split_model(model, dims.pp_rank, dims.pp, cfg.parallel.pp_virtual_stages)
     else:
@@ -196,7 +197,7 @@ def _apply_data_parallel_all(tm: TrainModel, cfg: JobConfig, param_dtype) -> Non
         apply_data_parallel(part, tm.dims, cfg, param_dtype)
 
 
-def initial_state_dict(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims
+def initial_state_dict(cfg: JobConfig, args, dims: ParallelDims
                        ) -> Optional[dict]:
     """Full starting weights when they are affordable on every rank: a local HF model,
     or (with several processes) a seeded initialisation of the whole model, the same
@@ -205,10 +206,10 @@ def initial_state_dict(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims
         sd = from_hf_state_dict(read_hf_state_dict(cfg.model.init_from), args,
                                 source=f"{cfg.model.init_from} weights")
         return {k: v.float() for k, v in sd.items()}
-    if dims.mesh is None or 4 * count_parameters(build_llama(args)) > LAYOUT_INDEPENDENT_INIT_BYTES:
+    if dims.mesh is None or 4 * count_parameters(build_model(args)) > LAYOUT_INDEPENDENT_INIT_BYTES:
         return None
     torch.manual_seed(cfg.train.seed)
-    return materialize(build_llama(args), "cpu").state_dict()
+    return materialize(build_model(args), "cpu").state_dict()
 
 
 def load_full_state_dict(tm: TrainModel, sd: dict) -> None:

@@ -16,7 +16,7 @@ from transformers import LlamaConfig  # noqa: E402
 from helpers.hf_models import random_hf_llama  # noqa: E402
 from lmforge.models.hf import HFCheckpointError, load_hf_model  # noqa: E402
 from lmforge.models.llama import apply_rope, rope_cos_sin  # noqa: E402
-from lmforge.models.meta import (  # noqa: E402
+from lmforge.models.llama.meta import (  # noqa: E402
     args_from_meta_params, load_meta_checkpoint, meta_ffn_dim, to_meta_state_dict)
 
 VOCAB = 102  # even, so Meta-style row shards split it in two

@@ -5,7 +5,7 @@ import pytest
 
 from lmforge.cli import main
 from lmforge.parallel.mesh import expand_first_slurm_host, read_dist_env
-from lmforge.parallel.tensor import block_plan, model_plan
+from lmforge.models.llama.plan import block_plan, model_plan
 
 
 def test_rank_comes_from_torchrun_or_slurm_alike():

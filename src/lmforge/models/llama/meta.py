@@ -13,9 +13,10 @@ from typing import Optional
 
 import torch
 
-from lmforge.models.hf import (HFCheckpointError, drop_tied_head, load_into_model,
-                               param_shapes, read_json, remap_state_dict, same_tensor)
-from lmforge.models.llama import Llama, LlamaArgs, RopeScaling
+from lmforge.models.hf import load_into_model, param_shapes
+from lmforge.models.llama.model import Llama, LlamaArgs, RopeScaling
+from lmforge.models.mapping import (HFCheckpointError, drop_tied_head, read_json,
+                                    remap_state_dict, same_tensor)
 
 _META_LAYER_NAMES = {  # Meta -> ours, inside layers.{i}
     "attention.wq.weight": "attention.q_proj.weight",
@@ -112,7 +113,7 @@ def from_meta_state_dict(sd: dict, args: LlamaArgs, source: str = "Meta state di
     names = _meta_names(args)
     shapes = param_shapes(args)
     if args.tie_embeddings:
-        sd = drop_tied_head(sd, "output.weight", "tok_embeddings.weight", args, source)
+        sd = drop_tied_head(sd, "output.weight", "tok_embeddings.weight", True, source)
         del names["output.weight"]
     out = remap_state_dict(sd, names, {meta: shapes[ours] for meta, ours in names.items()}, source)
     if args.tie_embeddings:

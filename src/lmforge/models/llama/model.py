@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmforge.models.common import KVCache, causal_mask
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -51,6 +53,12 @@ class LlamaArgs:
     @property
     def head_dim(self) -> int:
         return self.explicit_head_dim or self.dim // self.n_heads
+
+    @classmethod
+    def from_dict(cls, recorded: dict) -> "LlamaArgs":
+        """The inverse of ``dataclasses.asdict``."""
+        scaling = recorded.get("rope_scaling")
+        return cls(**{**recorded, "rope_scaling": RopeScaling(**scaling) if scaling else None})
 
 
 class RMSNorm(nn.Module):
@@ -113,29 +121,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 # ------------------------------------------------------------------------- attention
 
-@dataclass
-class KVCache:
-    """Keys and values of past positions for incremental decoding, one per layer."""
-    k: torch.Tensor  # (batch, kv_heads, max_len, head_dim)
-    v: torch.Tensor
-    length: int = 0
-
-    @classmethod
-    def empty(cls, args: LlamaArgs, batch: int, max_len: int, device, dtype) -> "KVCache":
-        shape = (batch, args.n_kv_heads, max_len, args.head_dim)
-        return cls(torch.zeros(shape, device=device, dtype=dtype),
-                   torch.zeros(shape, device=device, dtype=dtype))
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        end = self.length + k.shape[2]
-        if end > self.k.shape[2]:
-            raise ValueError(f"KV cache full: {end} positions > {self.k.shape[2]}")
-        self.k[:, :, self.length:end] = k
-        self.v[:, :, self.length:end] = v
-        self.length = end
-        return self.k[:, :, :end], self.v[:, :, :end]
-
-
 class Attention(nn.Module):
     def __init__(self, args: LlamaArgs):
         super().__init__()
@@ -170,7 +155,7 @@ class Attention(nn.Module):
             k, v = cache.append(k, v)  # (b, kv, past + s, hd)
         gqa = q.shape[1] != k.shape[1]
         if mask is None and past > 0 and seq > 1:
-            mask = _causal_mask(seq, past, x.device)
+            mask = causal_mask(seq, past, x.device)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None and past == 0, enable_gqa=gqa)
         out = out.transpose(1, 2).reshape(batch, seq, -1)  # (b, s, h * hd)
@@ -185,13 +170,6 @@ class Attention(nn.Module):
             self.q_norm.reset_parameters()
             self.k_norm.reset_parameters()
         nn.init.trunc_normal_(self.o_proj.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
-
-
-def _causal_mask(seq: int, past: int, device) -> torch.Tensor:
-    """(seq, past + seq) boolean mask: query i sees keys up to past + i."""
-    q_pos = torch.arange(past, past + seq, device=device)[:, None]
-    k_pos = torch.arange(past + seq, device=device)[None, :]
-    return k_pos <= q_pos
 
 
 def sliding_window_mask(mask: Optional[torch.Tensor], seq: int, past: int,
@@ -299,22 +277,15 @@ class Llama(nn.Module):
 
 def build_llama(args: LlamaArgs, device: str | torch.device = "meta") -> Llama:
     """Construct on ``device`` (meta by default: no memory is touched, so a 70B preset is
-    free to build). Materialise with ``materialize``."""
+    free to build). Allocate with ``materialize``."""
     with torch.device(device):
         return Llama(args)
 
 
-def materialize(model: Llama, device: str | torch.device, init: bool = True) -> Llama:
-    """Allocate a meta-built model on ``device``; random-init unless weights come next."""
-    tied = model.args.tie_embeddings and model.output is not None
-    model.to_empty(device=device)
-    if tied:  # to_empty allocates each reference separately, which unties them
-        model.output.weight = model.tok_embeddings.weight
-    if init:
-        model.init_weights()
-    return model
-
-
-def count_parameters(model: nn.Module) -> int:
-    """Distinct parameters (a tied embedding counts once)."""
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+def projection_shapes(args: LlamaArgs) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each projection of one block."""
+    d, hd = args.dim, args.head_dim
+    return {"q_proj": (d, args.n_heads * hd), "k_proj": (d, args.n_kv_heads * hd),
+            "v_proj": (d, args.n_kv_heads * hd), "o_proj": (args.n_heads * hd, d),
+            "gate_proj": (d, args.ffn_dim), "up_proj": (d, args.ffn_dim),
+            "down_proj": (args.ffn_dim, d)}

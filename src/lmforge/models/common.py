@@ -1,0 +1,54 @@
+"""What every family's model shares: the KV cache of incremental decoding, the causal
+mask with cached positions, and allocating a meta-built model (``materialize``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class KVCache:
+    """Keys and values of past positions for incremental decoding, one per layer."""
+    k: torch.Tensor  # (batch, kv_heads, max_len, head_dim)
+    v: torch.Tensor
+    length: int = 0
+
+    @classmethod
+    def empty(cls, args, batch: int, max_len: int, device, dtype) -> "KVCache":
+        shape = (batch, args.n_kv_heads, max_len, args.head_dim)
+        return cls(torch.zeros(shape, device=device, dtype=dtype),
+                   torch.zeros(shape, device=device, dtype=dtype))
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.length + k.shape[2]
+        if end > self.k.shape[2]:
+            raise ValueError(f"KV cache full: {end} positions > {self.k.shape[2]}")
+        self.k[:, :, self.length:end] = k
+        self.v[:, :, self.length:end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+def causal_mask(seq: int, past: int, device) -> torch.Tensor:
+    """(seq, past + seq) boolean mask: query i sees keys up to past + i."""
+    q_pos = torch.arange(past, past + seq, device=device)[:, None]
+    k_pos = torch.arange(past + seq, device=device)[None, :]
+    return k_pos <= q_pos
+
+
+def materialize(model: nn.Module, device: str | torch.device, init: bool = True) -> nn.Module:
+    """Allocate a meta-built model on ``device``; random-init unless weights come next."""
+    tied = model.args.tie_embeddings and model.output is not None
+    model.to_empty(device=device)
+    if tied:  # to_empty allocates each reference separately, which unties them
+        model.output.weight = model.tok_embeddings.weight
+    if init:
+        model.init_weights()
+    return model
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Distinct parameters (a tied embedding counts once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

@@ -1,0 +1,194 @@
+"""Hugging Face's Llama, Mistral, Qwen2 and Qwen3 <-> lmforge's ``Llama``: config.json
+fields and parameter names (a pure mapping, names only: our q/k use HF's rotate-half RoPE
+layout; Meta's interleaved layout is ``meta.py``). Reading and writing model directories
+is family-independent: ``models/hf.py``."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from lmforge.models.llama.model import LlamaArgs, RopeScaling
+from lmforge.models.mapping import HFCheckpointError
+
+
+_LAYER_NAMES = {  # ours -> Hugging Face, inside layers.{i}
+    "attention.q_proj.weight": "self_attn.q_proj.weight",
+    "attention.k_proj.weight": "self_attn.k_proj.weight",
+    "attention.v_proj.weight": "self_attn.v_proj.weight",
+    "attention.o_proj.weight": "self_attn.o_proj.weight",
+    "feed_forward.gate_proj.weight": "mlp.gate_proj.weight",
+    "feed_forward.up_proj.weight": "mlp.up_proj.weight",
+    "feed_forward.down_proj.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+
+_LLAMA_DEFAULTS = {  # transformers' LlamaConfig defaults for fields a config may omit
+    "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "tie_word_embeddings": False, "initializer_range": 0.02,
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What one HF ``model_type`` is, as flags on lmforge's Llama."""
+    architecture: str
+    attention_bias: bool = False  # q/k/v biases always present (Qwen2's modeling code)
+    qk_norm: bool = False
+    window_key: Optional[str] = None  # the config key that turns a sliding window on
+
+
+VARIANTS = {
+    "llama": Variant("LlamaForCausalLM"),
+    # Mistral: a window whenever config.json's sliding_window is set (transformers' rule).
+    "mistral": Variant("MistralForCausalLM", window_key="sliding_window"),
+    # Qwen2/Qwen3: a window only with use_sliding_window, and then only on some layers
+    # (max_window_layers), which our one-window model cannot express: refused.
+    "qwen2": Variant("Qwen2ForCausalLM", attention_bias=True, window_key="use_sliding_window"),
+    "qwen3": Variant("Qwen3ForCausalLM", qk_norm=True, window_key="use_sliding_window"),
+}
+
+# config.json fields each family must leave at the value our model computes with (the
+# default when absent). Qwen2 has no attention_bias key: its q/k/v biases are fixed.
+_REQUIRED = {"llama": {"attention_bias": False, "mlp_bias": False},
+             "mistral": {}, "qwen2": {}, "qwen3": {"attention_bias": False},
+             "all": {"hidden_act": "silu"}}
+
+
+def _variant_of(cfg: dict, source: str) -> str:
+    model_type = cfg.get("model_type")
+    if model_type not in VARIANTS:
+        raise HFCheckpointError(f"{source}: model_type = {model_type!r} is not supported "
+                                f"(lmforge loads {', '.join(sorted(VARIANTS))})")
+    for name, wanted in (_REQUIRED["all"] | _REQUIRED[model_type]).items():
+        if cfg.get(name, wanted) != wanted:
+            raise HFCheckpointError(f"{source}: {name} = {cfg[name]!r} is not supported "
+                                    f"for model_type {model_type!r} (lmforge needs "
+                                    f"{wanted!r})")
+    return model_type
+
+
+def _sliding_window(cfg: dict, family: str, source: str) -> Optional[int]:
+    key = VARIANTS[family].window_key
+    if key is None or not cfg.get(key):
+        return None
+    if key != "sliding_window" or any(
+            t != "full_attention" for t in cfg.get("layer_types") or []):
+        raise HFCheckpointError(f"{source}: {key} = {cfg[key]!r} is not supported for "
+                                f"model_type {family!r} (lmforge applies one window to "
+                                f"every layer; per-layer windows are not implemented)")
+    return int(cfg["sliding_window"])
+
+
+def _head_dim(cfg: dict, dim: int, n_heads: int, source: str) -> Optional[int]:
+    """The explicit head_dim, or None when it is dim / n_heads anyway."""
+    head_dim = cfg.get("head_dim")
+    if head_dim is None or (dim % n_heads == 0 and head_dim == dim // n_heads):
+        if dim % n_heads:
+            raise HFCheckpointError(f"{source}: hidden_size {dim} is not a multiple of "
+                                    f"num_attention_heads {n_heads} and no head_dim is set")
+        return None
+    return int(head_dim)
+
+
+def args_from_hf_config(cfg: dict, source: str = "config.json") -> LlamaArgs:
+    """A transformers Llama, Mistral, Qwen2 or Qwen3 config dict (v4 or v5 layout) ->
+    ``LlamaArgs``. Refuses, naming the field, anything our model would compute
+    differently."""
+    def field(name):
+        if cfg.get(name) is None:
+            raise HFCheckpointError(f"{source}: {name} is missing")
+        return cfg[name]
+
+    family = _variant_of(cfg, source)
+    dim, n_heads = int(field("hidden_size")), int(field("num_attention_heads"))
+
+    def get(name):
+        return cfg[name] if cfg.get(name) is not None else _LLAMA_DEFAULTS[name]
+
+    return LlamaArgs(
+        dim=dim, n_layers=int(field("num_hidden_layers")), n_heads=n_heads,
+        n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+        vocab_size=int(field("vocab_size")), ffn_dim=int(field("intermediate_size")),
+        max_seq_len=int(get("max_position_embeddings")),
+        rope_theta=float(_rope_theta(cfg)), rope_scaling=_rope_scaling(cfg, source),
+        norm_eps=float(get("rms_norm_eps")), tie_embeddings=bool(get("tie_word_embeddings")),
+        init_std=float(get("initializer_range")), family=family,
+        explicit_head_dim=_head_dim(cfg, dim, n_heads, source),
+        attention_bias=VARIANTS[family].attention_bias, qk_norm=VARIANTS[family].qk_norm,
+        sliding_window=_sliding_window(cfg, family, source))
+
+
+def _rope_theta(cfg: dict) -> float:
+    # transformers 5 moved rope_theta into rope_parameters; 4.x keeps it at the top level.
+    if cfg.get("rope_theta") is not None:
+        return cfg["rope_theta"]
+    return (cfg.get("rope_parameters") or {}).get("rope_theta", _LLAMA_DEFAULTS["rope_theta"])
+
+
+def _rope_scaling(cfg: dict, source: str) -> Optional[RopeScaling]:
+    name = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    rope = cfg.get(name) or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise HFCheckpointError(f"{source}: {name}.rope_type = {kind!r} is not supported "
+                                f"(lmforge supports 'default' and 'llama3')")
+    try:
+        return RopeScaling(float(rope["factor"]), float(rope["low_freq_factor"]),
+                           float(rope["high_freq_factor"]),
+                           int(rope["original_max_position_embeddings"]))
+    except KeyError as e:
+        raise HFCheckpointError(f"{source}: {name}.{e.args[0]} is missing") from None
+
+
+def hf_config_from_args(args: LlamaArgs) -> dict:
+    """``LlamaArgs`` -> a config.json dict that transformers 4.45+ and 5.x load."""
+    s = args.rope_scaling
+    rope_scaling = None if s is None else {
+        "rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+        "high_freq_factor": s.high_freq_factor,
+        "original_max_position_embeddings": s.original_max_position_embeddings}
+    cfg = {
+        "architectures": [VARIANTS[args.family].architecture], "model_type": args.family,
+        "hidden_size": args.dim, "intermediate_size": args.ffn_dim,
+        "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size, "max_position_embeddings": args.max_seq_len,
+        "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
+        "rope_scaling": rope_scaling, "tie_word_embeddings": args.tie_embeddings,
+        "hidden_act": "silu", "attention_bias": args.attention_bias,
+        "attention_dropout": 0.0,
+        "mlp_bias": False, "initializer_range": args.init_std, "use_cache": True,
+        "torch_dtype": "float32",
+    }
+    return cfg | _family_fields(args)
+
+
+def _family_fields(args: LlamaArgs) -> dict:
+    window_key = VARIANTS[args.family].window_key
+    if window_key == "sliding_window":
+        return {"sliding_window": args.sliding_window}
+    if window_key == "use_sliding_window":
+        return {"use_sliding_window": False, "sliding_window": None}
+    return {}
+
+
+def hf_names(args: LlamaArgs) -> dict[str, str]:
+    """Our parameter name -> HF name for every tensor an HF checkpoint holds."""
+    names = {"tok_embeddings.weight": "model.embed_tokens.weight",
+             "norm.weight": "model.norm.weight"}
+    layer_names = dict(_LAYER_NAMES)
+    if args.attention_bias:
+        layer_names |= {f"attention.{p}.bias": f"self_attn.{p}.bias"
+                        for p in ("q_proj", "k_proj", "v_proj")}
+    if args.qk_norm:
+        layer_names |= {f"attention.{n}.weight": f"self_attn.{n}.weight"
+                        for n in ("q_norm", "k_norm")}
+    for i in range(args.n_layers):
+        for ours, theirs in layer_names.items():
+            names[f"layers.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
+    if not args.tie_embeddings:  # a tied HF checkpoint has no lm_head
+        names["output.weight"] = "lm_head.weight"
+    return names

@@ -1,0 +1,159 @@
+"""Model families, chosen by Hugging Face's ``model_type`` (config.json) or by a preset.
+
+A family is a folder, ``models/<family>/``: the plain model (``model.py``), its HF
+config and parameter names (``hf.py``), its tensor-parallel plan (``plan.py``) and its
+named sizes (``presets.py``). It is described to the rest of lmforge by one
+``ModelFamily`` here, so nothing outside ``models/`` branches on a family's name: the
+trainer, parallelism, LoRA, export and the performance model ask the family of the
+model's ``args`` (``family_of``).
+
+Every family's model keeps the same top-level layout (``tok_embeddings``, ``layers`` as
+an ``nn.ModuleDict`` keyed by layer id, ``norm``, ``output``; each block with
+``attention_norm``, ``attention`` and ``feed_forward``) and its args the same shape
+fields (``dim``, ``n_layers``, ``n_heads``, ``n_kv_heads``, ``head_dim``, ``vocab_size``,
+``ffn_dim``, ``max_seq_len``, ``tie_embeddings``, ``sliding_window``, ``family``), which is
+what pipeline splitting, checkpoints and the memory model rely on.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+from torch import nn
+
+from lmforge.models import gptj, llama
+from lmforge.models.mapping import HFCheckpointError
+
+
+@dataclass(frozen=True)
+class Projections:
+    """A block's linear layers by their leaf names (ours, which are also Hugging Face's,
+    so peft's ``target_modules`` are the same words), in model order."""
+    attention: tuple[str, ...]  # q, k, v, then the attention output
+    mlp: tuple[str, ...]  # the MLP's input projection(s), then its output
+    # Other names users write for a projection (Meta's wq, w1, ...; short q, k, v, ...).
+    aliases: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def all(self) -> tuple[str, ...]:
+        return self.attention + self.mlp
+
+    @property
+    def attention_output(self) -> str:
+        return self.attention[-1]
+
+    @property
+    def mlp_inputs(self) -> tuple[str, ...]:
+        return self.mlp[:-1]
+
+    @property
+    def mlp_output(self) -> str:
+        return self.mlp[-1]
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str  # the folder under models/
+    model_types: tuple[str, ...]  # config.json model_type values it loads
+    build: Callable[[Any], nn.Module]  # args -> model, on the current default device
+    args_from_dict: Callable[[dict], Any]  # dataclasses.asdict(args) -> args (meta.json)
+    args_from_hf_config: Callable[[dict, str], Any]
+    hf_config: Callable[..., dict]  # (args, **extra fields) -> config.json dict
+    hf_names: Callable[[Any], dict[str, str]]  # our parameter name -> HF name
+    projections: Projections
+    projection_shapes: Callable[[Any], dict[str, tuple[int, int]]]  # (in, out) per block
+    block_plan: Callable[[bool], dict]  # sequence_parallel -> {module name: style}
+    model_plan: Callable[[bool], dict]
+    presets: Mapping[str, Any]
+    check_args: Callable[[Any], None]  # shapes the model cannot have -> ConfigError
+    # Whether attention and MLP read the same normalised input in parallel (GPT-J) rather
+    # than the MLP reading the attention's output (Llama).
+    parallel_block: bool = False
+    # HF checkpoint keys that hold buffers rather than weights (ignored on load).
+    ignored_hf_suffixes: tuple[str, ...] = ()
+
+
+LLAMA = ModelFamily(
+    name="llama", model_types=("llama", "mistral", "qwen2", "qwen3"),
+    build=llama.model.Llama, args_from_dict=llama.model.LlamaArgs.from_dict,
+    args_from_hf_config=llama.hf.args_from_hf_config,
+    hf_config=llama.hf.hf_config_from_args, hf_names=llama.hf.hf_names,
+    projections=Projections(
+        attention=("q_proj", "k_proj", "v_proj", "o_proj"),
+        mlp=("gate_proj", "up_proj", "down_proj"),
+        aliases={"q": "q_proj", "wq": "q_proj", "k": "k_proj", "wk": "k_proj",
+                 "v": "v_proj", "wv": "v_proj", "o": "o_proj", "wo": "o_proj",
+                 "gate": "gate_proj", "w1": "gate_proj", "up": "up_proj", "w3": "up_proj",
+                 "down": "down_proj", "w2": "down_proj"}),
+    projection_shapes=llama.model.projection_shapes,
+    block_plan=llama.plan.block_plan, model_plan=llama.plan.model_plan,
+    presets=llama.presets.PRESETS, check_args=llama.presets.check_args)
+
+GPTJ = ModelFamily(
+    name="gptj", model_types=("gptj",),
+    build=gptj.model.GPTJ, args_from_dict=lambda d: gptj.model.GPTJArgs(**d),
+    args_from_hf_config=gptj.hf.args_from_hf_config,
+    hf_config=gptj.hf.hf_config_from_args, hf_names=gptj.hf.hf_names,
+    projections=Projections(
+        attention=("q_proj", "k_proj", "v_proj", "out_proj"), mlp=("fc_in", "fc_out"),
+        aliases={"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "out_proj",
+                 "out": "out_proj", "o_proj": "out_proj"}),
+    projection_shapes=gptj.model.projection_shapes,
+    block_plan=gptj.plan.block_plan, model_plan=gptj.plan.model_plan,
+    presets=gptj.presets.PRESETS, check_args=gptj.presets.check_args,
+    parallel_block=True, ignored_hf_suffixes=gptj.hf.IGNORED_SUFFIXES)
+
+FAMILIES: tuple[ModelFamily, ...] = (LLAMA, GPTJ)
+_BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
+PRESETS: dict[str, Any] = {name: args for f in FAMILIES for name, args in f.presets.items()}
+
+
+def family_of(args: Any) -> ModelFamily:
+    """The family of a model's args (``args.family`` is its HF model_type)."""
+    return _BY_MODEL_TYPE[args.family]
+
+
+def family_for_config(cfg: dict, source: str = "config.json") -> ModelFamily:
+    """The family that loads an HF config.json, or a one-line refusal naming the field."""
+    model_type = cfg.get("model_type")
+    if model_type not in _BY_MODEL_TYPE:
+        raise HFCheckpointError(f"{source}: model_type = {model_type!r} is not supported "
+                                f"(lmforge loads {', '.join(sorted(_BY_MODEL_TYPE))})")
+    return _BY_MODEL_TYPE[model_type]
+
+
+def args_from_dict(recorded: dict) -> Any:
+    """Args from their ``dataclasses.asdict`` record (checkpoints' meta.json); records
+    written before families existed are Llama's."""
+    return _BY_MODEL_TYPE[recorded.get("family", "llama")].args_from_dict(recorded)
+
+
+def build_model(args: Any, device: str | torch.device = "meta") -> nn.Module:
+    """Construct on ``device`` (meta by default: no memory is touched, so a 70B preset is
+    free to build). Allocate with ``models.common.materialize``."""
+    with torch.device(device):
+        return family_of(args).build(args)
+
+
+def args_from_hf_config(cfg: dict, source: str = "config.json") -> Any:
+    return family_for_config(cfg, source).args_from_hf_config(cfg, source)
+
+
+def hf_config_from_args(args: Any, **extra) -> dict:
+    """config.json for ``args``; ``extra`` adds or overrides fields (``torch_dtype``,
+    ``bos_token_id``, ...); None ids are left out."""
+    cfg = family_of(args).hf_config(args) | extra
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if name in cfg and cfg[name] is None:
+            del cfg[name]
+    return cfg
+
+
+def hf_names(args: Any) -> dict[str, str]:
+    """Our parameter name -> HF name for every tensor an HF checkpoint holds."""
+    return family_of(args).hf_names(args)
+
+
+def preset_family(preset: Optional[str]) -> Optional[ModelFamily]:
+    return family_of(PRESETS[preset]) if preset in PRESETS else None
