@@ -33,3 +33,23 @@ def random_hf_causal_lm(model_type: str, seed: int = 0, **config):
             if name.endswith(("norm.weight", "proj.bias")):
                 p.add_(0.1 * torch.randn_like(p))
     return model
+
+
+def random_hf_gptj(seed: int = 0, **config):
+    """A random fp32 ``transformers.GPTJForCausalLM`` in eval mode: the tiny shape with
+    partial rotary (8 of 16 features per head) and an explicit MLP width; LayerNorm
+    weights and biases, MLP biases and the head's bias randomised (transformers
+    initialises them to constants, which would hide a mapping mistake)."""
+    import transformers
+
+    kwargs = dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_inner=192, vocab_size=102,
+                  n_positions=128, initializer_range=0.2, bos_token_id=None,
+                  eos_token_id=None, pad_token_id=None)
+    kwargs.update(config)
+    torch.manual_seed(seed)
+    model = transformers.GPTJForCausalLM(transformers.GPTJConfig(**kwargs)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or ".ln_" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model

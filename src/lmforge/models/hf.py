@@ -123,8 +123,8 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 def load_hf_model(model_dir: str | Path, device: str | torch.device = "cpu",
                   dtype: Optional[torch.dtype] = None) -> nn.Module:
-    """A Hugging Face model directory -> lmforge's model of its family on ``device``. ``dtype`` None keeps the
-    dtype the weights are stored in."""
+    """A Hugging Face model directory -> lmforge's model of its family on ``device``.
+    ``dtype`` None keeps the dtype the weights are stored in."""
     root = Path(model_dir)
     args = args_from_hf_config(read_hf_config(root), source=str(root / CONFIG_NAME))
     hf_sd = read_hf_state_dict(root)

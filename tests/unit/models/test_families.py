@@ -1,8 +1,10 @@
-"""Mistral, Qwen2/2.5 and Qwen3 are Llama with flags (sliding window, q/k/v biases, q/k
-norm, explicit head_dim): each loads from a transformers directory with equal logits and
-greedy decodes, and exports back bit-identical."""
+"""Every family loads from a transformers directory with equal logits and greedy decodes,
+exports back bit-identical, and takes LoRA adapters that peft loads: Mistral, Qwen2/2.5
+and Qwen3 (Llama with flags: sliding window, q/k/v biases, q/k norm, explicit head_dim)
+and GPT-J (its own model: parallel block, partial interleaved rotary, biases)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -11,11 +13,13 @@ from safetensors.torch import load_file
 
 from lmforge.models.generate import generate
 from lmforge.models.hf import HFCheckpointError, load_hf_model, save_hf_model
-from lmforge.models.llama import build_llama, count_parameters, sliding_window_mask
-from lmforge.config import LoraConfig
-from lmforge.models.presets import PRESETS
+from lmforge.config import ConfigError, LoraConfig
+from lmforge.models.common import count_parameters
+from lmforge.models.llama import sliding_window_mask
+from lmforge.models.presets import PRESETS, check_model_args
+from lmforge.models.registry import build_model
 from lmforge.peft import apply_lora, export_merged, lora_layers, save_adapter
-from helpers.hf_models import random_hf_causal_lm
+from helpers.hf_models import random_hf_causal_lm, random_hf_gptj
 
 SEQ = 24
 FAMILIES = {  # id -> (model_type, config fields beyond the tiny Llama shape)
@@ -23,13 +27,25 @@ FAMILIES = {  # id -> (model_type, config fields beyond the tiny Llama shape)
     "qwen2-bias": ("qwen2", {"tie_word_embeddings": True}),
     "qwen3-head_dim24": ("qwen3", {"head_dim": 24}),
     "qwen3-tied": ("qwen3", {"head_dim": 24, "tie_word_embeddings": True}),
+    "gptj-rotary8": ("gptj", {}),
+    "gptj-full-rotary": ("gptj", {"rotary_dim": 16, "vocab_size": 50400}),
 }
+# config.json fields that define the architecture, per model_type
+_SHAPE_KEYS = {"gptj": ("n_embd", "n_layer", "n_head", "n_inner", "rotary_dim", "vocab_size",
+                        "n_positions", "layer_norm_epsilon", "activation_function")}
+_LLAMA_SHAPE_KEYS = ("sliding_window", "num_key_value_heads", "use_sliding_window")
+
+
+def _random_model(model_type: str, **config):
+    if model_type == "gptj":
+        return random_hf_gptj(seed=1, **config)
+    return random_hf_causal_lm(model_type, seed=1, **config)
 
 
 @pytest.fixture(params=sorted(FAMILIES), scope="module")
 def hf_dir(request, tmp_path_factory):
     model_type, config = FAMILIES[request.param]
-    model = random_hf_causal_lm(model_type, seed=1, **config)
+    model = _random_model(model_type, **config)
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
     return model, path
@@ -66,11 +82,12 @@ def test_export_is_bit_identical_and_loads_in_transformers(hf_dir, tmp_path):
     assert all(torch.equal(original[k], exported[k]) for k in original)
     before = json.loads((path / "config.json").read_text())
     after = json.loads((tmp_path / "out" / "config.json").read_text())
-    for key in ("model_type", "architectures", "sliding_window", "tie_word_embeddings",
-                "num_key_value_heads", "use_sliding_window"):
+    for key in ("model_type", "architectures", "tie_word_embeddings",
+                *_SHAPE_KEYS.get(before["model_type"], _LLAMA_SHAPE_KEYS)):
         assert after.get(key) == before.get(key), key
-    default_head_dim = before["hidden_size"] // before["num_attention_heads"]
-    assert after["head_dim"] == before.get("head_dim", default_head_dim)
+    if before["model_type"] != "gptj":
+        default_head_dim = before["hidden_size"] // before["num_attention_heads"]
+        assert after["head_dim"] == before.get("head_dim", default_head_dim)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "out", attn_implementation="eager").eval()
     tokens = _tokens(hf_model.config.vocab_size)
@@ -80,7 +97,7 @@ def test_export_is_bit_identical_and_loads_in_transformers(hf_dir, tmp_path):
 
 @torch.no_grad()
 def test_lora_adapter_loads_in_peft_and_the_merged_export_agrees(hf_dir, tmp_path):
-    """Adapters on every linear layer (the q/k/v biases and q/k norms stay frozen): peft
+    """Adapters on every linear layer (biases and q/k norms stay frozen): peft
     loads ours on transformers' model with our logits, and the merged export, loaded by
     transformers, gives the same logits again."""
     peft = pytest.importorskip("peft")
@@ -140,4 +157,49 @@ PUBLISHED_PARAMETERS = {
 
 @pytest.mark.parametrize("preset", sorted(PUBLISHED_PARAMETERS))
 def test_family_presets_have_the_published_parameter_counts(preset):
-    assert count_parameters(build_llama(PRESETS[preset])) == PUBLISHED_PARAMETERS[preset]
+    assert count_parameters(build_model(PRESETS[preset])) == PUBLISHED_PARAMETERS[preset]
+
+
+def test_gptj_6b_preset_is_transformers_gptj_and_the_model_cards_count_less_its_shard_copies():
+    """EleutherAI's card says 6,053,381,344 parameters: mesh-transformer-jax's count, with
+    a copy of each replicated tensor on each of its 8 model-parallel shards and a bias per
+    shard on its one-hot embedding. transformers' GPTJForCausalLM, and so ours, holds each
+    once (models/gptj/presets.py)."""
+    import transformers
+    args = PRESETS["gptj-6b"]
+    ours = count_parameters(build_model(args))
+    with torch.device("meta"):
+        theirs = transformers.GPTJForCausalLM(transformers.GPTJConfig())  # GPT-J 6B's config
+    assert ours == sum(p.numel() for p in theirs.parameters()) == 6_050_882_784
+    shards, d, layers = 8, args.dim, args.n_layers
+    replicated = layers * (2 * d + d) + 2 * d  # ln_1 weight+bias, fc_out bias; ln_f
+    assert ours + (shards - 1) * replicated + shards * d == 6_053_381_344
+
+
+def test_gptj_refuses_grouped_query_attention_and_an_odd_rotary_dim_naming_the_field():
+    args = PRESETS["gptj-tiny"]
+    with pytest.raises(ConfigError, match="model.n_kv_heads"):
+        check_model_args(dataclasses.replace(args, n_kv_heads=2))
+    with pytest.raises(ConfigError, match="model.rotary_dim"):
+        check_model_args(dataclasses.replace(args, rotary_dim=7))
+
+
+def test_gptj_checkpoint_buffers_of_old_transformers_are_ignored_and_other_keys_refused(
+        tmp_path):
+    """EleutherAI/gpt-j-6b's weights carry each layer's attn.bias / attn.masked_bias
+    (causal-mask buffers of transformers < 4.30): loaded past; an unknown key is not."""
+    from safetensors.torch import save_file
+    model = random_hf_gptj(seed=3)
+    model.save_pretrained(tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    sd["transformer.h.0.attn.bias"] = torch.ones(1, 1, 8, 8, dtype=torch.bool)
+    sd["transformer.h.0.attn.masked_bias"] = torch.tensor(-1e9)
+    save_file(sd, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    tokens = _tokens(102)
+    with torch.no_grad():
+        torch.testing.assert_close(load_hf_model(tmp_path)(tokens), model(tokens).logits,
+                                   rtol=1e-5, atol=1e-5)
+    sd["transformer.h.0.attn.extra"] = torch.zeros(2)
+    save_file(sd, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(HFCheckpointError, match="unexpected: transformer.h.0.attn.extra"):
+        load_hf_model(tmp_path)

@@ -68,7 +68,7 @@ def hf_config_from_args(args: GPTJArgs) -> dict:
     return {
         "architectures": ["GPTJForCausalLM"], "model_type": "gptj",
         "n_embd": args.dim, "n_layer": args.n_layers, "n_head": args.n_heads,
-        "n_inner": args.ffn_dim, "rotary_dim": args.rotary_dim,
+        "n_inner": args.ffn_dim, "rotary_dim": args.rotary_features,  # transformers 5 needs an int
         "vocab_size": args.vocab_size, "n_positions": args.max_seq_len,
         "layer_norm_epsilon": args.norm_eps, "activation_function": "gelu_new",
         "tie_word_embeddings": args.tie_embeddings, "initializer_range": args.init_std,

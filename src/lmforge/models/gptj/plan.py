@@ -13,7 +13,9 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from lmforge.models.llama.plan import model_plan  # noqa: F401  (the same top level)
+from lmforge.models.llama.plan import model_plan  # the same top level as Llama's
+
+__all__ = ["block_plan", "model_plan"]
 
 
 def block_plan(sequence_parallel: bool) -> dict:

@@ -1,11 +1,11 @@
 """The Llama family: Llama 2/3/3.1/3.2, and Mistral, Qwen2/2.5 and Qwen3, which are Llama
 with flags (a sliding window, q/k/v biases, q/k norms, an explicit head_dim)."""
 from lmforge.models.common import count_parameters, materialize
-from lmforge.models.llama import hf, plan, presets  # noqa: F401  (the family's parts)
+from lmforge.models.llama import hf, plan, presets  # the family's parts
 from lmforge.models.llama.model import (Attention, FeedForward, Llama, LlamaArgs, RMSNorm,
                                         RopeScaling, TransformerBlock, apply_rope,
                                         build_llama, rope_cos_sin, sliding_window_mask)
 
-__all__ = ["Attention", "FeedForward", "Llama", "LlamaArgs", "RMSNorm", "RopeScaling",
-           "TransformerBlock", "apply_rope", "build_llama", "count_parameters",
-           "materialize", "rope_cos_sin", "sliding_window_mask"]
+__all__ = ["hf", "plan", "presets", "Attention", "FeedForward", "Llama", "LlamaArgs",
+           "RMSNorm", "RopeScaling", "TransformerBlock", "apply_rope", "build_llama",
+           "count_parameters", "materialize", "rope_cos_sin", "sliding_window_mask"]
