@@ -30,3 +30,21 @@ def tiny_model_overrides(**overrides) -> list[str]:
     shape = {**TINY_SHAPE, **overrides}
     return [f"model.{field}={str(value).lower() if isinstance(value, bool) else value}"
             for field, value in shape.items()]
+
+
+def tiny_family_args() -> dict:
+    """One tiny model per family and flag set, as the trainer builds them: id -> args.
+    Mistral's window (6) is shorter than the tests' sequences; Qwen3 sizes its heads
+    apart from dim; GPT-J rotates 8 of its 16 features per head."""
+    from lmforge.models.gptj import GPTJArgs
+
+    llama = tiny_llama_args(vocab_size=97)
+    return {
+        "llama": llama,
+        "mistral": LlamaArgs(**{**llama.__dict__, "family": "mistral", "sliding_window": 6}),
+        "qwen2": LlamaArgs(**{**llama.__dict__, "family": "qwen2", "attention_bias": True}),
+        "qwen3": LlamaArgs(**{**llama.__dict__, "family": "qwen3", "qk_norm": True,
+                              "explicit_head_dim": 12}),
+        "gptj": GPTJArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=97,
+                         ffn_dim=128, max_seq_len=64, rotary_dim=8),
+    }
