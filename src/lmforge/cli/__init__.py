@@ -43,7 +43,8 @@ def _fail(error: Exception, code: int) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="lmforge", description="Pretrain and fine-tune Llama-family models.")
+        prog="lmforge",
+        description="Pretrain and fine-tune Llama, Mistral, Qwen2/3 and GPT-J models.")
     parser.add_argument("--version", action="version", version=f"lmforge {_version()}")
     sub = parser.add_subparsers(metavar="COMMAND")
     for module in COMMAND_MODULES:

@@ -12,7 +12,7 @@ from lmforge.train.loop import train
 
 def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model (no config: the embedded CPU demo)",
-                       description="Train a Llama. Without CONFIG, runs the embedded demo: a "
+                       description="Train a model. Without CONFIG, runs the embedded demo: a "
                        "tiny Llama trained on the CPU on the Python standard library.")
     add_config_arguments(p)
     p.set_defaults(func=_train)
