@@ -39,6 +39,12 @@ class ModelConfig:
     rope_theta: Optional[float] = None
     norm_eps: Optional[float] = None
     tie_embeddings: Optional[bool] = None
+    # A variant of the preset's family, by HF model_type: for a Llama-shaped preset
+    # llama | mistral | qwen2 | qwen3 (models/llama/hf.py); gptj for a GPT-J one.
+    family: Optional[str] = None
+    head_dim: Optional[int] = None  # Llama family: heads sized apart from dim (Qwen3)
+    sliding_window: Optional[int] = None  # model.family=mistral: keys a query sees
+    rotary_dim: Optional[int] = None  # GPT-J: features of each head that rotate
 
 
 @dataclass
@@ -310,7 +316,8 @@ _BOUNDS = {
                      "train.activation_checkpointing_every", "optim.lr", "lora.rank",
                      "lora.alpha", "model.dim", "model.n_layers", "model.n_heads",
                      "model.n_kv_heads", "model.vocab_size", "model.ffn_dim",
-                     "model.max_seq_len", "optim.eps"), "> 0"),
+                     "model.max_seq_len", "model.head_dim", "model.sliding_window",
+                     "model.rotary_dim", "optim.eps"), "> 0"),
     **dict.fromkeys(("optim.weight_decay", "optim.grad_clip", "optim.warmup_steps",
                      "train.checkpoint_every", "train.eval_every", "train.keep_last",
                      "train.threads", "train.loss_chunk_tokens", "data.num_workers"), ">= 0"),

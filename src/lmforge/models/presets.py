@@ -29,14 +29,46 @@ _ARG_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_di
                "max_seq_len", "rope_theta", "norm_eps", "tie_embeddings")
 
 
+# model.<key> -> the args field it sets, where the family's args have it
+_FAMILY_FIELDS = {"head_dim": "explicit_head_dim", "sliding_window": "sliding_window",
+                  "rotary_dim": "rotary_dim"}
+
+
 def model_args(cfg: JobConfig, base: Optional[Any] = None) -> Any:
-    """The model architecture: a preset (or ``base``, e.g. read from config.json) with the
-    fields set in ``model.*`` on top."""
+    """The model architecture: a preset (or ``base``, e.g. read from config.json) as
+    ``model.family``'s variant, with the fields set in ``model.*`` on top."""
     args = base if base is not None else PRESETS[cfg.model.preset]
+    if cfg.model.family is not None:
+        args = _as_variant(args, cfg.model.family)
     changes = {k: getattr(cfg.model, k) for k in _ARG_FIELDS if getattr(cfg.model, k) is not None}
+    changes |= _family_changes(cfg, args)
     if "n_heads" in changes and "n_kv_heads" not in changes and args.n_kv_heads == args.n_heads:
         changes["n_kv_heads"] = changes["n_heads"]
     return dataclasses.replace(args, **changes)
+
+
+def _as_variant(args, model_type: str):
+    family = family_of(args)
+    if model_type not in family.model_types:
+        raise ConfigError(f"model.family: {model_type!r} is not a variant of the "
+                          f"{family.name} family of the model (one of: "
+                          f"{', '.join(family.model_types)})")
+    return family.as_variant(args, model_type)
+
+
+def _family_changes(cfg: JobConfig, args) -> dict:
+    """The ``model.*`` fields only some families have, refused where ``args`` lacks one."""
+    has = {f.name for f in dataclasses.fields(args)}
+    changes = {}
+    for key, name in _FAMILY_FIELDS.items():
+        value = getattr(cfg.model, key)
+        if value is None:
+            continue
+        if name not in has:
+            raise ConfigError(f"model.{key}: the {family_of(args).name} family has no "
+                              f"{key} (model_type {args.family!r})")
+        changes[name] = value
+    return changes
 
 
 def job_family(cfg: JobConfig) -> ModelFamily:

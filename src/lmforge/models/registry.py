@@ -67,6 +67,7 @@ class ModelFamily:
     model_plan: Callable[[bool], dict]
     presets: Mapping[str, Any]
     check_args: Callable[[Any], None]  # shapes the model cannot have -> ConfigError
+    as_variant: Callable[[Any, str], Any]  # (args, one of model_types) -> args
     # Whether attention and MLP read the same normalised input in parallel (GPT-J) rather
     # than the MLP reading the attention's output (Llama).
     parallel_block: bool = False
@@ -88,7 +89,8 @@ LLAMA = ModelFamily(
                  "down": "down_proj", "w2": "down_proj"}),
     projection_shapes=llama.model.projection_shapes,
     block_plan=llama.plan.block_plan, model_plan=llama.plan.model_plan,
-    presets=llama.presets.PRESETS, check_args=llama.presets.check_args)
+    presets=llama.presets.PRESETS, check_args=llama.presets.check_args,
+    as_variant=llama.hf.as_variant)
 
 GPTJ = ModelFamily(
     name="gptj", model_types=("gptj",),
@@ -102,6 +104,7 @@ GPTJ = ModelFamily(
     projection_shapes=gptj.model.projection_shapes,
     block_plan=gptj.plan.block_plan, model_plan=gptj.plan.model_plan,
     presets=gptj.presets.PRESETS, check_args=gptj.presets.check_args,
+    as_variant=lambda args, model_type: args,
     parallel_block=True, ignored_hf_suffixes=gptj.hf.IGNORED_SUFFIXES)
 
 FAMILIES: tuple[ModelFamily, ...] = (LLAMA, GPTJ)

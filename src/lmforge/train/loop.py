@@ -236,8 +236,8 @@ def _from_rank0(rt: Runtime, value):
 def resolve_model_args(cfg: JobConfig, tokenizer: Tokenizer):
     if cfg.model.init_from:
         base = args_from_hf_config(read_hf_config(cfg.model.init_from))
-        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim",
-                     "tie_embeddings"):
+        for name in ("family", "dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size",
+                     "ffn_dim", "head_dim", "tie_embeddings"):
             value = getattr(cfg.model, name)
             if value is not None and value != getattr(base, name):
                 raise ConfigError(f"model.{name}: {value} differs from {getattr(base, name)} "

@@ -203,3 +203,35 @@ def test_gptj_checkpoint_buffers_of_old_transformers_are_ignored_and_other_keys_
     save_file(sd, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(HFCheckpointError, match="unexpected: transformer.h.0.attn.extra"):
         load_hf_model(tmp_path)
+
+
+def _job(*overrides):
+    from lmforge.config import load_config
+    return load_config(None, list(overrides))
+
+
+def test_model_family_makes_a_preset_another_variant_with_its_fixed_flags():
+    from lmforge.models.presets import model_args
+    qwen3 = model_args(_job("model.preset=debug", "model.family=qwen3", "model.head_dim=32"))
+    assert (qwen3.family, qwen3.qk_norm, qwen3.attention_bias, qwen3.head_dim) == (
+        "qwen3", True, False, 32)
+    assert model_args(_job("model.preset=debug", "model.family=qwen2")).attention_bias
+    mistral = model_args(_job("model.preset=debug", "model.family=mistral",
+                              "model.sliding_window=16"))
+    assert mistral.sliding_window == 16
+    assert model_args(_job("model.preset=mistral-7b", "model.family=llama")).sliding_window \
+        is None  # a llama config.json has no window: dropped, not silently exported wrong
+    assert model_args(_job("model.preset=gptj-tiny", "model.rotary_dim=16")).rotary_dim == 16
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (("model.preset=debug", "model.family=gptj"), "model.family"),
+    (("model.preset=gptj-tiny", "model.family=llama"), "model.family"),
+    (("model.preset=debug", "model.rotary_dim=8"), "model.rotary_dim"),
+    (("model.preset=gptj-tiny", "model.head_dim=8"), "model.head_dim"),
+    (("model.preset=debug", "model.sliding_window=8"), "model.sliding_window"),
+])
+def test_model_fields_another_family_owns_are_refused_naming_the_field(overrides, field):
+    from lmforge.models.presets import validate_job
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        validate_job(_job(*overrides))

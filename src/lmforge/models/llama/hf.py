@@ -4,7 +4,7 @@ layout; Meta's interleaved layout is ``meta.py``). Reading and writing model dir
 is family-independent: ``models/hf.py``."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from lmforge.models.llama.model import LlamaArgs, RopeScaling
@@ -53,6 +53,15 @@ VARIANTS = {
 _REQUIRED = {"llama": {"attention_bias": False, "mlp_bias": False},
              "mistral": {}, "qwen2": {}, "qwen3": {"attention_bias": False},
              "all": {"hidden_act": "silu"}}
+
+
+def as_variant(args: LlamaArgs, model_type: str) -> LlamaArgs:
+    """``args`` as the Llama-shaped ``model_type``: its fixed flags; a window only where
+    the variant has one."""
+    v = VARIANTS[model_type]
+    window = args.sliding_window if v.window_key == "sliding_window" else None
+    return replace(args, family=model_type, attention_bias=v.attention_bias,
+                   qk_norm=v.qk_norm, sliding_window=window)
 
 
 def _variant_of(cfg: dict, source: str) -> str:

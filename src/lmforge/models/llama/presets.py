@@ -3,6 +3,7 @@ the published ones follow each model's released config.json."""
 from __future__ import annotations
 
 from lmforge.config import ConfigError
+from lmforge.models.llama.hf import VARIANTS
 from lmforge.models.llama.model import LlamaArgs, RopeScaling
 
 _LLAMA31_SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -69,5 +70,8 @@ def check_args(args: LlamaArgs) -> None:
     if args.explicit_head_dim is None and args.dim % args.n_heads:
         raise ConfigError(f"model.n_heads: dim ({args.dim}) must be divisible by "
                           f"n_heads ({args.n_heads})")
+    if args.sliding_window is not None and VARIANTS[args.family].window_key != "sliding_window":
+        raise ConfigError(f"model.sliding_window: model_type {args.family!r} has no sliding "
+                          f"window in transformers (model.family=mistral has one)")
     if args.head_dim % 2:
         raise ConfigError(f"model.n_heads: head_dim ({args.head_dim}) must be even for RoPE")
