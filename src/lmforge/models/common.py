@@ -1,11 +1,39 @@
-"""What every family's model shares: the KV cache of incremental decoding, the causal
-mask with cached positions, and allocating a meta-built model (``materialize``)."""
+"""What every family's model shares: the names of a block's projections, the KV cache of
+incremental decoding, the causal mask with cached positions, and allocating a meta-built
+model (``materialize``)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping
 
 import torch
 from torch import nn
+
+
+@dataclass(frozen=True)
+class Projections:
+    """A block's linear layers by their leaf names (ours, which are also Hugging Face's,
+    so peft's ``target_modules`` are the same words), in model order."""
+    attention: tuple[str, ...]  # q, k, v, then the attention output
+    mlp: tuple[str, ...]  # the MLP's input projection(s), then its output
+    # Other names users write for a projection (Meta's wq, w1, ...; short q, k, v, ...).
+    aliases: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def all(self) -> tuple[str, ...]:
+        return self.attention + self.mlp
+
+    @property
+    def attention_output(self) -> str:
+        return self.attention[-1]
+
+    @property
+    def mlp_inputs(self) -> tuple[str, ...]:
+        return self.mlp[:-1]
+
+    @property
+    def mlp_output(self) -> str:
+        return self.mlp[-1]
 
 
 @dataclass
@@ -29,6 +57,13 @@ class KVCache:
         self.v[:, :, self.length:end] = v
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]
+
+
+def new_caches(model: nn.Module, batch: int, max_len: int) -> list[KVCache]:
+    """An empty cache per layer of ``model``, in its parameters' device and dtype."""
+    p = next(model.parameters())
+    return [KVCache.empty(model.args, batch, max_len, p.device, p.dtype)
+            for _ in model.layers]
 
 
 def causal_mask(seq: int, past: int, device) -> torch.Tensor:

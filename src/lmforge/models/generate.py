@@ -4,8 +4,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-
 from torch import nn
+
+from lmforge.models.common import new_caches
 
 
 @torch.no_grad()
@@ -20,7 +21,7 @@ def generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, greed
     model.eval()
     device = next(model.parameters()).device
     max_len = min(len(prompt_ids) + max_new_tokens, model.args.max_seq_len)
-    caches = model.new_caches(1, max_len)
+    caches = new_caches(model, 1, max_len)
     tokens = torch.tensor([prompt_ids], device=device)  # (1, prompt)
     new: list[int] = []
     for _ in range(max_len - len(prompt_ids)):

@@ -16,40 +16,15 @@ what pipeline splitting, checkpoints and the memory model rely on.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 import torch
 from torch import nn
 
 from lmforge.models import gptj, llama
+from lmforge.models.common import Projections
 from lmforge.models.mapping import HFCheckpointError
-
-
-@dataclass(frozen=True)
-class Projections:
-    """A block's linear layers by their leaf names (ours, which are also Hugging Face's,
-    so peft's ``target_modules`` are the same words), in model order."""
-    attention: tuple[str, ...]  # q, k, v, then the attention output
-    mlp: tuple[str, ...]  # the MLP's input projection(s), then its output
-    # Other names users write for a projection (Meta's wq, w1, ...; short q, k, v, ...).
-    aliases: Mapping[str, str] = field(default_factory=dict)
-
-    @property
-    def all(self) -> tuple[str, ...]:
-        return self.attention + self.mlp
-
-    @property
-    def attention_output(self) -> str:
-        return self.attention[-1]
-
-    @property
-    def mlp_inputs(self) -> tuple[str, ...]:
-        return self.mlp[:-1]
-
-    @property
-    def mlp_output(self) -> str:
-        return self.mlp[-1]
 
 
 @dataclass(frozen=True)
@@ -80,13 +55,7 @@ LLAMA = ModelFamily(
     build=llama.model.Llama, args_from_dict=llama.model.LlamaArgs.from_dict,
     args_from_hf_config=llama.hf.args_from_hf_config,
     hf_config=llama.hf.hf_config_from_args, hf_names=llama.hf.hf_names,
-    projections=Projections(
-        attention=("q_proj", "k_proj", "v_proj", "o_proj"),
-        mlp=("gate_proj", "up_proj", "down_proj"),
-        aliases={"q": "q_proj", "wq": "q_proj", "k": "k_proj", "wk": "k_proj",
-                 "v": "v_proj", "wv": "v_proj", "o": "o_proj", "wo": "o_proj",
-                 "gate": "gate_proj", "w1": "gate_proj", "up": "up_proj", "w3": "up_proj",
-                 "down": "down_proj", "w2": "down_proj"}),
+    projections=llama.model.PROJECTIONS,
     projection_shapes=llama.model.projection_shapes,
     block_plan=llama.plan.block_plan, model_plan=llama.plan.model_plan,
     presets=llama.presets.PRESETS, check_args=llama.presets.check_args,
@@ -97,10 +66,7 @@ GPTJ = ModelFamily(
     build=gptj.model.GPTJ, args_from_dict=lambda d: gptj.model.GPTJArgs(**d),
     args_from_hf_config=gptj.hf.args_from_hf_config,
     hf_config=gptj.hf.hf_config_from_args, hf_names=gptj.hf.hf_names,
-    projections=Projections(
-        attention=("q_proj", "k_proj", "v_proj", "out_proj"), mlp=("fc_in", "fc_out"),
-        aliases={"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "out_proj",
-                 "out": "out_proj", "o_proj": "out_proj"}),
+    projections=gptj.model.PROJECTIONS,
     projection_shapes=gptj.model.projection_shapes,
     block_plan=gptj.plan.block_plan, model_plan=gptj.plan.model_plan,
     presets=gptj.presets.PRESETS, check_args=gptj.presets.check_args,

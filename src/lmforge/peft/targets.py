@@ -1,5 +1,5 @@
 """Which linear layers get LoRA: the one rule that reads ``lora.targets`` against the
-model family's projections (``models.registry.Projections``). The trainer's LoRA swap,
+model family's projections (``models.common.Projections``). The trainer's LoRA swap,
 QLoRA's quantization, adapter save/load (peft's ``target_modules``), the FLOPs count and
 the memory estimate all resolve targets here.
 
@@ -81,7 +81,7 @@ def model_projections(model: Any) -> Projections:
 def target_modules(module_names: Iterable[str]) -> list[str]:
     """peft's ``target_modules`` for adapters on these (full) module names: their leaf
     names, sorted; peft matches every module whose name ends with one. Our projections'
-    leaf names are Hugging Face's (``models.registry.Projections``)."""
+    leaf names are Hugging Face's (``models.common.Projections``)."""
     return sorted({name.rsplit(".", 1)[-1] for name in module_names})
 
 

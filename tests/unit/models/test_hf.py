@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM  # noqa: E402
 
 from helpers.hf_models import random_hf_llama  # noqa: E402
 from lmforge.data.tokenizer import train_bpe  # noqa: E402
+from lmforge.models.common import new_caches  # noqa: E402
 from lmforge.models.hf import (  # noqa: E402
     HFCheckpointError, args_from_hf_config, from_hf_state_dict, hf_config_from_args,
     load_hf_model, read_hf_state_dict, save_hf_model, to_hf_state_dict)
@@ -49,7 +50,7 @@ def prompt(batch: int = 2, seq: int = 24, seed: int = 1) -> torch.Tensor:
 
 
 def greedy(model, tokens: torch.Tensor, new_tokens: int, use_cache: bool) -> torch.Tensor:
-    caches = model.new_caches(tokens.shape[0], tokens.shape[1] + new_tokens) if use_cache else None
+    caches = new_caches(model, tokens.shape[0], tokens.shape[1] + new_tokens) if use_cache else None
     logits = model(tokens, caches=caches)
     for _ in range(new_tokens):
         next_token = logits[:, -1].argmax(-1, keepdim=True)

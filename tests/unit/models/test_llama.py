@@ -8,6 +8,7 @@ from helpers.tiny_models import tiny_llama_args
 from lmforge.models.llama import (
     LlamaArgs, RMSNorm, RopeScaling, build_llama, count_parameters, materialize)
 from lmforge.models.presets import PRESETS
+from lmforge.models.common import new_caches
 
 SMALL = tiny_llama_args(dim=64, vocab_size=101, ffn_dim=160, max_seq_len=128,
                         rope_scaling=RopeScaling(original_max_position_embeddings=32))
@@ -51,7 +52,7 @@ def test_kv_cache_decode_equals_full_forward(chunks):
     model = small_model()
     ids = tokens()
     full = model(ids)
-    caches = model.new_caches(ids.shape[0], ids.shape[1])
+    caches = new_caches(model, ids.shape[0], ids.shape[1])
     start, pieces = 0, []
     for size in chunks:
         pieces.append(model(ids[:, start:start + size], caches=caches))
@@ -63,7 +64,7 @@ def test_kv_cache_decode_equals_full_forward(chunks):
 @torch.no_grad()
 def test_kv_cache_refuses_to_overflow():
     model = small_model()
-    caches = model.new_caches(1, 4)
+    caches = new_caches(model, 1, 4)
     with pytest.raises(ValueError, match="KV cache full"):
         model(tokens(batch=1, seq=5), caches=caches)
 

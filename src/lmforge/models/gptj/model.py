@@ -17,7 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmforge.models.common import KVCache, causal_mask
+from lmforge.models.common import KVCache, Projections, causal_mask
+
+# Hugging Face's names for the block's linear layers, and the names users also give them.
+PROJECTIONS = Projections(
+    attention=("q_proj", "k_proj", "v_proj", "out_proj"), mlp=("fc_in", "fc_out"),
+    aliases={"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "out_proj", "out": "out_proj",
+             "o_proj": "out_proj"})
 
 
 @dataclass(frozen=True)
@@ -184,11 +190,6 @@ class GPTJ(nn.Module):
             if not self.args.tie_embeddings:
                 nn.init.trunc_normal_(self.output.weight, std=std, a=-3 * std, b=3 * std)
             nn.init.zeros_(self.output.bias)
-
-    def new_caches(self, batch: int, max_len: int) -> list[KVCache]:
-        p = next(self.parameters())
-        return [KVCache.empty(self.args, batch, max_len, p.device, p.dtype)
-                for _ in self.layers]
 
 
 def projection_shapes(args: GPTJArgs) -> dict[str, tuple[int, int]]:

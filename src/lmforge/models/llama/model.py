@@ -15,7 +15,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmforge.models.common import KVCache, causal_mask
+from lmforge.models.common import KVCache, Projections, causal_mask
+
+# Hugging Face's names for the block's linear layers, and the names users also give them.
+PROJECTIONS = Projections(
+    attention=("q_proj", "k_proj", "v_proj", "o_proj"),
+    mlp=("gate_proj", "up_proj", "down_proj"),
+    aliases={"q": "q_proj", "wq": "q_proj", "k": "k_proj", "wk": "k_proj",
+             "v": "v_proj", "wv": "v_proj", "o": "o_proj", "wo": "o_proj",
+             "gate": "gate_proj", "w1": "gate_proj", "up": "up_proj", "w3": "up_proj",
+             "down": "down_proj", "w2": "down_proj"})
 
 
 @dataclass(frozen=True)
@@ -268,11 +277,6 @@ class Llama(nn.Module):
         if self.output is not None and not self.args.tie_embeddings:
             bound = 3 * std
             nn.init.trunc_normal_(self.output.weight, std=std, a=-bound, b=bound)
-
-    def new_caches(self, batch: int, max_len: int) -> list[KVCache]:
-        p = next(self.parameters())
-        return [KVCache.empty(self.args, batch, max_len, p.device, p.dtype)
-                for _ in self.layers]
 
 
 def build_llama(args: LlamaArgs, device: str | torch.device = "meta") -> Llama:

@@ -1,56 +1,13 @@
-"""Llama's tensor-parallel plan (Megatron's layout), as dicts of module name -> DTensor
-style that ``parallel/tensor.py`` applies and tests read.
-
-q/k/v and gate/up are split by output columns, o/down by input rows, so each block needs
-one all-reduce forward and one backward. With sequence parallelism the norms and the
-residual stream are split along the sequence instead of replicated, turning each
-all-reduce into a reduce-scatter + all-gather pair. The output head stays vocab-sharded for
-the parallel loss.
-"""
+"""Llama's tensor-parallel plan (Megatron's layout, ``models/tp.py``): module name ->
+DTensor style, as ``parallel/tensor.py`` applies it and tests read it. Both norms run
+sequence-parallel."""
 from __future__ import annotations
 
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-)
+from lmforge.models.llama.model import PROJECTIONS
+from lmforge.models.tp import megatron_block_plan, model_plan
+
+__all__ = ["block_plan", "model_plan"]
 
 
 def block_plan(sequence_parallel: bool) -> dict:
-    """Module name (inside a TransformerBlock) -> parallel style."""
-    residual = Shard(1) if sequence_parallel else Replicate()
-    plan = {
-        # Attention(x, positions, mask, cache): x gathered to the full sequence first.
-        "attention": PrepareModuleInput(
-            input_layouts=(residual, None, None, None),
-            desired_input_layouts=(Replicate(), None, None, None)),
-        "attention.q_proj": ColwiseParallel(),
-        "attention.k_proj": ColwiseParallel(),
-        "attention.v_proj": ColwiseParallel(),
-        "attention.o_proj": RowwiseParallel(output_layouts=residual),
-        "feed_forward": PrepareModuleInput(input_layouts=(residual,),
-                                           desired_input_layouts=(Replicate(),)),
-        "feed_forward.gate_proj": ColwiseParallel(),
-        "feed_forward.up_proj": ColwiseParallel(),
-        "feed_forward.down_proj": RowwiseParallel(output_layouts=residual),
-    }
-    if sequence_parallel:
-        plan["attention_norm"] = SequenceParallel()
-        plan["ffn_norm"] = SequenceParallel()
-    return plan
-
-
-def model_plan(sequence_parallel: bool) -> dict:
-    """Top-level modules -> parallel style."""
-    residual = Shard(1) if sequence_parallel else Replicate()
-    plan = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
-        # Logits stay sharded over the vocabulary (a DTensor) for the parallel loss.
-        "output": ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1),
-                                  use_local_output=False),
-    }
-    if sequence_parallel:
-        plan["norm"] = SequenceParallel()
-    return plan
+    return megatron_block_plan(PROJECTIONS, ("attention_norm", "ffn_norm"), sequence_parallel)
