@@ -332,8 +332,9 @@ class MemoryEstimate:
 
 
 def describe_model(args) -> str:
-    return (f"{args.family}, {model_parameters(args):,} parameters, dim {args.dim}, {args.n_layers} layers, {args.n_heads}/{args.n_kv_heads} "
-            f"heads, ffn {args.ffn_dim}, vocab {args.vocab_size}")
+    return (f"{args.family}, {model_parameters(args):,} parameters, dim {args.dim}, "
+            f"{args.n_layers} layers, {args.n_heads}/{args.n_kv_heads} heads, "
+            f"ffn {args.ffn_dim}, vocab {args.vocab_size}")
 
 
 def estimate_stage(setup: Setup, stage: int) -> MemoryEstimate:
