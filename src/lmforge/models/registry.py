@@ -48,6 +48,15 @@ class ModelFamily:
     parallel_block: bool = False
     # HF checkpoint keys that hold buffers rather than weights (ignored on load).
     ignored_hf_suffixes: tuple[str, ...] = ()
+    # What the memory estimate (perf/) reads of a block beyond its projections' shapes:
+    # the norm ("rms": RMSNorm, a weight; "layer": LayerNorm, a weight and a bias), the
+    # MLP ("swiglu": the output projection reads silu(gate) * up; "gelu": gelu_tanh(fc_in)),
+    # the features of each head that rotate, and the linear layers with a bias
+    # (projection names, "output" for the head).
+    norm: str = "rms"
+    mlp_activation: str = "swiglu"
+    rotary_features: Callable[[Any], int] = lambda args: args.head_dim
+    biased_linears: Callable[[Any], tuple[str, ...]] = lambda args: ()
 
 
 LLAMA = ModelFamily(
@@ -59,7 +68,8 @@ LLAMA = ModelFamily(
     projection_shapes=llama.model.projection_shapes,
     block_plan=llama.plan.block_plan, model_plan=llama.plan.model_plan,
     presets=llama.presets.PRESETS, check_args=llama.presets.check_args,
-    as_variant=llama.hf.as_variant)
+    as_variant=llama.hf.as_variant,
+    biased_linears=lambda args: ("q_proj", "k_proj", "v_proj") if args.attention_bias else ())
 
 GPTJ = ModelFamily(
     name="gptj", model_types=("gptj",),
@@ -71,7 +81,9 @@ GPTJ = ModelFamily(
     block_plan=gptj.plan.block_plan, model_plan=gptj.plan.model_plan,
     presets=gptj.presets.PRESETS, check_args=gptj.presets.check_args,
     as_variant=lambda args, model_type: args,
-    parallel_block=True, ignored_hf_suffixes=gptj.hf.IGNORED_SUFFIXES)
+    parallel_block=True, ignored_hf_suffixes=gptj.hf.IGNORED_SUFFIXES,
+    norm="layer", mlp_activation="gelu", rotary_features=lambda args: args.rotary_features,
+    biased_linears=lambda args: ("fc_in", "fc_out", "output"))
 
 FAMILIES: tuple[ModelFamily, ...] = (LLAMA, GPTJ)
 _BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}

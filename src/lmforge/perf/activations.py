@@ -1,12 +1,15 @@
 """Activations: what autograd keeps for backward, per token, walked op by op through one
-block of our Llama (docs/estimate.md, "Activations of one block" and "Outside the
-blocks"). An op keeps only what its backward needs, and only for inputs that require
-grad, in the dtypes the run computes in; ``stage_activations`` multiplies them out for a
-pipeline stage (the micro-batches it holds at once, activation checkpointing)."""
+block of our model as its family describes it (docs/estimate.md, "Activations of one
+block" and "Outside the blocks"): Llama's sequential block (RMSNorm, attention, RMSNorm,
+SwiGLU) or GPT-J's parallel one (one LayerNorm read by attention and a GELU MLP). An op
+keeps only what its backward needs, and only for inputs that require grad, in the dtypes
+the run computes in; ``stage_activations`` multiplies them out for a pipeline stage (the
+micro-batches it holds at once, activation checkpointing)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lmforge.models.registry import family_of
 from lmforge.perf.estimate_setup import Setup, adapter_bytes, compute_bytes, residual_bytes
 from lmforge.perf.weights import stage_layers
 
@@ -30,6 +33,8 @@ class _BlockWalk:
 
     def __init__(self, setup: Setup):
         self.setup, self.args, self.trainable = setup, setup.args, setup.trainable
+        self.family = family_of(setup.args)
+        self.names = self.family.projections
         self.matmul_bytes = compute_bytes(setup)
         self.residual_bytes = residual_bytes(setup)
         self.autocast = setup.autocast
@@ -50,12 +55,42 @@ class _BlockWalk:
     def walk(self, input_needs_grad: bool) -> tuple[list[Term], bool]:
         """The terms one block saves, and whether its output requires grad."""
         self.terms = []
-        attention_needs_grad = self._attention(input_needs_grad)
-        hidden_needs_grad = input_needs_grad or attention_needs_grad
-        mlp_needs_grad = self._mlp(hidden_needs_grad)
+        qkv, mlp_inputs = self.names.attention[:3], self.names.mlp_inputs
+        normed_needs_grad = self.norm("attention norm", input_needs_grad)
+        if self.family.parallel_block:  # x + attention(norm(x)) + mlp(norm(x))
+            self._parallel_block_inputs(normed_needs_grad)
+            attention_needs_grad = self._attention(normed_needs_grad)
+            mlp_needs_grad = self._mlp(normed_needs_grad)
+            return list(self.terms), input_needs_grad or attention_needs_grad or mlp_needs_grad
+        self.block_inputs(qkv, normed_needs_grad)
+        attention_needs_grad = self._attention(normed_needs_grad)
+        hidden_needs_grad = input_needs_grad or attention_needs_grad  # h = x + attention
+        ffn_normed_needs_grad = self.norm("ffn norm", hidden_needs_grad)
+        self.block_inputs(mlp_inputs, ffn_normed_needs_grad)
+        mlp_needs_grad = self._mlp(ffn_normed_needs_grad)
         return list(self.terms), hidden_needs_grad or mlp_needs_grad
 
+    def _parallel_block_inputs(self, normed_needs_grad: bool) -> None:
+        """One norm output read by q/k/v and by the MLP's input projection(s): one copy
+        kept for all, unless sequence parallelism gathers it for each branch apart (the
+        tensor-parallel plan prepares each branch's input)."""
+        qkv, mlp_inputs = self.names.attention[:3], self.names.mlp_inputs
+        if self.setup.sequence_parallel and self.setup.tp > 1:
+            self.block_inputs(qkv, normed_needs_grad)
+            self.block_inputs(mlp_inputs, normed_needs_grad)
+        else:
+            self.block_inputs(qkv + mlp_inputs, normed_needs_grad)
+
+    def block_inputs(self, consumers: tuple[str, ...], input_needs_grad: bool) -> None:
+        """The copies kept of a norm's output by the projections that read it."""
+        label = "/".join(name.removesuffix("_proj") for name in consumers) + " input"
+        self.linear_inputs(label, self.args.dim, input_needs_grad, list(consumers),
+                           self.residual_bytes)
+
     def norm(self, label: str, input_needs_grad: bool) -> bool:
+        """The norm's saved tensors; whether its output requires grad."""
+        if self.family.norm == "layer":
+            return self._layer_norm(label, input_needs_grad)
         dim = self.args.dim
         if input_needs_grad:  # x.float() (the input itself when fp32), rsqrt: kept by pow, mul
             self.add(f"{label} input (fp32)", 4 * dim, "seq")
@@ -63,6 +98,22 @@ class _BlockWalk:
         if self.trainable.norms:  # weight * y keeps y for the weight's gradient
             self.add(f"{label} normalized", self.residual_bytes * dim, "seq")
         return input_needs_grad or self.trainable.norms
+
+    def _layer_norm(self, label: str, input_needs_grad: bool) -> bool:
+        """native_layer_norm keeps its input and each token's mean and rstd, for the
+        input's gradient and the weight's and bias's alike; the statistics are fp32 on
+        CUDA, in the input's dtype on the CPU."""
+        output_needs_grad = input_needs_grad or self.trainable.norms
+        if output_needs_grad:
+            stat_bytes = 4 if self.setup.device == "cuda" else self.residual_bytes
+            self.add(f"{label} input", self.residual_bytes * self.args.dim, "seq")
+            self.add(f"{label} mean, rstd", 2 * stat_bytes, "seq")
+        return output_needs_grad
+
+    def keeps_block_input(self) -> bool:
+        """Whether the block's first norm keeps the block's input itself: LayerNorm keeps
+        its input; RMSNorm keeps ``x.float()``, the input itself when it is fp32."""
+        return self.family.norm == "layer" or self.residual_bytes == 4
 
     def linear_inputs(self, label: str, n_in: int, input_needs_grad: bool,
                       consumers: list[str], in_bytes: int, split: str = "none",
@@ -101,14 +152,12 @@ class _BlockWalk:
         if rank:
             self.add(f"{name} lora_a output", self.matmul_bytes * rank, "heads")
 
-    def _attention(self, input_needs_grad: bool) -> bool:
-        """attention norm -> q/k/v -> RoPE -> SDPA -> o_proj; whether o_proj's output
-        requires grad."""
-        args, dim = self.args, self.args.dim
+    def _attention(self, normed_needs_grad: bool) -> bool:
+        """q/k/v (their input kept by ``block_inputs``) -> RoPE -> SDPA -> the output
+        projection; whether its output requires grad."""
+        args = self.args
         q_dim = args.n_heads * args.head_dim
-        normed_needs_grad = self.norm("attention norm", input_needs_grad)
-        qkv = ["q_proj", "k_proj", "v_proj"]
-        self.linear_inputs("q/k/v input", dim, normed_needs_grad, qkv, self.residual_bytes)
+        qkv, out = self.names.attention[:3], self.names.attention_output
         for name in qkv:
             self.adapter(name)
         q, k, v = (self.needs_grad(name, normed_needs_grad) for name in qkv)
@@ -116,23 +165,25 @@ class _BlockWalk:
         scores_need_grad = q or k or v
         if scores_need_grad:
             self._sdpa()
-        # The o_proj input: a view of the SDPA output, which the flash/efficient kernels
-        # (CUDA and CPU) write as (batch, seq, heads, head_dim); a copy in eager.
+        # The output projection's input: a view of the SDPA output, which the
+        # flash/efficient kernels (CUDA and CPU) write as (batch, seq, heads, head_dim);
+        # a copy in eager.
         is_view = scores_need_grad and self.setup.attention != "eager"
-        self.linear_inputs("o_proj input", q_dim, scores_need_grad, ["o_proj"],
+        self.linear_inputs(f"{out} input", q_dim, scores_need_grad, [out],
                            self.matmul_bytes, "heads", counted=is_view)
-        self.adapter("o_proj")
-        return self.needs_grad("o_proj", scores_need_grad)
+        self.adapter(out)
+        return self.needs_grad(out, scores_need_grad)
 
     def _rope(self, q_needs_grad: bool, k_needs_grad: bool) -> None:
-        """Each attention computes fp32 cos/sin tables (batch, seq, head_dim): kept as they
-        are in fp32; in bf16 apply_rope keeps bf16 copies, two per call (q and k)."""
-        head_dim = self.args.head_dim
+        """Each attention computes fp32 cos/sin tables (batch, seq, rotary features: the
+        head dim, or GPT-J's first rotary_dim): kept as they are in fp32; in bf16 each
+        rotary call keeps bf16 copies, two per call (q and k)."""
+        features = self.family.rotary_features(self.args)
         if self.matmul_bytes == 4 and (q_needs_grad or k_needs_grad):
-            self.add("rope cos/sin (fp32)", 2 * 4 * head_dim, "none")
+            self.add("rope cos/sin (fp32)", 2 * 4 * features, "none")
         elif self.matmul_bytes != 4:
             calls = q_needs_grad + k_needs_grad
-            self.add("rope cos/sin copies", calls * 2 * self.matmul_bytes * head_dim, "none")
+            self.add("rope cos/sin copies", calls * 2 * self.matmul_bytes * features, "none")
 
     def _sdpa(self) -> None:
         args, out_bytes = self.args, self.matmul_bytes
@@ -147,27 +198,39 @@ class _BlockWalk:
             self.add("attention output", out_bytes * q_dim)
             self.add("attention logsumexp (fp32)", 4 * args.n_heads)
 
-    def _mlp(self, input_needs_grad: bool) -> bool:
-        """ffn norm -> gate, up -> silu(gate) * up -> down_proj; whether down_proj's output
-        requires grad."""
-        ffn_dim, out_bytes = self.args.ffn_dim, self.matmul_bytes
-        normed_needs_grad = self.norm("ffn norm", input_needs_grad)
-        self.linear_inputs("gate/up input", self.args.dim, normed_needs_grad,
-                           ["gate_proj", "up_proj"], self.residual_bytes)
-        for name in ("gate_proj", "up_proj"):
+    def _mlp(self, normed_needs_grad: bool) -> bool:
+        """The input projection(s) (their input kept by ``block_inputs``) -> the activation
+        -> the output projection; whether its output requires grad."""
+        inputs, out = self.names.mlp_inputs, self.names.mlp_output
+        for name in inputs:
             self.adapter(name)
-        gate = self.needs_grad("gate_proj", normed_needs_grad)
-        up = self.needs_grad("up_proj", normed_needs_grad)
+        needs_grad = [self.needs_grad(name, normed_needs_grad) for name in inputs]
+        if self.family.mlp_activation == "swiglu":
+            hidden_needs_grad = self._swiglu(*needs_grad)
+        else:
+            hidden_needs_grad = self._gelu(*needs_grad)
+        self.linear_inputs(f"{out} input", self.args.ffn_dim, hidden_needs_grad, [out],
+                           self.matmul_bytes, "heads")
+        self.adapter(out)
+        return self.needs_grad(out, hidden_needs_grad)
+
+    def _swiglu(self, gate: bool, up: bool) -> bool:
+        """silu(gate) * up: silu keeps its input, the product each factor for the other's
+        gradient."""
+        ffn_bytes = self.matmul_bytes * self.args.ffn_dim
         if gate:
-            self.add("gate output (silu input)", out_bytes * ffn_dim)
+            self.add("gate output (silu input)", ffn_bytes)
         if up:
-            self.add("silu output", out_bytes * ffn_dim)
+            self.add("silu output", ffn_bytes)
         if gate:
-            self.add("up output", out_bytes * ffn_dim)
-        self.linear_inputs("down_proj input", ffn_dim, gate or up, ["down_proj"], out_bytes,
-                           "heads")
-        self.adapter("down_proj")
-        return self.needs_grad("down_proj", gate or up)
+            self.add("up output", ffn_bytes)
+        return gate or up
+
+    def _gelu(self, fc_in: bool) -> bool:
+        """gelu_tanh(fc_in(x)) keeps its input (the bias added: addmm's output)."""
+        if fc_in:
+            self.add("gelu input", self.matmul_bytes * self.args.ffn_dim)
+        return fc_in
 
 
 def per_device(terms: list[Term], setup: Setup) -> float:
@@ -195,8 +258,9 @@ class Activations:
     log_softmax: float
     batch_inputs: float  # the batch's ids and labels
     backward_buffers: float  # gradient buffers at the MLP's elementwise backward
-    freed_down_proj_input: float  # down_proj's saved input, released just before that point
-    input_is_saved: bool  # the block's first norm keeps the block input itself (fp32)
+    # the MLP output projection's saved input, released just before that point
+    freed_mlp_out_input: float
+    input_is_saved: bool  # the block's first norm keeps the block input itself
 
 
 def activation_model(setup: Setup) -> Activations:
@@ -208,7 +272,8 @@ def activation_model(setup: Setup) -> Activations:
     if args.n_layers > 1:
         # every later block sees a residual stream that requires grad once anything trains
         output_needs_grad = True
-    down_proj_input = [t for t in other_terms if t.name.startswith("down_proj")]
+    mlp_out = walker.names.mlp_output
+    mlp_out_input = [t for t in other_terms if t.name.startswith(mlp_out)]
     return Activations(first_layer=per_device(first_terms, setup),
                        other_layers=per_device(other_terms, setup),
                        first_terms=first_terms, other_terms=other_terms,
@@ -219,8 +284,8 @@ def activation_model(setup: Setup) -> Activations:
                        log_softmax=4 * args.vocab_size / setup.tp,
                        batch_inputs=BATCH_BYTES_PER_TOKEN,
                        backward_buffers=_backward_buffers(setup, walker),
-                       freed_down_proj_input=per_device(down_proj_input, setup),
-                       input_is_saved=walker.residual_bytes == 4)
+                       freed_mlp_out_input=per_device(mlp_out_input, setup),
+                       input_is_saved=walker.keeps_block_input())
 
 
 def _head_terms(setup: Setup, input_needs_grad: bool) -> list[Term]:
@@ -235,11 +300,18 @@ def _head_terms(setup: Setup, input_needs_grad: bool) -> list[Term]:
 
 
 def _backward_buffers(setup: Setup, walker: _BlockWalk) -> float:
-    """The peak inside a block's backward: at silu(g) * u, with the incoming residual
-    gradient, d(m), d(silu(g)) and d(u) alive and down_proj's saved input just freed."""
+    """The peak inside a block's backward, beside the incoming residual gradient: at the
+    MLP's activation, with its hidden gradients alive (SwiGLU's silu(g) * u: d(m),
+    d(silu(g)) and d(u); GELU: d(gelu(h)) and d(h)) and the output projection's saved
+    input just freed. A checkpointed block recomputed with a LoRA adapter on the MLP's
+    last input projection may peak before, at that adapter's sum: the base output, the
+    update and the scaled update, three f-sized tensors beside the saved ones."""
     ffn_per_device = setup.args.ffn_dim / setup.tp
+    ffn_tensors = 3 if walker.family.mlp_activation == "swiglu" else 2
+    if setup.checkpointing == "full" and setup.trainable.rank(walker.names.mlp_inputs[-1]):
+        ffn_tensors = max(ffn_tensors, 3)
     return (walker.residual_bytes * _dim_per_device(setup)
-            + 3 * walker.matmul_bytes * ffn_per_device)
+            + ffn_tensors * walker.matmul_bytes * ffn_per_device)
 
 
 def _dim_per_device(setup: Setup) -> float:
@@ -275,7 +347,7 @@ class StageActivations:
     log_softmax: float
     fp32_logits: float  # the fp32 copy of bf16 logits in the loss's forward
     backward_buffers: float  # gradients alive inside a block's backward (its peak)
-    freed_down_proj_input: float  # down_proj's saved input, freed before that peak
+    freed_mlp_out_input: float  # the MLP output projection's saved input, freed by then
 
     @property
     def at_forward_end(self) -> float:
@@ -284,12 +356,12 @@ class StageActivations:
     @property
     def at_last_block(self) -> float:
         return (self.blocks + self.recomputed_block + self.stage_input
-                - self.freed_down_proj_input)
+                - self.freed_mlp_out_input)
 
     @property
     def at_first_block(self) -> float:
         return (self.blocks_at_first_block + self.recomputed_block + self.stage_input
-                - self.freed_down_proj_input)
+                - self.freed_mlp_out_input)
 
 
 def stage_activations(setup: Setup, act: Activations, stage: int) -> StageActivations:
@@ -316,7 +388,7 @@ def stage_activations(setup: Setup, act: Activations, stage: int) -> StageActiva
         head=act.head_inputs if last else 0.0, logits=act.logits if last else 0.0,
         log_softmax=act.log_softmax if last else 0.0,
         fp32_logits=4 * setup.args.vocab_size / setup.tp if bf16_logits and last else 0,
-        backward_buffers=act.backward_buffers, freed_down_proj_input=act.freed_down_proj_input)
+        backward_buffers=act.backward_buffers, freed_mlp_out_input=act.freed_mlp_out_input)
 
 
 def loss_chunk_tokens(setup: Setup) -> int:

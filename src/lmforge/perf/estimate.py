@@ -1,11 +1,13 @@
 """Peak memory per device for a config, before anything runs (``lmforge estimate``).
 
 The model (docs/estimate.md derives every term) follows what autograd keeps alive in our
-Llama: which tensors each op saves for backward, given which inputs require gradients and
+models: which tensors each op saves for backward, given which inputs require gradients and
 which weights train, in the dtypes the run uses. It is the Korthikanti et al. (2022)
-activation analysis written out for this model (RMSNorm, SwiGLU, RoPE, GQA, SDPA/flash
-attention) and evaluated at the points of a step where memory peaks: the end of the
-forward, the loss, the last and the first block of the backward, and the optimizer step.
+activation analysis written out for these blocks (Llama's RMSNorm, SwiGLU, RoPE, GQA;
+GPT-J's LayerNorm, parallel attention and GELU MLP, partial rotary; SDPA/flash attention),
+as the model's family describes them (``models.registry.ModelFamily``), and evaluated at
+the points of a step where memory peaks: the end of the forward, the loss, the last and
+the first block of the backward, and the optimizer step.
 
 This module holds the terms of docs/estimate.md by name (weights, gradients, optimizer
 states, activations, loss head, autocast copies, FSDP transients, dequantization scratch,
@@ -25,7 +27,7 @@ from lmforge.perf.activations import (Activations, StageActivations, activation_
                                       loss_chunk_tokens, stage_activations)
 from lmforge.perf.estimate_setup import DTYPE_BYTES, Setup, compute_bytes, frozen_weight_dtype
 from lmforge.perf.flops import projection_shapes
-from lmforge.perf.weights import Weights, stage_layers, stage_weights
+from lmforge.perf.weights import Weights, model_parameters, stage_layers, stage_weights
 
 GiB = 2**30
 # Scratch while one weight is dequantized (codes -> int64 indices -> fp32 values -> the
@@ -78,7 +80,7 @@ class Gradients:
     it over dp_shard) at the points of the backward where they matter."""
     total: float  # every trainable parameter's: the optimizer step
     per_block: float
-    down_proj: float  # the first a block's backward completes
+    mlp_out: float  # the MLP output projection's, the first a block's backward completes
     before_blocks: float  # the head's and final norm's, done before any block's
 
 
@@ -91,7 +93,7 @@ def stage_gradients(setup: Setup, weights: Weights, stage: int) -> Gradients:
     if setup.trainable.embedding and stage == 0 and not tied:  # the embedding's comes last
         before_blocks -= grad_bytes * args.vocab_size * args.dim / setup.tp / shard
     return Gradients(total=every, per_block=per_block,
-                     down_proj=grad_bytes * weights.down_trainable / shard,
+                     mlp_out=grad_bytes * weights.mlp_out_trainable / shard,
                      before_blocks=max(before_blocks, 0.0))
 
 
@@ -107,7 +109,7 @@ class AutocastCopies:
     frozen: float  # the blocks' frozen ones (none kept with checkpointing)
     kept_for_backward: float  # the blocks' copies their matmuls keep
     one_layer: float  # one block's: what the block in backward holds (or recomputes)
-    down_proj: float  # freed after down_proj's backward
+    mlp_out: float  # the MLP output projection's, freed after its backward
     head: float
     head_in_forward: float  # none with a chunked loss (made per chunk)
     checkpointed: bool
@@ -123,11 +125,11 @@ class AutocastCopies:
     @property
     def at_last_block(self) -> float:
         recomputed = self.one_layer if self.checkpointed else 0.0
-        return self.kept_for_backward + recomputed - self.down_proj
+        return self.kept_for_backward + recomputed - self.mlp_out
 
     @property
     def at_first_block(self) -> float:
-        return max(self.one_layer - self.down_proj, 0.0)
+        return max(self.one_layer - self.mlp_out, 0.0)
 
 
 def autocast_copies(setup: Setup, weights: Weights, stage: int) -> AutocastCopies:
@@ -139,7 +141,7 @@ def autocast_copies(setup: Setup, weights: Weights, stage: int) -> AutocastCopie
         trainable_cache=cache, frozen=frozen,
         kept_for_backward=0.0 if checkpointed else cache + frozen,
         one_layer=(cache + 2 * weights.matmul_frozen_fp32) / layers,
-        down_proj=weights.down_copy, head=weights.head_copy,
+        mlp_out=weights.mlp_out_copy, head=weights.head_copy,
         head_in_forward=0.0 if setup.loss_chunk_tokens else weights.head_copy,
         checkpointed=checkpointed)
 
@@ -225,7 +227,7 @@ def step_phases(t: StageTerms) -> dict[str, dict[str, float]]:
         "backward: last block": {
             "activations": t.tokens * act.at_last_block,
             "autocast weight copies": t.copies.at_last_block,
-            "gradients": t.gradients.before_blocks + t.gradients.down_proj,
+            "gradients": t.gradients.before_blocks + t.gradients.mlp_out,
             "backward buffers": t.tokens * act.backward_buffers,
             "dequantization scratch": t.dequantization_scratch,
             "FSDP unsharded parameters": t.fsdp_unsharded},
@@ -233,7 +235,7 @@ def step_phases(t: StageTerms) -> dict[str, dict[str, float]]:
             "activations": t.tokens * act.at_first_block,
             "autocast weight copies": t.copies.at_first_block,
             "gradients": (t.gradients.before_blocks + (t.layers - 1) * t.gradients.per_block
-                          + t.gradients.down_proj),
+                          + t.gradients.mlp_out),
             "backward buffers": t.tokens * act.backward_buffers,
             "dequantization scratch": t.dequantization_scratch,
             "FSDP unsharded parameters": t.fsdp_unsharded},
@@ -310,6 +312,7 @@ class MemoryEstimate:
         s = self.setup
         return {
             "model": describe_model(s.args),
+            "parameters": model_parameters(s.args),
             "setup": {"seq_len": s.seq_len, "micro_batch": s.micro_batch, "device": s.device,
                       "compute": s.compute, "checkpointing": s.checkpointing,
                       "optimizer": s.optimizer, "lora": dataclasses.asdict(s.lora)
@@ -329,8 +332,9 @@ class MemoryEstimate:
 
 
 def describe_model(args) -> str:
-    return (f"{args.family}, dim {args.dim}, {args.n_layers} layers, "
-            f"{args.n_heads}/{args.n_kv_heads} heads, ffn {args.ffn_dim}, vocab {args.vocab_size}")
+    return (f"{args.family}, {model_parameters(args):,} parameters, dim {args.dim}, "
+            f"{args.n_layers} layers, {args.n_heads}/{args.n_kv_heads} heads, "
+            f"ffn {args.ffn_dim}, vocab {args.vocab_size}")
 
 
 def estimate_stage(setup: Setup, stage: int) -> MemoryEstimate:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from lmforge.models.registry import ModelFamily, family_of
 from lmforge.perf.estimate_setup import DTYPE_BYTES, Setup, frozen_weight_dtype
 from lmforge.perf.flops import projection_shapes
 
@@ -31,8 +32,17 @@ class Weights:
     largest_quantized: int = 0
     block_trainable: int = 0  # per block, for FSDP transients
     block_total: int = 0
-    down_trainable: int = 0  # down_proj's trainable parameters (weight and/or adapter)
-    down_copy: float = 0.0  # bytes of down_proj's autocast bf16 weight copy
+    # The MLP's output projection (Llama's down_proj, GPT-J's fc_out), the first whose
+    # gradients a block's backward completes: its trainable parameters (weight, bias
+    # and/or adapter) and the bytes of its autocast bf16 weight copy.
+    mlp_out_trainable: int = 0
+    mlp_out_copy: float = 0.0
+
+
+def model_parameters(args) -> int:
+    """The whole model's parameters (a tied embedding once, no LoRA adapters), as the
+    estimate counts them."""
+    return stage_weights(Setup(args=args, seq_len=1, micro_batch=1), 0).trainable_params
 
 
 def stage_layers(setup: Setup, stage: int) -> int:
@@ -109,10 +119,27 @@ def stage_weights(setup: Setup, stage: int) -> Weights:
     return w
 
 
+def norm_params(family: ModelFamily, dim: int) -> int:
+    """Parameters of one norm: RMSNorm's weight, or LayerNorm's weight and bias."""
+    return 2 * dim if family.norm == "layer" else dim
+
+
+def bias_per_device(setup: Setup, name: str, n_out: int) -> float:
+    """A linear layer's bias on one device: split with the output of a column-parallel
+    projection (and of the vocabulary-parallel head); added once, replicated, after the
+    row-parallel ones (the attention's and the MLP's output projections) reduce."""
+    projections = family_of(setup.args).projections
+    row_parallel = name in (projections.attention_output, projections.mlp_output)
+    return n_out if row_parallel else n_out / setup.tp
+
+
 def _add_block(tally: _Tally, setup: Setup) -> None:
-    """One transformer block: seven projections (quantized when frozen under QLoRA, with
-    their adapters), two norms; records the block's totals for the FSDP transients."""
+    """One transformer block: its projections (quantized when frozen under QLoRA, with
+    their adapters and biases), its norms (one in a parallel block, else two); records
+    the block's totals for the FSDP transients."""
     w, trainable, tp = tally.weights, setup.trainable, setup.tp
+    family = family_of(setup.args)
+    biased = family.biased_linears(setup.args)
     quantize = setup.lora.quantize if setup.lora is not None else None
     trainable_before = w.trainable_params
     total_before = w.trainable_params + w.frozen_params
@@ -125,35 +152,48 @@ def _add_block(tally: _Tally, setup: Setup) -> None:
             tally.add(n_in * n_out / tp, trains, matmul=True)
         if rank:
             tally.add(rank * (n_in + n_out / tp), True, matmul=True)
-        if name == "down_proj":
-            _add_down_proj_terms(tally, setup, trains, rank, (n_in, n_out))
-    tally.add(2 * setup.args.dim, trainable.norms, matmul=False)
+        bias = 0.0
+        if name in biased:  # trains with its weight; kept unquantized in the param dtype,
+            # and no matmul keeps its autocast copy for backward (not a matmul weight)
+            bias = bias_per_device(setup, name, n_out)
+            tally.add(bias, trains, matmul=False)
+        if name == family.projections.mlp_output:
+            _add_mlp_output_terms(tally, setup, trains, rank, (n_in, n_out), bias)
+    norms = 1 if family.parallel_block else 2
+    tally.add(norms * norm_params(family, setup.args.dim), trainable.norms, matmul=False)
     w.block_trainable = w.trainable_params - trainable_before
     w.block_total = w.trainable_params + w.frozen_params - total_before
 
 
-def _add_down_proj_terms(tally: _Tally, setup: Setup, trains: bool, rank: int,
-                         shape: tuple[int, int]) -> None:
-    """down_proj's trainable parameters (its gradients are the first a block's backward
-    completes) and the bf16 copies autocast makes for it, freed after its backward: the
-    weight's if it is fp32 (trained, or frozen fp32), and the adapter's."""
+def _add_mlp_output_terms(tally: _Tally, setup: Setup, trains: bool, rank: int,
+                          shape: tuple[int, int], bias: float) -> None:
+    """The MLP output projection's trainable parameters (its gradients are the first a
+    block's backward completes) and the bf16 copies autocast makes for it, freed after
+    its backward: the weight's if it is fp32 (trained, or frozen fp32), and the
+    adapter's."""
     n_in, n_out = shape
     w, quantize = tally.weights, setup.lora.quantize if setup.lora is not None else None
-    w.down_trainable = (trains * n_in * n_out + rank * (n_in + n_out)) // setup.tp
+    w.mlp_out_trainable = ((trains * n_in * n_out + rank * (n_in + n_out)) // setup.tp
+                           + int(trains * bias))
     fp32_base = trains or (not quantize and tally.frozen_projection_bytes == 4)
     copied = ((n_in * n_out if fp32_base else 0) + rank * (n_in + n_out)) / setup.tp
-    w.down_copy = 2.0 * copied if setup.autocast else 0.0
+    w.mlp_out_copy = 2.0 * copied if setup.autocast else 0.0
 
 
 def _add_final_norm_and_head(tally: _Tally, setup: Setup) -> None:
-    """The last stage's final norm and output layer. The head's autocast copy is counted
-    apart (``head_copy``: it is kept until its backward), not with the blocks' copies."""
+    """The last stage's final norm and output layer (with its bias, if it has one). The
+    head's autocast copy is counted apart (``head_copy``: it is kept until its backward),
+    not with the blocks' copies."""
     w, args, trainable = tally.weights, setup.args, setup.trainable
+    family = family_of(args)
     block_copies = (w.matmul_trainable_fp32, w.matmul_frozen_fp32)
-    tally.add(args.dim, trainable.norms, matmul=False)
+    tally.add(norm_params(family, args.dim), trainable.norms, matmul=False)
     tied = args.tie_embeddings and setup.pp == 1
     if not tied:  # (tied: the embedding's storage, already counted)
         tally.add(args.vocab_size * args.dim / setup.tp, trainable.head, matmul=True)
+    if "output" in family.biased_linears(args):
+        tally.add(bias_per_device(setup, "output", args.vocab_size), trainable.head,
+                  matmul=False)
     if trainable.head or tally.frozen_projection_bytes == 4 or tied:
         w.head_copy = 2.0 * args.vocab_size * args.dim / setup.tp  # (tied: fp32 embedding)
     w.matmul_trainable_fp32, w.matmul_frozen_fp32 = block_copies

@@ -1,7 +1,8 @@
 """The memory estimate against the peak measured on a real CPU training step.
 
 For a matrix of tiny configs (full / LoRA / QLoRA, with and without activation
-checkpointing, micro-batch 1 and 4, fp32 and bf16 autocast) the step runs through
+checkpointing, micro-batch 1 and 4, fp32 and bf16 autocast; a Llama, and a GPT-J for its
+LayerNorm, parallel block, partial rotary and biased GELU MLP) the step runs through
 lmforge's own code (model, LoRA swap, checkpointing, optimizer, accumulate_gradients),
 and TensorMemoryTracker records the peak of live tensor storage over the second step (the
 first creates the optimizer state). The estimate of the same quantity (peak allocated,
@@ -15,7 +16,8 @@ import torch
 
 from helpers.tiny_models import tiny_llama_args
 from lmforge.config import JobConfig
-from lmforge.models.llama import build_llama, materialize
+from lmforge.models.common import materialize
+from lmforge.models.registry import PRESETS, build_model
 from lmforge.parallel.parallelize import checkpoint_forward
 from lmforge.peft.lora import after_materialize, prepare_model_for_lora
 from lmforge.perf.estimate import estimate_memory
@@ -29,22 +31,26 @@ from lmforge.train.step import accumulate_gradients
 
 TOLERANCE = 0.15
 ARGS = tiny_llama_args(dim=64, vocab_size=256, ffn_dim=176, max_seq_len=128)
+# gptj-tiny (dim 64, 4 heads, ffn 256, rotary on 8 of 16 head features) at the same size
+TINY = {"llama": ARGS, "gptj": dataclasses.replace(PRESETS["gptj-tiny"], n_layers=2,
+                                                     vocab_size=256, max_seq_len=128)}
 SEQ = 64
 
 
 @functools.lru_cache(maxsize=None)
 def measure_step(lora: bool, ckpt: bool, micro_batch: int, bf16: bool = False,
                  quantize=None, dropout: float = 0.0, targets=("q_proj", "v_proj"),
-                 loss_chunk: int = 0, vocab: int = ARGS.vocab_size, low_memory: bool = False):
+                 loss_chunk: int = 0, vocab: int = ARGS.vocab_size, low_memory: bool = False,
+                 family: str = "llama"):
     """(measured peak bytes of step 2, the Setup describing the same run). ``low_memory``:
     bf16 weights, adamw_bf16, the step fused into backward (the trainer's low-memory
-    path)."""
-    args = dataclasses.replace(ARGS, vocab_size=vocab)
+    path); ``family``: which tiny model of TINY."""
+    args = dataclasses.replace(TINY[family], vocab_size=vocab)
     torch.manual_seed(0)
     cfg = JobConfig()
     cfg.lora.enabled, cfg.lora.quantize = lora, quantize
     cfg.lora.dropout, cfg.lora.targets = dropout, list(targets)
-    model = build_llama(args)
+    model = build_model(args)
     if lora:
         prepare_model_for_lora(model, cfg.lora)
     if ckpt:
@@ -107,9 +113,17 @@ EXTRA = [dict(lora=False, ckpt=False, micro_batch=4, bf16=True),
          dict(lora=False, ckpt=False, micro_batch=4, bf16=True, low_memory=True),
          dict(lora=False, ckpt=True, micro_batch=1, bf16=True, low_memory=True),
          dict(lora=False, ckpt=True, micro_batch=4, vocab=8192, bf16=True, low_memory=True)]
+# GPT-J: one LayerNorm read by both branches (under bf16 autocast each of q/k/v and fc_in
+# keeps its own bf16 copy of it), partial rotary, GELU MLP and head with biases; QLoRA on
+# every projection, checkpointed, peaks at fc_in's adapter sum in the recompute
+GPTJ = [dict(family="gptj", lora=lora, ckpt=ckpt, micro_batch=4)
+        for lora in (False, True) for ckpt in (False, True)]
+GPTJ += [dict(family="gptj", lora=False, ckpt=False, micro_batch=4, bf16=True),
+         dict(family="gptj", lora=True, ckpt=True, micro_batch=4, quantize="int8",
+              targets=("q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out"))]
 
 
-@pytest.mark.parametrize("case", MATRIX + EXTRA,
+@pytest.mark.parametrize("case", MATRIX + EXTRA + GPTJ,
                          ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_estimate_within_15_percent_of_measured_peak(case):
     measured, setup = measure_step(**case)

@@ -8,6 +8,7 @@ from lmforge.cli import build_parser
 from lmforge.config import ConfigError, load_config
 from lmforge.models.llama import build_llama, count_parameters
 from lmforge.models.presets import PRESETS
+from lmforge.models.registry import build_model
 from lmforge.perf.activations import activation_model, in_flight
 from lmforge.perf.estimate import estimate_memory, estimate_stage, max_micro_batch
 from lmforge.perf.estimate_setup import Setup, setup_from_config
@@ -30,6 +31,26 @@ def test_weights_count_every_parameter_of_the_model():
         w = stage_weights(Setup(args=args, seq_len=128, micro_batch=1), 0)
         assert w.trainable_params == count_parameters(build_llama(args))
         assert w.trainable_bytes == 4 * w.trainable_params
+
+
+def test_weights_count_every_gptj_parameter_layernorm_and_linear_biases_included():
+    for name in ("gptj-tiny", "gptj-6b"):
+        args = PRESETS[name]
+        w = stage_weights(Setup(args=args, seq_len=128, micro_batch=1), 0)
+        assert w.trainable_params == count_parameters(build_model(args))  # (meta device)
+    spec = LoraSpec(rank=8, targets=("q_proj", "v_proj"))
+    lora = stage_weights(Setup(args=PRESETS["gptj-6b"], seq_len=128, micro_batch=1,
+                               lora=spec), 0)
+    assert lora.trainable_params == 28 * 2 * 8 * (4096 + 4096)  # the biases stay frozen
+    assert lora.frozen_params == 6_050_882_784
+
+
+def test_gptj_biases_split_with_column_parallel_outputs_and_replicate_after_row_parallel():
+    args, tp = PRESETS["gptj-6b"], 8
+    one = stage_weights(Setup(args=args, seq_len=128, micro_batch=1), 0).trainable_params
+    split = stage_weights(Setup(args=args, seq_len=128, micro_batch=1, tp=tp), 0)
+    replicated = 28 * (2 * 4096 + 4096) + 2 * 4096  # ln_1, fc_out's bias; ln_f
+    assert split.trainable_params == (one - replicated) / tp + replicated
 
 
 def test_full_training_static_memory_is_16_bytes_per_parameter():
@@ -148,6 +169,13 @@ def test_cli_prints_a_table_or_json_with_the_largest_fitting_micro_batch(capsys)
     assert data["setup"]["dp_shard"] == 8 and data["fits"] in (True, False)
     assert data["total_gib"] > data["peak_allocated_gib"] > 0
     assert isinstance(data["max_micro_batch"], int)
+
+
+def test_cli_estimates_gptj_6b_and_reports_its_parameters(capsys):
+    code, out = cli(["model.preset=gptj-6b", "model.vocab_size=50400", "parallel.tp=8",
+                     "train.activation_checkpointing=full", "train.dtype=bf16",
+                     "--device", "cuda"], capsys)
+    assert code == 0 and "gptj, 6,050,882,784 parameters" in out and "peak allocated" in out
 
 
 def test_cli_estimates_a_70b_model_without_allocating_it(capsys):

@@ -22,6 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lmforge.config import LoraConfig
 from lmforge.models.llama import build_llama, materialize
 from lmforge.models.presets import PRESETS
+from lmforge.models.registry import build_model
 from lmforge.peft.lora import prepare_model_for_lora
 from lmforge.perf import flops as F
 from lmforge.peft.targets import PROJECTIONS, LoraSpec
@@ -140,6 +141,21 @@ def test_family_flags_count_exactly_with_attention_sized_by_heads_times_head_dim
     torch.manual_seed(0)
     model = materialize(build_llama(dataclasses.replace(PRESETS["debug"], **flags)), "cpu")
     ours = F.flops_breakdown(model.args, SEQ, causal=False).total * BATCH * SEQ
+    assert ours == counted_training_flops(model)
+
+
+@pytest.mark.parametrize("targets", [None, ["q_proj", "v_proj"], ["fc_in", "fc_out"]])
+def test_gptj_parallel_block_counts_exactly(targets):
+    """GPT-J: the MLP reads the attention's normalised input, so with a frozen embedding
+    and norms (LoRA) neither branch needs an input gradient from the other; the biased
+    fc_in, fc_out and head add no matmul FLOPs."""
+    torch.manual_seed(0)
+    model = build_model(dataclasses.replace(PRESETS["gptj-tiny"], n_layers=2, vocab_size=256))
+    if targets:
+        prepare_model_for_lora(model, LoraConfig(enabled=True, rank=4, targets=targets))
+    materialize(model, "cpu")
+    trainable = F.Trainability.from_model(model)
+    ours = F.flops_breakdown(model.args, SEQ, trainable, causal=False).total * BATCH * SEQ
     assert ours == counted_training_flops(model)
 
 
