@@ -5,7 +5,8 @@ q/k/v and gate/up are split by output columns, o/down by input rows, so each blo
 one all-reduce forward and one backward. With sequence parallelism the norms and the
 residual stream are split along the sequence instead of replicated, turning each
 all-reduce into a reduce-scatter + all-gather pair. The output head stays vocab-sharded for
-the parallel loss.
+the parallel loss. Entries for modules a model lacks (the q/k norms outside Qwen3) are
+skipped by ``parallel/tensor.py``.
 """
 from __future__ import annotations
 
@@ -30,6 +31,12 @@ def block_plan(sequence_parallel: bool) -> dict:
         "attention.k_proj": ColwiseParallel(),
         "attention.v_proj": ColwiseParallel(),
         "attention.o_proj": RowwiseParallel(output_layouts=residual),
+        # Qwen3's q/k norms: one weight over head_dim for every head, and each rank holds
+        # only its heads. The weight is replicated as a DTensor over an input sharded by
+        # heads (dim 2 of (batch, seq, heads, head_dim)), so its gradient is summed over
+        # the tp ranks; a plain weight would get only this rank's heads' share and drift.
+        "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+        "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
         "feed_forward": PrepareModuleInput(input_layouts=(residual,),
                                            desired_input_layouts=(Replicate(),)),
         "feed_forward.gate_proj": ColwiseParallel(),
