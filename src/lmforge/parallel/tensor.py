@@ -23,11 +23,23 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool) ->
     tied = (getattr(model, "tok_embeddings", None) is not None
             and getattr(model, "output", None) is not None
             and model.output.weight is model.tok_embeddings.weight)
-    top = {name: style for name, style in family.model_plan(sequence_parallel).items()
-           if getattr(model, name, None) is not None}
-    parallelize_module(model, tp_mesh, top)
+    parallelize_module(model, tp_mesh, _present(model, family.model_plan(sequence_parallel)))
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, family.block_plan(sequence_parallel))
+        parallelize_module(block, tp_mesh, _present(block, family.block_plan(sequence_parallel)))
     if tied:
         # Both styles shard the (vocab, dim) weight by rows, so one DTensor serves both.
         model.output.weight = model.tok_embeddings.weight
+
+
+def _present(module: nn.Module, plan: dict) -> dict:
+    """The entries of ``plan`` naming a submodule ``module`` has: a pipeline stage lacks
+    the embedding, norm or head of the others (set to None), a family's plan may name
+    modules only some of its models have (Qwen3's q/k norms)."""
+    present = {}
+    for name, style in plan.items():
+        try:
+            module.get_submodule(name)  # raises for a missing or None submodule
+        except AttributeError:
+            continue
+        present[name] = style
+    return present

@@ -163,6 +163,9 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.append(k, v)  # (b, kv, past + s, hd)
         gqa = q.shape[1] != k.shape[1]
+        # Per layer, from the gathered sequence, not once in the model's forward: there, a
+        # later pipeline stage's input under sequence parallelism is only this rank's slice.
+        mask = sliding_window_mask(mask, seq, past, self.args.sliding_window, x.device)
         if mask is None and past > 0 and seq > 1:
             mask = causal_mask(seq, past, x.device)
         out = F.scaled_dot_product_attention(
@@ -253,9 +256,6 @@ class Llama(nn.Module):
         boolean (batch, 1, seq, keys), True = may attend; None = causal. head=False stops
         after the final norm, for a loss that applies ``output`` a chunk at a time."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        past = caches[0].length if caches else 0
-        mask = sliding_window_mask(mask, tokens.shape[1], past, self.args.sliding_window,
-                                   tokens.device)  # built once, shared by every layer
         for i, layer in enumerate(self.layers.values()):
             h = layer(h, positions, mask, caches[i] if caches else None)  # (batch, seq, dim)
         if self.norm is not None:

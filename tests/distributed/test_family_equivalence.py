@@ -1,0 +1,69 @@
+"""Every model family (Mistral with a window shorter than the sequence, Qwen2, Qwen3,
+GPT-J) trains in each parallel layout exactly like one process: the same per-step loss
+and gradient norm (1e-5 relative) and final weights (1e-4), fp32 on CPU with gloo.
+
+The matrix runs through the trainer's own functions (tests/helpers/family_training.py)
+in two launches, each with its one-process references: 2 processes (FSDP2, tp=2 with
+sequence parallelism, pp=2, LoRA under FSDP2) and 4 (pp=2 x tp=2 with sequence
+parallelism). About a minute on an idle 2-core CPU."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import family_training as ft
+
+pytestmark = pytest.mark.slow
+WORKER = Path(ft.__file__)
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+def _launch(out: Path, nproc: int) -> tuple[dict, Path]:
+    """One launch's results (``run/family`` -> {"history": [(loss, grad norm), ...]} or
+    {"error": traceback}, references included) and the folder of its final weights."""
+    out.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        [str(SRC), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc-per-node={nproc}", str(WORKER), str(out)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return json.loads((out / f"results-{nproc}.json").read_text()), out
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """Process count -> that launch's ``_launch``."""
+    root = tmp_path_factory.mktemp("families")
+    return {nproc: _launch(root / f"nproc{nproc}", nproc)
+            for nproc in sorted({nproc for nproc, _ in ft.LAYOUTS.values()})}
+
+
+def _history(results: dict, key: str) -> list:
+    assert key in results, f"{key} did not run"
+    assert "error" not in results[key], f"{key} failed:\n{results[key]['error']}"
+    return results[key]["history"]
+
+
+@pytest.mark.parametrize("layout", list(ft.LAYOUTS))
+@pytest.mark.parametrize("family", list(ft.FAMILIES))
+def test_family_trains_in_layout_like_one_process(launches, family, layout):
+    results, out = launches[ft.LAYOUTS[layout][0]]
+    reference = ft.REFERENCE_OF[layout]
+    got = _history(results, f"{layout}/{family}")
+    want = _history(results, f"{reference}/{family}")
+    assert len(got) == len(want) == ft.STEPS
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got, want), 1):
+        assert loss == pytest.approx(ref_loss, rel=1e-5), f"step {step}: loss {loss} vs {ref_loss}"
+        assert norm == pytest.approx(ref_norm, rel=1e-5), \
+            f"step {step}: grad norm {norm} vs {ref_norm}"
+    weights = torch.load(out / f"{layout}-{family}.pt")
+    ref_weights = torch.load(out / f"{reference}-{family}.pt")
+    assert weights.keys() == ref_weights.keys()
+    for key in ref_weights:
+        torch.testing.assert_close(weights[key], ref_weights[key], rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"{key}: {m}")

@@ -1,0 +1,156 @@
+"""A few training steps of each model family in every parallel layout, through the
+trainer's own functions (``build_train_model``, ``TrainModel.forward_backward``, the step
+loss and token count of ``train/step.py``, ``clip_grad_norm``, ``Optimizers``), one launch
+per world size: ``lmforge train`` per (family, layout) would start torchrun, import torch
+and export a model each time, about 17 s apiece on a 2-core CPU.
+
+``torchrun --nproc-per-node=N family_training.py OUT`` trains every family in each layout
+of ``LAYOUTS`` that takes N processes, on the same data; rank 0 first trains the families
+as the one plain process those layouts are compared with (``ParallelDims()``, no mesh:
+the path of a one-process ``lmforge train``, which touches no process group). Rank 0
+writes OUT/results-N.json (``run/family`` -> per-step loss and grad norm, or the error)
+and OUT/<run>-<family>.pt (the final weights).
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from lmforge.config import JobConfig, check_parallel_fits
+from lmforge.models.gptj.model import GPTJArgs
+from lmforge.models.llama.model import LlamaArgs
+from lmforge.models.loss import IGNORE_INDEX
+from lmforge.models.presets import check_model_args
+from lmforge.parallel.mesh import (ParallelDims, build_parallel_dims, init_distributed,
+                                   read_dist_env)
+from lmforge.train.model_setup import build_train_model, clip_grad_norm, gather_full_state_dict
+from lmforge.train.optim import Optimizers
+from lmforge.train.step import count_valid_tokens, global_step_loss, global_valid_tokens
+
+STEPS = 4
+SEQ_LEN = 24
+# Untied (pipeline stages refuse tied embeddings), 2 layers (one per pp=2 stage), an odd
+# vocabulary that tp=2 shards unevenly, 4 query heads over 2 KV heads for tp=2.
+_SHAPE = dict(dim=32, n_layers=2, n_heads=4, vocab_size=97, ffn_dim=64, max_seq_len=64)
+FAMILIES = {
+    # a window of 8 keys, shorter than the 24-token sequence: the banded mask is in play
+    "mistral": LlamaArgs(**_SHAPE, n_kv_heads=2, family="mistral", sliding_window=8),
+    "qwen2": LlamaArgs(**_SHAPE, n_kv_heads=2, family="qwen2", attention_bias=True),
+    # head_dim 16, not dim / n_heads = 8
+    "qwen3": LlamaArgs(**_SHAPE, n_kv_heads=2, family="qwen3", qk_norm=True,
+                       explicit_head_dim=16),
+    # rotary on 4 of 8 head features; no grouped-query attention in GPT-J
+    "gptj": GPTJArgs(**_SHAPE, n_kv_heads=4, rotary_dim=4),
+}
+LORA = {"lora.enabled": True, "lora.targets": "all-linear", "lora.rank": 4}
+LAYOUTS = {  # name -> (processes, config fields)
+    "fsdp_dp2": (2, {"parallel.dp_shard": 2}),
+    "tp2_sp": (2, {"parallel.tp": 2, "parallel.sequence_parallel": True}),
+    "pp2": (2, {"parallel.pp": 2, "parallel.pp_schedule": "1f1b"}),
+    "lora_fsdp_dp2": (2, {"parallel.dp_shard": 2, **LORA}),
+    # a later stage's input is a sequence slice there (the window mask once failed on it)
+    "pp2_tp2_sp": (4, {"parallel.pp": 2, "parallel.tp": 2,
+                       "parallel.sequence_parallel": True}),
+}
+REFERENCES = {"single": {}, "lora_single": LORA}  # one plain process
+# Each layout is compared with this one-process run.
+REFERENCE_OF = {name: "lora_single" if fields.get("lora.enabled") else "single"
+                for name, (_, fields) in LAYOUTS.items()}
+
+
+def job_config(fields: dict, world_size: int) -> JobConfig:
+    cfg = JobConfig()
+    cfg.data.seq_len, cfg.data.micro_batch_size, cfg.data.global_batch_size = SEQ_LEN, 2, 8
+    cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.grad_clip = 1e-2, 0, 0.5
+    cfg.train.max_steps, cfg.train.device = STEPS, "cpu"
+    cfg.parallel.dp_shard = 1
+    for dotted, value in fields.items():
+        section, name = dotted.split(".")
+        setattr(getattr(cfg, section), name, value)
+    return cfg.validate(world_size=world_size, distributed=world_size > 1)
+
+
+def step_samples(vocab_size: int) -> list[dict]:
+    """Each step's 8 sequences (input_ids, labels), a tenth of the labels ignored, so the
+    data-parallel ranks hold different valid-token counts."""
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab_size, (STEPS, 8, SEQ_LEN + 1), generator=g)
+    labels = tokens[..., 1:].clone()
+    labels[torch.rand(labels.shape, generator=g) < 0.1] = IGNORE_INDEX
+    return [{"input_ids": tokens[s, :, :-1], "labels": labels[s]} for s in range(STEPS)]
+
+
+def rank_micro_batches(sample: dict, cfg: JobConfig, dims: ParallelDims) -> list[dict]:
+    """This data-parallel rank's share of the step (a contiguous one: which samples a rank
+    gets does not change the step), in micro-batches; the tp and pp ranks of one
+    data-parallel group read the same share, as with the trainer's loader."""
+    share = {k: v.chunk(dims.dp)[dims.dp_rank] for k, v in sample.items()}
+    size = cfg.data.micro_batch_size
+    return [{k: v[i:i + size] for k, v in share.items()}
+            for i in range(0, len(share["input_ids"]), size)]
+
+
+def train_family(args, cfg: JobConfig, dims: ParallelDims) -> tuple[list, dict]:
+    """run_loop's step, STEPS times: per-step (loss, grad norm) and the final weights."""
+    check_model_args(args, cfg.data.seq_len)
+    check_parallel_fits(cfg, args)
+    device = torch.device("cpu")
+    torch.manual_seed(cfg.train.seed)  # as init_runtime's seed_everything
+    model = build_train_model(cfg, args, device, dims)
+    optimizers = Optimizers(model.parts, cfg.optim, cfg.train.max_steps)
+    history = []
+    for sample in step_samples(args.vocab_size):
+        micro_batches = rank_micro_batches(sample, cfg, dims)
+        n_valid = global_valid_tokens(count_valid_tokens(micro_batches), dims, device)
+        local = model.forward_backward(micro_batches, n_valid, device, contextlib.nullcontext)
+        loss = global_step_loss(local, dims)
+        grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
+        optimizers.step()
+        history.append((float(loss), float(grad_norm)))
+    return history, gather_full_state_dict(model)
+
+
+def run(name: str, fields: dict, out: Path, world_size: int, results: dict) -> None:
+    cfg = job_config(fields, world_size)
+    dims = (build_parallel_dims(cfg.parallel, world_size, "cpu") if world_size > 1
+            else ParallelDims())
+    for family, args in FAMILIES.items():
+        try:
+            history, weights = train_family(args, cfg, dims)
+        except Exception:  # recorded per family; the test of that pair reports it (a
+            # failure on some ranks only leaves the others waiting: the test's timeout)
+            results[f"{name}/{family}"] = {"error": traceback.format_exc()}
+            continue
+        if weights is not None:  # global rank 0
+            torch.save(weights, out / f"{name}-{family}.pt")
+            results[f"{name}/{family}"] = {"history": history}
+
+
+def main(out: Path) -> None:
+    env = read_dist_env()
+    torch.set_num_threads(1)
+    init_distributed(env, "cpu", distributed=True)
+    layouts = {name: fields for name, (nproc, fields) in LAYOUTS.items()
+               if nproc == env.world_size}
+    results: dict = {}
+    if env.rank == 0:
+        for name in sorted({REFERENCE_OF[name] for name in layouts}):
+            run(name, REFERENCES[name], out, world_size=1, results=results)
+    for name, fields in layouts.items():
+        run(name, fields, out, env.world_size, results)
+    if env.rank == 0:
+        (out / f"results-{env.world_size}.json").write_text(json.dumps(results, indent=1))
+    gc.collect()  # as the trainer's _shutdown: free the meshes' groups before destroying
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
