@@ -122,6 +122,8 @@ class TrainConfig:
     param_dtype: str = "fp32"  # fp32 master weights | bf16 weights (with optim.name=adamw_bf16)
     activation_checkpointing: str = "none"  # none | full | selective (every n-th block)
     activation_checkpointing_every: int = 2
+    # Blocks' saved tensors (checkpointed: their inputs) wait in CPU memory (train/offload.py)
+    activation_offload: bool = False
     compile: bool = False
     deterministic: bool = False
     progress_bar: Optional[bool] = None  # None: on when stderr is a terminal

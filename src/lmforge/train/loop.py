@@ -45,6 +45,7 @@ from lmforge.perf.flops import device_peak_flops, model_flops_per_token
 from lmforge.train import metrics as M
 from lmforge.train.model_setup import (TrainModel, build_train_model, clip_grad_norm,
                                        gather_full_state_dict)
+from lmforge.train.offload import offload_summary
 from lmforge.train.optim import Optimizers
 from lmforge.train.run_dir import CHECKPOINTS, RunLock, claim_run_dir
 from lmforge.train.step import count_valid_tokens, global_step_loss, global_valid_tokens
@@ -109,6 +110,8 @@ def _run_in(cfg: JobConfig, rt: Runtime, out_dir: Path) -> dict:
                  f"{', ' + cfg.lora.quantize + ' base' if cfg.lora.quantize else ''}: "
                  f"{trainable_summary(model.parts[0])}"
                  f"{' (stage 0)' if len(model.parts) > 1 or rt.dims.pp > 1 else ''}")
+    if cfg.train.activation_offload:
+        _say(rt, offload_summary(rt.device, cfg.train.activation_checkpointing))
     checkpoints = Checkpoints(cfg, rt, out_dir)
     start_step = checkpoints.resume(model, optimizers, data)
     end_step = min(cfg.train.max_steps, cfg.train.stop_at_step or cfg.train.max_steps)

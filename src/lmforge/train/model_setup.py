@@ -30,6 +30,7 @@ from lmforge.parallel.pipeline import (build_schedule, has_first_stage, has_last
                                        split_model)
 from lmforge.peft.adapters import load_adapter
 from lmforge.peft.lora import after_materialize, is_lora_param, prepare_model_for_lora
+from lmforge.train.offload import ActivationOffloader, offload_blocks
 from lmforge.train.step import accumulate_gradients, normalize_loss
 
 LAYOUT_INDEPENDENT_INIT_BYTES = 4 * 2**30
@@ -44,6 +45,7 @@ class TrainModel:
     schedule: object = None  # pipeline schedule when pp > 1
     stage_ids: list[int] = field(default_factory=list)
     loss_chunk_tokens: int = 0  # train.loss_chunk_tokens (one process, dp, FSDP only)
+    offload: Optional[ActivationOffloader] = None  # train.activation_offload
     _n_valid: int = 1
 
     @property
@@ -127,6 +129,11 @@ def build_train_model(cfg: JobConfig, args, device: torch.device,
         if cfg.lora.enabled:  # module swap on the meta model, before any sharding
             prepare_model_for_lora(part, cfg.lora)
         apply_model_parallel(part, dims, cfg)
+    if cfg.train.activation_offload:
+        # Around the (checkpointed) blocks; one offloader for all of this rank's stages.
+        tm.offload = ActivationOffloader(device)
+        for part in tm.parts:
+            offload_blocks(part, tm.offload)
     full_sd = initial_state_dict(cfg, args, dims)
     small = 4 * count_parameters(model) <= LAYOUT_INDEPENDENT_INIT_BYTES
     if full_sd is not None and small:
