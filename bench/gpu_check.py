@@ -101,6 +101,9 @@ def path_specs(shapes: Shapes) -> list[PathSpec]:
         PathSpec("full, eager"),
         PathSpec("full, train.compile=true", ["train.compile=true"]),
         PathSpec("activation checkpointing full", ["train.activation_checkpointing=full"]),
+        # its peak memory against the row above's: what offloading the block inputs saves
+        PathSpec("activation checkpointing full + activation offload",
+                 ["train.activation_checkpointing=full", "train.activation_offload=true"]),
         PathSpec("activation checkpointing selective",
                  ["train.activation_checkpointing=selective"]),
         PathSpec("chunked loss", [f"train.loss_chunk_tokens={shapes.loss_chunk_tokens}"]),
