@@ -8,9 +8,9 @@ the head and the loss run outside the hooks: their tensors are needed first in b
 so a round trip would only stall it.
 
 What stays on the device (``keep_reason``): parameters (and autocast's copies of them,
-which autograd would otherwise save: a weight is never offloaded), tensors under
-``MIN_OFFLOAD_BYTES``, DTensors, views that do not cover their memory densely, and
-tensors on another device. With activation checkpointing a block saves only its inputs
+which autograd would otherwise save: a weight is never offloaded), the positions and mask
+every block is given, tensors under ``MIN_OFFLOAD_BYTES``, DTensors, views that do not
+cover their memory densely, and tensors on another device. With activation checkpointing a block saves only its inputs
 (``torch.utils.checkpoint`` saves them under these hooks, and pushes its own hooks for
 the block's inner tensors, which take precedence), so those inputs are what is offloaded;
 the recomputation in backward runs under checkpoint's hooks alone, and its tensors,
@@ -50,6 +50,7 @@ class OffloadStats:
     shared: int = 0  # saves of memory already offloaded in the same block forward
     kept_small: int = 0
     kept_weights: int = 0
+    kept_shared: int = 0  # positions, masks: inputs every block reads, alive all step anyway
     kept_other: int = 0  # DTensors, other subclasses, views that are not dense, other devices
     fetched: int = 0  # brought back when backward needed them
     prefetched: int = 0  # brought back ahead of use (the next block in backward)
@@ -92,28 +93,33 @@ class ActivationOffloader:
         self._groups: dict[int, _Group] = {}  # by id, in forward order
         self._next_group = 0
         self._group: Optional[int] = None  # the block forward in progress
-        self._weight_storages: set[int] = set()
+        self._kept_storages: dict[int, str] = {}  # storage -> keep reason, in this block
         # (storage, offset, numel, dtype) -> (tensor, handle) in the block forward in
         # progress (see ``pack``)
         self._seen: dict[tuple, tuple[torch.Tensor, _Offloaded]] = {}
 
     @contextlib.contextmanager
-    def block(self, module: nn.Module, follows_previous: bool) -> Iterator[None]:
+    def block(self, module: nn.Module, follows_previous: bool,
+              shared_inputs: tuple = ()) -> Iterator[None]:
         """Run one block's forward with its saved tensors offloaded. ``follows_previous``:
         the block before it ran just before it in this forward (not the first block of a
-        model or pipeline stage), so backward needs that one's tensors right after."""
+        model or pipeline stage), so backward needs that one's tensors right after.
+        ``shared_inputs``: tensors every block is given (positions, a mask): copying them
+        would free nothing, and would move them once per block."""
         self._drop_dead_groups()
         previous = self._next_group - 1 if follows_previous else None
         self._group = self._next_group
         self._groups[self._group] = _Group([], previous)
         self._next_group += 1
         with torch.no_grad():  # (a DTensor's to_local would be recorded)
-            self._weight_storages = {_storage_ptr(p) for p in module.parameters()}
+            self._kept_storages = {
+                **{_storage_ptr(t): "kept_shared" for t in shared_inputs},
+                **{_storage_ptr(p): "kept_weights" for p in module.parameters()}}
         try:
             with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
                 yield
         finally:
-            self._group, self._weight_storages = None, set()
+            self._group, self._kept_storages = None, {}
             self._seen.clear()
 
     # ---------------------------------------------------------------- forward: pack
@@ -154,8 +160,8 @@ class ActivationOffloader:
             return "kept_other"
         if type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
             return "kept_other"
-        if _storage_ptr(tensor) in self._weight_storages:
-            return "kept_weights"  # a view of a weight (weight.t())
+        if _storage_ptr(tensor) in self._kept_storages:  # (or a view: weight.t())
+            return self._kept_storages[_storage_ptr(tensor)]
         if tensor.device.type != self.device.type or not _dense(tensor):
             return "kept_other"
         if tensor.numel() * tensor.element_size() < self.min_bytes:
@@ -259,9 +265,12 @@ def _offload_forward(layer: nn.Module, offloader: ActivationOffloader,
                      follows_previous: bool) -> None:
     inner = layer.forward
 
-    def forward(*args, **kwargs):
-        with offloader.block(layer, follows_previous):
-            return inner(*args, **kwargs)
+    def forward(hidden, *args, **kwargs):
+        # A block takes (hidden states, positions, mask, cache): all but the hidden states
+        # are the same tensors for every block.
+        shared = tuple(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+        with offloader.block(layer, follows_previous, shared):
+            return inner(hidden, *args, **kwargs)
 
     layer.forward = forward
 

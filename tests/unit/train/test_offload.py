@@ -29,9 +29,13 @@ def _tiny_threshold(monkeypatch):
 
 
 def _micro_batches():
+    """With positions and a (causal) mask, as packed SFT gives: inputs of every block."""
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, ARGS.vocab_size, (MICRO_BATCHES, ROWS, SEQ + 1), generator=g)
-    return [{"input_ids": i[:, :-1], "labels": i[:, 1:]} for i in ids]
+    positions = torch.arange(SEQ).expand(ROWS, SEQ)
+    mask = torch.ones(ROWS, 1, SEQ, SEQ, dtype=torch.bool).tril()
+    return [{"input_ids": i[:, :-1], "labels": i[:, 1:], "positions": positions,
+             "mask": mask} for i in ids]
 
 
 def _step(checkpointing: str, activation_offload: bool):
@@ -62,6 +66,7 @@ def test_with_full_checkpointing_exactly_the_block_inputs_go_out_and_are_prefetc
     # loss's, nor a weight
     assert (stats.offloaded, stats.offloaded_bytes) == (blocks, blocks * BLOCK_INPUT_BYTES)
     assert stats.kept_weights == stats.shared == 0
+    assert stats.kept_shared == 2 * blocks  # positions and mask, read by every block
     # backward's first block (the last) waits for its copy; every other one was started
     # while the block after it ran its backward
     assert (stats.fetched, stats.prefetched) == (MICRO_BATCHES, blocks - MICRO_BATCHES)
@@ -93,18 +98,20 @@ def test_pack_copies_to_separate_memory_and_unpack_restores_values_and_strides()
     assert torch.equal(again, activation.view(2, 16, 64).transpose(0, 1))
 
 
-def test_weights_small_and_expanded_tensors_are_kept_as_they_are():
+def test_weights_shared_inputs_small_and_expanded_tensors_are_kept_as_they_are():
     offloader = ActivationOffloader(CPU, min_bytes=THRESHOLD)
     layer = nn.Linear(64, 64)
-    with offloader.block(layer, follows_previous=False):
+    mask = torch.ones(1, 1, 64, 64, dtype=torch.bool).tril()  # 4 KiB, given to every block
+    with offloader.block(layer, follows_previous=False, shared_inputs=(mask,)):
         kept = {"weight": layer.weight, "weight view": layer.weight.t(),
                 "cast weight": layer.weight.to(torch.float64),  # as autocast's bf16 copy
-                "small": torch.randn(8, 8),
+                "mask": mask, "small": torch.randn(8, 8),
                 "expanded": torch.randn(1, 64).expand(64, 64)}
         for name, tensor in kept.items():
             assert offloader.pack(tensor) is tensor, name
     s = offloader.stats
-    assert (s.kept_weights, s.kept_small, s.kept_other, s.offloaded) == (3, 1, 1, 0)
+    assert (s.kept_weights, s.kept_shared, s.kept_small, s.kept_other) == (3, 1, 1, 1)
+    assert s.offloaded == 0
 
 
 def test_a_value_that_is_not_a_boolean_is_refused_naming_the_field():
