@@ -265,12 +265,12 @@ def _offload_forward(layer: nn.Module, offloader: ActivationOffloader,
                      follows_previous: bool) -> None:
     inner = layer.forward
 
-    def forward(hidden, *args, **kwargs):
+    def forward(*args, **kwargs):
         # A block takes (hidden states, positions, mask, cache): all but the hidden states
         # are the same tensors for every block.
-        shared = tuple(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+        shared = tuple(a for a in (*args[1:], *kwargs.values()) if isinstance(a, torch.Tensor))
         with offloader.block(layer, follows_previous, shared):
-            return inner(hidden, *args, **kwargs)
+            return inner(*args, **kwargs)
 
     layer.forward = forward
 
