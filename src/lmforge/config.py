@@ -118,7 +118,7 @@ class TrainConfig:
     # newest checkpoint that verifies.
     verify_checkpoint: bool = True
     device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
+    dtype: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16 | fp16
     param_dtype: str = "fp32"  # fp32 master weights | bf16 weights (with optim.name=adamw_bf16)
     activation_checkpointing: str = "none"  # none | full | selective (every n-th block)
     activation_checkpointing_every: int = 2
@@ -301,7 +301,7 @@ _CHOICES = {
     "train.param_dtype": ("fp32", "bf16"),
     "optim.schedule": ("cosine", "linear", "constant"),
     "train.device": ("auto", "cpu", "cuda"),
-    "train.dtype": ("auto", "fp32", "bf16"),
+    "train.dtype": ("auto", "fp32", "bf16", "fp16"),
     "train.activation_checkpointing": ("none", "full", "selective"),
     "train.on_nonfinite": ("skip", "stop"),
     "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b"),
@@ -391,12 +391,15 @@ def _validate_batch(cfg: JobConfig, world_size: int) -> None:
 
 
 def _validate_in_backward(cfg: JobConfig, world_size: int, distributed: bool) -> None:
-    if cfg.train.param_dtype == "bf16" and distributed:
-        raise ConfigError("train.param_dtype: bf16 weights are for one process; with "
-                          "several, FSDP2 keeps fp32 shards and computes in bf16")
+    if cfg.train.param_dtype == "bf16" and (distributed or cfg.train.dtype == "fp16"):
+        raise ConfigError("train.param_dtype: bf16 weights are for one process computing in "
+                          "bf16 (FSDP2 keeps fp32 shards, fp16 keeps fp32 master weights)")
     if not cfg.optim.in_backward:
         return
-    # The update happens during backward, before the step's total gradient is known.
+    # The update happens in backward, before the step's total gradient (or fp16 overflow) is known.
+    if cfg.train.dtype == "fp16":
+        raise ConfigError("optim.in_backward: cannot be combined with train.dtype=fp16 (a "
+                          "step whose gradients overflow must be skipped whole)")
     if cfg.optim.grad_clip:
         raise ConfigError("optim.grad_clip: must be 0 with optim.in_backward (the total "
                           "gradient norm is not known when each parameter is updated)")
@@ -490,8 +493,8 @@ def grad_accumulation_steps(cfg: JobConfig, dp_size: int) -> int:
 
 
 def compute_dtype(cfg: JobConfig, device_type: str) -> str:
-    """bf16 | fp32: what the model computes in; train.dtype=auto is bf16 on a GPU and fp32
-    on the CPU."""
+    """bf16 | fp16 | fp32: what the model computes in; train.dtype=auto is bf16 on a GPU
+    and fp32 on the CPU."""
     if cfg.train.dtype != "auto":
         return cfg.train.dtype
     return "bf16" if device_type == "cuda" else "fp32"
