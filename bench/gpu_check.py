@@ -108,6 +108,8 @@ def path_specs(shapes: Shapes) -> list[PathSpec]:
                  ["train.activation_checkpointing=selective"]),
         PathSpec("chunked loss", [f"train.loss_chunk_tokens={shapes.loss_chunk_tokens}"]),
         PathSpec("low memory (bf16 weights, adamw_bf16, in backward)", low_memory),
+        # against "full, eager" (bf16 on a GPU): fp16's speed, memory and loss
+        PathSpec("fp16 autocast, dynamic loss scaling", ["train.dtype=fp16"]),
         PathSpec("FSDP2, one process (torchrun, dp_shard=1)", ["parallel.dp_shard=1"],
                  kind="torchrun"),
         PathSpec("LoRA", lora),

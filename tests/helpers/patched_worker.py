@@ -1,6 +1,9 @@
 """`lmforge` with one fault injected, chosen by LMFORGE_TEST_FAULT (tests only):
 
   nan:RANK:STEP      that rank's loss and gradients become NaN at that step
+  inf_grad:RANK:STEP one of that rank's gradients becomes inf at that step (the loss stays
+                     finite), as an fp16 overflow would; every rank prints its loss scale
+                     after each step ("rank R: step S: loss scale X")
   hang_commit:STEP   the checkpoint of that step stalls just before its commit (after
                      every data file is written), touching LMFORGE_TEST_SIGNAL first
 """
@@ -31,6 +34,28 @@ if kind == "nan":
         return loss
 
     model_setup.accumulate_gradients = poisoned
+
+elif kind == "inf_grad":
+    from lmforge.train.precision import LossScaler
+
+    bad_rank, bad_step = int(params[0]), int(params[1])
+    rank = int(os.environ.get("RANK", 0))
+    unscale, step = LossScaler.unscale, LossScaler.step
+
+    def overflowing_unscale(self, optimizers):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == bad_step and rank == bad_rank:
+            grad = next(p.grad for o in optimizers for g in o.param_groups
+                        for p in g["params"] if p.grad is not None)
+            local = grad.to_local() if hasattr(grad, "to_local") else grad  # (a shard)
+            local.fill_(float("inf"))
+        unscale(self, optimizers)
+
+    def reporting_step(self, optimizers, step_number, update=True):
+        step(self, optimizers, step_number, update)
+        print(f"rank {rank}: step {step_number}: loss scale {self.scale:g}", flush=True)
+
+    LossScaler.unscale, LossScaler.step = overflowing_unscale, reporting_step
 
 elif kind == "hang_commit":
     from lmforge.checkpoint import layout

@@ -27,7 +27,7 @@ class Setup:
     seq_len: int
     micro_batch: int
     device: str = "cuda"  # cuda | cpu
-    compute: str = "bf16"  # bf16 (autocast, or FSDP2 bf16 params) | fp32
+    compute: str = "bf16"  # bf16 | fp16 (autocast, or FSDP2 half params) | fp32
     checkpointing: str = "none"  # none | full
     trainable: Trainability = field(default_factory=Trainability.full)
     lora: Optional[LoraSpec] = None
@@ -63,9 +63,16 @@ class Setup:
         return self.dp_shard * self.dp_replicate > 1
 
     @property
+    def half(self) -> bool:
+        """Whether the model computes in a 2-byte dtype. bf16 and fp16 cost the same
+        bytes everywhere but in a LoRA run's frozen base (``frozen_weight_dtype``); fp16's
+        loss scaler holds two scalars."""
+        return self.compute in ("bf16", "fp16")
+
+    @property
     def autocast(self) -> bool:
-        """Whether autocast makes bf16 copies of fp32 weights (bf16 weights need none)."""
-        return self.compute == "bf16" and not self.fsdp and self.param_dtype == "fp32"
+        """Whether autocast makes half copies of fp32 weights (bf16 weights need none)."""
+        return self.half and not self.fsdp and self.param_dtype == "fp32"
 
 
 # ------------------------------------------------------------------- storage dtypes
@@ -73,7 +80,8 @@ class Setup:
 def frozen_weight_dtype(setup: Setup) -> str:
     """Storage of frozen, unquantized projection weights, as the trainer keeps them: bf16
     for a LoRA run computing in bf16 without quantization (``frozen_linears_to_bf16``),
-    else fp32; ``--base-dtype`` overrides."""
+    else fp32 (fp16 included: the trainer keeps an fp16 run's frozen base in fp32);
+    ``--base-dtype`` overrides."""
     if setup.param_dtype == "bf16":
         return "bf16"
     if setup.lora is not None and setup.lora.base_dtype:
@@ -86,13 +94,13 @@ def frozen_weight_dtype(setup: Setup) -> str:
 def compute_bytes(setup: Setup) -> int:
     """C in docs/estimate.md: bytes of the compute dtype, so of matmul outputs, logits and
     parameters FSDP2 gathers."""
-    return 2 if setup.compute == "bf16" else 4
+    return 2 if setup.half else 4
 
 
 def residual_bytes(setup: Setup) -> int:
     """R in docs/estimate.md: bytes of the residual stream, the embedding's output dtype.
     Autocast leaves the lookup alone, so under autocast it is the embedding's storage."""
-    if setup.compute != "bf16":
+    if not setup.half:
         return 4
     if setup.fsdp or setup.param_dtype == "bf16":
         return 2
@@ -101,9 +109,8 @@ def residual_bytes(setup: Setup) -> int:
 
 def adapter_bytes(setup: Setup) -> int:
     """Bytes of a LoRA adapter's weights (and so of the input it keeps without autocast):
-    bf16 when FSDP2 gathers bf16 parameters or every weight is bf16, else fp32."""
-    bf16 = (setup.fsdp and setup.compute == "bf16") or setup.param_dtype == "bf16"
-    return 2 if bf16 else 4
+    2 bytes when FSDP2 gathers half parameters or every weight is bf16, else fp32."""
+    return 2 if (setup.fsdp and setup.half) or setup.param_dtype == "bf16" else 4
 
 
 # ----------------------------------------------------------------------- from config

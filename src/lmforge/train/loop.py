@@ -6,8 +6,6 @@ export and a sample.
 """
 from __future__ import annotations
 
-import contextlib
-import functools
 import gc
 import json
 import math
@@ -47,6 +45,7 @@ from lmforge.train.model_setup import (TrainModel, build_train_model, clip_grad_
                                        gather_full_state_dict)
 from lmforge.train.offload import offload_summary
 from lmforge.train.optim import Optimizers
+from lmforge.train.precision import LossScaler, device_notes, mixed_precision
 from lmforge.train.run_dir import CHECKPOINTS, RunLock, claim_run_dir
 from lmforge.train.step import count_valid_tokens, global_step_loss, global_valid_tokens
 
@@ -102,9 +101,12 @@ def _run_in(cfg: JobConfig, rt: Runtime, out_dir: Path) -> dict:
     args = resolve_model_args(cfg, tokenizer)
     data = build_data(cfg, tokenizer, rt.dp_rank, rt.dp_size, cache_dir=out_dir / "cache")
     model = build_train_model(cfg, args, rt.device, rt.dims, rt.param_dtype)
-    optimizers = Optimizers(model.parts, cfg.optim, cfg.train.max_steps)
+    optimizers = Optimizers(model.parts, cfg.optim, cfg.train.max_steps,
+                            LossScaler.for_job(cfg, rt.device, rt.is_logging_rank))
     _say(rt, f"model: {count_parameters(build_model(args)):,} parameters ({_describe(args)}) "
              f"on {rt.world_size} x {rt.device.type} ({_layout(rt)}); data: {data.description}")
+    for note in device_notes(compute_dtype(cfg, rt.device.type), rt.device.type):
+        _say(rt, note)
     if cfg.lora.enabled:
         _say(rt, f"LoRA rank {cfg.lora.rank} on {cfg.lora.targets}"
                  f"{', ' + cfg.lora.quantize + ' base' if cfg.lora.quantize else ''}: "
@@ -151,11 +153,8 @@ def init_runtime(cfg: JobConfig, env: DistEnv, distributed: bool = False) -> Run
     init_distributed(env, device_type, distributed)
     dims = (build_parallel_dims(cfg.parallel, env.world_size, device_type) if distributed
             else ParallelDims())
-    use_bf16 = compute_dtype(cfg, device_type) == "bf16"
-    # Under FSDP, parameters are cast to bf16 when gathered; elsewhere autocast does it.
-    param_dtype = torch.bfloat16 if use_bf16 and dims.uses_fsdp else None
-    autocast = (functools.partial(torch.autocast, device_type, dtype=torch.bfloat16)
-                if use_bf16 and param_dtype is None else contextlib.nullcontext)
+    autocast, param_dtype = mixed_precision(compute_dtype(cfg, device_type), device_type,
+                                            dims.uses_fsdp)
     return Runtime(device=device, autocast=autocast, rank=env.rank,
                    world_size=env.world_size, dims=dims, param_dtype=param_dtype)
 
@@ -273,18 +272,23 @@ def run_loop(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optimiz
     bar = _progress_bar(cfg, rt, start_step)
     # The whole run's records (rank 0): an earlier invocation's, then this one's.
     history, nonfinite_steps = list(logger.earlier), 0
+    scaler = optimizers.scaler  # fp16's loss scale (a no-op otherwise)
     end_step = end_step or t.max_steps
     for step in range(start_step + 1, end_step + 1):
         micro_batches = [data.train.next_batch() for _ in range(accum)]
         n_valid = global_valid_tokens(count_valid_tokens(micro_batches), rt.dims, rt.device)
-        local_loss = model.forward_backward(micro_batches, n_valid, rt.device, rt.autocast)
+        local_loss = model.forward_backward(micro_batches, n_valid, rt.device, rt.autocast,
+                                            scaler.scale)
         loss = global_step_loss(local_loss, rt.dims)
+        scaler.unscale(optimizers.optimizers)  # the true gradients, for the norm and clipping
         # With the update fused into backward no gradient outlives its parameter's step.
         grad_norm = None if cfg.optim.in_backward else clip_grad_norm(model, cfg.optim.grad_clip)
         lr = optimizers.lr
-        finite = check_finite(rt, step, local_loss, loss, grad_norm, micro_batches, t)
+        # fp16: gradients that overflowed are the scaler's to skip, not a non-finite step.
+        finite = check_finite(rt, step, local_loss, loss,
+                              None if scaler.enabled else grad_norm, micro_batches, t)
         nonfinite_steps += not finite
-        optimizers.step(update=finite)
+        optimizers.step(update=finite, step=step)
         step_tokens = sum(b["input_ids"].numel() for b in micro_batches) * rt.dp_size
         throughput.add(step_tokens)
         if step % t.log_every == 0 or step == start_step + 1 or step == end_step:
@@ -293,7 +297,7 @@ def run_loop(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optimiz
                       **throughput.report(), **M.memory_metrics(rt.device),
                       "tokens": step * cfg.data.seq_len * samples_per_step(cfg, rt.dp_size),
                       "valid_tokens": n_valid, "nonfinite_steps": nonfinite_steps,
-                      "consumed_samples": data.train.consumed_samples}
+                      "consumed_samples": data.train.consumed_samples, **scaler.metrics()}
             if t.log_sample_ids:
                 record["sample_ids"] = [int(i) for b in micro_batches
                                         for i in b.get("sample_ids", [])]
@@ -357,6 +361,7 @@ class Checkpoints:
             return 0
         extra, rank_state = load_checkpoint(path, model.parts, optimizers.optimizers)
         optimizers.load_scheduler_state(extra["scheduler"])
+        optimizers.scaler.load_state_dict(extra.get("loss_scale"))
         data.train.load_state_dict(extra["data"])
         step = int(extra["step"])
         if rank_state is not None and read_meta(path).get("world_size") == self.rt.world_size:
@@ -373,7 +378,8 @@ class Checkpoints:
         if not ((final and self.cfg.train.save) or (every and step % every == 0)):
             return
         extra = {"step": step, "scheduler": optimizers.scheduler_state(),
-                 "data": data.train.state_dict()}
+                 "data": data.train.state_dict(),
+                 "loss_scale": optimizers.scaler.state_dict()}
         self.writer.save(step, model.parts, optimizers.optimizers, extra, capture_rng(),
                          self.cfg.to_dict())
 

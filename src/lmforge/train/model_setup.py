@@ -46,7 +46,8 @@ class TrainModel:
     stage_ids: list[int] = field(default_factory=list)
     loss_chunk_tokens: int = 0  # train.loss_chunk_tokens (one process, dp, FSDP only)
     offload: Optional[ActivationOffloader] = None  # train.activation_offload
-    _n_valid: int = 1
+    _n_valid: int = 1  # the current step's, for pipeline_loss
+    _loss_scale: float = 1.0
 
     @property
     def mesh(self):
@@ -75,16 +76,20 @@ class TrainModel:
         return contextlib.nullcontext()
 
     def forward_backward(self, micro_batches: list[dict], n_valid: int,
-                         device: torch.device, autocast) -> torch.Tensor:
-        """This rank's share of the step loss (sum of its token losses / n_valid)."""
+                         device: torch.device, autocast, loss_scale: float = 1.0
+                         ) -> torch.Tensor:
+        """This rank's share of the step loss (sum of its token losses / n_valid);
+        backward runs on it times ``loss_scale`` (fp16's, else 1)."""
         with self.loss_context():
             if self.schedule is None:
                 return accumulate_gradients(self.parts[0], micro_batches, device, autocast,
-                                            n_valid, self.dims.dp, self.loss_chunk_tokens)
-            return self._pipeline_step(micro_batches, n_valid, device, autocast)
+                                            n_valid, self.dims.dp, self.loss_chunk_tokens,
+                                            loss_scale)
+            return self._pipeline_step(micro_batches, n_valid, device, autocast, loss_scale)
 
-    def _pipeline_step(self, micro_batches, n_valid, device, autocast) -> torch.Tensor:
-        self._n_valid = n_valid
+    def _pipeline_step(self, micro_batches, n_valid, device, autocast, loss_scale
+                       ) -> torch.Tensor:
+        self._n_valid, self._loss_scale = n_valid, loss_scale
         parts = list(zip(self.stage_ids, self.parts))
         n_stages = self.dims.pp * len(self.parts)
         inputs = torch.cat([b["input_ids"] for b in micro_batches]).to(device)
@@ -101,11 +106,16 @@ class TrainModel:
         total = torch.zeros((), device=device)
         for loss in losses:  # (none off the last stage)
             total += full_value(loss)
-        return total / self.dims.dp  # the share normalize_loss(.., dp=1) gives
+        # The share normalize_loss(.., dp=1) gives; the scale, a power of two, divides
+        # out exactly.
+        return total / (self.dims.dp * loss_scale)
 
     def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The schedule's loss function, called per pipeline microbatch on the last stage."""
-        return normalize_loss(token_loss_sum(output, target), self._n_valid, self.dims.dp)
+        """The schedule's loss function, called per pipeline microbatch on the last stage
+        (and by the schedule's set-up): what it returns is back-propagated, so it carries
+        the loss scale."""
+        loss = normalize_loss(token_loss_sum(output, target), self._n_valid, self.dims.dp)
+        return loss * self._loss_scale
 
     def evaluate(self, batches, device, autocast) -> tuple[float, int]:
         with self.loss_context():

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import nn
 
 from lmforge.config import OptimConfig
 from lmforge.train.low_memory import AdamWBF16, fuse_step_into_backward
+from lmforge.train.precision import LossScaler
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -49,11 +51,14 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_step
 
 class Optimizers:
     """One optimizer and LR schedule per model part (pipeline stage), stepped together,
-    so each part's optimizer state maps onto that part's parameter names."""
+    so each part's optimizer state maps onto that part's parameter names; stepped
+    through ``scaler`` (fp16's loss scale; default: none)."""
 
-    def __init__(self, parts: list[nn.Module], cfg: OptimConfig, max_steps: int):
+    def __init__(self, parts: list[nn.Module], cfg: OptimConfig, max_steps: int,
+                 scaler: LossScaler | None = None):
         self.optimizers = [build_optimizer(part, cfg) for part in parts]
         self.schedulers = [build_scheduler(o, cfg, max_steps) for o in self.optimizers]
+        self.scaler = scaler or LossScaler()
         self.in_backward = cfg.in_backward
         if self.in_backward:
             for o in self.optimizers:
@@ -63,14 +68,18 @@ class Optimizers:
     def lr(self) -> float:
         return self.optimizers[0].param_groups[0]["lr"]
 
-    def step(self, update: bool = True) -> None:
-        """``update=False`` skips the parameter update (a non-finite step) but still
-        advances the schedule, so the LR stays a function of the step number."""
-        if update and not self.in_backward:  # in_backward: already applied
-            for o in self.optimizers:
-                o.step()
-        for s in self.schedulers:
-            s.step()
+    def step(self, update: bool = True, step: int = 0) -> None:
+        """``update=False`` skips the parameter update (a non-finite step), as the loss
+        scaler does when fp16 gradients overflowed, but the schedule still advances, so
+        the LR stays a function of the step number (``step``, for messages)."""
+        if not self.in_backward:  # in_backward: already applied
+            self.scaler.step(self.optimizers, step, update)
+        with warnings.catch_warnings():
+            # A skipped first update is deliberate: torch would warn that the schedule
+            # stepped before the optimizer did.
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler")
+            for s in self.schedulers:
+                s.step()
         self.zero_grad()
 
     def zero_grad(self) -> None:

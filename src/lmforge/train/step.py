@@ -69,17 +69,19 @@ def global_step_loss(local: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
 
 def accumulate_gradients(model: nn.Module, micro_batches: list[dict], device: torch.device,
                          autocast=contextlib.nullcontext, n_valid: int | None = None,
-                         dp: int = 1, loss_chunk_tokens: int = 0) -> torch.Tensor:
+                         dp: int = 1, loss_chunk_tokens: int = 0,
+                         loss_scale: float = 1.0) -> torch.Tensor:
     """Forward/backward over the micro-batches of one step; returns this rank's share of
     the step loss. ``n_valid``, ``dp``: see ``normalize_loss`` (default: this rank's own
     valid tokens, one process). ``loss_chunk_tokens``: see ``chunked_loss_sum`` (0: the
-    whole micro-batch's logits at once).
+    whole micro-batch's logits at once). ``loss_scale``: what each micro-batch's
+    back-propagated loss is multiplied by (fp16: ``precision.LossScaler``).
     """
     if n_valid is None:
         n_valid = count_valid_tokens(micro_batches)
     loss_sum = torch.zeros((), device=device)
     for batch in micro_batches:
         micro_loss = micro_batch_loss_sum(model, batch, device, autocast, loss_chunk_tokens)
-        normalize_loss(micro_loss, n_valid, dp).backward()
+        (normalize_loss(micro_loss, n_valid, dp) * loss_scale).backward()
         loss_sum += full_value(micro_loss)  # (a replicated DTensor under loss parallel)
     return normalize_loss(loss_sum, n_valid)

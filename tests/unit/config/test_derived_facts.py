@@ -1,5 +1,5 @@
 """The facts derived from a config (layout, accumulation, compute dtype) and their one
-definition each in config.py."""
+definition each in lmforge.config (config/schema.py)."""
 import pytest
 
 from lmforge.config import (ConfigError, ParallelConfig, compute_dtype,

@@ -26,6 +26,7 @@ from lmforge.perf.flops import Trainability
 from lmforge.perf.tracker import TensorMemoryTracker
 from lmforge.peft.targets import LoraSpec
 from lmforge.train.optim import Optimizers
+from lmforge.train.precision import LossScaler
 from lmforge.train.model_setup import frozen_linears_to_bf16
 from lmforge.train.step import accumulate_gradients
 
@@ -41,10 +42,11 @@ SEQ = 64
 def measure_step(lora: bool, ckpt: bool, micro_batch: int, bf16: bool = False,
                  quantize=None, dropout: float = 0.0, targets=("q_proj", "v_proj"),
                  loss_chunk: int = 0, vocab: int = ARGS.vocab_size, low_memory: bool = False,
-                 family: str = "llama"):
+                 family: str = "llama", fp16: bool = False):
     """(measured peak bytes of step 2, the Setup describing the same run). ``low_memory``:
     bf16 weights, adamw_bf16, the step fused into backward (the trainer's low-memory
-    path); ``family``: which tiny model of TINY."""
+    path); ``family``: which tiny model of TINY; ``fp16``: fp16 autocast with the loss
+    scaler the trainer uses (frozen weights stay fp32)."""
     args = dataclasses.replace(TINY[family], vocab_size=vocab)
     torch.manual_seed(0)
     cfg = JobConfig()
@@ -65,9 +67,11 @@ def measure_step(lora: bool, ckpt: bool, micro_batch: int, bf16: bool = False,
     if low_memory:
         cfg.train.param_dtype, cfg.optim.name, cfg.optim.in_backward = "bf16", "adamw_bf16", True
         model.to(torch.bfloat16)
-    optimizers = Optimizers([model], cfg.optim, max_steps=10)
+    optimizers = Optimizers([model], cfg.optim, max_steps=10,
+                            scaler=LossScaler(enabled=fp16, init_scale=1024.0))
     optimizer = optimizers.optimizers[0]
-    autocast = (functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16) if bf16
+    half = torch.bfloat16 if bf16 else torch.float16 if fp16 else None
+    autocast = (functools.partial(torch.autocast, "cpu", dtype=half) if half
                 else contextlib.nullcontext)
     ids = torch.randint(0, vocab, (micro_batch, SEQ))
     batch = {"input_ids": ids, "labels": ids.clone()}
@@ -75,7 +79,8 @@ def measure_step(lora: bool, ckpt: bool, micro_batch: int, bf16: bool = False,
 
     def step():
         accumulate_gradients(model, [batch], torch.device("cpu"), autocast,
-                             loss_chunk_tokens=loss_chunk)
+                             loss_chunk_tokens=loss_chunk, loss_scale=optimizers.scaler.scale)
+        optimizers.scaler.unscale(optimizers.optimizers)  # (a no-op without fp16)
         if not low_memory:  # (low memory: each parameter was stepped in backward)
             torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizers.step()
@@ -92,7 +97,7 @@ def measure_step(lora: bool, ckpt: bool, micro_batch: int, bf16: bool = False,
         spec = LoraSpec(rank=cfg.lora.rank, targets=tuple(targets), quantize=quantize,
                         dropout=dropout)
     setup = Setup(args=args, seq_len=SEQ, loss_chunk_tokens=loss_chunk, micro_batch=micro_batch,
-                  device="cpu", compute="bf16" if bf16 else "fp32",
+                  device="cpu", compute="bf16" if bf16 else "fp16" if fp16 else "fp32",
                   checkpointing="full" if ckpt else "none",
                   trainable=Trainability.from_model(model), lora=spec,
                   optimizer=cfg.optim.name, param_dtype=cfg.train.param_dtype,
@@ -112,7 +117,10 @@ EXTRA = [dict(lora=False, ckpt=False, micro_batch=4, bf16=True),
          # the low-memory full fine-tune: bf16 weights and moments, step in backward
          dict(lora=False, ckpt=False, micro_batch=4, bf16=True, low_memory=True),
          dict(lora=False, ckpt=True, micro_batch=1, bf16=True, low_memory=True),
-         dict(lora=False, ckpt=True, micro_batch=4, vocab=8192, bf16=True, low_memory=True)]
+         dict(lora=False, ckpt=True, micro_batch=4, vocab=8192, bf16=True, low_memory=True),
+         # fp16: bf16's bytes, except a LoRA run's frozen base, which stays fp32
+         dict(lora=False, ckpt=False, micro_batch=4, fp16=True),
+         dict(lora=True, ckpt=True, micro_batch=4, fp16=True)]
 # GPT-J: one LayerNorm read by both branches (under bf16 autocast each of q/k/v and fc_in
 # keeps its own bf16 copy of it), partial rotary, GELU MLP and head with biases; QLoRA on
 # every projection, checkpointed, peaks at fc_in's adapter sum in the recompute

@@ -1,20 +1,14 @@
-"""Typed job configuration: dataclasses, YAML loading, ``key=value`` overrides, validation.
-
-Every value that reaches the trainer passes through here. ``validate()`` runs before any
-model is built or data is read, and every error names the field at fault, so a bad
-config costs a second, not a queued GPU job.
-"""
+"""The job configuration's types (one dataclass per section), ``validate()`` and the
+facts derived from a config (resolved layout, gradient accumulation, compute dtype,
+device). ``validate()`` runs before any model is built or data is read, and every error
+names the field at fault, so a bad config costs a second, not a queued GPU job."""
 from __future__ import annotations
 
 import dataclasses
 import math
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
-
-import yaml
+from typing import Any, Optional
 
 
 class ConfigError(ValueError):
@@ -118,7 +112,7 @@ class TrainConfig:
     # newest checkpoint that verifies.
     verify_checkpoint: bool = True
     device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
+    dtype: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16 | fp16
     param_dtype: str = "fp32"  # fp32 master weights | bf16 weights (with optim.name=adamw_bf16)
     activation_checkpointing: str = "none"  # none | full | selective (every n-th block)
     activation_checkpointing_every: int = 2
@@ -188,112 +182,6 @@ class JobConfig:
         return self
 
 
-# ---------------------------------------------------------------------------- loading
-
-def load_config(path: Optional[str | Path] = None, overrides: list[str] = ()) -> JobConfig:
-    """YAML file (or the embedded demo when None) + ``section.key=value`` overrides."""
-    cfg = JobConfig()
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path}: not found")
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path}: not valid YAML ({_one_line(e)})") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"config file {path}: top level must be a mapping of sections")
-        apply_dict(cfg, raw)
-    for item in overrides:
-        apply_override(cfg, item)
-    return cfg
-
-
-def apply_dict(cfg: JobConfig, raw: dict) -> None:
-    for section, values in raw.items():
-        if not hasattr(cfg, section) or not dataclasses.is_dataclass(getattr(cfg, section)):
-            raise ConfigError(f"{section}: unknown config section "
-                              f"(known: {', '.join(f.name for f in dataclasses.fields(cfg))})")
-        if values is None:
-            continue
-        if not isinstance(values, dict):
-            raise ConfigError(f"{section}: must be a mapping of keys to values")
-        for key, value in values.items():
-            set_field(cfg, f"{section}.{key}", value)
-
-
-def apply_override(cfg: JobConfig, item: str) -> None:
-    if "=" not in item:
-        raise ConfigError(f"{item}: overrides are written section.key=value")
-    key, text = item.split("=", 1)
-    try:
-        value = yaml.safe_load(text) if text != "" else None
-    except yaml.YAMLError:
-        value = text
-    set_field(cfg, key.strip(), value)
-
-
-def set_field(cfg: JobConfig, dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    if len(parts) != 2:
-        raise ConfigError(f"{dotted}: keys are written section.key (e.g. optim.lr)")
-    section_name, key = parts
-    section = getattr(cfg, section_name, None)
-    if section is None or not dataclasses.is_dataclass(section):
-        raise ConfigError(f"{dotted}: unknown config section '{section_name}'")
-    hints = typing.get_type_hints(type(section))
-    if key not in hints:
-        known = ", ".join(f.name for f in dataclasses.fields(section))
-        raise ConfigError(f"{dotted}: unknown key (known in {section_name}: {known})")
-    setattr(section, key, _coerce(dotted, value, hints[key]))
-
-
-def _coerce(name: str, value: Any, hint: Any) -> Any:
-    if typing.get_origin(hint) in (Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
-            return None
-        return _coerce(name, value, next(a for a in typing.get_args(hint)
-                                         if a is not type(None)))
-    if hint not in _COERCIONS:
-        return value  # Any
-    accepts, convert, expected = _COERCIONS[hint]
-    if not accepts(value):
-        raise ConfigError(f"{name}: expected {expected}, got {value!r}")
-    return convert(value)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_float_text(value: Any) -> bool:
-    try:
-        float(value)
-    except (TypeError, ValueError):
-        return False
-    return isinstance(value, str)
-
-
-# field type -> (accepts the value?, converts it, what the error says was expected)
-_COERCIONS = {
-    bool: (lambda v: isinstance(v, bool), bool, "true or false"),
-    int: (lambda v: _is_number(v) and (isinstance(v, int) or v.is_integer()), int,
-          "an integer"),
-    # YAML 1.1 reads "3e-4" as a string
-    float: (lambda v: _is_number(v) or _is_float_text(v), float, "a number"),
-    str: (lambda v: _is_number(v) or isinstance(v, str), str, "a string"),
-    list: (lambda v: isinstance(v, list), lambda v: v, "a list"),
-}
-
-
-def _one_line(err: Exception) -> str:
-    return " ".join(str(err).split())
-
-
-def save_config(cfg: JobConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-
-
 # ------------------------------------------------------------------------- validation
 
 _CHOICES = {
@@ -303,7 +191,7 @@ _CHOICES = {
     "train.param_dtype": ("fp32", "bf16"),
     "optim.schedule": ("cosine", "linear", "constant"),
     "train.device": ("auto", "cpu", "cuda"),
-    "train.dtype": ("auto", "fp32", "bf16"),
+    "train.dtype": ("auto", "fp32", "bf16", "fp16"),
     "train.activation_checkpointing": ("none", "full", "selective"),
     "train.on_nonfinite": ("skip", "stop"),
     "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b"),
@@ -393,12 +281,15 @@ def _validate_batch(cfg: JobConfig, world_size: int) -> None:
 
 
 def _validate_in_backward(cfg: JobConfig, world_size: int, distributed: bool) -> None:
-    if cfg.train.param_dtype == "bf16" and distributed:
-        raise ConfigError("train.param_dtype: bf16 weights are for one process; with "
-                          "several, FSDP2 keeps fp32 shards and computes in bf16")
+    if cfg.train.param_dtype == "bf16" and (distributed or cfg.train.dtype == "fp16"):
+        raise ConfigError("train.param_dtype: bf16 weights are for one process computing in "
+                          "bf16 (FSDP2 keeps fp32 shards, fp16 keeps fp32 master weights)")
     if not cfg.optim.in_backward:
         return
-    # The update happens during backward, before the step's total gradient is known.
+    # The update happens in backward, before the step's total gradient (or fp16 overflow) is known.
+    if cfg.train.dtype == "fp16":
+        raise ConfigError("optim.in_backward: cannot be combined with train.dtype=fp16 (a "
+                          "step whose gradients overflow must be skipped whole)")
     if cfg.optim.grad_clip:
         raise ConfigError("optim.grad_clip: must be 0 with optim.in_backward (the total "
                           "gradient norm is not known when each parameter is updated)")
@@ -492,8 +383,8 @@ def grad_accumulation_steps(cfg: JobConfig, dp_size: int) -> int:
 
 
 def compute_dtype(cfg: JobConfig, device_type: str) -> str:
-    """bf16 | fp32: what the model computes in; train.dtype=auto is bf16 on a GPU and fp32
-    on the CPU."""
+    """bf16 | fp16 | fp32: what the model computes in; train.dtype=auto is bf16 on a GPU
+    and fp32 on the CPU."""
     if cfg.train.dtype != "auto":
         return cfg.train.dtype
     return "bf16" if device_type == "cuda" else "fp32"

@@ -1,0 +1,117 @@
+"""A config from YAML and ``section.key=value`` overrides: each value coerced to its
+field's type, unknown sections and keys refused naming them."""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import yaml
+
+from lmforge.config.schema import ConfigError, JobConfig
+
+
+def load_config(path: Optional[str | Path] = None, overrides: list[str] = ()) -> JobConfig:
+    """YAML file (or the embedded demo when None) + ``section.key=value`` overrides."""
+    cfg = JobConfig()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path}: not found")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path}: not valid YAML ({_one_line(e)})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {path}: top level must be a mapping of sections")
+        apply_dict(cfg, raw)
+    for item in overrides:
+        apply_override(cfg, item)
+    return cfg
+
+
+def apply_dict(cfg: JobConfig, raw: dict) -> None:
+    for section, values in raw.items():
+        if not hasattr(cfg, section) or not dataclasses.is_dataclass(getattr(cfg, section)):
+            raise ConfigError(f"{section}: unknown config section "
+                              f"(known: {', '.join(f.name for f in dataclasses.fields(cfg))})")
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise ConfigError(f"{section}: must be a mapping of keys to values")
+        for key, value in values.items():
+            set_field(cfg, f"{section}.{key}", value)
+
+
+def apply_override(cfg: JobConfig, item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"{item}: overrides are written section.key=value")
+    key, text = item.split("=", 1)
+    try:
+        value = yaml.safe_load(text) if text != "" else None
+    except yaml.YAMLError:
+        value = text
+    set_field(cfg, key.strip(), value)
+
+
+def set_field(cfg: JobConfig, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    if len(parts) != 2:
+        raise ConfigError(f"{dotted}: keys are written section.key (e.g. optim.lr)")
+    section_name, key = parts
+    section = getattr(cfg, section_name, None)
+    if section is None or not dataclasses.is_dataclass(section):
+        raise ConfigError(f"{dotted}: unknown config section '{section_name}'")
+    hints = typing.get_type_hints(type(section))
+    if key not in hints:
+        known = ", ".join(f.name for f in dataclasses.fields(section))
+        raise ConfigError(f"{dotted}: unknown key (known in {section_name}: {known})")
+    setattr(section, key, _coerce(dotted, value, hints[key]))
+
+
+def _coerce(name: str, value: Any, hint: Any) -> Any:
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
+            return None
+        return _coerce(name, value, next(a for a in typing.get_args(hint)
+                                         if a is not type(None)))
+    if hint not in _COERCIONS:
+        return value  # Any
+    accepts, convert, expected = _COERCIONS[hint]
+    if not accepts(value):
+        raise ConfigError(f"{name}: expected {expected}, got {value!r}")
+    return convert(value)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_float_text(value: Any) -> bool:
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return isinstance(value, str)
+
+
+# field type -> (accepts the value?, converts it, what the error says was expected)
+_COERCIONS = {
+    bool: (lambda v: isinstance(v, bool), bool, "true or false"),
+    int: (lambda v: _is_number(v) and (isinstance(v, int) or v.is_integer()), int,
+          "an integer"),
+    # YAML 1.1 reads "3e-4" as a string
+    float: (lambda v: _is_number(v) or _is_float_text(v), float, "a number"),
+    str: (lambda v: _is_number(v) or isinstance(v, str), str, "a string"),
+    list: (lambda v: isinstance(v, list), lambda v: v, "a list"),
+}
+
+
+def _one_line(err: Exception) -> str:
+    return " ".join(str(err).split())
+
+
+def save_config(cfg: JobConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
