@@ -116,7 +116,8 @@ class TrainConfig:
     param_dtype: str = "fp32"  # fp32 master weights | bf16 weights (with optim.name=adamw_bf16)
     activation_checkpointing: str = "none"  # none | full | selective (every n-th block)
     activation_checkpointing_every: int = 2
-    # Blocks' saved tensors (checkpointed: their inputs) wait in CPU memory (train/offload.py)
+    # What the transformer blocks save for backward (with checkpointing: their inputs) waits
+    # in pinned CPU memory until backward needs it (train/offload.py); nothing on the CPU.
     activation_offload: bool = False
     compile: bool = False
     deterministic: bool = False
