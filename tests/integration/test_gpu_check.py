@@ -12,7 +12,8 @@ PATHS = ["full, eager", "full, train.compile=true", "activation checkpointing fu
          "activation checkpointing full + activation offload",
          "activation checkpointing selective", "chunked loss",
          "low memory (bf16 weights, adamw_bf16, in backward)",
-         "fp16 autocast, dynamic loss scaling", "FSDP2, one process (torchrun, dp_shard=1)", "LoRA", "QLoRA NF4", "LoRA, int8 base",
+         "fp16 autocast, dynamic loss scaling", "FSDP2, one process (torchrun, dp_shard=1)",
+         "LoRA", "QLoRA NF4", "LoRA, int8 base",
          "packed SFT, document masks", "generation, KV cache", "checkpoint save, then resume"]
 
 
