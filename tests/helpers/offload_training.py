@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from helpers import family_training as ft
 from lmforge.parallel.mesh import build_parallel_dims, init_distributed, read_dist_env
-from lmforge.train import offload
+from lmforge.parallel import offload
 from lmforge.train.model_setup import build_train_model
 from lmforge.train.optim import Optimizers
 from lmforge.train.step import count_valid_tokens, global_step_loss, global_valid_tokens

@@ -117,7 +117,7 @@ class TrainConfig:
     activation_checkpointing: str = "none"  # none | full | selective (every n-th block)
     activation_checkpointing_every: int = 2
     # What the transformer blocks save for backward (with checkpointing: their inputs) waits
-    # in pinned CPU memory until backward needs it (train/offload.py); nothing on the CPU.
+    # in pinned CPU memory until backward needs it (parallel/offload.py); nothing on the CPU.
     activation_offload: bool = False
     compile: bool = False
     deterministic: bool = False

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lmforge.models.registry import family_of
+from lmforge.parallel.offload import MIN_OFFLOAD_BYTES
 from lmforge.perf.estimate_setup import Setup, adapter_bytes, compute_bytes, residual_bytes
 from lmforge.perf.weights import stage_layers
 
@@ -348,6 +349,7 @@ class StageActivations:
     fp32_logits: float  # the fp32 copy of bf16 logits in the loss's forward
     backward_buffers: float  # gradients alive inside a block's backward (its peak)
     freed_mlp_out_input: float  # the MLP output projection's saved input, freed by then
+    host: float = 0.0  # what activation offload keeps in pinned host memory instead
 
     @property
     def at_forward_end(self) -> float:
@@ -379,9 +381,16 @@ def stage_activations(setup: Setup, act: Activations, stage: int) -> StageActiva
         blocks = held * (layer0 + (layers - 1) * per_layer)
         blocks_at_first_block = layer0 + (held - 1) * layers * per_layer
         recomputed = 0.0
+    host = 0.0
+    if setup.activation_offload:
+        moved = offloaded_per_layer(setup, act)
+        # On the device: the block whose tensors are being copied out (forward) or back
+        # ahead of use (backward), and the one computing; the others wait on the host.
+        host = held * max(layers - 2, 0) * moved
+        blocks -= host
     bf16_logits = compute_bytes(setup) == 2
     return StageActivations(
-        blocks=blocks, blocks_at_first_block=blocks_at_first_block,
+        host=host, blocks=blocks, blocks_at_first_block=blocks_at_first_block,
         recomputed_block=recomputed,
         # a later stage receives its input activations
         stage_input=act.batch_inputs * held if first else held * act.layer_input,
@@ -389,6 +398,17 @@ def stage_activations(setup: Setup, act: Activations, stage: int) -> StageActiva
         log_softmax=act.log_softmax if last else 0.0,
         fp32_logits=4 * setup.args.vocab_size / setup.tp if bf16_logits and last else 0,
         backward_buffers=act.backward_buffers, freed_mlp_out_input=act.freed_mlp_out_input)
+
+
+def offloaded_per_layer(setup: Setup, act: Activations) -> float:
+    """Bytes per token of one block's saved tensors that activation offload moves: with
+    full checkpointing the block input it keeps, else every saved tensor of at least
+    ``MIN_OFFLOAD_BYTES`` for a micro-batch (``parallel/offload.py``'s rule; smaller ones
+    stay, as do weights, which are not activations here)."""
+    tokens = setup.micro_batch * setup.seq_len
+    sizes = ([act.layer_input] if setup.checkpointing == "full"
+             else [per_device([t], setup) for t in act.other_terms])
+    return sum(b for b in sizes if b * tokens >= MIN_OFFLOAD_BYTES)
 
 
 def loss_chunk_tokens(setup: Setup) -> int:

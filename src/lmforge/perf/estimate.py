@@ -295,6 +295,7 @@ class MemoryEstimate:
     phases: dict  # phase -> bytes
     overhead: dict  # name -> bytes, not tensors
     activations: Activations
+    host_bytes: float = 0.0  # offloaded activations in pinned host memory (not on device)
 
     @property
     def peak_bytes(self) -> float:
@@ -328,6 +329,7 @@ class MemoryEstimate:
             "peak_allocated_gib": self.peak_bytes / GiB,
             "overhead_gib": {k: v / GiB for k, v in self.overhead.items()},
             "total_gib": self.total_bytes / GiB,
+            "host_offloaded_gib": self.host_bytes / GiB,
         }
 
 
@@ -343,7 +345,8 @@ def estimate_stage(setup: Setup, stage: int) -> MemoryEstimate:
     weights = stage_weights(setup, stage)
     static = static_terms(setup, weights)
     act = activation_model(setup)
-    phases = step_phases(stage_terms(setup, weights, act, stage))
+    terms = stage_terms(setup, weights, act, stage)
+    phases = step_phases(terms)
     if setup.in_backward:
         step_in_backward_phases(setup, phases)
     totals = {name: sum(static.values()) + sum(parts.values()) for name, parts in phases.items()}
@@ -352,7 +355,7 @@ def estimate_stage(setup: Setup, stage: int) -> MemoryEstimate:
     return MemoryEstimate(setup=setup, stage=stage, phase=peak_phase, components=components,
                           phases=totals,
                           overhead=framework_overhead(setup, sum(components.values())),
-                          activations=act)
+                          activations=act, host_bytes=terms.activations.host * terms.tokens)
 
 
 def estimate_memory(setup: Setup) -> MemoryEstimate:
@@ -406,6 +409,8 @@ def format_table(est: MemoryEstimate, device_memory_gib: Optional[float] = None,
     for name, value in est.overhead.items():
         lines.append(f"  {name:44s}{value / GiB:10.3f}")
     lines.append(f"  {'total':44s}{est.total_bytes / GiB:10.3f}")
+    if s.activation_offload:
+        lines.append(f"host (pinned): offloaded activations {est.host_bytes / GiB:.3f} GiB")
     for note in s.notes:
         lines.append(f"note: {note}")
     if device_memory_gib is not None:

@@ -45,6 +45,7 @@ class Setup:
     attention: str = "sdpa"  # sdpa (flash/efficient kernels) | eager (HF-style, S x S saved)
     loss_chunk_tokens: int = 0  # train.loss_chunk_tokens: logits made per chunk, recomputed
     param_dtype: str = "fp32"  # train.param_dtype: bf16 stores every weight in bf16
+    activation_offload: bool = False  # train.activation_offload: blocks' saved tensors to host
     in_backward: bool = False  # optim.in_backward: each parameter stepped in backward
     notes: list = field(default_factory=list)  # assumptions worth printing
 
@@ -147,6 +148,7 @@ def setup_from_config(cfg, device: Optional[str] = None, world_size: Optional[in
                  microbatches=layout.microbatches or accumulation, attention=attention,
                  loss_chunk_tokens=cfg.train.loss_chunk_tokens,
                  param_dtype=cfg.train.param_dtype, in_backward=cfg.optim.in_backward,
+                 activation_offload=cfg.train.activation_offload,
                  notes=notes)
 
 

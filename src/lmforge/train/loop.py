@@ -43,7 +43,7 @@ from lmforge.perf.flops import device_peak_flops, model_flops_per_token
 from lmforge.train import metrics as M
 from lmforge.train.model_setup import (TrainModel, build_train_model, clip_grad_norm,
                                        gather_full_state_dict)
-from lmforge.train.offload import offload_summary
+from lmforge.parallel.offload import offload_summary
 from lmforge.train.optim import Optimizers
 from lmforge.train.precision import LossScaler, device_notes, mixed_precision
 from lmforge.train.run_dir import CHECKPOINTS, RunLock, claim_run_dir

@@ -30,7 +30,7 @@ from lmforge.parallel.pipeline import (build_schedule, has_first_stage, has_last
                                        split_model)
 from lmforge.peft.adapters import load_adapter
 from lmforge.peft.lora import after_materialize, is_lora_param, prepare_model_for_lora
-from lmforge.train.offload import ActivationOffloader, offload_blocks
+from lmforge.parallel.offload import ActivationOffloader, offload_blocks
 from lmforge.train.step import accumulate_gradients, normalize_loss
 
 LAYOUT_INDEPENDENT_INIT_BYTES = 4 * 2**30

@@ -10,9 +10,9 @@ from torch import nn
 
 from helpers.tiny_models import tiny_llama_args
 from lmforge.config import ConfigError, JobConfig, apply_override
-from lmforge.train import offload
+from lmforge.parallel import offload
 from lmforge.train.model_setup import build_train_model
-from lmforge.train.offload import ActivationOffloader
+from lmforge.parallel.offload import ActivationOffloader
 
 ARGS = tiny_llama_args(n_layers=3, vocab_size=97)
 CPU = torch.device("cpu")
