@@ -1,17 +1,19 @@
 """Activation offloading (``train.activation_offload``): the tensors a transformer block
 saves for backward wait in host memory instead of on the GPU.
 
-``offload_blocks`` runs each block's forward under ``torch.autograd.graph.saved_tensors_hooks``:
-the pack hook copies a saved tensor to pinned CPU memory on a side stream and hands
-autograd a handle instead; the unpack hook brings it back in backward. The embedding,
+``offload_blocks`` runs each block's forward under
+``torch.autograd.graph.saved_tensors_hooks``: the pack hook copies a saved tensor to
+pinned CPU memory on a side stream and hands autograd a handle instead; the unpack hook
+brings it back in backward. The embedding,
 the head and the loss run outside the hooks: their tensors are needed first in backward,
 so a round trip would only stall it.
 
 What stays on the device (``keep_reason``): parameters (and autocast's copies of them,
 which autograd would otherwise save: a weight is never offloaded), the positions and mask
 every block is given, tensors under ``MIN_OFFLOAD_BYTES``, DTensors, views that do not
-cover their memory densely, and tensors on another device. With activation checkpointing a block saves only its inputs
-(``torch.utils.checkpoint`` saves them under these hooks, and pushes its own hooks for
+cover their memory densely, and tensors on another device. With activation checkpointing
+a block saves only its inputs (``torch.utils.checkpoint`` saves them under these hooks,
+and pushes its own hooks for
 the block's inner tensors, which take precedence), so those inputs are what is offloaded;
 the recomputation in backward runs under checkpoint's hooks alone, and its tensors,
 consumed at once, stay on the device.
