@@ -13,10 +13,9 @@ which autograd would otherwise save: a weight is never offloaded), the positions
 every block is given, tensors under ``MIN_OFFLOAD_BYTES``, DTensors, views that do not
 cover their memory densely, and tensors on another device. With activation checkpointing
 a block saves only its inputs (``torch.utils.checkpoint`` saves them under these hooks,
-and pushes its own hooks for
-the block's inner tensors, which take precedence), so those inputs are what is offloaded;
-the recomputation in backward runs under checkpoint's hooks alone, and its tensors,
-consumed at once, stay on the device.
+and pushes its own hooks for the block's inner tensors, which take precedence), so those
+inputs are what is offloaded; the recomputation in backward runs under checkpoint's hooks
+alone, and its tensors, consumed at once, stay on the device.
 
 On CUDA: device -> host copies go on one side stream, host -> device copies on another.
 When backward first needs a block's tensors, all of that block's are brought back and the
