@@ -112,7 +112,8 @@ class TrainConfig:
     # newest checkpoint that verifies.
     verify_checkpoint: bool = True
     device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16 | fp16
+    # auto: bf16 autocast on a GPU with bf16 (fp16 on V100/T4), fp32 on CPU | fp32 | bf16 | fp16
+    dtype: str = "auto"
     param_dtype: str = "fp32"  # fp32 master weights | bf16 weights (with optim.name=adamw_bf16)
     activation_checkpointing: str = "none"  # none | full | selective (every n-th block)
     activation_checkpointing_every: int = 2
@@ -385,7 +386,19 @@ def grad_accumulation_steps(cfg: JobConfig, dp_size: int) -> int:
 
 def compute_dtype(cfg: JobConfig, device_type: str) -> str:
     """bf16 | fp16 | fp32: what the model computes in; train.dtype=auto is bf16 on a GPU
-    and fp32 on the CPU."""
+    with bf16 arithmetic, fp16 (with loss scaling) on an older one (V100, T4), fp32 on
+    the CPU."""
     if cfg.train.dtype != "auto":
         return cfg.train.dtype
-    return "bf16" if device_type == "cuda" else "fp32"
+    if device_type != "cuda":
+        return "fp32"
+    return "bf16" if _cuda_has_bf16() else "fp16"
+
+
+def _cuda_has_bf16() -> bool:
+    import torch  # config is read by tools that never touch a tensor; torch loads on use
+
+    # No GPU here (an estimate for one): assume a current GPU. Emulated bf16 (V100) does
+    # not count: it runs at a fraction of fp16's speed.
+    return (not torch.cuda.is_available()
+            or torch.cuda.is_bf16_supported(including_emulation=False))

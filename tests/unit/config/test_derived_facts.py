@@ -65,3 +65,15 @@ def test_integral_float_is_an_int_and_yaml_exponent_text_is_a_float():
                        ("optim.lr=fast", "optim.lr")):
         with pytest.raises(ConfigError, match=rf"^{field}: expected"):
             load_config(None, [bad])
+
+
+@pytest.mark.parametrize("bf16_hardware, expected", [(True, "bf16"), (False, "fp16")])
+def test_auto_dtype_is_fp16_on_a_gpu_without_bf16_arithmetic(monkeypatch, bf16_hardware,
+                                                            expected):
+    import torch
+    from lmforge.config import JobConfig, compute_dtype
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: bf16_hardware)
+    assert compute_dtype(JobConfig(), "cuda") == expected
+    assert compute_dtype(JobConfig(), "cpu") == "fp32"
