@@ -1,0 +1,221 @@
+"""An analytical step time for one layout (docs/plan.md writes the model down): compute at
+a fraction of the device's peak, recomputation, the communication that cannot hide behind
+compute, and the pipeline bubble. Nothing here runs a kernel; the numbers are predictions
+to rank layouts, uncalibrated unless the efficiency factor is changed.
+
+The device and link constants live in ``DEVICES`` and nowhere else; the bf16 peak is read
+from ``flops.PEAK_BF16_TFLOPS`` by the part's name, so that fact stays in one place."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from lmforge.perf.estimate_setup import Setup, compute_bytes
+from lmforge.perf.flops import flops_breakdown, match_peak_tflops, matmul_params
+
+
+@dataclass(frozen=True)
+class Link:
+    """Alpha-beta model of one link: ``latency_us`` per message step, ``gb_per_s`` the
+    bandwidth one GPU can send in one direction (GB = 1e9 bytes)."""
+    gb_per_s: float
+    latency_us: float
+
+    def seconds(self, nbytes: float, steps: int = 1) -> float:
+        return steps * self.latency_us * 1e-6 + nbytes / (self.gb_per_s * 1e9)
+
+
+@dataclass(frozen=True)
+class Device:
+    part: str  # matched against flops.PEAK_BF16_TFLOPS, which holds the bf16 peak
+    memory_gib: float
+    intra: Link  # inside a node (NVLink / PCIe)
+    inter: Link  # between nodes (InfiniBand / RoCE), per GPU
+    efficiency: float  # the fraction of peak the model's FLOPs run at
+
+    @property
+    def peak_flops(self) -> float:
+        return match_peak_tflops(self.part) * 1e12
+
+
+# Sources (vendor data sheets): H100 SXM5: 80 GB HBM3, NVLink 900 GB/s (bidirectional, so
+# 450 one way); DGX H100: one 400 Gb/s ConnectX-7 per GPU = 50 GB/s. H200 SXM: 141 GB
+# HBM3e, same NVLink and network. A100 SXM4 80GB/40GB: NVLink 600 GB/s (300 one way);
+# DGX A100: one 200 Gb/s HDR InfiniBand per GPU = 25 GB/s. L40S: 48 GB GDDR6, no NVLink,
+# PCIe Gen4 x16 64 GB/s (32 one way); its 200 Gb/s network per GPU is an assumption.
+# Latencies are not on any sheet: 5 us for an NVLink ring step and 10 us across nodes are
+# typical NCCL small-message figures, stated here as assumptions.
+# Efficiency (fraction of peak reached by the model's matmuls and attention, eager bf16):
+# a prior, not fitted per configuration: ~0.5 on A100 (Megatron-LM and torchtitan report
+# 50-60% MFU there), ~0.4 on H100/H200 (torchtitan states 33-39% MFU for Llama 3.1 8B
+# FSDP on H100), 0.4 on L40S for want of a published figure.
+DEVICES: dict[str, Device] = {
+    "h100": Device("H100 SXM5", 80.0, Link(450.0, 5.0), Link(50.0, 10.0), 0.40),
+    "h200": Device("H200", 141.0, Link(450.0, 5.0), Link(50.0, 10.0), 0.40),
+    "a100-80g": Device("A100", 80.0, Link(300.0, 5.0), Link(25.0, 10.0), 0.50),
+    "a100-40g": Device("A100", 40.0, Link(300.0, 5.0), Link(25.0, 10.0), 0.50),
+    "l40s": Device("L40S", 48.0, Link(32.0, 5.0), Link(25.0, 10.0), 0.40),
+}
+
+GRAD_REDUCE_BYTES = 4  # FSDP2 reduces gradients in fp32 (parallel/fsdp.py reduce_dtype)
+
+
+# ------------------------------------------------------------------ collectives
+
+def ring(kind: str, nbytes: float, n: int, link: Link) -> float:
+    """Seconds of a ring collective over ``n`` ranks on a buffer of ``nbytes`` (the whole,
+    unsharded size): all-gather and reduce-scatter move (n-1)/n of it, all-reduce twice."""
+    if n <= 1:
+        return 0.0
+    steps = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}[kind]
+    return link.seconds(steps * nbytes * (n - 1) / n, steps * (n - 1))
+
+
+def group_link(device: Device, span: int, gpus_per_node: int) -> Link:
+    """A group of consecutive ranks ``span`` wide crosses nodes when it is wider than a
+    node; a collective is as slow as its slowest link, so it then runs at the inter-node
+    link. The mesh is (pp, dp_replicate, dp_shard, tp), tp innermost."""
+    return device.intra if span <= gpus_per_node else device.inter
+
+
+# ------------------------------------------------------------------ the step
+
+@dataclass
+class StepTime:
+    compute: float  # model FLOPs at the efficiency factor
+    recompute: float  # activation checkpointing and chunked-loss recomputation
+    tp_comm: float  # exposed: tensor-parallel collectives are on the critical path
+    dp_comm: float  # exposed part of FSDP / replicate collectives
+    pp_comm: float  # exposed: stage-to-stage sends
+    bubble: float  # pipeline fill and drain
+    model_flops: float  # per device per step
+    tokens: float  # per device per step (global tokens / devices)
+    peak_flops: float
+
+    @property
+    def total(self) -> float:
+        return (self.compute + self.recompute + self.tp_comm + self.dp_comm + self.pp_comm
+                + self.bubble)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.total
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / self.total / self.peak_flops
+
+    @property
+    def largest(self) -> str:
+        terms = {"compute": self.compute, "recomputation": self.recompute,
+                 "exposed communication": self.tp_comm + self.dp_comm + self.pp_comm,
+                 "pipeline bubble": self.bubble}
+        return max(terms, key=terms.get)
+
+
+def recompute_fraction(setup: Setup, every: int) -> float:
+    """Share of one forward of the blocks run again in backward: all of it under full
+    checkpointing, one block in ``every`` under selective (train.activation_checkpointing
+    _every)."""
+    return {"full": 1.0, "selective": 1.0 / every}.get(setup.checkpointing, 0.0)
+
+
+def flops_per_token(setup: Setup, every: int) -> tuple[float, float]:
+    """(model FLOPs, recomputed FLOPs) per token. Recomputed: the fraction of the blocks'
+    forward checkpointing repeats, plus the head's forward under a chunked loss."""
+    fl = flops_breakdown(setup.args, setup.seq_len, setup.trainable)
+    head = 2 * setup.args.dim * setup.args.vocab_size
+    blocks_forward = fl.forward + fl.attention_forward - head
+    extra = recompute_fraction(setup, every) * blocks_forward
+    if setup.loss_chunk_tokens:
+        extra += head
+    return fl.total, extra
+
+
+def param_count(args) -> float:
+    """Weights FSDP gathers: the matmul weights and the embedding (norms are negligible)."""
+    return matmul_params(args) + args.dim * args.vocab_size
+
+
+def step_time(setup: Setup, device: Device, gpus_per_node: int, every: int = 2) -> StepTime:
+    """Predicted seconds of one optimizer step of ``setup`` on ``device``."""
+    m = setup.microbatches
+    seq_tokens = setup.micro_batch * setup.seq_len * m  # per data-parallel replica
+    model, extra = flops_per_token(setup, every)
+    split = setup.tp * setup.pp
+    rate = device.peak_flops * device.efficiency
+    compute, recompute = model * seq_tokens / split / rate, extra * seq_tokens / split / rate
+    bubble = (compute + recompute) * (setup.pp - 1) / (m * setup.pp_virtual_stages)
+    tp = tp_seconds(setup, device, gpus_per_node, every)
+    dp = dp_seconds(setup, device, gpus_per_node, compute + recompute)
+    pp = pp_seconds(setup, device, gpus_per_node)
+    return StepTime(compute=compute, recompute=recompute, tp_comm=tp, dp_comm=dp, pp_comm=pp,
+                    bubble=bubble, model_flops=model * seq_tokens / split,
+                    tokens=seq_tokens / split, peak_flops=device.peak_flops)
+
+
+def activation_bytes(setup: Setup) -> float:
+    """One micro-batch's residual stream, unsharded: b x s x dim x C."""
+    return setup.micro_batch * setup.seq_len * setup.args.dim * compute_bytes(setup)
+
+
+def tp_seconds(setup: Setup, device: Device, gpus_per_node: int, every: int) -> float:
+    """Tensor parallelism, all exposed: per block forward, attention and MLP each gather
+    their input and reduce-scatter their output (sequence parallel) or all-reduce it (not);
+    backward does the same again, and recomputation repeats the forward's."""
+    if setup.tp == 1:
+        return 0.0
+    link = group_link(device, setup.tp, gpus_per_node)
+    act = activation_bytes(setup)
+    if setup.sequence_parallel:
+        pair = ring("all_gather", act, setup.tp, link) + ring("reduce_scatter", act, setup.tp,
+                                                              link)
+    else:
+        pair = ring("all_reduce", act, setup.tp, link)
+    passes = 2 + recompute_fraction(setup, every)  # forward, backward, recomputed forward
+    blocks = setup.args.n_layers / setup.pp
+    return 2 * pair * passes * blocks * setup.microbatches
+
+
+def dp_seconds(setup: Setup, device: Device, gpus_per_node: int, compute: float) -> float:
+    """Exposed FSDP / replicate communication. Per micro-batch (the trainer syncs every
+    one): ZeRO-3 gathers the parameters in forward and again in backward, ZeRO-2 once;
+    gradients are reduce-scattered over dp_shard (fp32) and all-reduced over dp_replicate.
+    All of it overlaps compute except each micro-batch's first block all-gather and last
+    block reduce (nothing to hide behind), and whatever exceeds the compute time."""
+    if setup.dp_shard * setup.dp_replicate == 1:
+        return 0.0
+    params = param_count(setup.args) / (setup.tp * setup.pp)
+    trains = 0.0 if setup.lora is not None else params  # adapters are negligible
+    shard_link = group_link(device, setup.tp * setup.dp_shard, gpus_per_node)
+    rep_link = group_link(device, setup.tp * setup.dp_shard * setup.dp_replicate,
+                          gpus_per_node)
+    gathers = 2 if setup.zero == 3 else 1
+    gather = ring("all_gather", params * compute_bytes(setup), setup.dp_shard, shard_link)
+    reduce = ring("reduce_scatter", trains * GRAD_REDUCE_BYTES, setup.dp_shard, shard_link)
+    replicate = ring("all_reduce", trains * GRAD_REDUCE_BYTES / setup.dp_shard,
+                     setup.dp_replicate, rep_link)
+    per_micro = gathers * gather + reduce + replicate
+    blocks = setup.args.n_layers / setup.pp
+    unhidden = (gather + reduce + replicate) / blocks  # the first gather, the last reduce
+    m = setup.microbatches
+    return max(0.0, m * per_micro - compute) + m * unhidden
+
+
+def pp_seconds(setup: Setup, device: Device, gpus_per_node: int) -> float:
+    """Pipeline sends, exposed: each micro-batch crosses every stage boundary of this rank
+    once forward (activations) and once backward (their gradients); with sequence
+    parallelism each TP rank sends its 1/tp slice."""
+    if setup.pp == 1:
+        return 0.0
+    link = device.inter if setup.world_size > gpus_per_node else device.intra
+    per_send = activation_bytes(setup) / (setup.tp if setup.sequence_parallel else 1)
+    return 2 * setup.microbatches * setup.pp_virtual_stages * link.seconds(per_send)
+
+
+def known_device(name: str) -> Device:
+    """The device called ``name``; a ValueError naming the known ones otherwise."""
+    found: Optional[Device] = DEVICES.get(name)
+    if found is None:
+        raise ValueError(f"--device: unknown device {name!r} (known: {', '.join(DEVICES)})")
+    return found
