@@ -5,14 +5,17 @@ import json
 import sys
 
 from lmforge.cli.common import config_and_overrides
-from lmforge.config import load_config
+from lmforge.config import load_config, save_config
 from lmforge.perf.estimate import GiB, estimate_memory, format_table, max_micro_batch
 from lmforge.perf.estimate_setup import setup_from_config
+from lmforge.perf.plan import MEMORY_MARGIN, fixes, no_fit_message, plan, with_keys
 from lmforge.perf.report import write_report
+from lmforge.perf.timing import DEVICES, known_device
 
 
 def add_parser(sub) -> None:
     _add_estimate(sub)
+    _add_plan(sub)
     _add_report(sub)
 
 
@@ -63,6 +66,56 @@ def _estimate(ns) -> int:
         print()
     else:
         print(format_table(est, ns.device_memory_gib, fit))
+    if ns.device_memory_gib is None or est.total_bytes <= ns.device_memory_gib * GiB:
+        return 0
+    changes = fixes(cfg, setup.world_size, ns.device_memory_gib)
+    print(f"lmforge estimate: does not fit {ns.device_memory_gib:g} GiB; changes that make "
+          f"it fit: {'; '.join(changes) or 'none of one step (see lmforge plan)'}",
+          file=sys.stderr)
+    return 1
+
+
+def _add_plan(subparsers) -> None:
+    p = subparsers.add_parser(
+        "plan", help="the fastest parallel layout that fits, predicted",
+        description="Enumerate every legal layout (data/tensor/pipeline parallel sizes, "
+        "schedule, micro-batch, checkpointing, ZeRO stage, chunked loss) of a config on N "
+        "GPUs, keep those whose estimated memory fits, and rank them by an analytical step "
+        "time. docs/plan.md explains the model.")
+    p.add_argument("config", nargs="?", help="YAML recipe (default: the embedded demo)")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value",
+                   help="config overrides, e.g. data.global_batch_size=64")
+    p.add_argument("--gpus", type=int, required=True, help="devices in the job")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="devices per node (8)")
+    p.add_argument("--device", default="h100", help=f"one of {', '.join(DEVICES)}")
+    p.add_argument("--top", type=int, default=10, metavar="K", help="rows to print (10)")
+    p.add_argument("--output", default=None, metavar="PLAN.yaml",
+                   help="write the winner as a config `lmforge train` loads")
+    p.set_defaults(func=_plan)
+
+
+def _plan(ns) -> int:
+    device = known_device(ns.device)
+    if ns.gpus < 1 or ns.gpus_per_node < 1:
+        raise ValueError("--gpus and --gpus-per-node: must be >= 1")
+    if ns.gpus > ns.gpus_per_node and ns.gpus % ns.gpus_per_node:
+        raise ValueError(f"--gpus: {ns.gpus} is not a multiple of --gpus-per-node "
+                         f"{ns.gpus_per_node} (whole nodes only)")
+    per_node = min(ns.gpus, ns.gpus_per_node)
+    cfg = load_config(*config_and_overrides(ns.config, ns.overrides))
+    result = plan(cfg, ns.gpus, per_node, device)
+    if not result.candidates:
+        raise ValueError(no_fit_message(cfg, ns.gpus, per_node, device, ns.device))
+    print(f"{len(result.candidates)} of {result.tried} legal layouts fit {ns.device} "
+          f"({device.memory_gib:g} GiB, {MEMORY_MARGIN:.0%} kept free); fastest first:")
+    print(f"{'layout':52s}{'GiB':>7s}{'step s':>9s}{'tok/s/dev':>11s}{'MFU':>7s}  largest")
+    for c in result.candidates[:ns.top]:
+        t = c.time
+        print(f"{c.describe():52s}{c.peak_gib:7.1f}{t.total:9.3f}{t.tokens_per_s:11.0f}"
+              f"{t.mfu:7.1%}  {t.largest}")
+    if ns.output:
+        save_config(with_keys(cfg, result.candidates[0].keys), ns.output)
+        print(f"wrote {ns.output}")
     return 0
 
 
