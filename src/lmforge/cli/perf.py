@@ -101,7 +101,7 @@ def _plan(ns) -> int:
     if ns.gpus > ns.gpus_per_node and ns.gpus % ns.gpus_per_node:
         raise ValueError(f"--gpus: {ns.gpus} is not a multiple of --gpus-per-node "
                          f"{ns.gpus_per_node} (whole nodes only)")
-    per_node = min(ns.gpus, ns.gpus_per_node)
+    per_node = ns.gpus_per_node
     cfg = load_config(*config_and_overrides(ns.config, ns.overrides))
     result = plan(cfg, ns.gpus, per_node, device)
     if not result.candidates:
