@@ -1,16 +1,21 @@
 """``lmforge estimate`` (memory before launch) and ``lmforge report`` (after the run)."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import sys
+from pathlib import Path
 
 from lmforge.cli.common import config_and_overrides
 from lmforge.config import load_config, save_config
 from lmforge.perf.estimate import GiB, estimate_memory, format_table, max_micro_batch
+from lmforge.perf.calibrate import (fit_scales, fitted_device, load_calibration, measure,
+                                    save_calibration, spearman, split_terms)
 from lmforge.perf.estimate_setup import setup_from_config
 from lmforge.perf.plan import MEMORY_MARGIN, fixes, no_fit_message, plan, with_keys
 from lmforge.perf.report import write_report
-from lmforge.perf.timing import DEVICES, known_device
+from lmforge.perf.timing import DEVICES, known_device, step_time
 
 
 def add_parser(sub) -> None:
@@ -91,22 +96,50 @@ def _add_plan(subparsers) -> None:
     p.add_argument("--top", type=int, default=10, metavar="K", help="rows to print (10)")
     p.add_argument("--output", default=None, metavar="PLAN.yaml",
                    help="write the winner as a config `lmforge train` loads")
+    p.add_argument("--calibrate", action="store_true",
+                   help="run the top K candidates a few steps here (torchrun, --gpus "
+                   "processes), fit the efficiency and link bandwidth to their step times, "
+                   "save them (--calibration) and print predicted vs measured")
+    p.add_argument("--calibration", default=None, metavar="FILE.json",
+                   help="constants fitted by --calibrate: read them (plan) or write them "
+                   "(with --calibrate; default OUT/calibration.json)")
+    p.add_argument("--calibrate-steps", type=int, default=4, metavar="N",
+                   help="steps per calibration run; the first is not timed (4)")
+    p.add_argument("--calibrate-dir", default="lmforge-calibrate", metavar="OUT",
+                   help="where calibration runs write (lmforge-calibrate)")
     p.set_defaults(func=_plan)
 
 
+def _device(ns):
+    """(name, Device): the named one, or the one a calibration file holds."""
+    name, device = ns.device, known_device(ns.device)
+    if ns.calibration and not ns.calibrate:
+        name, device = load_calibration(Path(ns.calibration))
+    if not device.calibrated and not ns.calibrate:
+        raise ValueError(f"--device {name}: no step-time constants for it (a CPU's FLOP rate "
+                         "and transport are not on a data sheet); run with --calibrate, or "
+                         "--calibration FILE from an earlier --calibrate")
+    if device.memory_gib <= 0:  # the CPU: this machine's RAM, shared by its processes
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        device = dataclasses.replace(device, memory_gib=ram / min(ns.gpus, ns.gpus_per_node))
+    return name, device
+
+
 def _plan(ns) -> int:
-    device = known_device(ns.device)
     if ns.gpus < 1 or ns.gpus_per_node < 1:
         raise ValueError("--gpus and --gpus-per-node: must be >= 1")
     if ns.gpus > ns.gpus_per_node and ns.gpus % ns.gpus_per_node:
         raise ValueError(f"--gpus: {ns.gpus} is not a multiple of --gpus-per-node "
                          f"{ns.gpus_per_node} (whole nodes only)")
+    name, device = _device(ns)
     per_node = ns.gpus_per_node
     cfg = load_config(*config_and_overrides(ns.config, ns.overrides))
     result = plan(cfg, ns.gpus, per_node, device)
     if not result.candidates:
-        raise ValueError(no_fit_message(cfg, ns.gpus, per_node, device, ns.device))
-    print(f"{len(result.candidates)} of {result.tried} legal layouts fit {ns.device} "
+        raise ValueError(no_fit_message(cfg, ns.gpus, per_node, device, name))
+    if ns.calibrate:
+        return _calibrate(ns, cfg, result.candidates[:ns.top], name, device)
+    print(f"{len(result.candidates)} of {result.tried} legal layouts fit {name} "
           f"({device.memory_gib:g} GiB, {MEMORY_MARGIN:.0%} kept free); fastest first:")
     print(f"{'layout':52s}{'GiB':>7s}{'step s':>9s}{'tok/s/dev':>11s}{'MFU':>7s}  largest")
     for c in result.candidates[:ns.top]:
@@ -116,6 +149,46 @@ def _plan(ns) -> int:
     if ns.output:
         save_config(with_keys(cfg, result.candidates[0].keys), ns.output)
         print(f"wrote {ns.output}")
+    return 0
+
+
+def _calibrate(ns, cfg, candidates, name, device) -> int:
+    """Run ``candidates``, fit, save, and print predicted vs measured before and after."""
+    root = Path(ns.calibrate_dir)
+    rows = []
+    for i, c in enumerate(candidates):
+        m = measure(ns.config, ns.overrides, c.keys, root / f"cand{i}", ns.gpus,
+                    ns.calibrate_steps)
+        print(f"ran {c.describe()}: " + (f"{m.step_s:.3f} s/step, peak_mem_gib "
+                                         f"{m.peak_mem_gib:.2f}" if m.step_s else m.error))
+        rows.append((c, m))
+    ok = [(c, m) for c, m in rows if m.step_s]
+    if not ok:
+        raise ValueError("--calibrate: no candidate ran; see the errors above")
+    a, b = fit_scales([split_terms(c.time) for c, _ in ok], [m.step_s for _, m in ok])
+    fitted = fitted_device(device, a, b)
+    every = cfg.train.activation_checkpointing_every
+    units = "" if device.calibrated else " (reference units, not a prediction)"
+    print(f"fit: efficiency {device.efficiency:g} -> {fitted.efficiency:.4g} of "
+          f"{fitted.peak_flops / 1e12:g} TFLOP/s, bandwidth / {b:.4g} "
+          f"(intra {fitted.intra.gb_per_s:.4g} GB/s)")
+    print(f"{'layout':52s}{'before s' + units:>10s}{'after s':>9s}{'measured':>10s}"
+          f"{'est GiB':>9s}{'peak_mem_gib':>14s}")
+    saved, after, measured = [], [], []
+    for c, m in ok:
+        t = step_time(c.setup, fitted, ns.gpus_per_node, every).total
+        after.append(t)
+        measured.append(m.step_s)
+        print(f"{c.describe():52s}{c.time.total:10.3f}{t:9.3f}{m.step_s:10.3f}"
+              f"{c.peak_gib:9.3f}{m.peak_mem_gib or float('nan'):14.3f}")
+        saved.append({"layout": c.describe(), "keys": c.keys, "measured_s": m.step_s,
+                      "before_s": c.time.total, "after_s": t, "estimated_gib": c.peak_gib,
+                      "peak_mem_gib": m.peak_mem_gib})
+    if len(ok) > 1:
+        print(f"Spearman rho (after vs measured): {spearman(after, measured):.2f}")
+    path = Path(ns.calibration) if ns.calibration else root / "calibration.json"
+    save_calibration(path, name, fitted, saved)
+    print(f"wrote {path}")
     return 0
 
 

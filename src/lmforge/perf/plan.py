@@ -118,13 +118,19 @@ def evaluate(cfg: JobConfig, keys: dict, gpus: int, per_node: int,
              device: Device) -> Optional[Candidate]:
     """The candidate ``keys`` make of ``cfg``, or None when the trainer would refuse it."""
     try:
-        setup = setup_from_config(with_keys(cfg, keys), device="cuda", world_size=gpus)
+        setup = setup_from_config(with_keys(cfg, keys), device=runs_on(device),
+                                  world_size=gpus)
     except ConfigError:
         return None
     peak = estimate_memory(setup).total_bytes / GiB
     every = cfg.train.activation_checkpointing_every
     return Candidate(keys=keys, setup=setup, peak_gib=peak,
                      time=step_time(setup, device, per_node, every))
+
+
+def runs_on(device: Device) -> str:
+    """The trainer's train.device for ``device``: the estimate's overheads differ."""
+    return "cpu" if device.part == "cpu" else "cuda"
 
 
 def budget_gib(device: Device) -> float:

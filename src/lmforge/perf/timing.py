@@ -32,10 +32,12 @@ class Device:
     intra: Link  # inside a node (NVLink / PCIe)
     inter: Link  # between nodes (InfiniBand / RoCE), per GPU
     efficiency: float  # the fraction of peak the model's FLOPs run at
+    peak_tflops: Optional[float] = None  # set: this, not flops.PEAK_BF16_TFLOPS
+    calibrated: bool = True  # False: reference units only, --calibrate supplies the rates
 
     @property
     def peak_flops(self) -> float:
-        return match_peak_tflops(self.part) * 1e12
+        return (self.peak_tflops or match_peak_tflops(self.part)) * 1e12
 
 
 # Sources (vendor data sheets): H100 SXM5: 80 GB HBM3, NVLink 900 GB/s (bidirectional, so
@@ -55,6 +57,14 @@ DEVICES: dict[str, Device] = {
     "a100-80g": Device("A100", 80.0, Link(300.0, 5.0), Link(25.0, 10.0), 0.50),
     "a100-40g": Device("A100", 40.0, Link(300.0, 5.0), Link(25.0, 10.0), 0.50),
     "l40s": Device("L40S", 48.0, Link(32.0, 5.0), Link(25.0, 10.0), 0.40),
+    # A CPU's sustained FLOP rate and its gloo transport are not on a data sheet (they
+    # depend on the part, threads, the BLAS and the load), so no honest prior exists: the
+    # entry holds reference units (1 TFLOP/s at efficiency 1, 1 GB/s, no latency) that only
+    # split a step into its terms, and `lmforge plan --device cpu` requires --calibrate or
+    # --calibration, which replace them with the rates fitted on this machine. Memory: the
+    # machine's RAM, read at plan time (0 here).
+    "cpu": Device("cpu", 0.0, Link(1.0, 0.0), Link(1.0, 0.0), 1.0, peak_tflops=1.0,
+                  calibrated=False),
 }
 
 GRAD_REDUCE_BYTES = 4  # FSDP2 reduces gradients in fp32 (parallel/fsdp.py reduce_dtype)
