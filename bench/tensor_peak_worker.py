@@ -53,9 +53,9 @@ def run(argv: list[str]) -> None:
     out = Path(os.environ["LMFORGE_TENSOR_PEAK_DIR"])
     out.mkdir(parents=True, exist_ok=True)
     rank = int(os.environ.get("RANK", 0))
-    (out / f"rank{rank}.json").write_text(json.dumps({"run_peak_bytes": tracker.peak,
-                                                       "step_peak_bytes": STEP_PEAK["bytes"],
-                                                       "step_start_bytes": STEP_PEAK.get("start_bytes")}))
+    record = {"run_peak_bytes": tracker.peak, "step_peak_bytes": STEP_PEAK["bytes"],
+              "step_start_bytes": STEP_PEAK.get("start_bytes")}
+    (out / f"rank{rank}.json").write_text(json.dumps(record))
     sys.stdout.flush()
     os._exit(0)  # as `lmforge train` under torchrun: no teardown with gloo threads alive
 
