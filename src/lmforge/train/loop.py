@@ -30,20 +30,20 @@ from lmforge.config import (ConfigError, JobConfig, check_parallel_fits, compute
 from lmforge.data.build import DataBundle, build_data, train_corpus_tokenizer
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
 from lmforge.export import export_trained, trained_model
+from lmforge.models.common import count_parameters
 from lmforge.models.generate import generate
 from lmforge.models.hf import args_from_hf_config, read_hf_config
-from lmforge.models.common import count_parameters
-from lmforge.models.registry import build_model
 from lmforge.models.presets import check_model_args, job_family, model_args, validate_job
+from lmforge.models.registry import build_model
 from lmforge.parallel.mesh import (DistEnv, ParallelDims, build_parallel_dims,
                                    init_distributed, read_dist_env, runs_distributed)
+from lmforge.parallel.offload import offload_summary
 from lmforge.peft.lora import trainable_summary
 from lmforge.peft.targets import resolve_targets
 from lmforge.perf.flops import device_peak_flops, model_flops_per_token
 from lmforge.train import metrics as M
 from lmforge.train.model_setup import (TrainModel, build_train_model, clip_grad_norm,
                                        gather_full_state_dict)
-from lmforge.parallel.offload import offload_summary
 from lmforge.train.optim import Optimizers
 from lmforge.train.precision import LossScaler, device_notes, mixed_precision
 from lmforge.train.run_dir import CHECKPOINTS, RunLock, claim_run_dir

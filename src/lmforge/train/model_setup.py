@@ -19,18 +19,18 @@ from torch import nn
 
 from lmforge.config import JobConfig, compute_dtype, grad_accumulation_steps
 from lmforge.eval.evaluate import evaluate
-from lmforge.models.hf import from_hf_state_dict, read_hf_state_dict
 from lmforge.models.common import count_parameters, materialize
-from lmforge.models.registry import build_model
+from lmforge.models.hf import from_hf_state_dict, read_hf_state_dict
 from lmforge.models.loss import token_loss_sum
+from lmforge.models.registry import build_model
 from lmforge.parallel import full_value
 from lmforge.parallel.mesh import ParallelDims
+from lmforge.parallel.offload import ActivationOffloader, offload_blocks
 from lmforge.parallel.parallelize import apply_data_parallel, apply_model_parallel
 from lmforge.parallel.pipeline import (build_schedule, has_first_stage, has_last_stage,
                                        split_model)
 from lmforge.peft.adapters import load_adapter
 from lmforge.peft.lora import after_materialize, is_lora_param, prepare_model_for_lora
-from lmforge.parallel.offload import ActivationOffloader, offload_blocks
 from lmforge.train.step import accumulate_gradients, normalize_loss
 
 LAYOUT_INDEPENDENT_INIT_BYTES = 4 * 2**30
