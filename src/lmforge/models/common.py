@@ -4,7 +4,7 @@ model (``materialize``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
 from torch import nn
@@ -57,6 +57,29 @@ class KVCache:
         self.v[:, :, self.length:end] = v
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class DecoderStack(nn.Module):
+    """The top level every family's model shares (``models/registry.py``): token
+    embeddings, the blocks in ``layers`` (an ``nn.ModuleDict`` keyed by layer id), a final
+    norm and the output head. What is particular to a family is its block; a pipeline
+    stage sets the parts it does not hold to None, and ``forward`` skips them."""
+
+    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
+                mask: Optional[torch.Tensor] = None, caches: Optional[list[KVCache]] = None,
+                head: bool = True):
+        """tokens: (batch, seq) ids, or hidden states (batch, seq, dim) on a later pipeline
+        stage. positions: (batch, seq), default 0..seq-1 after any cached ones. mask:
+        boolean (batch, 1, seq, keys), True = may attend; None = causal. head=False stops
+        after the final norm, for a loss that applies ``output`` a chunk at a time."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for i, layer in enumerate(self.layers.values()):
+            h = layer(h, positions, mask, caches[i] if caches else None)  # (batch, seq, dim)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is None or not head:
+            return h
+        return self.output(h)  # (batch, seq, vocab)
 
 
 def new_caches(model: nn.Module, batch: int, max_len: int) -> list[KVCache]:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmforge.models.common import KVCache, Projections, causal_mask
+from lmforge.models.common import DecoderStack, KVCache, Projections, causal_mask
 
 # Hugging Face's names for the block's linear layers, and the names users also give them.
 PROJECTIONS = Projections(
@@ -150,7 +150,7 @@ class TransformerBlock(nn.Module):
         self.feed_forward.reset_parameters(std, out_std)
 
 
-class GPTJ(nn.Module):
+class GPTJ(DecoderStack):
     def __init__(self, args: GPTJArgs):
         super().__init__()
         self.args = args
@@ -161,20 +161,6 @@ class GPTJ(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=True)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-
-    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                mask: Optional[torch.Tensor] = None, caches: Optional[list[KVCache]] = None,
-                head: bool = True):
-        """As ``Llama.forward``: tokens (batch, seq), or hidden states (batch, seq, dim) on
-        a later pipeline stage; mask boolean (batch, 1, seq, keys), None = causal."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for i, layer in enumerate(self.layers.values()):
-            h = layer(h, positions, mask, caches[i] if caches else None)  # (batch, seq, dim)
-        if self.norm is not None:
-            h = self.norm(h)
-        if self.output is None or not head:
-            return h
-        return self.output(h)  # (batch, seq, vocab)
 
     @torch.no_grad()
     def init_weights(self) -> None:

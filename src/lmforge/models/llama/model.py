@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmforge.models.common import KVCache, Projections, causal_mask
+from lmforge.models.common import DecoderStack, KVCache, Projections, causal_mask
 
 # Hugging Face's names for the block's linear layers, and the names users also give them.
 PROJECTIONS = Projections(
@@ -236,7 +236,7 @@ class TransformerBlock(nn.Module):
         self.feed_forward.reset_parameters(std, out_std)
 
 
-class Llama(nn.Module):
+class Llama(DecoderStack):
     def __init__(self, args: LlamaArgs):
         super().__init__()
         self.args = args
@@ -247,22 +247,6 @@ class Llama(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-
-    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                mask: Optional[torch.Tensor] = None, caches: Optional[list[KVCache]] = None,
-                head: bool = True):
-        """tokens: (batch, seq) ids, or hidden states (batch, seq, dim) on a later pipeline
-        stage. positions: (batch, seq), default 0..seq-1 after any cached ones. mask:
-        boolean (batch, 1, seq, keys), True = may attend; None = causal. head=False stops
-        after the final norm, for a loss that applies ``output`` a chunk at a time."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for i, layer in enumerate(self.layers.values()):
-            h = layer(h, positions, mask, caches[i] if caches else None)  # (batch, seq, dim)
-        if self.norm is not None:
-            h = self.norm(h)
-        if self.output is None or not head:
-            return h
-        return self.output(h)  # (batch, seq, vocab)
 
     @torch.no_grad()
     def init_weights(self) -> None:
