@@ -350,20 +350,23 @@ class StageActivations:
     backward_buffers: float  # gradients alive inside a block's backward (its peak)
     freed_mlp_out_input: float  # the MLP output projection's saved input, freed by then
     host: float = 0.0  # what activation offload keeps in pinned host memory instead
+    # A pipeline's last stage: the other in-flight micro-batches' head inputs, logits
+    # (the stage output, kept for its backward) and log-softmax (kept by the loss)
+    pending_heads: float = 0.0
 
     @property
     def at_forward_end(self) -> float:
-        return self.blocks + self.head + self.stage_input
+        return self.blocks + self.head + self.stage_input + self.pending_heads
 
     @property
     def at_last_block(self) -> float:
         return (self.blocks + self.recomputed_block + self.stage_input
-                - self.freed_mlp_out_input)
+                - self.freed_mlp_out_input + self.pending_heads)
 
     @property
     def at_first_block(self) -> float:
         return (self.blocks_at_first_block + self.recomputed_block + self.stage_input
-                - self.freed_mlp_out_input)
+                - self.freed_mlp_out_input + self.pending_heads)
 
 
 def stage_activations(setup: Setup, act: Activations, stage: int) -> StageActivations:
@@ -389,7 +392,9 @@ def stage_activations(setup: Setup, act: Activations, stage: int) -> StageActiva
         host = held * max(layers - 2, 0) * moved
         blocks -= host
     bf16_logits = compute_bytes(setup) == 2
+    pending = (held - 1) * (act.head_inputs + act.logits + act.log_softmax) if last else 0.0
     return StageActivations(
+        pending_heads=pending,
         host=host, blocks=blocks, blocks_at_first_block=blocks_at_first_block,
         recomputed_block=recomputed,
         # a later stage receives its input activations

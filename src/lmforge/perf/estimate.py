@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from lmforge.perf.activations import (Activations, StageActivations, activation_model,
-                                      loss_chunk_tokens, stage_activations)
+                                      in_flight, loss_chunk_tokens, stage_activations)
 from lmforge.perf.estimate_setup import DTYPE_BYTES, Setup, compute_bytes, frozen_weight_dtype
 from lmforge.perf.flops import projection_shapes
 from lmforge.perf.weights import Weights, model_parameters, stage_layers, stage_weights
@@ -82,6 +82,20 @@ class Gradients:
     per_block: float
     mlp_out: float  # the MLP output projection's, the first a block's backward completes
     before_blocks: float  # the head's and final norm's, done before any block's
+    # From the second micro-batch of a step on, the gradients of the earlier ones: every
+    # trainable parameter's, held through forward and backward (0 with one micro-batch,
+    # with the step fused into backward, and in a pipeline whose peak, with the most
+    # micro-batches in flight, comes before the first backward ends: GPipe's, or 1F1B's
+    # when every micro-batch is in flight at once).
+    accumulated: float = 0.0
+    # FSDP2 reduce-scatters the root unit's gradients (head, final norm) only when the
+    # whole backward ends: until then they are unsharded, beside any accumulated shard.
+    root_unsharded: float = 0.0
+
+    def in_block_backward(self, completed: float) -> float:
+        """Bytes while the backward is in the blocks, ``completed`` of this micro-batch's
+        sharded gradients done: accumulated in place into the earlier micro-batches'."""
+        return max(self.accumulated, completed) + self.root_unsharded
 
 
 def stage_gradients(setup: Setup, weights: Weights, stage: int) -> Gradients:
@@ -92,9 +106,15 @@ def stage_gradients(setup: Setup, weights: Weights, stage: int) -> Gradients:
     args, tied = setup.args, setup.args.tie_embeddings and setup.pp == 1
     if setup.trainable.embedding and stage == 0 and not tied:  # the embedding's comes last
         before_blocks -= grad_bytes * args.vocab_size * args.dim / setup.tp / shard
+    before_blocks = max(before_blocks, 0.0)
+    accumulates = (setup.microbatches > 1 and not setup.in_backward
+                   and (setup.pp == 1 or setup.pp_schedule != "gpipe"
+                        and setup.microbatches > in_flight(setup, stage)))
     return Gradients(total=every, per_block=per_block,
                      mlp_out=grad_bytes * weights.mlp_out_trainable / shard,
-                     before_blocks=max(before_blocks, 0.0))
+                     before_blocks=before_blocks,
+                     accumulated=every if accumulates else 0.0,
+                     root_unsharded=before_blocks * shard if setup.fsdp else 0.0)
 
 
 # ------------------------------------------------------------------ transient buffers
@@ -146,15 +166,35 @@ def autocast_copies(setup: Setup, weights: Weights, stage: int) -> AutocastCopie
         checkpointed=checkpointed)
 
 
-def fsdp_unsharded_bytes(setup: Setup, weights: Weights, stage: int) -> float:
-    """Parameters FSDP2 gathers in the compute dtype (zero 3: this block and the
-    prefetched next; zero 2: every block, kept from forward to backward), and the
-    unsharded fp32 gradients of a block before their reduce-scatter."""
+@dataclass
+class FsdpBuffers:
+    """What FSDP2 allocates beside the shards, at the phases of a step (parallel/fsdp.py:
+    each block is a unit, the root unit holds the stage's embedding, final norm and head
+    and is not resharded after forward). Zero 3 gathers a block for its forward and again
+    for its backward, prefetching the next one; zero 2 keeps every block gathered from
+    forward to backward. In a block's backward its gradients are unsharded (fp32) until
+    its reduce-scatter, whose input buffer stays until the next block's is issued. On the
+    CPU, gloo stages each all-gather and reduce-scatter through one more full-size copy."""
+    params_outside_blocks: float = 0.0  # forward end and loss: no block being computed
+    params_in_blocks: float = 0.0  # a block's backward
+    gradients_last_block: float = 0.0  # the last block's MLP output gradients, unsharded
+    gradients_first_block: float = 0.0  # ... and the reduce-scatter input kept from before
+
+
+def fsdp_buffers(setup: Setup, weights: Weights, grads: Gradients, stage: int) -> FsdpBuffers:
     if not setup.fsdp:
-        return 0.0
-    gathered_blocks = 2 if setup.zero >= 3 else stage_layers(setup, stage)
-    return (compute_bytes(setup) * weights.block_total * gathered_blocks
-            + 2 * 4 * weights.block_trainable)
+        return FsdpBuffers()
+    layers, param_bytes = stage_layers(setup, stage), compute_bytes(setup)
+    block, gloo = weights.block_total, int(setup.device == "cpu")
+    root = weights.trainable_params + weights.frozen_params - layers * block
+    kept = layers if setup.zero < 3 else 0
+    in_block_grads = grads.mlp_out * (setup.dp_shard - 1)  # beyond the sharded mlp_out
+    reduce_input = 4 * weights.block_trainable
+    return FsdpBuffers(
+        params_outside_blocks=param_bytes * (root + kept * block),
+        params_in_blocks=param_bytes * (root + max(kept, 2) * block + gloo * block),
+        gradients_last_block=in_block_grads,
+        gradients_first_block=in_block_grads + (1 + gloo) * reduce_input)
 
 
 def dequantization_scratch(setup: Setup, weights: Weights) -> float:
@@ -190,19 +230,20 @@ class StageTerms:
     activations: StageActivations  # per token
     gradients: Gradients
     copies: AutocastCopies
-    fsdp_unsharded: float
+    fsdp: FsdpBuffers
     dequantization_scratch: float
     optimizer_temporaries: float
 
 
 def stage_terms(setup: Setup, weights: Weights, act: Activations, stage: int) -> StageTerms:
+    grads = stage_gradients(setup, weights, stage)
     return StageTerms(
         layers=stage_layers(setup, stage), tokens=setup.micro_batch * setup.seq_len,
         loss_tokens=loss_chunk_tokens(setup),
         activations=stage_activations(setup, act, stage),
-        gradients=stage_gradients(setup, weights, stage),
+        gradients=grads,
         copies=autocast_copies(setup, weights, stage),
-        fsdp_unsharded=fsdp_unsharded_bytes(setup, weights, stage),
+        fsdp=fsdp_buffers(setup, weights, grads, stage),
         dequantization_scratch=dequantization_scratch(setup, weights),
         optimizer_temporaries=optimizer_temporaries(setup, weights))
 
@@ -210,37 +251,41 @@ def stage_terms(setup: Setup, weights: Weights, act: Activations, stage: int) ->
 def step_phases(t: StageTerms) -> dict[str, dict[str, float]]:
     """Phase -> {term: bytes} at the points of a step where memory peaks (docs/estimate.md,
     "Phases and the peak"); the static terms come on top of each."""
-    act, loss_tokens = t.activations, t.loss_tokens
+    act, loss_tokens, grads = t.activations, t.loss_tokens, t.gradients
     return {
         "forward end": {
             "activations": t.tokens * act.at_forward_end,
             "loss head (logits, log-softmax)":
                 loss_tokens * (act.logits + act.log_softmax + act.fp32_logits),
             "autocast weight copies": t.copies.at_forward_end,
-            "FSDP unsharded parameters": t.fsdp_unsharded},
+            "gradients": grads.accumulated,
+            "FSDP unsharded parameters": t.fsdp.params_outside_blocks},
         "backward: loss": {
             "activations": t.tokens * act.at_forward_end,
             # the log-softmax, its gradient and the logits' gradient (fp32 each)
             "loss head (logits, log-softmax)": loss_tokens * 3 * act.log_softmax,
             "autocast weight copies": t.copies.at_backward_loss,
-            "FSDP unsharded parameters": t.fsdp_unsharded},
+            "gradients": grads.accumulated,
+            "FSDP unsharded parameters": t.fsdp.params_outside_blocks},
         "backward: last block": {
             "activations": t.tokens * act.at_last_block,
             "autocast weight copies": t.copies.at_last_block,
-            "gradients": t.gradients.before_blocks + t.gradients.mlp_out,
+            "gradients": grads.in_block_backward(grads.before_blocks + grads.mlp_out),
             "backward buffers": t.tokens * act.backward_buffers,
             "dequantization scratch": t.dequantization_scratch,
-            "FSDP unsharded parameters": t.fsdp_unsharded},
+            "FSDP unsharded parameters": t.fsdp.params_in_blocks,
+            "FSDP gradient buffers": t.fsdp.gradients_last_block},
         "backward: first block": {
             "activations": t.tokens * act.at_first_block,
             "autocast weight copies": t.copies.at_first_block,
-            "gradients": (t.gradients.before_blocks + (t.layers - 1) * t.gradients.per_block
-                          + t.gradients.mlp_out),
+            "gradients": grads.in_block_backward(
+                grads.before_blocks + (t.layers - 1) * grads.per_block + grads.mlp_out),
             "backward buffers": t.tokens * act.backward_buffers,
             "dequantization scratch": t.dequantization_scratch,
-            "FSDP unsharded parameters": t.fsdp_unsharded},
+            "FSDP unsharded parameters": t.fsdp.params_in_blocks,
+            "FSDP gradient buffers": t.fsdp.gradients_first_block},
         "optimizer step": {
-            "gradients": t.gradients.total,
+            "gradients": grads.total,
             "optimizer temporaries": t.optimizer_temporaries},
     }
 

@@ -28,7 +28,7 @@ from lmforge.parallel.mesh import ParallelDims
 from lmforge.parallel.offload import ActivationOffloader, offload_blocks
 from lmforge.parallel.parallelize import apply_data_parallel, apply_model_parallel
 from lmforge.parallel.pipeline import (build_schedule, has_first_stage, has_last_stage,
-                                       split_model)
+                                       split_model, step_options)
 from lmforge.peft.adapters import load_adapter
 from lmforge.peft.lora import after_materialize, is_lora_param, prepare_model_for_lora
 from lmforge.train.step import accumulate_gradients, normalize_loss
@@ -95,9 +95,9 @@ class TrainModel:
         inputs = torch.cat([b["input_ids"] for b in micro_batches]).to(device)
         targets = torch.cat([b["labels"] for b in micro_batches]).to(device)
         losses: list = []
-        kwargs = {}
+        kwargs = step_options(self.schedule)
         if has_last_stage(parts, n_stages):
-            kwargs = {"target": targets, "losses": losses}
+            kwargs.update(target=targets, losses=losses)
         with autocast():
             if has_first_stage(parts):
                 self.schedule.step(inputs, **kwargs)
