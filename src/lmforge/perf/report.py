@@ -57,7 +57,7 @@ class Run:
 @dataclass(frozen=True)
 class Plot:
     x: str  # "step" or "tokens"
-    series: tuple[tuple[str, str], ...]  # (record key, line style); the first is solid
+    series: tuple[tuple[str, str], ...]  # (record key, line style); the first: the run alone
     y_label: str
     from_zero: bool = False  # the y axis starts at 0: the size matters, not only the change
 
