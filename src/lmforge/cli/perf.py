@@ -195,8 +195,10 @@ def _calibrate(ns, cfg, candidates, name, device) -> int:
 def _add_report(subparsers) -> None:
     p = subparsers.add_parser(
         "report", help="plots and a Markdown summary of one or more runs",
-        description="Plot loss (vs step and vs tokens), tokens/s, memory and MFU of one run "
-        "or several overlaid, and write a Markdown summary table.")
+        description="Plot loss (vs step and vs tokens), held-out loss, learning rate, "
+        "gradient norm, tokens/s, memory and MFU of one run or several overlaid, and write a "
+        "Markdown summary: a row per run, and a column per config value that differs "
+        "between the runs. Plots need matplotlib (pip install -e '.[report]').")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories "
                    "(train.output_dir, holding metrics.jsonl)")
     p.add_argument("--output", default=None, metavar="DIR",

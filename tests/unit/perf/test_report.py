@@ -9,7 +9,8 @@ from lmforge.perf import report as R  # noqa: E402
 from lmforge.cli import build_parser  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-PLOTS = ("loss_vs_step", "loss_vs_tokens", "tokens_per_s", "memory")
+PLOTS = ("loss_vs_step", "loss_vs_tokens", "eval_loss", "lr", "grad_norm", "tokens_per_s",
+         "memory")
 
 
 def fake_run(path, steps=10, start_loss=6.0, mfu=None, eval_every=5):
