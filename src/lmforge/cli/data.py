@@ -39,16 +39,17 @@ def _preprocess_arguments(p) -> None:
                         "a text (BOS for Llama-2/3), as Megatron-LM does; none: the text's "
                         "tokens only")
     p.add_argument("--workers", type=int, default=1, metavar="N",
-                   help="tokenizer processes (default 1); memory ~ N x --chunk-mb")
+                   help="tokenizer processes; memory ~ N x --chunk-mb")
     p.add_argument("--chunk-mb", type=float, default=1.0, metavar="MB",
-                   help="input read and tokenized per task (default 1)")
+                   help="input read and tokenized per task")
     p.add_argument("--on-error", choices=("stop", "skip"), default="stop",
                    help="bad records (not JSON, missing key, not UTF-8): stop with "
                         "file:line (default) or skip them and report where")
     bar = p.add_mutually_exclusive_group()
     bar.add_argument("--progress", dest="progress", action="store_true", default=None,
                      help="progress bar on stderr (default: when stderr is a terminal)")
-    bar.add_argument("--no-progress", dest="progress", action="store_false")
+    bar.add_argument("--no-progress", dest="progress", action="store_false",
+                     help="no progress bar")
 
 
 def _preprocess(args) -> int:
@@ -68,7 +69,8 @@ def _add_tokenizer(sub) -> None:
                         description="Train a byte-level BPE tokenizer on local text files "
                         "(or directories of them) and save tokenizer.json.")
     t.add_argument("--input", required=True, nargs="+", help="files or directories")
-    t.add_argument("--vocab-size", type=int, required=True)
+    t.add_argument("--vocab-size", type=int, required=True,
+                   help="tokens in the vocabulary, the 256 bytes and 3 special tokens included")
     t.add_argument("--output", required=True, help="output directory")
     t.set_defaults(func=_tokenizer_train)
     p.set_defaults(func=lambda _: p.print_help() or 2)
