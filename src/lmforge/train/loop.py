@@ -275,7 +275,8 @@ def run_loop(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optimiz
     throughput = M.Throughput(model_flops_per_token(model, cfg.data.seq_len),
                               device_peak_flops(rt.device), rt.world_size)
     logger = M.MetricsLogger(out_dir, enabled=rt.is_logging_rank, config=cfg.to_dict(),
-                             start_step=start_step)
+                             start_step=start_step, wandb_project=t.wandb_project,
+                             run_name=t.wandb_run_name)
     bar = _progress_bar(cfg, rt, start_step)
     # The whole run's records (rank 0): an earlier invocation's, then this one's.
     history, nonfinite_steps = list(logger.earlier), 0
