@@ -6,8 +6,10 @@ from pathlib import Path
 
 from lmforge import fsio
 from lmforge.data.preprocess import preprocess
-from lmforge.data.tokenizer import iter_text_files, read_text, train_bpe
+from lmforge.data.tokenizer import (RECORD_SUFFIXES, TEXT_SUFFIXES, iter_text_files,
+                                    train_bpe, training_texts)
 
+JSON_KEY = "text"  # the field holding a record's text, unless --json-key says otherwise
 PREPROCESS_DESCRIPTION = ("Tokenize raw text (.jsonl, .jsonl.gz, .json, .txt, .parquet) into "
                           "a Megatron-LM indexed dataset, PREFIX.bin/.idx.")
 
@@ -31,7 +33,7 @@ def _preprocess_arguments(p) -> None:
                    help="directory with tokenizer.json")
     p.add_argument("--json-key", nargs="+", action="extend", metavar="KEY",
                    help="JSON/parquet field(s) holding the text; one output per key "
-                        "(default: text)")
+                        f"(default: {JSON_KEY})")
     p.add_argument("--append-eod", action="store_true",
                    help="end every document with the tokenizer's end-of-text token")
     p.add_argument("--special-tokens", choices=("tokenizer", "none"), default="tokenizer",
@@ -55,7 +57,7 @@ def _preprocess_arguments(p) -> None:
 def _preprocess(args) -> int:
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     stats = preprocess(args.input, args.output_prefix, args.tokenizer,
-                       tuple(args.json_key or ["text"]), args.append_eod, args.workers,
+                       tuple(args.json_key or [JSON_KEY]), args.append_eod, args.workers,
                        args.on_error, args.chunk_mb, progress, args.special_tokens)
     print(stats.summary(), flush=True)
     return 0
@@ -66,9 +68,15 @@ def _add_tokenizer(sub) -> None:
                        description="Tokenizer tools.")
     tsub = p.add_subparsers(metavar="ACTION")
     t = tsub.add_parser("train", help="train a byte-level BPE tokenizer on local files",
-                        description="Train a byte-level BPE tokenizer on local text files "
-                        "(or directories of them) and save tokenizer.json.")
-    t.add_argument("--input", required=True, nargs="+", help="files or directories")
+                        description="Train a byte-level BPE tokenizer on local files (or "
+                        "directories of them) and save tokenizer.json. JSON Lines, JSON "
+                        "arrays and parquet give the text under --json-key of each record; "
+                        "other files their whole text.")
+    t.add_argument("--input", required=True, nargs="+", metavar="PATH",
+                   help=f"files, or directories of {', '.join(TEXT_SUFFIXES + RECORD_SUFFIXES)}")
+    t.add_argument("--json-key", nargs="+", action="extend", metavar="KEY",
+                   help="JSON/parquet field(s) holding the text, all trained on "
+                        f"(default: {JSON_KEY})")
     t.add_argument("--vocab-size", type=int, required=True,
                    help="tokens in the vocabulary, the 256 bytes and 3 special tokens included")
     t.add_argument("--output", required=True, help="output directory")
@@ -80,10 +88,12 @@ def _tokenizer_train(args) -> int:
     if args.vocab_size < 260:
         raise ValueError("--vocab-size must be at least 260 (256 bytes + special tokens)")
     fsio.check_writable(args.output, "--output", kind="dir")
-    files = list(iter_text_files(args.input))
+    files = list(iter_text_files(args.input, TEXT_SUFFIXES + RECORD_SUFFIXES))
     if not files:
-        raise ValueError(f"{', '.join(args.input)}: no .txt/.md/.py/.rst files found")
-    tokenizer = train_bpe((read_text(f) for f in files), args.vocab_size)
+        raise ValueError(f"{', '.join(args.input)}: no "
+                         f"{'/'.join(TEXT_SUFFIXES + RECORD_SUFFIXES)} files found")
+    texts = training_texts(files, args.json_key or [JSON_KEY])
+    tokenizer = train_bpe(texts, args.vocab_size)
     tokenizer.save(args.output)
     print(f"trained a {tokenizer.vocab_size}-token BPE tokenizer on {len(files)} files: "
           f"{Path(args.output) / 'tokenizer.json'}")
