@@ -25,8 +25,9 @@ def _run(capsys, argv):
     ("optim.nope=1", "optim.nope"),
     ("model.preset=gpt5", "model.preset"),
 ])
-def test_bad_config_values_exit_with_one_line(capsys, tmp_path, override, field):
-    code, err = _run(capsys, ["train", override, f"train.output_dir={tmp_path}/run"])
+@pytest.mark.parametrize("flags", [[], ["--dry-run"]])  # a dry run refuses the same
+def test_bad_config_values_exit_with_one_line(capsys, tmp_path, override, field, flags):
+    code, err = _run(capsys, ["train", override, f"train.output_dir={tmp_path}/run", *flags])
     assert code == 2
     assert err.count("\n") == 0 and err.startswith(f"lmforge: error: {field}")
     assert not (tmp_path / "run").exists(), "refused before anything was written"

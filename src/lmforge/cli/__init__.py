@@ -12,6 +12,7 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 
 from lmforge.cli import data, evaluate, export, generate, launch, lora, perf, train
+from lmforge.cli.common import DefaultsHelpFormatter, parsers_under
 
 # Errors a user can cause and fix: reported as one line, never as a traceback.
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
@@ -49,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(metavar="COMMAND")
     for module in COMMAND_MODULES:
         module.add_parser(sub)
+    for p in parsers_under(parser):  # one rule for every command's --help
+        p.formatter_class = DefaultsHelpFormatter
     return parser
 
 

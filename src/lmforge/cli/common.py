@@ -1,6 +1,7 @@
 """Argument conventions shared by several commands."""
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -18,3 +19,31 @@ def add_config_arguments(p, config_help: str = "YAML recipe (see configs/)") -> 
     p.add_argument("config", nargs="?", help=config_help)
     p.add_argument("overrides", nargs="*", metavar="section.key=value",
                    help="config overrides, e.g. optim.lr=3e-4 train.max_steps=50")
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """``--help`` that shows every option's default: "(default: X)" is appended unless the
+    help already says what the default is. A flag (no value) and a default of None have
+    nothing to show: their help says what happens without them."""
+
+    def _get_help_string(self, action) -> str:
+        text = action.help or ""
+        if not shows_default(action) or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def shows_default(action: argparse.Action) -> bool:
+    """Whether ``action`` is an option taking a value with a default to show."""
+    default = action.default
+    return bool(action.option_strings) and action.nargs != 0 and not (
+        default is None or default == [] or default is argparse.SUPPRESS)
+
+
+def parsers_under(parser: argparse.ArgumentParser):
+    """``parser`` and every subcommand parser below it, depth first."""
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from parsers_under(sub)

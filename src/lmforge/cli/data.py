@@ -6,8 +6,10 @@ from pathlib import Path
 
 from lmforge import fsio
 from lmforge.data.preprocess import preprocess
-from lmforge.data.tokenizer import iter_text_files, read_text, train_bpe
+from lmforge.data.tokenizer import (RECORD_SUFFIXES, TEXT_SUFFIXES, iter_text_files,
+                                    train_bpe, training_texts)
 
+JSON_KEY = "text"  # the field holding a record's text, unless --json-key says otherwise
 PREPROCESS_DESCRIPTION = ("Tokenize raw text (.jsonl, .jsonl.gz, .json, .txt, .parquet) into "
                           "a Megatron-LM indexed dataset, PREFIX.bin/.idx.")
 
@@ -31,7 +33,7 @@ def _preprocess_arguments(p) -> None:
                    help="directory with tokenizer.json")
     p.add_argument("--json-key", nargs="+", action="extend", metavar="KEY",
                    help="JSON/parquet field(s) holding the text; one output per key "
-                        "(default: text)")
+                        f"(default: {JSON_KEY})")
     p.add_argument("--append-eod", action="store_true",
                    help="end every document with the tokenizer's end-of-text token")
     p.add_argument("--special-tokens", choices=("tokenizer", "none"), default="tokenizer",
@@ -39,22 +41,23 @@ def _preprocess_arguments(p) -> None:
                         "a text (BOS for Llama-2/3), as Megatron-LM does; none: the text's "
                         "tokens only")
     p.add_argument("--workers", type=int, default=1, metavar="N",
-                   help="tokenizer processes (default 1); memory ~ N x --chunk-mb")
+                   help="tokenizer processes; memory ~ N x --chunk-mb")
     p.add_argument("--chunk-mb", type=float, default=1.0, metavar="MB",
-                   help="input read and tokenized per task (default 1)")
+                   help="input read and tokenized per task")
     p.add_argument("--on-error", choices=("stop", "skip"), default="stop",
                    help="bad records (not JSON, missing key, not UTF-8): stop with "
                         "file:line (default) or skip them and report where")
     bar = p.add_mutually_exclusive_group()
     bar.add_argument("--progress", dest="progress", action="store_true", default=None,
                      help="progress bar on stderr (default: when stderr is a terminal)")
-    bar.add_argument("--no-progress", dest="progress", action="store_false")
+    bar.add_argument("--no-progress", dest="progress", action="store_false",
+                     help="no progress bar")
 
 
 def _preprocess(args) -> int:
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     stats = preprocess(args.input, args.output_prefix, args.tokenizer,
-                       tuple(args.json_key or ["text"]), args.append_eod, args.workers,
+                       tuple(args.json_key or [JSON_KEY]), args.append_eod, args.workers,
                        args.on_error, args.chunk_mb, progress, args.special_tokens)
     print(stats.summary(), flush=True)
     return 0
@@ -65,10 +68,17 @@ def _add_tokenizer(sub) -> None:
                        description="Tokenizer tools.")
     tsub = p.add_subparsers(metavar="ACTION")
     t = tsub.add_parser("train", help="train a byte-level BPE tokenizer on local files",
-                        description="Train a byte-level BPE tokenizer on local text files "
-                        "(or directories of them) and save tokenizer.json.")
-    t.add_argument("--input", required=True, nargs="+", help="files or directories")
-    t.add_argument("--vocab-size", type=int, required=True)
+                        description="Train a byte-level BPE tokenizer on local files (or "
+                        "directories of them) and save tokenizer.json. JSON Lines, JSON "
+                        "arrays and parquet give the text under --json-key of each record; "
+                        "other files their whole text.")
+    t.add_argument("--input", required=True, nargs="+", metavar="PATH",
+                   help=f"files, or directories of {', '.join(TEXT_SUFFIXES + RECORD_SUFFIXES)}")
+    t.add_argument("--json-key", nargs="+", action="extend", metavar="KEY",
+                   help="JSON/parquet field(s) holding the text, all trained on "
+                        f"(default: {JSON_KEY})")
+    t.add_argument("--vocab-size", type=int, required=True,
+                   help="tokens in the vocabulary, the 256 bytes and 3 special tokens included")
     t.add_argument("--output", required=True, help="output directory")
     t.set_defaults(func=_tokenizer_train)
     p.set_defaults(func=lambda _: p.print_help() or 2)
@@ -78,10 +88,12 @@ def _tokenizer_train(args) -> int:
     if args.vocab_size < 260:
         raise ValueError("--vocab-size must be at least 260 (256 bytes + special tokens)")
     fsio.check_writable(args.output, "--output", kind="dir")
-    files = list(iter_text_files(args.input))
+    files = list(iter_text_files(args.input, TEXT_SUFFIXES + RECORD_SUFFIXES))
     if not files:
-        raise ValueError(f"{', '.join(args.input)}: no .txt/.md/.py/.rst files found")
-    tokenizer = train_bpe((read_text(f) for f in files), args.vocab_size)
+        raise ValueError(f"{', '.join(args.input)}: no "
+                         f"{'/'.join(TEXT_SUFFIXES + RECORD_SUFFIXES)} files found")
+    texts = training_texts(files, args.json_key or [JSON_KEY])
+    tokenizer = train_bpe(texts, args.vocab_size)
     tokenizer.save(args.output)
     print(f"trained a {tokenizer.vocab_size}-token BPE tokenizer on {len(files)} files: "
           f"{Path(args.output) / 'tokenizer.json'}")

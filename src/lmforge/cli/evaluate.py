@@ -22,12 +22,13 @@ def add_parser(sub) -> None:
     p.add_argument("--data", required=True, nargs="+", help="text file(s)/dir, .jsonl or PREFIX")
     p.add_argument("--seq-len", type=int, default=None,
                    help="tokens per window (default: 256, or the model's maximum if shorter)")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
     p.add_argument("--json-key", default="text",
                    help="JSONL field holding each document's text (default: text)")
     p.add_argument("--output", default=None, help="JSON results file (default: eval.json "
                    "in the current directory)")
-    p.add_argument("--device", default="auto", choices=DEVICES)
+    p.add_argument("--device", default="auto", choices=DEVICES,
+                   help="where to run (auto: a GPU when there is one)")
     p.set_defaults(func=_eval)
 
 

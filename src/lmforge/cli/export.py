@@ -11,9 +11,12 @@ def add_parser(subparsers) -> None:
         "or a run directory: its newest checkpoint) to a Hugging Face model directory "
         "(hf), a PEFT adapter (peft) or a model with LoRA merged in (merged). Runs "
         "offline in one process, whatever the layout the checkpoint was saved on.")
-    p.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR")
-    p.add_argument("out_dir", metavar="OUT_DIR")
-    p.add_argument("--format", dest="fmt", choices=FORMATS, default="hf")
+    p.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR",
+                   help="checkpoints/step-NNNNNNN, or a run directory (its newest)")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="directory to write")
+    p.add_argument("--format", dest="fmt", choices=FORMATS, default="hf",
+                   help="hf: the whole model; peft: the LoRA adapter only; merged: the model "
+                   "with the adapter added into its weights")
     p.add_argument("--tokenizer", metavar="DIR", default=None,
                    help="tokenizer directory (default: the run's tokenizer/)")
     p.add_argument("--dtype", choices=tuple(EXPORT_DTYPES), default=None,

@@ -17,18 +17,25 @@ def add_parser(sub) -> None:
                        "prompt is tokenized as the model's tokenizer does (its own special "
                        "tokens); generation stops on generation_config.json's eos_token_id.")
     p.add_argument("--model", required=True, help="Hugging Face model directory")
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt", required=True, help="text to continue (or, with --chat, the "
+                   "user message)")
     p.add_argument("--chat", action="store_true",
                    help="send --prompt as a user message through the model's chat template "
                         "(with the generation prompt), print the reply only, and stop at the "
                         "template's end-of-turn token")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="stop after this many new tokens")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (default: sample)")
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=50)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto", choices=DEVICES)
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="sampling temperature (lower: closer to greedy)")
+    p.add_argument("--top-k", type=int, default=50,
+                   help="sample among the K most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="sample among the most likely tokens whose probabilities sum to P "
+                   "(default: off)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--device", default="auto", choices=DEVICES,
+                   help="where to run (auto: a GPU when there is one)")
     p.set_defaults(func=_generate)
 
 

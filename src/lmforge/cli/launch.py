@@ -19,15 +19,20 @@ def add_parser(sub) -> None:
                         description="Write an sbatch script that runs `lmforge train` on "
                         "NODES x GPUS processes (srun starts one torchrun per node).")
     s.add_argument("config", nargs="?", help="YAML recipe")
-    s.add_argument("overrides", nargs="*", metavar="section.key=value")
-    s.add_argument("--nodes", type=int, required=True)
-    s.add_argument("--gpus-per-node", type=int, required=True)
-    s.add_argument("--job-name", default="lmforge")
-    s.add_argument("--time", default="24:00:00", dest="time_limit")
-    s.add_argument("--cpus-per-task", type=int, default=32)
-    s.add_argument("--partition")
-    s.add_argument("--account")
-    s.add_argument("--port", type=int, default=29500)
+    s.add_argument("overrides", nargs="*", metavar="section.key=value",
+                   help="config overrides, passed on to lmforge train")
+    s.add_argument("--nodes", type=int, required=True, help="nodes to allocate")
+    s.add_argument("--gpus-per-node", type=int, required=True,
+                   help="GPUs (and training processes) per node")
+    s.add_argument("--job-name", default="lmforge", help="SLURM job name")
+    s.add_argument("--time", default="24:00:00", dest="time_limit",
+                   help="SLURM time limit, HH:MM:SS")
+    s.add_argument("--cpus-per-task", type=int, default=32,
+                   help="CPUs per node (one task per node, shared by its processes)")
+    s.add_argument("--partition", help="SLURM partition (default: the cluster's)")
+    s.add_argument("--account", help="SLURM account (default: yours)")
+    s.add_argument("--port", type=int, default=29500,
+                   help="torchrun rendezvous port on the first node")
     s.add_argument("--output", default="lmforge.sbatch", help="script path to write")
     s.add_argument("--submit", action="store_true", help="run sbatch on the script")
     s.set_defaults(func=_slurm)

@@ -43,11 +43,13 @@ def add_parser(sub) -> None:
     e.add_argument("--data", required=True, help='JSONL of {"prompt", "response"}')
     e.add_argument("--template", default="auto",
                    help="chat template the model was fine-tuned with (data.template)")
-    e.add_argument("--max-new-tokens", type=int, default=64)
+    e.add_argument("--max-new-tokens", type=int, default=64,
+                   help="longest generation scored by ROUGE-L")
     e.add_argument("--limit", type=int, default=None, help="score the first N records only")
     e.add_argument("--output", default=None, help="JSON results file (default: "
                    "eval-lora.json in the current directory)")
-    e.add_argument("--device", default="auto", choices=DEVICES)
+    e.add_argument("--device", default="auto", choices=DEVICES,
+                   help="where to run (auto: a GPU when there is one)")
     e.set_defaults(func=_eval)
     p.set_defaults(func=lambda _: p.print_help() or 2)
 

@@ -91,9 +91,9 @@ def _add_plan(subparsers) -> None:
     p.add_argument("overrides", nargs="*", metavar="section.key=value",
                    help="config overrides, e.g. data.global_batch_size=64")
     p.add_argument("--gpus", type=int, required=True, help="devices in the job")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="devices per node (8)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="devices per node")
     p.add_argument("--device", default="h100", help=f"one of {', '.join(DEVICES)}")
-    p.add_argument("--top", type=int, default=10, metavar="K", help="rows to print (10)")
+    p.add_argument("--top", type=int, default=10, metavar="K", help="rows to print")
     p.add_argument("--output", default=None, metavar="PLAN.yaml",
                    help="write the winner as a config `lmforge train` loads")
     p.add_argument("--calibrate", action="store_true",
@@ -104,9 +104,9 @@ def _add_plan(subparsers) -> None:
                    help="constants fitted by --calibrate: read them (plan) or write them "
                    "(with --calibrate; default OUT/calibration.json)")
     p.add_argument("--calibrate-steps", type=int, default=4, metavar="N",
-                   help="steps per calibration run; the first is not timed (4)")
+                   help="steps per calibration run; the first is not timed")
     p.add_argument("--calibrate-dir", default="lmforge-calibrate", metavar="OUT",
-                   help="where calibration runs write (lmforge-calibrate)")
+                   help="where calibration runs write")
     p.set_defaults(func=_plan)
 
 

@@ -5,9 +5,14 @@ import os
 import sys
 
 from lmforge.cli.common import add_config_arguments, config_and_overrides
-from lmforge.config import ConfigError, load_config
-from lmforge.parallel.mesh import read_dist_env
-from lmforge.train.loop import train
+from lmforge.config import ConfigError, config_yaml, load_config
+from lmforge.data.tokenizer import load_tokenizer
+from lmforge.models.registry import build_model
+from lmforge.parallel.mesh import DistEnv, read_dist_env
+from lmforge.peft.lora import prepare_model_for_lora, trainable_summary
+from lmforge.perf.estimate import estimate_memory, format_table
+from lmforge.perf.estimate_setup import setup_from_config
+from lmforge.train.loop import check_job, resolve_model_args, train
 
 
 def add_parser(sub) -> None:
@@ -15,10 +20,23 @@ def add_parser(sub) -> None:
                        description="Train a model. Without CONFIG, runs the embedded demo: a "
                        "tiny Llama trained on the CPU on the Python standard library.")
     add_config_arguments(p)
+    look = p.add_mutually_exclusive_group()
+    look.add_argument("--print-config", action="store_true",
+                      help="print the resolved config (as the run saves it in config.yaml) "
+                      "and exit")
+    look.add_argument("--dry-run", action="store_true",
+                      help="check the config as the run would, build the model on the meta "
+                      "device, print its parameter counts and the memory estimate, and exit "
+                      "(nothing is computed or written)")
+    p.add_argument("--world-size", type=int, default=None, metavar="N",
+                   help="with --dry-run: the processes the run will have (default: this "
+                   "one's, 1 outside torchrun)")
     p.set_defaults(func=_train)
 
 
 def _train(args) -> int:
+    if args.print_config or args.dry_run or args.world_size is not None:
+        return _look_before_running(args)
     env = read_dist_env()
     try:
         train(load_config(*config_and_overrides(args.config, args.overrides)))
@@ -29,6 +47,35 @@ def _train(args) -> int:
     if env.torchrun:
         _leave_without_teardown()
     return 0
+
+
+def _look_before_running(args) -> int:
+    """``--print-config`` and ``--dry-run``: the run's config and shape, no run."""
+    if args.world_size is not None and not (args.dry_run and args.world_size >= 1):
+        raise ValueError("--world-size: only with --dry-run, and >= 1")
+    cfg = load_config(*config_and_overrides(args.config, args.overrides))
+    if args.print_config:
+        print(config_yaml(cfg), end="")
+        return 0
+    env = read_dist_env() if args.world_size is None else DistEnv(0, args.world_size, 0)
+    check_job(cfg, env)
+    setup = setup_from_config(cfg, world_size=env.world_size)
+    model = build_model(_model_args(cfg, setup))  # meta device: nothing allocated
+    if cfg.lora.enabled:
+        prepare_model_for_lora(model, cfg.lora)
+    if env.rank == 0:
+        print(f"parameters: {trainable_summary(model)}")
+        print(format_table(estimate_memory(setup)))
+        print("dry run: the config is valid; nothing was computed or written")
+    return 0
+
+
+def _model_args(cfg, setup):
+    """The model's shape as the run resolves it, with its refusals (shapes that differ
+    from model.init_from's, a vocabulary smaller than the tokenizer's). A run that trains
+    its tokenizer on the corpus has none yet: the estimate's shape stands for it."""
+    source = cfg.model.tokenizer or cfg.model.init_from
+    return resolve_model_args(cfg, load_tokenizer(source)) if source else setup.args
 
 
 def _leave_without_teardown() -> None:

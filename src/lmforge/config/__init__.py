@@ -1,8 +1,8 @@
 """Typed job configuration: one dataclass per section (``schema``), YAML and
 ``section.key=value`` overrides (``loading``), ``validate()`` and the facts derived from a
 config. Everything is importable from ``lmforge.config``."""
-from lmforge.config.loading import (apply_dict, apply_override, load_config, save_config,
-                                    set_field)
+from lmforge.config.loading import (apply_dict, apply_override, config_yaml, load_config,
+                                    save_config, set_field)
 from lmforge.config.schema import (CHAT_TEMPLATES, ConfigError, DataConfig, JobConfig,
                                    LoraConfig, ModelConfig, OptimConfig, ParallelConfig,
                                    QUANTIZE_FORMATS, TrainConfig, check_parallel_fits,
@@ -12,5 +12,6 @@ from lmforge.config.schema import (CHAT_TEMPLATES, ConfigError, DataConfig, JobC
 __all__ = ["CHAT_TEMPLATES", "ConfigError", "DataConfig", "JobConfig", "LoraConfig",
            "ModelConfig", "OptimConfig", "ParallelConfig", "QUANTIZE_FORMATS", "TrainConfig",
            "apply_dict", "apply_override", "check_parallel_fits", "compute_dtype",
+           "config_yaml",
            "grad_accumulation_steps", "load_config", "resolve_device", "resolve_layout",
            "samples_per_step", "save_config", "set_field", "validate"]

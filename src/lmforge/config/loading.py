@@ -113,5 +113,10 @@ def _one_line(err: Exception) -> str:
     return " ".join(str(err).split())
 
 
+def config_yaml(cfg: JobConfig) -> str:
+    """The config as a run saves it (``config.yaml``) and ``train --print-config`` shows it."""
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
 def save_config(cfg: JobConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    Path(path).write_text(config_yaml(cfg))

@@ -133,6 +133,11 @@ class TrainConfig:
     # Apply the output layer and the loss this many tokens at a time, recomputing each
     # chunk's logits in backward (0: the whole micro-batch's logits at once).
     loss_chunk_tokens: int = 0
+    # Weights & Biases logging (needs the wandb package): the project, else the
+    # LMFORGE_WANDB_PROJECT environment variable, else off; the run's name there
+    # (default: the output directory's name).
+    wandb_project: Optional[str] = None
+    wandb_run_name: Optional[str] = None
 
 
 @dataclass

@@ -24,7 +24,7 @@ import zlib
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-from lmforge.data.errors import DataError
+from lmforge.data.errors import DataError, at
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".txt", ".txt.gz", ".parquet")
 _MAX_RECORD_BYTES = 256 << 20  # a single .json element larger than this is refused
@@ -332,6 +332,20 @@ def record_texts(obj, keys: list[str]):
             return f"key {key!r} is {_json_type(value)}, not a string"
         texts.append(value)
     return texts
+
+
+def iter_record_texts(path: Path, keys: list[str], chunk_bytes: int = 1 << 20
+                      ) -> Iterator[str]:
+    """The texts under ``keys`` of every record of one JSON Lines, JSON array or parquet
+    file, in order and in this process (``preprocess`` spreads the same work over its
+    workers); a bad record raises ``file:line: reason``."""
+    for chunk in iter_chunks([Path(path)], keys, chunk_bytes):
+        items = parse_lines(chunk[3], chunk[2]) if chunk[0] == "lines" else chunk[2]
+        for line, obj in items:
+            texts = record_texts(obj, keys)
+            if isinstance(texts, str):
+                raise at(path, line, texts)
+            yield from texts
 
 
 def _json_type(value) -> str:

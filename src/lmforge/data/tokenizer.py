@@ -10,7 +10,12 @@ from typing import Iterable, Iterator, Optional
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
+from lmforge.data.readers import input_kind, iter_record_texts
+
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")
+# Read as records, the text under a JSON key (a parquet column), as preprocess reads them.
+RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")
 
 
 class TokenizerError(ValueError):
@@ -179,12 +184,13 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     return Tokenizer(tok, tok.token_to_id(BOS), tok.token_to_id(EOS), tok.token_to_id(PAD))
 
 
-def iter_text_files(paths: Iterable[str | Path], suffixes=(".txt", ".md", ".py", ".rst")
-                    ) -> Iterator[Path]:
-    """Files under ``paths`` (files as given, directories walked in sorted order)."""
+def iter_text_files(paths: Iterable[str | Path], suffixes=TEXT_SUFFIXES) -> Iterator[Path]:
+    """Files under ``paths`` (files as given, directories walked in sorted order for names
+    ending in one of ``suffixes``)."""
     for p in map(Path, paths):
         if p.is_dir():
-            yield from sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in suffixes)
+            yield from sorted(f for f in p.rglob("*") if f.is_file()
+                              and f.name.endswith(tuple(suffixes)))
         elif p.is_file():
             yield p
         else:
@@ -193,6 +199,18 @@ def iter_text_files(paths: Iterable[str | Path], suffixes=(".txt", ".md", ".py",
 
 def read_text(path: Path) -> str:
     return path.read_text(encoding="utf-8", errors="replace")
+
+
+def training_texts(files: Iterable[Path], json_keys: Iterable[str] = ("text",)
+                   ) -> Iterator[str]:
+    """The documents a tokenizer is trained on: of a JSON Lines / JSON array / parquet
+    file, the text under each of ``json_keys`` in each record (never the JSON syntax
+    around it; a bad record stops with file:line); of any other file, its whole text."""
+    for path in map(Path, files):
+        if input_kind(path) in RECORD_SUFFIXES:
+            yield from iter_record_texts(path, list(json_keys))
+        else:
+            yield read_text(path)
 
 
 def _read_json(path: Path) -> dict:

@@ -75,16 +75,23 @@ class Runtime:
 def train(cfg: JobConfig) -> dict:
     """Runs the job described by ``cfg``; returns a summary of what happened."""
     env = read_dist_env()
-    distributed = runs_distributed(cfg.parallel, env.world_size, env.torchrun)
-    validate_job(cfg, world_size=env.world_size, distributed=distributed)
-    # lora.targets by peft's one rule, against the model family's names, before any compute
-    resolve_targets(cfg.lora.targets, job_family(cfg).projections)
-    check_resume_path(cfg.train.resume, Path(cfg.train.output_dir) / CHECKPOINTS)
+    distributed = check_job(cfg, env)
     summary = _run(cfg, init_runtime(cfg, env, distributed))
     # The model, optimizers and mesh died with _run's frame: only now can the process
     # groups they held be destroyed for good (see _shutdown).
     _shutdown()
     return summary
+
+
+def check_job(cfg: JobConfig, env: DistEnv) -> bool:
+    """What ``train`` refuses before any set-up (also ``train --dry-run``'s check), for
+    ``env``'s processes; returns whether the run is distributed (``runs_distributed``)."""
+    distributed = runs_distributed(cfg.parallel, env.world_size, env.torchrun)
+    validate_job(cfg, world_size=env.world_size, distributed=distributed)
+    # lora.targets by peft's one rule, against the model family's names, before any compute
+    resolve_targets(cfg.lora.targets, job_family(cfg).projections)
+    check_resume_path(cfg.train.resume, Path(cfg.train.output_dir) / CHECKPOINTS)
+    return distributed
 
 
 def _run(cfg: JobConfig, rt: Runtime) -> dict:
@@ -268,7 +275,8 @@ def run_loop(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optimiz
     throughput = M.Throughput(model_flops_per_token(model, cfg.data.seq_len),
                               device_peak_flops(rt.device), rt.world_size)
     logger = M.MetricsLogger(out_dir, enabled=rt.is_logging_rank, config=cfg.to_dict(),
-                             start_step=start_step)
+                             start_step=start_step, wandb_project=t.wandb_project,
+                             run_name=t.wandb_run_name)
     bar = _progress_bar(cfg, rt, start_step)
     # The whole run's records (rank 0): an earlier invocation's, then this one's.
     history, nonfinite_steps = list(logger.earlier), 0

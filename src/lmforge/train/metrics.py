@@ -83,8 +83,9 @@ def tensorboard_tag(key: str) -> str:
 class MetricsLogger:
     """metrics.jsonl + TensorBoard (+ Weights & Biases when asked), logging rank only.
 
-    W&B is on when ``wandb_project`` is given or ``LMFORGE_WANDB_PROJECT`` is set; the
-    ``wandb`` package is imported only then, and its absence is a one-line error."""
+    W&B is on when ``wandb_project`` (``train.wandb_project``) is given, else when
+    ``LMFORGE_WANDB_PROJECT`` is set (the key wins over the variable); the ``wandb`` package
+    is imported only then, and its absence is a one-line error."""
 
     def __init__(self, out_dir: Path, enabled: bool = True, wandb_project: Optional[str] = None,
                  run_name: Optional[str] = None, config: Optional[dict] = None,
@@ -165,5 +166,5 @@ def _start_wandb(project: str, name: str, out_dir: Path, config: Optional[dict])
     except ImportError:
         raise ValueError(f"W&B logging was asked for (project {project!r}) but the wandb "
                          f"package is not installed: pip install wandb, or unset "
-                         f"{WANDB_ENV}") from None
+                         f"train.wandb_project and {WANDB_ENV}") from None
     return wandb.init(project=project, name=name, dir=str(out_dir), config=config or {})

@@ -92,7 +92,7 @@ def test_wandb_logs_the_same_scalars(tmp_path, monkeypatch):
     fake = types.ModuleType("wandb")
     fake.init = lambda **kw: calls.append(("init", kw)) or FakeRun()
     monkeypatch.setitem(sys.modules, "wandb", fake)
-    monkeypatch.delenv(M.WANDB_ENV, raising=False)
+    monkeypatch.setenv(M.WANDB_ENV, "from-env")  # train.wandb_project wins over it
     logger = M.MetricsLogger(tmp_path, wandb_project="proj", config={"a": 1})
     logger.log(3, {"loss": 1.25, "mfu": None})
     logger.close()
@@ -108,11 +108,25 @@ def test_memory_metrics_on_cpu_give_the_resident_peak_and_no_reserved():
 
 def test_a_training_run_writes_the_metrics(tmp_path, monkeypatch):
     """A real (tiny) run: every logged step carries the metrics, and TensorBoard holds the
-    same values as metrics.jsonl."""
+    same values as metrics.jsonl; train.wandb_* reach W&B (wandb itself not needed)."""
     from lmforge.config import load_config
     from lmforge.train.loop import train
 
     monkeypatch.delenv(M.WANDB_ENV, raising=False)
+    wandb_calls = []
+
+    class FakeWandbRun:
+        def log(self, data, step):
+            wandb_calls.append(step)
+
+        def finish(self):
+            pass
+
+    def fake_start(project, name, out_dir, config):
+        wandb_calls.append((project, name, config["train"]["wandb_project"]))
+        return FakeWandbRun()
+
+    monkeypatch.setattr(M, "_start_wandb", fake_start)
     corpus = tmp_path / "corpus.txt"
     words = "the quick brown fox jumps over a lazy dog while cats sleep".split()
     corpus.write_text("\n".join(" ".join(words[(i + j) % len(words)] for j in range(16))
@@ -122,10 +136,12 @@ def test_a_training_run_writes_the_metrics(tmp_path, monkeypatch):
         "model.preset=debug", "data.kind=text", f"data.path={corpus}", "data.seq_len=32",
         "data.micro_batch_size=2", "data.tokenizer_vocab_size=259", "train.max_steps=3",
         "train.log_every=1", f"train.output_dir={out}", "train.sample_tokens=2",
-        "train.progress_bar=false", "optim.warmup_steps=1", "train.device=cpu"])
+        "train.progress_bar=false", "optim.warmup_steps=1", "train.device=cpu",
+        "train.wandb_project=proj", "train.wandb_run_name=tiny"])
     train(cfg)
     records = read_metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3]
+    assert wandb_calls == [("proj", "tiny", "proj"), 1, 2, 3]
     for record in records:
         for key in RUN_KEYS:
             assert key in record, key
