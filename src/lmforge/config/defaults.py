@@ -34,18 +34,15 @@ def fine_tuning_defaults(cfg: JobConfig) -> dict[str, Any]:
             "train.sample_prompt": None}
 
 
-def apply_run_defaults(cfg: JobConfig, explicit: Collection[str]) -> list[str]:
+def apply_run_defaults(cfg: JobConfig, explicit: Collection[str]) -> None:
     """Gives a run with model.init_from the fine-tuning defaults on each key not in
-    ``explicit`` (the ``section.key`` names its config set); returns the keys changed."""
+    ``explicit`` (the ``section.key`` names its config set)."""
     if not cfg.model.init_from:
-        return []
-    changed = []
+        return
     for dotted, value in fine_tuning_defaults(cfg).items():
         section, key = dotted.split(".")
-        if dotted not in explicit and getattr(getattr(cfg, section), key) != value:
+        if dotted not in explicit:
             setattr(getattr(cfg, section), key, value)
-            changed.append(dotted)
-    return changed
 
 
 def warmup_warning(cfg: JobConfig) -> Optional[str]:
