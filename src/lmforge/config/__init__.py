@@ -1,6 +1,8 @@
 """Typed job configuration: one dataclass per section (``schema``), YAML and
 ``section.key=value`` overrides (``loading``), ``validate()`` and the facts derived from a
-config. Everything is importable from ``lmforge.config``."""
+config, and the defaults that depend on the run (``defaults``). Everything is importable
+from ``lmforge.config``."""
+from lmforge.config.defaults import apply_run_defaults, fine_tuning_defaults, warmup_warning
 from lmforge.config.loading import (apply_dict, apply_override, config_yaml, load_config,
                                     save_config, set_field)
 from lmforge.config.schema import (CHAT_TEMPLATES, ConfigError, DataConfig, JobConfig,
@@ -11,7 +13,7 @@ from lmforge.config.schema import (CHAT_TEMPLATES, ConfigError, DataConfig, JobC
 
 __all__ = ["CHAT_TEMPLATES", "ConfigError", "DataConfig", "JobConfig", "LoraConfig",
            "ModelConfig", "OptimConfig", "ParallelConfig", "QUANTIZE_FORMATS", "TrainConfig",
-           "apply_dict", "apply_override", "check_parallel_fits", "compute_dtype",
-           "config_yaml",
-           "grad_accumulation_steps", "load_config", "resolve_device", "resolve_layout",
-           "samples_per_step", "save_config", "set_field", "validate"]
+           "apply_dict", "apply_override", "apply_run_defaults", "check_parallel_fits",
+           "compute_dtype", "config_yaml", "fine_tuning_defaults", "grad_accumulation_steps",
+           "load_config", "resolve_device", "resolve_layout", "samples_per_step",
+           "save_config", "set_field", "validate", "warmup_warning"]

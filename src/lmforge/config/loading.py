@@ -1,5 +1,6 @@
 """A config from YAML and ``section.key=value`` overrides: each value coerced to its
-field's type, unknown sections and keys refused naming them."""
+field's type, unknown sections and keys refused naming them; then the defaults that
+depend on the run (``defaults.py``) on the keys neither set."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,12 +11,15 @@ from typing import Any, Optional, Union
 
 import yaml
 
+from lmforge.config.defaults import apply_run_defaults
 from lmforge.config.schema import ConfigError, JobConfig
 
 
 def load_config(path: Optional[str | Path] = None, overrides: list[str] = ()) -> JobConfig:
-    """YAML file (or the embedded demo when None) + ``section.key=value`` overrides."""
+    """YAML file (or the embedded demo when None) + ``section.key=value`` overrides, with
+    the fine-tuning defaults (``defaults.py``) where neither set a key."""
     cfg = JobConfig()
+    explicit: set[str] = set()
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -26,13 +30,16 @@ def load_config(path: Optional[str | Path] = None, overrides: list[str] = ()) ->
             raise ConfigError(f"config file {path}: not valid YAML ({_one_line(e)})") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path}: top level must be a mapping of sections")
-        apply_dict(cfg, raw)
+        explicit.update(apply_dict(cfg, raw))
     for item in overrides:
-        apply_override(cfg, item)
+        explicit.add(apply_override(cfg, item))
+    apply_run_defaults(cfg, explicit)
     return cfg
 
 
-def apply_dict(cfg: JobConfig, raw: dict) -> None:
+def apply_dict(cfg: JobConfig, raw: dict) -> list[str]:
+    """Sets each ``{section: {key: value}}`` of ``raw``; returns the keys set."""
+    keys = []
     for section, values in raw.items():
         if not hasattr(cfg, section) or not dataclasses.is_dataclass(getattr(cfg, section)):
             raise ConfigError(f"{section}: unknown config section "
@@ -42,10 +49,12 @@ def apply_dict(cfg: JobConfig, raw: dict) -> None:
         if not isinstance(values, dict):
             raise ConfigError(f"{section}: must be a mapping of keys to values")
         for key, value in values.items():
-            set_field(cfg, f"{section}.{key}", value)
+            keys.append(set_field(cfg, f"{section}.{key}", value))
+    return keys
 
 
-def apply_override(cfg: JobConfig, item: str) -> None:
+def apply_override(cfg: JobConfig, item: str) -> str:
+    """Sets one ``section.key=value``; returns the key."""
     if "=" not in item:
         raise ConfigError(f"{item}: overrides are written section.key=value")
     key, text = item.split("=", 1)
@@ -53,10 +62,11 @@ def apply_override(cfg: JobConfig, item: str) -> None:
         value = yaml.safe_load(text) if text != "" else None
     except yaml.YAMLError:
         value = text
-    set_field(cfg, key.strip(), value)
+    return set_field(cfg, key.strip(), value)
 
 
-def set_field(cfg: JobConfig, dotted: str, value: Any) -> None:
+def set_field(cfg: JobConfig, dotted: str, value: Any) -> str:
+    """Sets ``section.key`` to ``value`` coerced to the field's type; returns the key."""
     parts = dotted.split(".")
     if len(parts) != 2:
         raise ConfigError(f"{dotted}: keys are written section.key (e.g. optim.lr)")
@@ -69,6 +79,7 @@ def set_field(cfg: JobConfig, dotted: str, value: Any) -> None:
         known = ", ".join(f.name for f in dataclasses.fields(section))
         raise ConfigError(f"{dotted}: unknown key (known in {section_name}: {known})")
     setattr(section, key, _coerce(dotted, value, hints[key]))
+    return dotted
 
 
 def _coerce(name: str, value: Any, hint: Any) -> Any:

@@ -71,7 +71,8 @@ class DataConfig:
 class OptimConfig:
     name: str = "adamw"
     # The defaults are the CPU demo's (no config file = the demo): a 3M-parameter model
-    # takes a high peak LR. Recipes for real models set their own (1e-5 .. 3e-4).
+    # takes a high peak LR. A run with model.init_from gets fine-tuning defaults for lr and
+    # warmup_steps instead, where its config leaves them unset (config/defaults.py).
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
@@ -124,7 +125,9 @@ class TrainConfig:
     deterministic: bool = False
     progress_bar: Optional[bool] = None  # None: on when stderr is a terminal
     log_sample_ids: bool = False  # write rank 0's sample ids of each logged step
-    sample_prompt: str = "def "
+    # The end-of-run sample's prompt (the demo's code corpus: "def "); null, the default
+    # with model.init_from: one taken from the held-out data (train/sample.py).
+    sample_prompt: Optional[str] = "def "
     sample_tokens: int = 48
     threads: int = 0  # CPU threads for torch; 0 leaves torch's default
     # Write checkpoints in the background (training waits only for the copy to CPU).

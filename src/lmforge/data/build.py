@@ -1,7 +1,7 @@
 """One entry point from the data config to the loaders the trainer pulls batches from."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -17,6 +17,8 @@ class DataBundle:
     train: object
     eval_batches: Optional[Callable[[], Iterator[dict]]]  # a fresh pass over held-out data
     description: str
+    notes: list[str] = field(default_factory=list)  # lines the run prints at start
+    stats: dict = field(default_factory=dict)  # counts the run records in summary.json
 
 
 def corpus_texts_for_tokenizer(cfg: JobConfig) -> Iterator[str]:
@@ -49,7 +51,22 @@ def build_data(cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int = 0, dp_size: 
     if template is not None:  # say which template renders the samples (auto may fall back)
         description += f", chat template {template.name}" + (
             " (the model's own)" if d.template == "auto" and template.source else "")
+    if d.kind == "sft":
+        return DataBundle(train, eval_batches, description, *_sft_truncation(train.dataset))
     return DataBundle(train, eval_batches, description)
+
+
+def _sft_truncation(dataset) -> tuple[list[str], dict]:
+    """The note and counts of the training samples cut to seq_len + 1 tokens."""
+    n, lost = dataset.truncated_samples, dataset.truncated_tokens
+    stats = {"sft_truncated_samples": n, "sft_truncated_tokens": lost,
+             "sft_dropped_samples": dataset.dropped}
+    if not n:
+        return [], stats
+    note = (f"SFT data: {n:,} of {dataset.num_samples:,} samples are longer than seq_len + "
+            f"1 = {dataset.seq_len + 1} tokens and were cut to fit ({lost:,} tokens lost); "
+            f"raise data.seq_len to keep them")
+    return [note], stats
 
 
 def _build_text(cfg, tokenizer, dp_rank, dp_size) -> DataBundle:

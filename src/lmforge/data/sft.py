@@ -10,8 +10,9 @@ Templates (``data.template``: auto, the model's own, by default) are in
 assistant's content and its end-of-turn token.
 
 Truncation: a sample longer than ``seq_len + 1`` tokens keeps its first ``seq_len + 1``
-(the end of the last answer is cut); a sample left with no trained target is dropped, and
-the count is reported. Batches are padded to ``seq_len`` (fixed shapes), with label -100.
+(the end of the last answer is cut); ``truncated_samples`` and ``truncated_tokens`` count
+those samples and the tokens cut off them (the trainer prints and records both). A sample
+left with no trained target is dropped, and the count is reported. Batches are padded to ``seq_len`` (fixed shapes), with label -100.
 
 Packing (``data.pack``): samples are placed first-fit into rows of ``seq_len`` positions
 (16 rows open at a time, in the epoch's shuffled order). Each sample keeps its own
@@ -232,8 +233,10 @@ class SFTDataset:
             warnings.warn(f"{self.path}: {self.dropped} of {len(first)} samples dropped (no "
                           f"assistant token within seq_len + 1 = {self.seq_len + 1} tokens)",
                           stacklevel=2)
-        self.sizes = np.minimum(self.tokens.sequence_lengths.astype(np.int64),
-                                self.seq_len + 1) - 1  # positions each sample fills
+        lengths = self.tokens.sequence_lengths.astype(np.int64)
+        cut = np.maximum(lengths[self.rows] - (self.seq_len + 1), 0)  # of the kept samples
+        self.truncated_samples, self.truncated_tokens = int((cut > 0).sum()), int(cut.sum())
+        self.sizes = np.minimum(lengths, self.seq_len + 1) - 1  # positions each sample fills
         self._epoch_starts = [0]  # global index of each epoch's first row
         self._epochs = RecentCache(2)
 

@@ -26,12 +26,11 @@ from lmforge.checkpoint import (AsyncCheckpointer, CheckpointError, capture_rng,
                                 restore_rng, resume_is_auto)
 from lmforge.config import (ConfigError, JobConfig, check_parallel_fits, compute_dtype,
                             grad_accumulation_steps, resolve_device, samples_per_step,
-                            save_config)
+                            save_config, warmup_warning)
 from lmforge.data.build import DataBundle, build_data, train_corpus_tokenizer
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
 from lmforge.export import export_trained, trained_model
 from lmforge.models.common import count_parameters
-from lmforge.models.generate import generate
 from lmforge.models.hf import args_from_hf_config, read_hf_config
 from lmforge.models.presets import check_model_args, job_family, model_args, validate_job
 from lmforge.models.registry import build_model
@@ -47,6 +46,7 @@ from lmforge.train.model_setup import (TrainModel, build_train_model, clip_grad_
 from lmforge.train.optim import Optimizers
 from lmforge.train.precision import LossScaler, device_notes, mixed_precision
 from lmforge.train.run_dir import CHECKPOINTS, RunLock, claim_run_dir
+from lmforge.train.sample import write_sample
 from lmforge.train.step import count_valid_tokens, global_step_loss, global_valid_tokens
 
 
@@ -76,6 +76,8 @@ def train(cfg: JobConfig) -> dict:
     """Runs the job described by ``cfg``; returns a summary of what happened."""
     env = read_dist_env()
     distributed = check_job(cfg, env)
+    if env.rank == 0 and (warning := warmup_warning(cfg)):
+        print(warning, file=sys.stderr, flush=True)
     summary = _run(cfg, init_runtime(cfg, env, distributed))
     # The model, optimizers and mesh died with _run's frame: only now can the process
     # groups they held be destroyed for good (see _shutdown).
@@ -112,6 +114,8 @@ def _run_in(cfg: JobConfig, rt: Runtime, out_dir: Path) -> dict:
                             LossScaler.for_job(cfg, rt.device, rt.is_logging_rank))
     _say(rt, f"model: {count_parameters(build_model(args)):,} parameters ({_describe(args)}) "
              f"on {rt.world_size} x {rt.device.type} ({_layout(rt)}); data: {data.description}")
+    for note in data.notes:
+        _say(rt, note)
     for note in device_notes(compute_dtype(cfg, rt.device.type), rt.device.type):
         _say(rt, note)
     if cfg.lora.enabled:
@@ -401,7 +405,7 @@ def finish(cfg: JobConfig, rt: Runtime, model: TrainModel, tokenizer: Tokenizer,
            data: DataBundle, out_dir: Path, history: list[dict]) -> dict:
     summary = {"first_loss": history[0]["loss"] if history else None,
                "last_loss": history[-1]["loss"] if history else None,
-               "steps": cfg.train.max_steps,
+               "steps": cfg.train.max_steps, **data.stats,
                "hf_dir": str(out_dir / "hf") if cfg.train.save else None}
     if data.eval_batches and model.whole is not None:
         summary["eval_loss"], summary["eval_tokens"] = model.evaluate(
@@ -424,16 +428,8 @@ def finish(cfg: JobConfig, rt: Runtime, model: TrainModel, tokenizer: Tokenizer,
             summary["eval_loss"], summary["eval_tokens"] = evaluate(
                 trained, data.eval_batches(), torch.device("cpu"))
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        prompt = tokenizer.encode(cfg.train.sample_prompt)
-        stops = tuple(tokenizer.eos_ids)
-        with rt.autocast():
-            new = generate(trained, prompt, cfg.train.sample_tokens, greedy=False,
-                           temperature=0.8, top_k=50, stop_ids=stops,
-                           generator=torch.Generator().manual_seed(cfg.train.seed))
-        summary["sample"] = cfg.train.sample_prompt + tokenizer.decode(new)
         print(f"\nHugging Face export: {out_dir / 'hf'}")
-        print(f"sample ({cfg.train.sample_tokens} tokens, temperature 0.8):\n"
-              f"{summary['sample']}", flush=True)
+        summary["sample"] = write_sample(cfg, trained, tokenizer, data, rt.autocast)
     return summary
 
 

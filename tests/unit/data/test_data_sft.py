@@ -9,7 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lmforge.config import load_config
 from lmforge.data import sft as sft_mod
+from lmforge.data.build import build_data
 from lmforge.data.errors import DataError
 from lmforge.data.loader import collate
 from lmforge.data.sft import SFTDataset, record_messages, sft_row
@@ -142,6 +144,27 @@ def test_long_responses_are_cut_and_prompts_filling_the_window_dropped(tmp_path,
     row = sft_row([ds.sample(0)], 32, tokenizer.pad_id, packed=False)
     assert (row["input_ids"] != tokenizer.pad_id).all() and (row["labels"] != -100).sum() > 20
     np.testing.assert_array_equal(row["input_ids"], ds.sample(0)[0][:32])
+
+
+def test_truncated_samples_and_the_tokens_cut_are_counted_and_reported(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "t.jsonl", [
+        {"prompt": "short", "response": " ".join(make_docs(20, seed=3))},
+        {"prompt": "fine", "response": "ok"},
+        {"prompt": "also long", "response": " ".join(make_docs(8, seed=5))}])
+    cfg = load_config(None, ["data.kind=sft", f"data.path={path}", "data.template=plain",
+                             "data.seq_len=32"])
+    data = build_data(cfg, tokenizer, cache_dir=tmp_path / "cache")
+    ds = data.train.dataset
+    cut = [len(ds.sample(i)[0]) - 33 for i in range(3) if len(ds.sample(i)[0]) > 33]
+    assert len(cut) == 2 and ds.truncated_samples == 2 and ds.truncated_tokens == sum(cut)
+    assert data.stats == {"sft_truncated_samples": 2, "sft_truncated_tokens": sum(cut),
+                          "sft_dropped_samples": 0}
+    assert len(data.notes) == 1 and "2 of 3 samples" in data.notes[0]
+    assert f"({sum(cut):,} tokens lost)" in data.notes[0]
+    fits = build_data(load_config(None, ["data.kind=sft", f"data.path={path}",
+                                         "data.template=plain", "data.seq_len=4096"]),
+                      tokenizer, cache_dir=tmp_path / "cache")
+    assert fits.notes == [] and fits.stats["sft_truncated_samples"] == 0
 
 
 def test_tokenized_cache_is_reused(tmp_path, tokenizer, monkeypatch):
