@@ -8,6 +8,7 @@ from lmforge.cli.common import add_config_arguments, config_and_overrides
 from lmforge.config import ConfigError, load_config
 from lmforge.parallel.mesh import read_dist_env
 from lmforge.train.loop import train
+from lmforge.train.preempt import PREEMPTED_EXIT_CODE
 
 
 def add_parser(sub) -> None:
@@ -21,21 +22,23 @@ def add_parser(sub) -> None:
 def _train(args) -> int:
     env = read_dist_env()
     try:
-        train(load_config(*config_and_overrides(args.config, args.overrides)))
+        summary = train(load_config(*config_and_overrides(args.config, args.overrides)))
     except ConfigError:
         if env.rank != 0:  # every rank refuses a config alike: rank 0 alone says why
             return 2
         raise
+    # Stopped by SIGUSR1/SIGTERM with a checkpoint written: unfinished, resumable.
+    code = PREEMPTED_EXIT_CODE if "preempted_at" in summary else 0
     if env.torchrun:
-        _leave_without_teardown()
-    return 0
+        _leave_without_teardown(code)
+    return code
 
 
-def _leave_without_teardown() -> None:
+def _leave_without_teardown(code: int) -> None:
     """A torchrun worker whose run finished (checkpoint committed, export written, process
     groups destroyed) exits here, skipping interpreter teardown: there, a gloo transport
     thread still alive can make the C++ runtime abort ("terminate called without an active
     exception"), and torchrun would then report a successful run as failed."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
