@@ -35,9 +35,10 @@ SLURM_TEMPLATE = Template("""#!/bin/bash
 #SBATCH --requeue
 #SBATCH --signal=B:USR1@$stop_before
 $extra_sbatch
-set -euo pipefail
 
 $environment
+# (Set after the environment: activation and module scripts may read unset variables.)
+set -euo pipefail
 
 # The first node of the allocation hosts the rendezvous; every node runs one torchrun
 # that starts $gpus_per_node worker(s), and lmforge reads RANK/WORLD_SIZE from torchrun.
@@ -69,9 +70,10 @@ while true; do
     wait "$$step_pid" && status=0 || status=$$?
     kill -0 "$$step_pid" 2>/dev/null || break  # still running: the trap interrupted wait
 done
-# Warned and unfinished (torchrun reports a stopped worker as a failure): go again.
+# Warned and unfinished (torchrun reports a worker that stopped early as failed): the
+# next attempt continues from the newest checkpoint.
 if [ "$$warned" = 1 ] && [ "$$status" != 0 ]; then
-    echo "lmforge: time limit near, checkpoint written: requeueing job $$SLURM_JOB_ID"
+    echo "lmforge: stopped before the time limit (status $$status): requeueing job $$SLURM_JOB_ID"
     scontrol requeue "$$SLURM_JOB_ID"
 fi
 exit "$$status"

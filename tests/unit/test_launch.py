@@ -69,7 +69,7 @@ FAKE_SRUN = """#!/bin/bash
 trap 'echo "srun got USR1" >> "$LOG"; exit 1' USR1
 touch "$LOG.started"
 if [ -n "${FAKE_SRUN_STATUS:-}" ]; then exit "$FAKE_SRUN_STATUS"; fi
-while true; do sleep 0.05; done
+for _ in $(seq 600); do sleep 0.05; done  # 30 s at most, should the test fail
 """
 FAKE_SCONTROL = """#!/bin/bash
 if [ "$1" = show ]; then echo node001; else echo "scontrol $*" >> "$LOG"; fi
@@ -90,14 +90,21 @@ def run_job(tmp_path, warn: bool, srun_status=None) -> tuple[int, str]:
            "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node001"}
     if srun_status is not None:
         env["FAKE_SRUN_STATUS"] = str(srun_status)
-    job = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, text=True)
-    deadline = time.time() + 30
-    while not (tmp_path / "log.started").exists():
-        assert job.poll() is None and time.time() < deadline
-        time.sleep(0.02)
-    if warn:
-        job.send_signal(signal.SIGUSR1)
-    job.communicate(timeout=30)
+    job = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.DEVNULL,
+                           start_new_session=True)
+    try:
+        deadline = time.time() + 30
+        while not (tmp_path / "log.started").exists():
+            assert job.poll() is None and time.time() < deadline
+            time.sleep(0.02)
+        if warn:
+            job.send_signal(signal.SIGUSR1)
+        job.wait(timeout=30)
+    finally:  # nothing of the job outlives the test, srun's stand-in included
+        try:
+            os.killpg(job.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # all of it has ended
     return job.returncode, log.read_text() if log.exists() else ""
 
 
