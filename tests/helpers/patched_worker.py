@@ -6,6 +6,10 @@
                      after each step ("rank R: step S: loss scale X")
   hang_commit:STEP   the checkpoint of that step stalls just before its commit (after
                      every data file is written), touching LMFORGE_TEST_SIGNAL first
+  await_stop:STEP    after that step the last rank writes its pid to LMFORGE_TEST_SIGNAL
+                     and waits (up to 5 minutes) for a stop signal, which the test sends;
+                     every other rank ignores SIGUSR1, so it can stop only because the
+                     stop decision is collective
 """
 import os
 import sys
@@ -70,6 +74,30 @@ elif kind == "hang_commit":
         return original_commit(tmp, final)
 
     layout.commit = stalled_commit
+
+elif kind == "await_stop":
+    import signal
+
+    from lmforge.train.preempt import StopSignals
+
+    await_step = int(params[0])
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    should_stop = StopSignals.should_stop
+
+    def awaiting_should_stop(self, step):
+        if rank != world - 1:
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        elif step == await_step:
+            with open(os.environ["LMFORGE_TEST_SIGNAL"] + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.rename(os.environ["LMFORGE_TEST_SIGNAL"] + ".tmp",
+                      os.environ["LMFORGE_TEST_SIGNAL"])
+            deadline = time.time() + 300
+            while self.received is None and time.time() < deadline:
+                time.sleep(0.01)
+        return should_stop(self, step)
+
+    StopSignals.should_stop = awaiting_should_stop
 
 if __name__ == "__main__":
     from lmforge.cli import main

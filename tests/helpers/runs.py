@@ -5,6 +5,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -48,11 +49,12 @@ def run_lmforge(out, overrides, nproc=1, fault=None, check=True, timeout=600, **
     env.update(popen.pop("env", {}))
     entry = [str(WORKER)] if fault else ["-m", "lmforge.cli"]
     args = ["train", *overrides, f"train.output_dir={out}"]
+    torchrun_args = popen.pop("torchrun_args", [])  # e.g. the SLURM script's
     if nproc == 1 and not popen.pop("torchrun", False):
         cmd = [sys.executable, *entry, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", *entry, *args]
+               f"--nproc-per-node={nproc}", *torchrun_args, *entry, *args]
     if popen.pop("background", False):
         return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
@@ -60,6 +62,17 @@ def run_lmforge(out, overrides, nproc=1, fault=None, check=True, timeout=600, **
     if check:
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc
+
+
+def await_pid(ready: Path, proc, timeout: float = 300) -> int:
+    """The pid a patched worker wrote to ``ready`` (LMFORGE_TEST_SIGNAL) on reaching the
+    point it waits at; fails if ``proc`` ends first."""
+    deadline = time.time() + timeout
+    while not ready.exists():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() < deadline, f"the trainer never wrote {ready}"
+        time.sleep(0.05)
+    return int(ready.read_text())
 
 
 def read_metrics(out) -> list[dict]:

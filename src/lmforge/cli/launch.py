@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
+from typing import Optional
 
+from lmforge.checkpoint import resume_is_auto
 from lmforge.cli.common import config_and_overrides
 from lmforge.config import load_config
 from lmforge.models.presets import validate_job
@@ -33,6 +36,16 @@ def add_parser(sub) -> None:
     s.add_argument("--account", help="SLURM account (default: yours)")
     s.add_argument("--port", type=int, default=29500,
                    help="torchrun rendezvous port on the first node")
+    s.add_argument("--stop-before", type=int, default=180, metavar="SECONDS",
+                   help="warn the job this long before --time (SLURM --signal): lmforge "
+                   "checkpoints after its current step and the job requeues; must cover "
+                   "a step and a checkpoint write (default: 180)")
+    s.add_argument("--env", metavar="VENV",
+                   help="virtual environment to activate on every node (default: the one "
+                   "running this command, if any; 'none': use the submitting shell's PATH)")
+    s.add_argument("--setup", action="append", default=[], metavar="LINE",
+                   help="a shell line to run before training, e.g. 'module load cuda' "
+                   "(repeatable)")
     s.add_argument("--output", default="lmforge.sbatch", help="script path to write")
     s.add_argument("--submit", action="store_true", help="run sbatch on the script")
     s.set_defaults(func=_slurm)
@@ -42,19 +55,47 @@ def add_parser(sub) -> None:
 def _slurm(args) -> int:
     if args.nodes < 1 or args.gpus_per_node < 1:
         raise ValueError("--nodes and --gpus-per-node must be >= 1")
+    if args.stop_before < 1:
+        raise ValueError("--stop-before must be >= 1 (seconds before the time limit)")
     config, overrides = config_and_overrides(args.config, args.overrides)
+    cfg = load_config(config, overrides)
+    if cfg.train.resume and not resume_is_auto(cfg.train.resume):
+        raise ValueError(f"train.resume: {cfg.train.resume}: a SLURM job resumes with "
+                         "train.resume=auto (every requeued attempt continues from the "
+                         "newest checkpoint in train.output_dir); copy that checkpoint "
+                         "into <train.output_dir>/checkpoints/ instead")
     # Refuse a layout that cannot run on this many processes before writing anything.
-    validate_job(load_config(config, overrides), world_size=args.nodes * args.gpus_per_node)
+    validate_job(cfg, world_size=args.nodes * args.gpus_per_node)
+    env = _environment(args.env)
     script = render_slurm_script(config, overrides, args.nodes, args.gpus_per_node,
                                  args.job_name, args.time_limit, args.cpus_per_task,
-                                 args.partition, args.account, port=args.port)
+                                 args.partition, args.account, port=args.port,
+                                 stop_before=args.stop_before, env=env,
+                                 setup=tuple(args.setup))
     out = Path(args.output)
     Path("slurm-logs").mkdir(exist_ok=True)  # sbatch does not create the --output dir
     out.write_text(script)
     out.chmod(0o755)
-    print(f"wrote {out} ({args.nodes} x {args.gpus_per_node} processes)")
+    print(f"wrote {out} ({args.nodes} x {args.gpus_per_node} processes; environment: "
+          f"{env or 'the submitting shell'}; requeued at the time limit and on preemption, "
+          f"resuming with train.resume=auto)")
     if args.submit:
         if shutil.which("sbatch") is None:
             raise FileNotFoundError("--submit: sbatch is not on PATH (is this a SLURM login node?)")
         subprocess.run(["sbatch", str(out)], check=True)
     return 0
+
+
+def _environment(env: Optional[str]) -> Optional[str]:
+    """The virtual environment the job activates, as an absolute path (the job may be
+    submitted from another directory); by default the one running ``lmforge launch``."""
+    if env is None:
+        in_venv = sys.prefix != sys.base_prefix
+        return sys.prefix if in_venv else None
+    if env == "none":
+        return None
+    path = Path(env).resolve()
+    if not (path / "bin" / "activate").is_file():
+        raise FileNotFoundError(f"--env: {path / 'bin' / 'activate'} not found "
+                                "(not a virtual environment)")
+    return str(path)

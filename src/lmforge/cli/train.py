@@ -13,6 +13,7 @@ from lmforge.peft.lora import prepare_model_for_lora, trainable_summary
 from lmforge.perf.estimate import estimate_memory, format_table
 from lmforge.perf.estimate_setup import setup_from_config
 from lmforge.train.loop import check_job, resolve_model_args, train
+from lmforge.train.preempt import PREEMPTED_EXIT_CODE
 
 
 def add_parser(sub) -> None:
@@ -39,14 +40,16 @@ def _train(args) -> int:
         return _look_before_running(args)
     env = read_dist_env()
     try:
-        train(load_config(*config_and_overrides(args.config, args.overrides)))
+        summary = train(load_config(*config_and_overrides(args.config, args.overrides)))
     except ConfigError:
         if env.rank != 0:  # every rank refuses a config alike: rank 0 alone says why
             return 2
         raise
+    # Stopped by SIGUSR1/SIGTERM with a checkpoint written: unfinished, resumable.
+    code = PREEMPTED_EXIT_CODE if "preempted_at" in summary else 0
     if env.torchrun:
-        _leave_without_teardown()
-    return 0
+        _leave_without_teardown(code)
+    return code
 
 
 def _look_before_running(args) -> int:
@@ -78,11 +81,11 @@ def _model_args(cfg, setup):
     return resolve_model_args(cfg, load_tokenizer(source)) if source else setup.args
 
 
-def _leave_without_teardown() -> None:
+def _leave_without_teardown(code: int) -> None:
     """A torchrun worker whose run finished (checkpoint committed, export written, process
     groups destroyed) exits here, skipping interpreter teardown: there, a gloo transport
     thread still alive can make the C++ runtime abort ("terminate called without an active
     exception"), and torchrun would then report a successful run as failed."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)

@@ -45,6 +45,7 @@ from lmforge.train.model_setup import (TrainModel, build_train_model, clip_grad_
                                        gather_full_state_dict)
 from lmforge.train.optim import Optimizers
 from lmforge.train.precision import LossScaler, device_notes, mixed_precision
+from lmforge.train.preempt import StopSignals
 from lmforge.train.run_dir import CHECKPOINTS, RunLock, claim_run_dir
 from lmforge.train.sample import write_sample
 from lmforge.train.step import count_valid_tokens, global_step_loss, global_valid_tokens
@@ -128,8 +129,13 @@ def _run_in(cfg: JobConfig, rt: Runtime, out_dir: Path) -> dict:
     checkpoints = Checkpoints(cfg, rt, out_dir)
     start_step = checkpoints.resume(model, optimizers, data)
     end_step = min(cfg.train.max_steps, cfg.train.stop_at_step or cfg.train.max_steps)
-    history = run_loop(cfg, rt, model, optimizers, data, out_dir, checkpoints, start_step,
-                       end_step)
+    with StopSignals(rt.device) as stop:  # SIGUSR1/SIGTERM: checkpoint this step, leave
+        history = run_loop(cfg, rt, model, optimizers, data, out_dir, checkpoints,
+                           start_step, end_step, stop)
+    if stop.stopped_at is not None:
+        _say(rt, f"preempted at step {stop.stopped_at}: checkpoint written, exiting; "
+                 f"requeue resumes (train.resume=auto)")
+        return {"preempted_at": stop.stopped_at, "history": history}
     if end_step < cfg.train.max_steps:
         _say(rt, f"stopped after step {end_step} of {cfg.train.max_steps} "
                  f"(train.stop_at_step); continue with train.resume=auto")
@@ -273,7 +279,8 @@ def resolve_model_args(cfg: JobConfig, tokenizer: Tokenizer):
 
 def run_loop(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optimizers,
              data: DataBundle, out_dir: Path, checkpoints: "Checkpoints",
-             start_step: int = 0, end_step: Optional[int] = None) -> list[dict]:
+             start_step: int = 0, end_step: Optional[int] = None,
+             stop: Optional[StopSignals] = None) -> list[dict]:
     t = cfg.train
     accum = grad_accumulation_steps(cfg, rt.dp_size)
     throughput = M.Throughput(model_flops_per_token(model, cfg.data.seq_len),
@@ -319,9 +326,13 @@ def run_loop(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optimiz
             logger.log(step, record)
             history.append({"step": step, **record})
             _report(rt, bar, step, record)
-        checkpoints.after_step(step, model, optimizers, data, final=step == end_step)
+        preempted = stop is not None and stop.should_stop(step)
+        checkpoints.after_step(step, model, optimizers, data, final=step == end_step,
+                               now=preempted)
         if bar is not None:
             bar.update(1)
+        if preempted:
+            break
     checkpoints.wait()
     if bar is not None:
         bar.close()
@@ -384,10 +395,12 @@ class Checkpoints:
         return step
 
     def after_step(self, step: int, model: TrainModel, optimizers: Optimizers,
-                   data: DataBundle, final: bool = False) -> None:
+                   data: DataBundle, final: bool = False, now: bool = False) -> None:
+        """Saves at ``train.checkpoint_every``, at the end (``train.save``), or ``now``
+        (a stop signal: whatever train.save says, the run must be resumable)."""
         self.writer.maybe_finalize()
         every = self.cfg.train.checkpoint_every
-        if not ((final and self.cfg.train.save) or (every and step % every == 0)):
+        if not (now or (final and self.cfg.train.save) or (every and step % every == 0)):
             return
         extra = {"step": step, "scheduler": optimizers.scheduler_state(),
                  "data": data.train.state_dict(),

@@ -1,0 +1,63 @@
+"""Stopping cleanly when the scheduler says time is up.
+
+SLURM warns a job before its time limit with the signal ``--signal`` names (the script
+``lmforge launch slurm`` writes asks for SIGUSR1) and ends a preempted or timed-out job
+with SIGTERM. While the training steps run, either signal only raises a flag; after the
+step in progress every rank agrees whether any rank saw one, and if so all of them write
+a checkpoint of that step and leave, so ``train.resume=auto`` continues exactly there.
+``lmforge train`` then exits with ``PREEMPTED_EXIT_CODE``.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+# sysexits.h's EX_TEMPFAIL ("try again later"): the run is unfinished and resumable.
+PREEMPTED_EXIT_CODE = 75
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
+class StopSignals:
+    """While open (``with StopSignals(device) as stop:``), SIGUSR1 and SIGTERM set a flag
+    instead of ending the process; the previous handlers come back on exit. Outside the
+    main thread, where Python cannot install handlers, nothing is installed."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.received: Optional[int] = None  # the first stop signal seen by this rank
+        self.stopped_at: Optional[int] = None  # the step the run stopped after
+        self._previous: dict = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._note) for s in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            # None: a handler installed outside Python, which cannot be put back
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        self._previous = {}
+
+    def _note(self, signum: int, frame) -> None:
+        # A handler may run between any two bytecodes: it only records, the loop acts.
+        if self.received is None:
+            self.received = signum
+
+    def should_stop(self, step: int) -> bool:
+        """Collective under torch.distributed (every rank calls it after every step): True
+        on all ranks when any rank has received a stop signal, so all stop at ``step``.
+        The signal reaches the ranks at slightly different moments; one stopping alone
+        would leave the others waiting in the next step's collectives."""
+        seen = self.received is not None
+        if dist.is_initialized():
+            flag = torch.tensor([int(seen)], dtype=torch.int32, device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            seen = bool(flag.item())
+        if seen:
+            self.stopped_at = step
+        return seen
