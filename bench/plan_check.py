@@ -21,13 +21,15 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from lmforge.cli.common import config_and_overrides  # noqa: E402
 from lmforge.config import load_config  # noqa: E402
-from lmforge.perf.calibrate import (fit_scales, fitted_device, measure, spearman,  # noqa
-                                    split_terms)
+from lmforge.perf.calibrate import (fit_columns, fit_constants, fitted_device,  # noqa
+                                    measure, prior_constants, spearman)
 from lmforge.perf.estimate import estimate_memory  # noqa: E402
 from lmforge.perf.plan import evaluate  # noqa: E402
 from lmforge.perf.timing import DEVICES, step_time  # noqa: E402
 
-BASE = ["data.seq_len=64", "data.global_batch_size=8", "data.eval_fraction=0"]
+# Untied, so that every layout (pipelines included) runs the same model.
+BASE = ["data.seq_len=64", "data.global_batch_size=8", "data.eval_fraction=0",
+        "model.tie_embeddings=false"]
 LAYOUTS = [  # (name, keys)
     ("zero3 mb4", {"parallel.dp_shard": 2, "parallel.zero": 3, "data.micro_batch_size": 4}),
     ("zero2 mb4", {"parallel.dp_shard": 2, "parallel.zero": 2, "data.micro_batch_size": 4}),
@@ -63,6 +65,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--layouts", type=int, default=len(LAYOUTS))
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per layout, + 1")
     ns = ap.parse_args()
     os.environ["PYTHONPATH"] = str(ROOT / "src")
     cfg = load_config(*config_and_overrides(None, BASE))
@@ -70,13 +73,15 @@ def main() -> None:
     for i, (name, keys) in enumerate(LAYOUTS[:ns.layouts]):
         cand = evaluate(cfg, keys, 2, 8, device)
         out = Path(ns.out) / f"l{i}"
-        m = measure(None, BASE, keys, out / "time", 2, steps=4)
+        m = measure(None, BASE, keys, out / "time", 2, steps=ns.steps + 1)
         rows.append((name, cand, m, tensor_peak(keys, out)))
         print(f"ran {name}: {m.step_s} s, {m.error}", flush=True)
-    a, b = fit_scales([split_terms(c.time) for _, c, _, _ in rows],
-                      [m.step_s for _, _, m, _ in rows])
-    fitted = fitted_device(device, a, b)
-    print(f"fit: {fitted.efficiency * 1e3:.3g} GFLOP/s effective, comm scale {b:.3g}")
+    fitted = fitted_device(device, fit_constants(
+        [fit_columns(c.setup, device, 8, 2) for _, c, _, _ in rows],
+        [m.step_s for _, _, m, _ in rows], prior_constants(device)))
+    print(f"fit: {fitted.efficiency * 1e3:.3g} GFLOP/s effective, "
+          f"{fitted.intra.gb_per_s:.3g} GB/s, latency {fitted.intra.latency_us:.3g} us, "
+          f"{fitted.block_pass_us:.3g} us per block pass")
     print("| layout | est. tensor peak MiB | measured MiB | error | predicted s | measured s |")
     print("|---|---|---|---|---|---|")
     pred, meas, errors = [], [], []
@@ -90,6 +95,10 @@ def main() -> None:
               f"| {t:.3f} | {m.step_s:.3f} |")
     print(f"max |memory error| {max(abs(e) for e in errors):.0%}; Spearman rho "
           f"{spearman(pred, meas):.2f} ({len(rows)} layouts)")
+    (Path(ns.out) / "results.json").write_text(json.dumps(
+        [{"layout": name, "keys": c.keys, "measured_s": m.step_s, "predicted_s": t,
+          "estimated_bytes": estimate_memory(c.setup).peak_bytes, "measured_bytes": peak}
+         for (name, c, m, peak), t in zip(rows, pred)], indent=1))
 
 
 if __name__ == "__main__":

@@ -1,61 +1,117 @@
-"""``lmforge train`` under TensorMemoryTracker (perf/tracker.py): the peak of live tensor
-storage of this process over the whole run, the quantity ``lmforge estimate`` predicts
-(peak allocated), written to ``$LMFORGE_TENSOR_PEAK_DIR/rank<R>.json``. On a CPU the
-trainer's own ``peak_mem_gib`` is the process's peak RSS (interpreter, libraries,
-allocator caches), which the estimate's tensor terms do not model; this worker measures
-like with like. Used by bench/plan_check.py as ``torchrun bench/tensor_peak_worker.py
-[CONFIG] key=value ...``; the tracker slows every op, so step times come from separate,
-untracked runs."""
+"""``lmforge train`` with its second forward-backward watched by the allocator: the peak
+of allocated memory of this process during that step, the quantity ``lmforge estimate``
+predicts (peak allocated), written to ``$LMFORGE_TENSOR_PEAK_DIR/rank<R>.json``.
+
+Why not the trainer's own figure: on a CPU ``peak_mem_gib`` is the process's peak RSS
+(interpreter, libraries, allocator caches), which the estimate's tensor terms do not model.
+Why not TensorMemoryTracker: FSDP2 allocates and frees its unsharded parameters by
+resizing storages in place, which no dispatched op shows; the profiler's memory events
+come from the allocator and see every allocation and free.
+
+measured = the bytes of this rank's parameters, gradients and optimizer states when the
+step starts + the largest net allocation during it. Tensors that merely stay alive across
+the step and are none of those (the corpus's token tensors, on a GPU host memory) are left
+out, as the estimate leaves them out. Used by bench/plan_check.py as ``torchrun
+bench/tensor_peak_worker.py [CONFIG] key=value ...``; the profiler slows the step, so step
+times come from separate, unwatched runs."""
+import gc
 import json
 import os
 import sys
 from pathlib import Path
+
+import torch
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from lmforge.cli.common import config_and_overrides  # noqa: E402
 from lmforge.config import load_config  # noqa: E402
-from lmforge.perf.tracker import TensorMemoryTracker  # noqa: E402
 from lmforge.train.loop import train  # noqa: E402
 from lmforge.train.model_setup import TrainModel  # noqa: E402
 
-STEP_PEAK = {"calls": 0, "bytes": 0}
+WATCHED_CALL = 2  # the first step creates the optimizer state
+RECORD: dict = {"calls": 0}
 
 
-def watch_steps(tracker: TensorMemoryTracker) -> None:
-    """From the second step on (the first creates the optimizer state), the peak of live
-    tensor bytes during each forward-backward, the phase the estimate peaks in."""
+def training_state_bytes(model: TrainModel) -> dict:
+    """Bytes of this rank's parameters, gradients and optimizer states, each storage once
+    (DTensors by their local shard)."""
+    seen, sizes = set(), {"params": 0, "grads": 0, "optimizer": 0}
+
+    def add(kind, t):
+        if isinstance(t, torch.Tensor):
+            local = t.to_local() if hasattr(t, "to_local") else t
+            storage = local.untyped_storage()
+            if id(storage) not in seen:
+                seen.add(id(storage))
+                sizes[kind] += storage.nbytes()
+    for p in model.parameters():
+        add("params", p)
+        add("grads", p.grad)
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.optim.Optimizer):
+            for state in obj.state.values():
+                for value in state.values():
+                    add("optimizer", value)
+    return sizes
+
+
+def largest_net_allocation(prof) -> int:
+    """The peak of live bytes allocated during the profile, from the allocator's events
+    by address. A buffer a collective's transport thread frees (gloo drops its work's
+    tensors there) has no free event, since the profiler records the profiled threads
+    only; it is taken as freed when the allocator hands its address out again."""
+    events = []
+
+    def walk(node):
+        if node.tag == _EventType.Allocation:
+            events.append((node.start_time_ns, node.extra_fields))
+        for child in node.children:
+            walk(child)
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root)
+    live: dict[int, int] = {}
+    running = peak = 0
+    for _, event in sorted(events, key=lambda e: e[0]):
+        if event.alloc_size > 0:
+            running += event.alloc_size - live.pop(event.ptr, 0)
+            live[event.ptr] = event.alloc_size
+        else:  # a free: of a buffer allocated during the profile, or before it
+            running -= live.pop(event.ptr, -event.alloc_size)
+        peak = max(peak, running)
+    return peak
+
+
+def watch_step() -> None:
     original = TrainModel.forward_backward
 
-    def measured(self, *args, **kwargs):
-        STEP_PEAK["calls"] += 1
-        if STEP_PEAK["calls"] == 1:
+    def watched(self, *args, **kwargs):
+        RECORD["calls"] += 1
+        if RECORD["calls"] != WATCHED_CALL:
             return original(self, *args, **kwargs)
-        tracker.reset_peak()
-        STEP_PEAK["start_bytes"] = tracker.live
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            STEP_PEAK["bytes"] = max(STEP_PEAK["bytes"], tracker.peak)
+        RECORD["state"] = training_state_bytes(self)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            result = original(self, *args, **kwargs)
+        RECORD["net_peak"] = largest_net_allocation(prof)
+        return result
 
-    TrainModel.forward_backward = measured
+    TrainModel.forward_backward = watched
 
 
 def run(argv: list[str]) -> None:
     config = argv[0] if argv and "=" not in argv[0] else None
     overrides = argv[1:] if config else argv
-    cfg = load_config(*config_and_overrides(config, overrides))
-    tracker = TensorMemoryTracker()
-    watch_steps(tracker)
-    with tracker:
-        train(cfg)
+    watch_step()
+    train(load_config(*config_and_overrides(config, overrides)))
     out = Path(os.environ["LMFORGE_TENSOR_PEAK_DIR"])
     out.mkdir(parents=True, exist_ok=True)
-    rank = int(os.environ.get("RANK", 0))
-    record = {"run_peak_bytes": tracker.peak, "step_peak_bytes": STEP_PEAK["bytes"],
-              "step_start_bytes": STEP_PEAK.get("start_bytes")}
-    (out / f"rank{rank}.json").write_text(json.dumps(record))
+    state = RECORD["state"]
+    record = {"step_peak_bytes": sum(state.values()) + RECORD["net_peak"],
+              "state_bytes": state, "net_peak_bytes": RECORD["net_peak"]}
+    (out / f"rank{int(os.environ.get('RANK', 0))}.json").write_text(json.dumps(record))
     sys.stdout.flush()
     os._exit(0)  # as `lmforge train` under torchrun: no teardown with gloo threads alive
 

@@ -10,8 +10,9 @@ from pathlib import Path
 from lmforge.cli.common import config_and_overrides
 from lmforge.config import load_config, save_config
 from lmforge.perf.estimate import GiB, estimate_memory, format_table, max_micro_batch
-from lmforge.perf.calibrate import (fit_scales, fitted_device, load_calibration, measure,
-                                    save_calibration, spearman, split_terms)
+from lmforge.perf.calibrate import (fit_columns, fit_constants, fitted_device,
+                                    load_calibration, measure, prior_constants,
+                                    save_calibration, spearman)
 from lmforge.perf.estimate_setup import setup_from_config
 from lmforge.perf.plan import MEMORY_MARGIN, fixes, no_fit_message, plan, with_keys
 from lmforge.perf.report import write_report
@@ -165,13 +166,12 @@ def _calibrate(ns, cfg, candidates, name, device) -> int:
     ok = [(c, m) for c, m in rows if m.step_s]
     if not ok:
         raise ValueError("--calibrate: no candidate ran; see the errors above")
-    a, b = fit_scales([split_terms(c.time) for c, _ in ok], [m.step_s for _, m in ok])
-    fitted = fitted_device(device, a, b)
     every = cfg.train.activation_checkpointing_every
+    fitted = fitted_device(device, fit_constants(
+        [fit_columns(c.setup, device, ns.gpus_per_node, every) for c, _ in ok],
+        [m.step_s for _, m in ok], prior_constants(device)))
     units = "" if device.calibrated else " (reference units, not a prediction)"
-    print(f"fit: efficiency {device.efficiency:g} -> {fitted.efficiency:.4g} of "
-          f"{fitted.peak_flops / 1e12:g} TFLOP/s, bandwidth / {b:.4g} "
-          f"(intra {fitted.intra.gb_per_s:.4g} GB/s)")
+    print(f"fit: {describe_fit(device, fitted)}")
     print(f"{'layout':52s}{'before s' + units:>10s}{'after s':>9s}{'measured':>10s}"
           f"{'est GiB':>9s}{'peak_mem_gib':>14s}")
     saved, after, measured = [], [], []
@@ -190,6 +190,15 @@ def _calibrate(ns, cfg, candidates, name, device) -> int:
     save_calibration(path, name, fitted, saved)
     print(f"wrote {path}")
     return 0
+
+
+def describe_fit(before, after) -> str:
+    """The fitted constants, and the priors they replace."""
+    return (f"efficiency {before.efficiency:g} -> {after.efficiency:.4g} of "
+            f"{after.peak_flops / 1e12:g} TFLOP/s; intra-node {before.intra.gb_per_s:g} -> "
+            f"{after.intra.gb_per_s:.4g} GB/s, latency {before.intra.latency_us:g} -> "
+            f"{after.intra.latency_us:.4g} us; per block pass {before.block_pass_us:g} -> "
+            f"{after.block_pass_us:.4g} us")
 
 
 def _add_report(subparsers) -> None:

@@ -2,12 +2,16 @@
 real trainer, under torchrun), fit the time model's constants to the measured step times,
 and save them for later plans (``--calibration FILE``). docs/plan.md describes the fit.
 
-The fit has two scales, solved by least squares over the candidates:
-``measured ~= a x (compute + recomputation + bubble) + b x (exposed communication)``;
-the compute-like terms go as 1/efficiency, so the fitted efficiency is ``efficiency / a``,
-and communication as 1/bandwidth, so both links' bandwidths become ``gb_per_s / b``
-(latencies kept). A negative scale (too few or too alike candidates) is dropped and the
-other refitted alone."""
+A prediction is linear in four constants, so they are fitted by least squares over the
+candidates: ``measured ~= a X + b Y + d L + c P``, where X is the compute-like time
+(compute, recomputation, bubble) at the device's efficiency, Y the exposed communication
+at its bandwidths without latency, L the same with its latencies and no bandwidth limit,
+and P the block passes (Device.block_pass_us), in microseconds. The fitted device has
+efficiency / a, bandwidths / b, latencies x d and c us per block pass. Scales are kept
+positive: a constant whose best value would be negative or that the candidates cannot
+tell apart is kept at its prior (a = b = d = 1, c = the device's) and the others are
+refitted without it.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -19,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from lmforge.perf.timing import Device, Link, StepTime
+from lmforge.perf.timing import Device, Link, block_passes, step_time
 
 
 @dataclasses.dataclass
@@ -67,41 +71,78 @@ def measure(config: Optional[str], overrides: list[str], keys: dict, out: Path, 
     return Measured(step_seconds(records), max(peaks) if peaks else None)
 
 
-def split_terms(t: StepTime) -> tuple[float, float]:
-    """(compute-like seconds, communication seconds) of one prediction."""
-    return t.compute + t.recompute + t.bubble, t.tp_comm + t.dp_comm + t.pp_comm
+def fit_columns(setup, device: Device, gpus_per_node: int, every: int
+                ) -> tuple[float, float, float, float]:
+    """(X, Y, L, P) of one candidate: see the module's docstring."""
+    no_latency = dataclasses.replace(
+        device, intra=Link(device.intra.gb_per_s, 0.0), inter=Link(device.inter.gb_per_s, 0.0))
+    unlimited = dataclasses.replace(
+        device, intra=Link(1e15, device.intra.latency_us),
+        inter=Link(1e15, device.inter.latency_us))
+    t = step_time(setup, no_latency, gpus_per_node, every)
+    latency = step_time(setup, unlimited, gpus_per_node, every)
+    return (t.compute + t.recompute + t.bubble, t.tp_comm + t.dp_comm + t.pp_comm,
+            latency.tp_comm + latency.dp_comm + latency.pp_comm,
+            block_passes(setup, every) * 1e-6)
 
 
-def fit_scales(terms: list[tuple[float, float]], measured: list[float]) -> tuple[float, float]:
-    """Least-squares (a, b) >= 0 of ``measured ~= a x + b y`` (2 x 2 normal equations)."""
-    sxx = sum(x * x for x, _ in terms)
-    syy = sum(y * y for _, y in terms)
-    sxy = sum(x * y for x, y in terms)
-    sxt = sum(x * t for (x, _), t in zip(terms, measured))
-    syt = sum(y * t for (_, y), t in zip(terms, measured))
-    det = sxx * syy - sxy * sxy
-    if det > 1e-12 * max(sxx * syy, 1e-300):
-        a, b = (sxt * syy - syt * sxy) / det, (syt * sxx - sxt * sxy) / det
-        if a > 0 and b > 0:
-            return a, b
-    if sxx <= 0:
-        raise ValueError("--calibrate: no compute in the candidates' predictions")
-    a = sxt / sxx  # communication unresolved: keep the links as they were
-    return a, 1.0
+def fit_constants(columns: list[tuple[float, ...]], measured: list[float],
+                  prior: tuple[float, ...]) -> tuple[float, ...]:
+    """Least squares of ``measured ~= sum_j k_j columns_j`` with every k_j > 0: over the
+    subsets of constants that contain the first (compute), the others kept at ``prior``,
+    the best fit whose constants are all positive."""
+    n = len(prior)
+    best, best_residual = None, float("inf")
+    for free in _subsets_with_first(n):
+        fixed = [j for j in range(n) if j not in free]
+        target = [t - sum(prior[j] * row[j] for j in fixed) for row, t in zip(columns, measured)]
+        solution = _least_squares([[row[j] for j in free] for row in columns], target)
+        if solution is None or min(solution) <= 0:
+            continue
+        k = list(prior)
+        for j, value in zip(free, solution):
+            k[j] = value
+        residual = sum((sum(kj * cj for kj, cj in zip(k, row)) - t) ** 2
+                       for row, t in zip(columns, measured))
+        if residual < best_residual - 1e-15:
+            best, best_residual = tuple(k), residual
+    if best is None:
+        raise ValueError("--calibrate: the measured step times fit no positive compute rate")
+    return best
 
 
-def fitted_device(device: Device, a: float, b: float) -> Device:
-    """``device`` with efficiency / a and both bandwidths / b."""
+def _subsets_with_first(n: int) -> list[list[int]]:
+    return [[0] + [j for j in range(1, n) if mask >> (j - 1) & 1] for mask in range(2 ** (n - 1))]
+
+
+def _least_squares(rows: list[list[float]], target: list[float]) -> Optional[list[float]]:
+    """The least-squares solution, or None where the columns cannot be told apart."""
+    import numpy as np
+
+    a, y = np.asarray(rows, dtype=float), np.asarray(target, dtype=float)
+    if a.shape[0] < a.shape[1] or np.linalg.matrix_rank(a) < a.shape[1]:
+        return None
+    return [float(v) for v in np.linalg.lstsq(a, y, rcond=None)[0]]
+
+
+def prior_constants(device: Device) -> tuple[float, float, float, float]:
+    return 1.0, 1.0, 1.0, device.block_pass_us
+
+
+def fitted_device(device: Device, constants: tuple[float, ...]) -> Device:
+    """``device`` with efficiency / a, bandwidths / b, latencies x d, c us per block pass."""
+    a, b, d, c = constants
     return dataclasses.replace(
-        device, efficiency=device.efficiency / a, calibrated=True,
-        intra=Link(device.intra.gb_per_s / b, device.intra.latency_us),
-        inter=Link(device.inter.gb_per_s / b, device.inter.latency_us))
+        device, efficiency=device.efficiency / a, calibrated=True, block_pass_us=c,
+        intra=Link(device.intra.gb_per_s / b, device.intra.latency_us * d),
+        inter=Link(device.inter.gb_per_s / b, device.inter.latency_us * d))
 
 
 def save_calibration(path: Path, name: str, device: Device, rows: list[dict]) -> None:
     """The fitted device constants and what they were fitted on, as JSON."""
     out = {"device": name, "part": device.part, "memory_gib": device.memory_gib,
            "peak_tflops": device.peak_flops / 1e12, "efficiency": device.efficiency,
+           "block_pass_us": device.block_pass_us,
            "intra": dataclasses.asdict(device.intra),
            "inter": dataclasses.asdict(device.inter), "measured": rows}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -114,7 +155,8 @@ def load_calibration(path: Path) -> tuple[str, Device]:
         d = json.loads(Path(path).read_text())
         device = Device(d["part"], float(d["memory_gib"]), Link(**d["intra"]),
                         Link(**d["inter"]), float(d["efficiency"]),
-                        peak_tflops=float(d["peak_tflops"]))
+                        peak_tflops=float(d["peak_tflops"]),
+                        block_pass_us=float(d.get("block_pass_us", 0.0)))
     except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
         raise ValueError(f"--calibration: cannot read {path}: {e}") from e
     return d["device"], device

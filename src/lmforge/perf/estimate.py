@@ -173,8 +173,7 @@ class FsdpBuffers:
     and is not resharded after forward). Zero 3 gathers a block for its forward and again
     for its backward, prefetching the next one; zero 2 keeps every block gathered from
     forward to backward. In a block's backward its gradients are unsharded (fp32) until
-    its reduce-scatter, whose input buffer stays until the next block's is issued. On the
-    CPU, gloo stages each all-gather and reduce-scatter through one more full-size copy."""
+    its reduce-scatter, whose input buffer stays until the next block's is issued."""
     params_outside_blocks: float = 0.0  # forward end and loss: no block being computed
     params_in_blocks: float = 0.0  # a block's backward
     gradients_last_block: float = 0.0  # the last block's MLP output gradients, unsharded
@@ -185,16 +184,16 @@ def fsdp_buffers(setup: Setup, weights: Weights, grads: Gradients, stage: int) -
     if not setup.fsdp:
         return FsdpBuffers()
     layers, param_bytes = stage_layers(setup, stage), compute_bytes(setup)
-    block, gloo = weights.block_total, int(setup.device == "cpu")
+    block = weights.block_total
     root = weights.trainable_params + weights.frozen_params - layers * block
     kept = layers if setup.zero < 3 else 0
     in_block_grads = grads.mlp_out * (setup.dp_shard - 1)  # beyond the sharded mlp_out
     reduce_input = 4 * weights.block_trainable
     return FsdpBuffers(
         params_outside_blocks=param_bytes * (root + kept * block),
-        params_in_blocks=param_bytes * (root + max(kept, 2) * block + gloo * block),
+        params_in_blocks=param_bytes * (root + max(kept, 2) * block),
         gradients_last_block=in_block_grads,
-        gradients_first_block=in_block_grads + (1 + gloo) * reduce_input)
+        gradients_first_block=in_block_grads + reduce_input)
 
 
 def dequantization_scratch(setup: Setup, weights: Weights) -> float:

@@ -34,6 +34,11 @@ class Device:
     efficiency: float  # the fraction of peak the model's FLOPs run at
     peak_tflops: Optional[float] = None  # set: this, not flops.PEAK_BF16_TFLOPS
     calibrated: bool = True  # False: reference units only, --calibrate supplies the rates
+    # Fixed microseconds per block and pass (forward, backward, recomputed forward) of a
+    # micro-batch: kernel launches, framework dispatch and hooks, which no FLOP rate
+    # captures. 0 for the GPUs (at the sizes they are quoted for it is a few percent of a
+    # block's time and the efficiency absorbs it); --calibrate fits it.
+    block_pass_us: float = 0.0
 
     @property
     def peak_flops(self) -> float:
@@ -60,11 +65,12 @@ DEVICES: dict[str, Device] = {
     # A CPU's sustained FLOP rate and its gloo transport are not on a data sheet (they
     # depend on the part, threads, the BLAS and the load), so no honest prior exists: the
     # entry holds reference units (1 TFLOP/s at efficiency 1, 1 GB/s, no latency) that only
-    # split a step into its terms, and `lmforge plan --device cpu` requires --calibrate or
+    # split a step into its terms (1 us of latency and of overhead per block pass), and
+    # `lmforge plan --device cpu` requires --calibrate or
     # --calibration, which replace them with the rates fitted on this machine. Memory: the
     # machine's RAM, read at plan time (0 here).
-    "cpu": Device("cpu", 0.0, Link(1.0, 0.0), Link(1.0, 0.0), 1.0, peak_tflops=1.0,
-                  calibrated=False),
+    "cpu": Device("cpu", 0.0, Link(1.0, 1.0), Link(1.0, 1.0), 1.0, peak_tflops=1.0,
+                  calibrated=False, block_pass_us=1.0),
 }
 
 GRAD_REDUCE_BYTES = 4  # FSDP2 reduces gradients in fp32 (parallel/fsdp.py reduce_dtype)
@@ -98,6 +104,7 @@ class StepTime:
     dp_comm: float  # exposed part of FSDP / replicate collectives
     pp_comm: float  # exposed: stage-to-stage sends
     bubble: float  # pipeline fill and drain
+    overhead: float  # fixed costs per block pass (Device.block_pass_us)
     model_flops: float  # per device per step
     tokens: float  # per device per step (global tokens / devices)
     peak_flops: float
@@ -105,7 +112,7 @@ class StepTime:
     @property
     def total(self) -> float:
         return (self.compute + self.recompute + self.tp_comm + self.dp_comm + self.pp_comm
-                + self.bubble)
+                + self.bubble + self.overhead)
 
     @property
     def tokens_per_s(self) -> float:
@@ -119,7 +126,7 @@ class StepTime:
     def largest(self) -> str:
         terms = {"compute": self.compute, "recomputation": self.recompute,
                  "exposed communication": self.tp_comm + self.dp_comm + self.pp_comm,
-                 "pipeline bubble": self.bubble}
+                 "pipeline bubble": self.bubble, "per-pass overhead": self.overhead}
         return max(terms, key=terms.get)
 
 
@@ -159,9 +166,17 @@ def step_time(setup: Setup, device: Device, gpus_per_node: int, every: int = 2) 
     tp = tp_seconds(setup, device, gpus_per_node, every)
     dp = dp_seconds(setup, device, gpus_per_node, compute + recompute)
     pp = pp_seconds(setup, device, gpus_per_node)
+    overhead = block_passes(setup, every) * device.block_pass_us * 1e-6
     return StepTime(compute=compute, recompute=recompute, tp_comm=tp, dp_comm=dp, pp_comm=pp,
-                    bubble=bubble, model_flops=model * seq_tokens / split,
+                    bubble=bubble, overhead=overhead, model_flops=model * seq_tokens / split,
                     tokens=seq_tokens / split, peak_flops=device.peak_flops)
+
+
+def block_passes(setup: Setup, every: int) -> float:
+    """Block passes one device runs per step: each of its blocks, for each micro-batch,
+    forward, backward and the recomputed share of the forward."""
+    blocks = setup.args.n_layers / setup.pp
+    return setup.microbatches * blocks * (2 + recompute_fraction(setup, every))
 
 
 def activation_bytes(setup: Setup) -> float:

@@ -4,32 +4,54 @@ import sys
 
 import pytest
 
-from lmforge.perf.calibrate import (fit_scales, fitted_device, load_calibration,
-                                    save_calibration, spearman, step_seconds)
+from lmforge.cli.common import config_and_overrides
+from lmforge.config import load_config
+from lmforge.perf.calibrate import (fit_columns, fit_constants, fitted_device,
+                                    load_calibration, prior_constants, save_calibration,
+                                    spearman, step_seconds)
+from lmforge.perf.plan import evaluate
 from lmforge.perf.timing import DEVICES
 
 
-def test_fit_recovers_known_scales():
-    terms = [(1.0, 0.5), (2.0, 0.1), (0.5, 2.0), (3.0, 1.0)]
-    measured = [2 * x + 3 * y for x, y in terms]
-    a, b = fit_scales(terms, measured)
-    assert a == pytest.approx(2) and b == pytest.approx(3)
+def test_fit_recovers_known_constants():
+    columns = [(1.0, 0.5, 0.1, 3.0), (2.0, 0.1, 0.4, 1.0), (0.5, 2.0, 0.2, 2.0),
+               (3.0, 1.0, 0.3, 5.0), (1.5, 0.2, 1.0, 0.5)]
+    truth = (2.0, 3.0, 0.5, 4.0)
+    measured = [sum(k * c for k, c in zip(truth, row)) for row in columns]
+    assert fit_constants(columns, measured, (1.0, 1.0, 1.0, 0.0)) == pytest.approx(truth)
 
 
-def test_fit_without_communication_keeps_the_links():
-    a, b = fit_scales([(1.0, 0.0), (2.0, 0.0)], [3.0, 6.0])
-    assert (a, b) == (pytest.approx(3), 1.0)
+def test_a_constant_the_candidates_cannot_resolve_keeps_its_prior():
+    columns = [(1.0, 0.0, 0.0, 1.0), (2.0, 0.0, 0.0, 1.0), (3.0, 0.0, 0.0, 1.0)]
+    measured = [3.0 * x + 0.5 for x, *_ in columns]
+    a, b, d, c = fit_constants(columns, measured, (1.0, 1.0, 1.0, 0.0))
+    assert (a, b, d, c) == (pytest.approx(3.0), 1.0, 1.0, pytest.approx(0.5))
 
 
-def test_fitted_device_scales_efficiency_and_bandwidth(tmp_path):
-    dev = fitted_device(DEVICES["h100"], 2.0, 4.0)
+def test_fitted_device_scales_efficiency_links_and_overhead(tmp_path):
+    dev = fitted_device(DEVICES["h100"], (2.0, 4.0, 3.0, 7.0))
     assert dev.efficiency == pytest.approx(0.2)
     assert dev.intra.gb_per_s == pytest.approx(112.5)
-    assert dev.intra.latency_us == DEVICES["h100"].intra.latency_us
+    assert dev.intra.latency_us == pytest.approx(3 * DEVICES["h100"].intra.latency_us)
+    assert dev.block_pass_us == 7.0
     save_calibration(tmp_path / "c.json", "h100", dev, [])
     name, back = load_calibration(tmp_path / "c.json")
     assert name == "h100" and back.peak_flops == pytest.approx(dev.peak_flops)
     assert back.efficiency == pytest.approx(dev.efficiency) and back.intra == dev.intra
+    assert back.block_pass_us == 7.0
+
+
+def test_fit_columns_add_up_to_the_prediction():
+    """At the prior constants, a X + b Y + d L + c P is the uncalibrated step time (the
+    latency and bandwidth parts of a collective add up)."""
+    cfg = load_config(*config_and_overrides(None, ["data.seq_len=64",
+                                                   "data.global_batch_size=8"]))
+    cand = evaluate(cfg, {"parallel.tp": 2, "parallel.dp_shard": 1,
+                          "data.micro_batch_size": 4}, 2, 8, DEVICES["cpu"])
+    columns = fit_columns(cand.setup, DEVICES["cpu"], 8, 2)
+    prior = prior_constants(DEVICES["cpu"])
+    assert sum(k * c for k, c in zip(prior, columns)) == pytest.approx(cand.time.total)
+    assert all(c > 0 for c in columns)
 
 
 def test_step_seconds_skips_the_first_step():
