@@ -129,8 +129,14 @@ class TiedEmbedding:
     @torch.no_grad()
     def sum_gradients(self) -> None:
         """Each copy's gradient becomes the sum of both: the whole model's gradient."""
-        if self.weight is not None and self.weight.grad is not None:
-            dist.all_reduce(_local(self.weight.grad), group=self.group)
+        if self.weight is None or self.weight.grad is None:
+            return
+        grad = self.weight.grad
+        if hasattr(grad, "placements") and grad.placements != self.weight.placements:
+            # A tensor-parallel embedding's backward leaves a replicated gradient of its
+            # vocab-sharded weight; shard it like the weight so the two copies' shards pair.
+            grad = self.weight.grad = grad.redistribute(placements=self.weight.placements)
+        dist.all_reduce(_local(grad), group=self.group)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -57,3 +57,13 @@ def test_tied_stages_forward_like_the_whole_model_and_their_gradients_sum_to_its
     torch.testing.assert_close(loss, loss_of(whole(tokens)))
     summed = first.tok_embeddings.weight.grad + last.tok_embeddings.weight.grad
     torch.testing.assert_close(summed, whole.tok_embeddings.weight.grad)
+
+
+def test_a_tied_first_stage_initialises_its_embedding_as_the_head_it_also_is():
+    """Models too large for a whole-model copy initialise each stage in place; the first
+    stage's copy of a tied weight must be drawn as the head's (it is broadcast to the
+    last stage), not as an untied embedding's unit scale."""
+    torch.manual_seed(0)
+    (_, first), = split_model(build_llama(ARGS), 0, 2, 1)
+    materialize(first, "cpu")
+    assert float(first.tok_embeddings.weight.std()) == pytest.approx(ARGS.init_std, rel=0.1)
