@@ -2,6 +2,7 @@
 relative) and final weights (1e-4), on CPU with gloo. A tiny Llama with a vocabulary
 (301) that tp=2 does not divide, fp32, same seed, data and global batch."""
 import os
+import re
 import subprocess
 import sys
 
@@ -122,6 +123,18 @@ def test_layout_that_does_not_fit_is_refused_before_any_process_group(tmp_path, 
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("lmforge: error: parallel.tp:")
     assert "\n" not in proc.stderr.strip()
+
+
+def test_under_torchrun_a_layout_error_is_one_line_from_rank_0_without_traceback(tmp_path):
+    """Both ranks refuse the demo's pipeline split (1 sequence per step, 2 stages); rank
+    0 says why and exits 2 first, so torchrun names it as the root cause."""
+    proc = run_lmforge(tmp_path / "run", ["parallel.pp=2", "parallel.dp_shard=1",
+                                          "data.micro_batch_size=1"], nproc=2, check=False)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if "lmforge: error:" in line]
+    assert len(errors) == 1 and "error: data.micro_batch_size:" in errors[0], proc.stderr[-3000:]
+    assert not re.search(r'File ".*lmforge', proc.stderr), proc.stderr[-3000:]
+    assert re.search(r"Root Cause.*?rank\s*: 0 .*?exitcode\s*: 2 ", proc.stderr, re.S)
 
 
 def test_lora_under_fsdp_matches_single_process(tiny_corpus, tmp_path):
