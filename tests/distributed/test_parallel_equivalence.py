@@ -2,6 +2,7 @@
 relative) and final weights (1e-4), on CPU with gloo. A tiny Llama with a vocabulary
 (301) that tp=2 does not divide, fp32, same seed, data and global batch."""
 import os
+import re
 import subprocess
 import sys
 
@@ -65,6 +66,51 @@ def test_layout_matches_single_process(setup, name):
                                    msg=lambda m: f"{key}: {m}")
 
 
+# A tied model (the head's weight is the embedding's), 4 sequences a step: one micro-batch
+# of 4 per pipeline run, which the pipeline splits into pp=2 microbatches by default.
+TIED = ["model.tie_embeddings=true", "data.global_batch_size=4", "train.checkpoint_every=2"]
+PIPELINE_ONE_MICRO_BATCH = ["parallel.pp=2", "parallel.dp_shard=1", "data.micro_batch_size=4"]
+TIED_STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def tied_reference(tiny_corpus, tmp_path_factory):
+    base = tiny_overrides(tiny_corpus, TIED_STEPS) + TIED
+    return base, _train(tmp_path_factory.mktemp("tied_single"), base, nproc=1)[:2]
+
+
+def _assert_same_run(losses, weights, reference):
+    ref_losses, ref_weights = reference
+    assert len(losses) == len(ref_losses) == TIED_STEPS
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(losses, ref_losses), 1):
+        assert loss == pytest.approx(ref_loss, rel=1e-5), f"step {step}: loss {loss} vs {ref_loss}"
+        assert norm == pytest.approx(ref_norm, rel=1e-4), f"step {step}: grad norm {norm} vs {ref_norm}"
+    assert weights.keys() == ref_weights.keys() and "lm_head.weight" not in weights
+    for key in ref_weights:
+        torch.testing.assert_close(weights[key], ref_weights[key], rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"{key}: {m}")
+
+
+def test_tied_model_pipelined_1f1b_matches_single_process(tied_reference, tmp_path):
+    base, reference = tied_reference
+    losses, weights, _ = _train(tmp_path, base + PIPELINE_ONE_MICRO_BATCH, nproc=2)
+    _assert_same_run(losses, weights, reference)
+
+
+def test_tied_model_interleaved_with_tp_matches_and_resumes_in_one_process(
+        tied_reference, tmp_path):
+    """Steps 1-2 interleaved over pp=2 ranks x 2 stages, each stage over tp=2 (the
+    embedding's gradient is replicated, the head's vocab-sharded), checkpointed: the
+    weight both end stages hold is saved once. Steps 3-4 resume it in one plain process."""
+    base, reference = tied_reference
+    interleaved = ["parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2",
+                   "parallel.tp=2"]
+    run_lmforge(tmp_path, base + PIPELINE_ONE_MICRO_BATCH + interleaved +
+                ["train.stop_at_step=2"], nproc=4)
+    losses, weights, _ = _train(tmp_path, base + ["train.resume=auto"], nproc=1)
+    _assert_same_run(losses, weights, reference)
+
+
 def test_layout_that_does_not_fit_is_refused_before_any_process_group(tmp_path, setup):
     root, base, _ = setup
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0", "WORLD_SIZE": "3",
@@ -77,6 +123,18 @@ def test_layout_that_does_not_fit_is_refused_before_any_process_group(tmp_path, 
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("lmforge: error: parallel.tp:")
     assert "\n" not in proc.stderr.strip()
+
+
+def test_under_torchrun_a_layout_error_is_one_line_from_rank_0_without_traceback(tmp_path):
+    """Both ranks refuse the demo's pipeline split (1 sequence per step, 2 stages); rank
+    0 says why and exits 2 first, so torchrun names it as the root cause."""
+    proc = run_lmforge(tmp_path / "run", ["parallel.pp=2", "parallel.dp_shard=1",
+                                          "data.micro_batch_size=1"], nproc=2, check=False)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if "lmforge: error:" in line]
+    assert len(errors) == 1 and "error: data.micro_batch_size:" in errors[0], proc.stderr[-3000:]
+    assert not re.search(r'File ".*lmforge', proc.stderr), proc.stderr[-3000:]
+    assert re.search(r"Root Cause.*?rank\s*: 0 .*?exitcode\s*: 2 ", proc.stderr, re.S)
 
 
 def test_lora_under_fsdp_matches_single_process(tiny_corpus, tmp_path):

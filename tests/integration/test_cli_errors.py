@@ -33,6 +33,22 @@ def test_bad_config_values_exit_with_one_line(capsys, tmp_path, override, field,
     assert not (tmp_path / "run").exists(), "refused before anything was written"
 
 
+@pytest.mark.parametrize("overrides, field", [
+    (["data.micro_batch_size=1"], "data.micro_batch_size"),  # 1 sequence, 2 stages
+    (["parallel.microbatches=3"], "parallel.microbatches"),  # does not divide 8
+])
+def test_a_batch_the_pipeline_cannot_split_is_refused_before_any_process_group(
+        capsys, monkeypatch, tmp_path, overrides, field):
+    # Rank 0 of 2 under torchrun, with no rendezvous to reach: refused by validation.
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    code, err = _run(capsys, ["train", "parallel.pp=2", "parallel.dp_shard=1", *overrides,
+                              f"train.output_dir={tmp_path}/run"])
+    assert code == 2 and err.startswith(f"lmforge: error: {field}: ") and "\n" not in err
+    assert not (tmp_path / "run").exists()
+
+
 def test_missing_config_file_exits_with_one_line_naming_it(capsys, tmp_path):
     code, err = _run(capsys, ["train", str(tmp_path / "nope.yaml")])
     assert code == 2 and "nope.yaml: not found" in err and "\n" not in err

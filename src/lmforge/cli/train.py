@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from lmforge.cli.common import add_config_arguments, config_and_overrides
 from lmforge.config import ConfigError, config_yaml, load_config
@@ -35,6 +36,12 @@ def add_parser(sub) -> None:
     p.set_defaults(func=_train)
 
 
+# How long a rank other than 0 that refused the config waits before exiting: rank 0,
+# refusing it alike, says why and exits first, so the launcher stops the others (torchrun
+# would otherwise kill rank 0 before it prints, when another rank exits first).
+QUIET_RANK_EXIT_DELAY_S = 10.0
+
+
 def _train(args) -> int:
     if args.print_config or args.dry_run or args.world_size is not None:
         return _look_before_running(args)
@@ -43,6 +50,7 @@ def _train(args) -> int:
         summary = train(load_config(*config_and_overrides(args.config, args.overrides)))
     except ConfigError:
         if env.rank != 0:  # every rank refuses a config alike: rank 0 alone says why
+            time.sleep(QUIET_RANK_EXIT_DELAY_S)
             return 2
         raise
     # Stopped by SIGUSR1/SIGTERM with a checkpoint written: unfinished, resumable.

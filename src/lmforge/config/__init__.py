@@ -8,12 +8,13 @@ from lmforge.config.loading import (apply_dict, apply_override, config_yaml, loa
 from lmforge.config.schema import (CHAT_TEMPLATES, ConfigError, DataConfig, JobConfig,
                                    LoraConfig, ModelConfig, OptimConfig, ParallelConfig,
                                    QUANTIZE_FORMATS, TrainConfig, check_parallel_fits,
-                                   compute_dtype, grad_accumulation_steps, resolve_device,
-                                   resolve_layout, samples_per_step, validate)
+                                   compute_dtype, grad_accumulation_steps,
+                                   pipeline_microbatches, resolve_device, resolve_layout,
+                                   samples_per_step, validate)
 
 __all__ = ["CHAT_TEMPLATES", "ConfigError", "DataConfig", "JobConfig", "LoraConfig",
            "ModelConfig", "OptimConfig", "ParallelConfig", "QUANTIZE_FORMATS", "TrainConfig",
            "apply_dict", "apply_override", "apply_run_defaults", "check_parallel_fits",
            "compute_dtype", "config_yaml", "fine_tuning_defaults", "grad_accumulation_steps",
-           "load_config", "resolve_device", "resolve_layout", "samples_per_step",
-           "save_config", "set_field", "validate", "warmup_warning"]
+           "load_config", "pipeline_microbatches", "resolve_device", "resolve_layout",
+           "samples_per_step", "save_config", "set_field", "validate", "warmup_warning"]

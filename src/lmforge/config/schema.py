@@ -283,11 +283,14 @@ def _validate_optim_numbers(optim: OptimConfig) -> None:
 
 def _validate_batch(cfg: JobConfig, world_size: int) -> None:
     layout = resolve_layout(cfg.parallel, world_size)
-    per_step = cfg.data.micro_batch_size * layout["dp_replicate"] * layout["dp_shard"]
+    dp_size = layout["dp_replicate"] * layout["dp_shard"]
+    per_step = cfg.data.micro_batch_size * dp_size
     gbs = cfg.data.global_batch_size
     if gbs is not None and (gbs <= 0 or gbs % per_step):
         raise ConfigError(f"data.global_batch_size: {gbs} must be a positive multiple of "
                           f"micro_batch_size x data-parallel size = {per_step}")
+    if cfg.parallel.pp > 1:
+        pipeline_microbatches(cfg, dp_size)  # raises when the batch cannot be split
 
 
 def _validate_in_backward(cfg: JobConfig, world_size: int, distributed: bool) -> None:
@@ -345,9 +348,6 @@ def check_parallel_fits(cfg: JobConfig, args) -> None:
         if args.n_layers % n_stages:
             raise ConfigError(f"parallel.pp: {args.n_layers} layers do not split evenly into "
                               f"{n_stages} stages (pp x pp_virtual_stages)")
-        if args.tie_embeddings:
-            raise ConfigError("parallel.pp: tied embeddings (model.tie_embeddings) put the "
-                              "embedding and the head on different stages; untie them")
         if cfg.data.document_mask or cfg.data.pack:
             raise ConfigError("parallel.pp: document masking / SFT packing is not supported "
                               "with pipeline parallelism yet")
@@ -387,9 +387,43 @@ def samples_per_step(cfg: JobConfig, dp_size: int) -> int:
 
 
 def grad_accumulation_steps(cfg: JobConfig, dp_size: int) -> int:
-    """Micro-batches each rank runs per optimizer step (the pipeline's microbatches too,
-    unless parallel.microbatches says otherwise)."""
+    """Micro-batches each rank runs per optimizer step (with pp > 1, concatenated and
+    split again into ``pipeline_microbatches``)."""
     return samples_per_step(cfg, dp_size) // (cfg.data.micro_batch_size * dp_size)
+
+
+def pipeline_microbatches(cfg: JobConfig, dp_size: int) -> int:
+    """Pieces the pipeline schedule splits each rank's sequences of a step into (pp > 1):
+    ``parallel.microbatches``, else the smallest count that divides them and is at least
+    both the gradient accumulation steps and ``parallel.pp`` (a multiple of pp for
+    interleaved_1f1b), so that every stage has work while the pipeline is full."""
+    p = cfg.parallel
+    sequences = samples_per_step(cfg, dp_size) // dp_size  # this rank's, per step
+    if p.microbatches:
+        problem = _microbatch_problem(p, p.microbatches, sequences)
+        if problem:
+            raise ConfigError(f"parallel.microbatches: {p.microbatches} {problem}")
+        return p.microbatches
+    start = max(grad_accumulation_steps(cfg, dp_size), p.pp)
+    for count in range(start, sequences + 1):
+        if not _microbatch_problem(p, count, sequences):
+            return count
+    raise ConfigError(
+        f"data.micro_batch_size: each rank runs {sequences} sequence(s) per step, too few "
+        f"to split into the pipeline microbatches parallel.pp={p.pp} needs "
+        f"({'a multiple of' if p.pp_schedule == 'interleaved_1f1b' else 'at least'} {p.pp}); "
+        f"raise data.micro_batch_size or data.global_batch_size")
+
+
+def _microbatch_problem(p: ParallelConfig, count: int, sequences: int) -> Optional[str]:
+    """Why ``count`` pipeline microbatches do not fit (None: they do)."""
+    if sequences % count:
+        return f"does not divide the {sequences} sequences each rank runs per step"
+    if p.pp_schedule == "1f1b" and count < p.pp:
+        return f"is fewer than the {p.pp} pipeline stages 1f1b needs (parallel.pp)"
+    if p.pp_schedule == "interleaved_1f1b" and count % p.pp:
+        return f"is not a multiple of parallel.pp={p.pp} (interleaved_1f1b)"
+    return None
 
 
 def compute_dtype(cfg: JobConfig, device_type: str) -> str:

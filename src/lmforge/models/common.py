@@ -63,7 +63,9 @@ class DecoderStack(nn.Module):
     """The top level every family's model shares (``models/registry.py``): token
     embeddings, the blocks in ``layers`` (an ``nn.ModuleDict`` keyed by layer id), a final
     norm and the output head. What is particular to a family is its block; a pipeline
-    stage sets the parts it does not hold to None, and ``forward`` skips them."""
+    stage sets the parts it does not hold to None, and ``forward`` skips them. The last
+    stage of a tied model keeps the embedding, whose weight is its head's, and ``forward``
+    applies it to token ids only, never to the hidden states a later stage receives."""
 
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
                 mask: Optional[torch.Tensor] = None, caches: Optional[list[KVCache]] = None,
@@ -72,7 +74,8 @@ class DecoderStack(nn.Module):
         stage. positions: (batch, seq), default 0..seq-1 after any cached ones. mask:
         boolean (batch, 1, seq, keys), True = may attend; None = causal. head=False stops
         after the final norm, for a loss that applies ``output`` a chunk at a time."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        embeds = self.tok_embeddings is not None and not tokens.is_floating_point()
+        h = self.tok_embeddings(tokens) if embeds else tokens
         for i, layer in enumerate(self.layers.values()):
             h = layer(h, positions, mask, caches[i] if caches else None)  # (batch, seq, dim)
         if self.norm is not None:

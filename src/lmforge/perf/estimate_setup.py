@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 
-from lmforge.config import (ConfigError, compute_dtype, grad_accumulation_steps, resolve_device,
-                            resolve_layout)
+from lmforge.config import (ConfigError, compute_dtype, grad_accumulation_steps,
+                            pipeline_microbatches, resolve_device, resolve_layout)
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.models.hf import args_from_hf_config, read_hf_config
 from lmforge.models.presets import model_args, validate_job
@@ -25,7 +25,7 @@ class Setup:
     """Everything the estimate depends on; ``setup_from_config`` fills it from a config."""
     args: Any  # the family's args
     seq_len: int
-    micro_batch: int
+    micro_batch: int  # sequences per micro-batch (with pp > 1: per pipeline microbatch)
     device: str = "cuda"  # cuda | cpu
     compute: str = "bf16"  # bf16 | fp16 (autocast, or FSDP2 half params) | fp32
     checkpointing: str = "none"  # none | full
@@ -136,8 +136,12 @@ def setup_from_config(cfg, device: Optional[str] = None, world_size: Optional[in
     if device == "auto":  # this machine's (an explicit cuda is estimated even without one)
         device = resolve_device("auto").type
     compute = compute_dtype(cfg, device)
-    accumulation = grad_accumulation_steps(cfg, layout.dp_replicate * dp_shard)
-    return Setup(args=args, seq_len=cfg.data.seq_len, micro_batch=cfg.data.micro_batch_size,
+    dp = layout.dp_replicate * dp_shard
+    microbatches, micro_batch = grad_accumulation_steps(cfg, dp), cfg.data.micro_batch_size
+    if layout.pp > 1:  # the pipeline splits each rank's sequences of a step anew
+        microbatches = pipeline_microbatches(cfg, dp)
+        micro_batch = micro_batch * grad_accumulation_steps(cfg, dp) // microbatches
+    return Setup(args=args, seq_len=cfg.data.seq_len, micro_batch=micro_batch,
                  device=device, compute=compute,
                  checkpointing=cfg.train.activation_checkpointing,
                  trainable=Trainability.from_config(cfg, args), lora=_lora(cfg, args, base_dtype),
@@ -145,7 +149,7 @@ def setup_from_config(cfg, device: Optional[str] = None, world_size: Optional[in
                  pp=layout.pp, dp_shard=dp_shard, dp_replicate=layout.dp_replicate,
                  zero=layout.zero, sequence_parallel=layout.sequence_parallel,
                  pp_schedule=layout.pp_schedule, pp_virtual_stages=layout.pp_virtual_stages,
-                 microbatches=layout.microbatches or accumulation, attention=attention,
+                 microbatches=microbatches, attention=attention,
                  loss_chunk_tokens=cfg.train.loss_chunk_tokens,
                  param_dtype=cfg.train.param_dtype, in_backward=cfg.optim.in_backward,
                  activation_offload=cfg.train.activation_offload,

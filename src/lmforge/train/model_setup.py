@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lmforge.config import JobConfig, compute_dtype, grad_accumulation_steps
+from lmforge.config import JobConfig, compute_dtype, pipeline_microbatches
 from lmforge.eval.evaluate import evaluate
 from lmforge.models.common import count_parameters, materialize
 from lmforge.models.hf import from_hf_state_dict, read_hf_state_dict
@@ -27,8 +27,8 @@ from lmforge.parallel import full_value
 from lmforge.parallel.mesh import ParallelDims
 from lmforge.parallel.offload import ActivationOffloader, offload_blocks
 from lmforge.parallel.parallelize import apply_data_parallel, apply_model_parallel
-from lmforge.parallel.pipeline import (build_schedule, has_first_stage, has_last_stage,
-                                       split_model, step_options)
+from lmforge.parallel.pipeline import (TiedEmbedding, build_schedule, has_first_stage,
+                                       has_last_stage, split_model, step_options)
 from lmforge.peft.adapters import load_adapter
 from lmforge.peft.lora import after_materialize, is_lora_param, prepare_model_for_lora
 from lmforge.train.step import accumulate_gradients, normalize_loss
@@ -46,6 +46,7 @@ class TrainModel:
     stage_ids: list[int] = field(default_factory=list)
     loss_chunk_tokens: int = 0  # train.loss_chunk_tokens (one process, dp, FSDP only)
     offload: Optional[ActivationOffloader] = None  # train.activation_offload
+    tied: Optional[TiedEmbedding] = None  # a tied model's embedding on two pipeline stages
     _n_valid: int = 1  # the current step's, for pipeline_loss
     _loss_scale: float = 1.0
 
@@ -106,6 +107,8 @@ class TrainModel:
         total = torch.zeros((), device=device)
         for loss in losses:  # (none off the last stage)
             total += full_value(loss)
+        if self.tied is not None:
+            self.tied.sum_gradients()
         # The share normalize_loss(.., dp=1) gives; the scale, a power of two, divides
         # out exactly.
         return total / (self.dims.dp * loss_scale)
@@ -168,12 +171,20 @@ def build_train_model(cfg: JobConfig, args, device: torch.device,
         for part in tm.parts:
             part.to(torch.bfloat16)
     if dims.pp > 1:
-        n_micro = cfg.parallel.microbatches or grad_accumulation_steps(cfg, dims.dp)
-        tm.schedule = build_schedule(list(zip(tm.stage_ids, tm.parts)),
-                                     dims.pp * len(tm.parts), cfg.parallel.pp_schedule,
-                                     n_micro, tm.pipeline_loss, device, dims.group("pp"))
+        _build_pipeline(tm, cfg, device)
     tm.train()
     return tm
+
+
+def _build_pipeline(tm: TrainModel, cfg: JobConfig, device: torch.device) -> None:
+    """The schedule over this rank's stages, and a tied embedding's two copies made equal."""
+    parts, n_stages = list(zip(tm.stage_ids, tm.parts)), tm.dims.pp * len(tm.parts)
+    if tm.args.tie_embeddings:
+        tm.tied = TiedEmbedding.for_stages(parts, n_stages, tm.mesh)
+        tm.tied.sync_weights()
+    tm.schedule = build_schedule(parts, n_stages, cfg.parallel.pp_schedule,
+                                 pipeline_microbatches(cfg, tm.dims.dp), tm.pipeline_loss,
+                                 device, tm.dims.group("pp"))
 
 
 def _finish_lora(tm: TrainModel, cfg: JobConfig) -> None:
@@ -275,10 +286,12 @@ def clip_grad_norm(tm: TrainModel, max_norm: float) -> torch.Tensor:
     """Total gradient norm over every rank's parameters, then clipping (max_norm > 0).
 
     Sharded (DTensor) gradients are reduced over their mesh; pipeline stages hold
-    disjoint parameters, so their squared norms are summed across the pp group."""
-    grads = [p.grad for p in tm.parameters() if p.grad is not None]
+    disjoint parameters (but for a tied embedding's copy on the last stage, counted on
+    the first), so their squared norms are summed across the pp group."""
+    params = [p for p in tm.parameters() if p.grad is not None]
+    grads = [p.grad for p in params]
     by_mesh: dict = {}
-    for g in grads:
+    for g in (p.grad for p in params if tm.tied is None or not tm.tied.is_duplicate(p)):
         key = id(g.device_mesh) if hasattr(g, "device_mesh") else None
         by_mesh.setdefault(key, []).append(g)
     squared = None

@@ -1,10 +1,10 @@
-"""The facts derived from a config (layout, accumulation, compute dtype) and their one
-definition each in lmforge.config (config/schema.py)."""
+"""The facts derived from a config (layout, accumulation, pipeline microbatches, compute
+dtype) and their one definition each in lmforge.config (config/schema.py)."""
 import pytest
 
 from lmforge.config import (ConfigError, ParallelConfig, compute_dtype,
-                            grad_accumulation_steps, load_config, resolve_layout,
-                            samples_per_step)
+                            grad_accumulation_steps, load_config, pipeline_microbatches,
+                            resolve_layout, samples_per_step)
 
 
 def test_dp_shard_minus_one_takes_what_the_world_size_leaves():
@@ -77,3 +77,38 @@ def test_auto_dtype_is_fp16_on_a_gpu_without_bf16_arithmetic(monkeypatch, bf16_h
                         lambda including_emulation=True: bf16_hardware)
     assert compute_dtype(JobConfig(), "cuda") == expected
     assert compute_dtype(JobConfig(), "cpu") == "fp32"
+
+
+@pytest.mark.parametrize("overrides, world, expected", [
+    # the demo's one micro-batch of 8 per step, split in two for 2 stages
+    (["parallel.pp=2"], 2, 2),
+    # accumulation steps that already fill the pipeline are the microbatches
+    (["parallel.pp=2", "data.micro_batch_size=2", "data.global_batch_size=8"], 2, 4),
+    # 3 accumulation steps of 2: 6 sequences, split into at least 4 pieces that divide them
+    (["parallel.pp=4", "data.micro_batch_size=2", "data.global_batch_size=6"], 4, 6),
+    # interleaved: a multiple of pp; 1f1b: at least pp
+    (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
+      "parallel.pp_virtual_stages=2", "data.micro_batch_size=2",
+      "data.global_batch_size=6"], 2, 6),
+    (["parallel.pp=2", "data.micro_batch_size=2", "data.global_batch_size=6"], 2, 3),
+    # per data-parallel rank: 8 sequences over dp 2 is 4 each
+    (["parallel.pp=2", "parallel.dp_shard=2", "data.micro_batch_size=4"], 4, 2),
+    (["parallel.pp=2", "parallel.microbatches=8"], 2, 8),
+])
+def test_pipeline_microbatches_default_fills_the_pipeline_from_the_batch(overrides, world,
+                                                                         expected):
+    cfg = load_config(None, overrides).validate(world_size=world)
+    dp = resolve_layout(cfg.parallel, world)["dp_shard"]
+    assert pipeline_microbatches(cfg, dp) == expected
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.micro_batch_size=1"], r"^data.micro_batch_size: each rank runs 1 sequence"),
+    (["parallel.microbatches=3"], r"^parallel.microbatches: 3 does not divide the 8"),
+    (["parallel.microbatches=1"], r"^parallel.microbatches: 1 is fewer than the 2 pipeline"),
+    (["parallel.microbatches=1", "parallel.pp_schedule=interleaved_1f1b",
+      "parallel.pp_virtual_stages=2"], r"^parallel.microbatches: 1 is not a multiple of"),
+])
+def test_a_batch_the_pipeline_cannot_split_is_refused_naming_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["parallel.pp=2", *overrides]).validate(world_size=2)

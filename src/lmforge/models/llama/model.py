@@ -253,7 +253,9 @@ class Llama(DecoderStack):
         """Random initialisation, called after ``to_empty`` on the target device."""
         std = self.args.init_std
         if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight, std=1.0 if self.output is None else std)
+            # (a tied embedding is the head, also on a first pipeline stage without it)
+            head = self.output is not None or self.args.tie_embeddings
+            nn.init.normal_(self.tok_embeddings.weight, std=std if head else 1.0)
         for layer in self.layers.values():
             layer.reset_parameters(std, self.args.n_layers)
         if self.norm is not None:
