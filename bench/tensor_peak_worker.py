@@ -61,28 +61,51 @@ def training_state_bytes(model: TrainModel) -> dict:
 
 def largest_net_allocation(prof) -> int:
     """The peak of live bytes allocated during the profile, from the allocator's events
-    by address. A buffer a collective's transport thread frees (gloo drops its work's
-    tensors there) has no free event, since the profiler records the profiled threads
-    only; it is taken as freed when the allocator hands its address out again."""
-    events = []
+    by address. The profiler records the profiled threads only, so a buffer that the
+    transport's own thread frees (gloo drops its work's tensors there) has no free event:
+    one a collective allocated inside its own call is taken as freed when the call
+    returns (a staging copy); any other, when the allocator hands its address out again."""
+    events = []  # (time, +bytes or -bytes, address)
 
-    def walk(node):
+    def walk(node, collective_end):
         if node.tag == _EventType.Allocation:
-            events.append((node.start_time_ns, node.extra_fields))
+            f = node.extra_fields
+            events.append((node.start_time_ns, f.alloc_size, f.ptr, collective_end))
+        elif node.name.startswith("c10d::"):
+            collective_end = node.end_time_ns
         for child in node.children:
-            walk(child)
+            walk(child, collective_end)
     for root in prof.profiler.kineto_results.experimental_event_tree():
-        walk(root)
+        walk(root, None)
+    events.sort(key=lambda e: e[0])
+    freed = _frees_seen(events)
+    timeline = []
+    for i, (time, size, ptr, collective_end) in enumerate(events):
+        timeline.append((time, size, ptr))
+        if size > 0 and i not in freed and collective_end is not None:
+            timeline.append((collective_end, -size, ptr))
     live: dict[int, int] = {}
     running = peak = 0
-    for _, event in sorted(events, key=lambda e: e[0]):
-        if event.alloc_size > 0:
-            running += event.alloc_size - live.pop(event.ptr, 0)
-            live[event.ptr] = event.alloc_size
+    for _, size, ptr in sorted(timeline, key=lambda e: e[0]):
+        if size > 0:
+            running += size - live.pop(ptr, 0)
+            live[ptr] = size
         else:  # a free: of a buffer allocated during the profile, or before it
-            running -= live.pop(event.ptr, -event.alloc_size)
+            running -= live.pop(ptr, -size)
         peak = max(peak, running)
     return peak
+
+
+def _frees_seen(events) -> set[int]:
+    """Indices of the allocations whose free event the profile holds."""
+    open_at: dict[int, int] = {}
+    seen = set()
+    for i, (_, size, ptr, _) in enumerate(events):
+        if size > 0:
+            open_at[ptr] = i
+        elif ptr in open_at:
+            seen.add(open_at.pop(ptr))
+    return seen
 
 
 def watch_step() -> None:
