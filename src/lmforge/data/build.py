@@ -18,7 +18,7 @@ class DataBundle:
     train: object
     eval_batches: Optional[Callable[[], Iterator[dict]]]  # a fresh pass over held-out data
     description: str
-    # What the held-out data is ("12 held-out files"), or why there is none.
+    # What the held-out data is ("3 files (990 tokens)"), or why there is none.
     eval_note: str = ""
 
 

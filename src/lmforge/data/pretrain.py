@@ -244,7 +244,9 @@ class PretrainDataset:
         self.documents = self._documents(holdout)  # None: all of them
         self._lengths = (self.data.sequence_lengths if self.documents is None
                          else self.data.sequence_lengths[self.documents])
-        total = self.num_tokens
+        self._num_tokens = (self.data.num_tokens if self.documents is None
+                            else int(self._lengths.sum(dtype=np.int64)))
+        total = self._num_tokens
         self.samples_per_epoch = (total - 1) // self.seq_len if total else 0
         if self.samples_per_epoch < 1:
             which = f" ({holdout[0]} documents)" if holdout else ""
@@ -264,10 +266,11 @@ class PretrainDataset:
             return None
         part, fraction = holdout
         n = self.data.num_sequences
-        if not len(held_out_documents(n, fraction)):
+        documents = split_documents(n, fraction, part)
+        if len(documents) in (0, n):  # nothing held out
             raise DataError(f"{self.prefix}: too few documents ({n}) to hold out "
                             f"data.eval_fraction={fraction} of them and train on the rest")
-        return split_documents(n, fraction, part)
+        return documents
 
     @property
     def lengths(self) -> np.ndarray:
@@ -277,7 +280,7 @@ class PretrainDataset:
 
     @property
     def num_tokens(self) -> int:
-        return int(self._lengths.sum(dtype=np.int64))
+        return self._num_tokens
 
     def fingerprint(self) -> list:
         held = self.data.num_documents if self.documents is None else len(self.documents)

@@ -430,11 +430,10 @@ def finish(cfg: JobConfig, rt: Runtime, model: TrainModel, tokenizer: Tokenizer,
     """Export and sample (``train.save``), then the summary block and ``summary.json``.
     The held-out loss is the last step's evaluation (``run_loop``)."""
     progress = progress or Progress(cfg, rt.is_logging_rank, started=rt.started)
-    summary = progress.summary(out_dir, history, rt.device)
-    if cfg.train.save:
-        sample = export_and_sample(cfg, rt, model, tokenizer, out_dir)
-        if sample is not None:
-            summary["sample"] = sample
+    sample = export_and_sample(cfg, rt, model, tokenizer, out_dir) if cfg.train.save else None
+    summary = progress.summary(out_dir, history, rt.device)  # the wall time includes export
+    if sample is not None:
+        summary["sample"] = sample
     if rt.is_logging_rank:
         fsio.atomic_write_bytes(out_dir / "summary.json", json.dumps(
             {k: v for k, v in summary.items() if k != "sample"}, indent=2).encode())
