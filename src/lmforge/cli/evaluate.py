@@ -1,32 +1,44 @@
-"""``lmforge eval``: loss and perplexity of a model directory on local data."""
+"""``lmforge eval``: loss and perplexity of a model directory on local data.
+
+The result (JSON) goes to stdout, and to a file only with ``--output``; what the command
+is doing (loading, evaluating: a bar on a terminal, else a line every
+``PROGRESS_EVERY_S`` seconds) goes to stderr, so stdout stays machine-readable."""
 from __future__ import annotations
 
 import json
 import math
+import sys
+import time
 from pathlib import Path
 
 from lmforge import fsio
 from lmforge.cli.common import DEVICES
 from lmforge.config import resolve_device
 from lmforge.data.tokenizer import load_tokenizer
-from lmforge.eval.evaluate import eval_batches_for, evaluate
+from lmforge.eval.evaluate import eval_batches_for, evaluate, limit_tokens
 from lmforge.models.hf import CONFIG_NAME, args_from_hf_config, load_hf_model, read_hf_config
+
+PROGRESS_EVERY_S = 30.0  # without a terminal: how often a progress line is written
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("eval", help="mean per-token loss and perplexity of a model",
                        description="Mean per-token loss and perplexity of a Hugging Face "
                        "model directory on local data (text files, a directory of them, "
-                       "JSONL, or a preprocessed PREFIX).")
+                       "JSONL, or a preprocessed PREFIX). Prints the result as JSON; "
+                       "progress goes to stderr.")
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--data", required=True, nargs="+", help="text file(s)/dir, .jsonl or PREFIX")
     p.add_argument("--seq-len", type=int, default=None,
                    help="tokens per window (default: 256, or the model's maximum if shorter)")
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="score at most this many tokens, from the start of the data "
+                   "(default: all of it)")
     p.add_argument("--json-key", default="text",
                    help="JSONL field holding each document's text (default: text)")
-    p.add_argument("--output", default=None, help="JSON results file (default: eval.json "
-                   "in the current directory)")
+    p.add_argument("--output", default=None,
+                   help="also write the JSON result to this file (default: stdout only)")
     p.add_argument("--device", default="auto", choices=DEVICES,
                    help="where to run (auto: a GPU when there is one)")
     p.set_defaults(func=_eval)
@@ -35,21 +47,71 @@ def add_parser(sub) -> None:
 def _eval(args) -> int:
     if (args.seq_len is not None and args.seq_len <= 0) or args.batch_size <= 0:
         raise ValueError("--seq-len and --batch-size must be > 0")
-    output = Path(args.output or "eval.json")
-    fsio.check_writable(output, "--output")  # before the evaluation, not after it
+    if args.max_tokens is not None and args.max_tokens <= 0:
+        raise ValueError(f"--max-tokens: {args.max_tokens} must be > 0")
+    output = Path(args.output) if args.output else None
+    if output is not None:
+        fsio.check_writable(output, "--output")  # before the evaluation, not after it
     seq_len = _seq_len(args.model, args.seq_len)
     device = resolve_device(args.device, "--device")
+    _status(f"loading {args.model} on {device}")
     model = load_hf_model(args.model, device=device)
     tokenizer = load_tokenizer(args.model)
-    batches = eval_batches_for(args.data, tokenizer, seq_len, args.batch_size,
-                               args.json_key)
-    loss, tokens = evaluate(model, batches, device)
+    batches = limit_tokens(eval_batches_for(args.data, tokenizer, seq_len, args.batch_size,
+                                            args.json_key), args.max_tokens)
+    budget = f", at most {args.max_tokens:,} tokens" if args.max_tokens else ""
+    _status(f"evaluating on {', '.join(args.data)} (seq_len {seq_len}, batch size "
+            f"{args.batch_size}{budget})")
+    with EvalProgress(args.max_tokens) as progress:
+        loss, tokens = evaluate(model, batches, device, on_batch=progress.update)
     result = {"model": str(args.model), "data": [str(d) for d in args.data],
               "seq_len": seq_len, "tokens": tokens, "loss": loss,
               "perplexity": math.exp(loss)}
     print(json.dumps(result, indent=2))
-    output.write_text(json.dumps(result, indent=2) + "\n")
+    if output is not None:
+        output.write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+class EvalProgress:
+    """Tokens scored and the loss so far: a bar on a terminal, else a line on stderr every
+    ``PROGRESS_EVERY_S`` seconds and one at the end."""
+
+    def __init__(self, max_tokens):
+        self.started = self.last_line = time.perf_counter()
+        self.tokens, self.loss = 0, float("nan")
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm  # only when a bar is shown
+
+            self.bar = tqdm(total=max_tokens, unit="tok", unit_scale=True, file=sys.stderr,
+                            desc="eval", dynamic_ncols=True)
+
+    def update(self, tokens: int, loss: float) -> None:
+        if self.bar is not None:
+            self.bar.update(tokens - self.tokens)
+            self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+        elif time.perf_counter() - self.last_line >= PROGRESS_EVERY_S:
+            self._line(tokens, loss)
+        self.tokens, self.loss = tokens, loss
+
+    def _line(self, tokens: int, loss: float) -> None:
+        self.last_line = time.perf_counter()
+        _status(f"eval: {tokens:,} tokens, loss {loss:.4f}, "
+                f"{self.last_line - self.started:.0f} s")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        elif exc[0] is None and self.tokens:
+            self._line(self.tokens, self.loss)
+
+
+def _status(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def _seq_len(model_dir: str, seq_len: int | None) -> int:

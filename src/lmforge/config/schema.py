@@ -48,7 +48,8 @@ class DataConfig:
     kind: str = "stdlib"
     path: Optional[Any] = None  # a path or a list of paths
     eval_path: Optional[Any] = None
-    # Fraction of documents held out for validation when no eval_path is given.
+    # Held out for validation when no eval_path is given: this fraction of a text corpus's
+    # files (or its last tokens) or of a pretrain prefix's documents; SFT holds out none.
     eval_fraction: float = 0.05
     seq_len: int = 256
     micro_batch_size: int = 8

@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from lmforge.config import JobConfig
-from lmforge.data.loader import build_dataset_loader
+from lmforge.data.errors import DataError
+from lmforge.data.loader import BatchLoader, build_dataset_loader
 from lmforge.data.text import PackedTokenLoader, corpus_files, split_tokens, tokenize_files
 from lmforge.data.tokenizer import Tokenizer, read_text, train_bpe
 
@@ -17,6 +18,8 @@ class DataBundle:
     train: object
     eval_batches: Optional[Callable[[], Iterator[dict]]]  # a fresh pass over held-out data
     description: str
+    # What the held-out data is ("3 files (990 tokens)"), or why there is none.
+    eval_note: str = ""
     notes: list[str] = field(default_factory=list)  # lines the run prints at start
     stats: dict = field(default_factory=dict)  # counts the run records in summary.json
 
@@ -40,20 +43,57 @@ def build_data(cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int = 0, dp_size: 
     d = cfg.data
     if d.kind in ("stdlib", "text"):
         return _build_text(cfg, tokenizer, dp_rank, dp_size)
-    train = build_dataset_loader(cfg, tokenizer, dp_rank, dp_size, "train", cache_dir)
-    eval_batches = None
-    if d.eval_path:
-        eval_batches = lambda: _limited(  # noqa: E731
-            build_dataset_loader(cfg, tokenizer, dp_rank, dp_size, "eval", cache_dir),
-            cfg.train.eval_batches)
+    train, held_out, eval_note = _dataset_loaders(cfg, tokenizer, dp_rank, dp_size, cache_dir)
+    eval_batches = None if held_out is None else _passes(held_out, cfg.train.eval_batches)
     description = f"{d.kind} data from {d.path}"
     template = getattr(train.dataset, "template", None)
     if template is not None:  # say which template renders the samples (auto may fall back)
         description += f", chat template {template.name}" + (
             " (the model's own)" if d.template == "auto" and template.source else "")
-    if d.kind == "sft":
-        return DataBundle(train, eval_batches, description, *_sft_truncation(train.dataset))
-    return DataBundle(train, eval_batches, description)
+    notes, stats = _sft_truncation(train.dataset) if d.kind == "sft" else ([], {})
+    return DataBundle(train, eval_batches, description, eval_note, notes, stats)
+
+
+def _passes(loader: BatchLoader, n: int) -> Callable[[], Iterator[dict]]:
+    """Fresh passes over the first ``n`` batches of ``loader`` (the same ones each time)."""
+    def one_pass():
+        loader.load_state_dict(loader.state_dict() | {"consumed_samples": 0})
+        return _limited(loader, n)
+    return one_pass
+
+
+def _dataset_loaders(cfg, tokenizer, dp_rank, dp_size, cache_dir
+                     ) -> tuple[BatchLoader, Optional[BatchLoader], str]:
+    """(train loader, held-out loader or None, what is held out or why nothing is).
+    Without data.eval_path, pretraining holds out data.eval_fraction of its documents;
+    SFT holds out nothing."""
+    d = cfg.data
+
+    def loader(split, holdout=False):
+        return build_dataset_loader(cfg, tokenizer, dp_rank, dp_size, split, cache_dir,
+                                    holdout)
+
+    if d.eval_path:
+        return loader("train"), loader("eval"), f"{d.eval_path} (data.eval_path)"
+    if d.kind != "pretrain":
+        return loader("train"), None, (f"data.kind={d.kind} holds nothing out: set "
+                                       "data.eval_path to evaluate")
+    if d.eval_fraction <= 0:
+        return loader("train"), None, "data.eval_fraction=0 and no data.eval_path"
+    try:
+        held_out = loader("eval", holdout=True)
+        train = loader("train", holdout=True)
+    except DataError as e:  # too small to split; the whole corpus trains
+        return loader("train"), None, f"nothing held out ({e}); set data.eval_path"
+    docs, tokens = _documents_and_tokens(held_out.dataset)
+    source = d.blend or d.path
+    return train, held_out, (f"{docs:,} documents ({tokens:,} tokens) of {source} "
+                             f"(data.eval_fraction={d.eval_fraction})")
+
+
+def _documents_and_tokens(dataset) -> tuple[int, int]:
+    parts = getattr(dataset, "datasets", [dataset])  # a blend, or one dataset
+    return sum(len(p.lengths) for p in parts), sum(p.num_tokens for p in parts)
 
 
 def _sft_truncation(dataset) -> tuple[list[str], dict]:
@@ -85,14 +125,36 @@ def _build_text(cfg, tokenizer, dp_rank, dp_size) -> DataBundle:
                               dp_rank, dp_size)
     eval_batches = None
     if (len(eval_tokens) - 1) // d.seq_len >= 1:
-        def eval_batches():
-            loader = PackedTokenLoader(eval_tokens, d.seq_len, 1, 0, shuffle=False)
-            loader.micro_batch_size = d.micro_batch_size
-            return _limited_iter(loader.iter_once(), cfg.train.eval_batches)
+        eval_batches = _text_passes(eval_tokens, d.seq_len, d.micro_batch_size,
+                                    cfg.train.eval_batches)
     where = "the Python standard library" if d.kind == "stdlib" else str(d.path)
     desc = (f"{len(train_files)} files from {where}: {len(train_tokens):,} training tokens, "
             f"{held} held out")
-    return DataBundle(train, eval_batches, desc)
+    return DataBundle(train, eval_batches, desc,
+                      _text_eval_note(d, held, len(eval_tokens), eval_batches is not None))
+
+
+def _text_passes(tokens, seq_len: int, micro_batch_size: int, n: int
+                 ) -> Callable[[], Iterator[dict]]:
+    """Passes over the first ``n`` batches of every window of ``tokens``, in order."""
+    def one_pass():
+        loader = PackedTokenLoader(tokens, seq_len, 1, 0, shuffle=False)
+        loader.micro_batch_size = micro_batch_size
+        return _limited_iter(loader.iter_once(), n)
+    return one_pass
+
+
+def _text_eval_note(d, held: str, eval_tokens: int, usable: bool) -> str:
+    if usable:  # held: "3 files" or "the last 1,234 tokens"
+        return held + ("" if held.endswith("tokens") else f" ({eval_tokens:,} tokens)")
+    if d.eval_path:
+        return f"data.eval_path {d.eval_path} gives {eval_tokens:,} tokens, fewer than " \
+               f"one window of data.seq_len + 1 = {d.seq_len + 1}"
+    if d.eval_fraction <= 0:
+        return "data.eval_fraction=0 and no data.eval_path"
+    return (f"the corpus is too small to hold out data.eval_fraction={d.eval_fraction} of "
+            f"it (a window of data.seq_len + 1 = {d.seq_len + 1} tokens at least) and keep "
+            f"a batch to train on; set data.eval_path")
 
 
 def _limited_iter(it, n):

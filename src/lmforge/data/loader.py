@@ -199,8 +199,10 @@ def _prefix(value, field: str) -> str:
 
 def build_pretrain_dataset(sources: list[tuple[Optional[float], str]], seq_len: int,
                            seed: int, document_mask: bool = False, pad_id: int = 0,
-                           cache_dir: Optional[Path] = None):
-    datasets = [PretrainDataset(p, seq_len, seed, document_mask, pad_id, cache_dir)
+                           cache_dir: Optional[Path] = None,
+                           holdout: Optional[tuple[str, float]] = None):
+    """``holdout``: (part, eval_fraction), that part of each source (see PretrainDataset)."""
+    datasets = [PretrainDataset(p, seq_len, seed, document_mask, pad_id, cache_dir, holdout)
                 for _, p in sources]
     if len(datasets) == 1:
         return datasets[0]
@@ -210,12 +212,18 @@ def build_pretrain_dataset(sources: list[tuple[Optional[float], str]], seq_len: 
 
 
 def build_dataset_loader(cfg, tokenizer, dp_rank: int, dp_size: int, split: str = "train",
-                         cache_dir: Optional[Path] = None) -> BatchLoader:
-    """The trainer's loader for ``data.kind`` pretrain or sft."""
+                         cache_dir: Optional[Path] = None, holdout: bool = False
+                         ) -> BatchLoader:
+    """The trainer's loader for ``data.kind`` pretrain or sft. ``holdout`` (pretrain):
+    "train" reads the documents of data.path (or data.blend) that
+    ``data.eval_fraction`` does not hold out, and "eval" the held-out ones."""
     d = cfg.data
     if split not in ("train", "eval"):
         raise DataError(f"split: {split!r} is not train or eval")
-    if split == "eval":
+    if holdout and d.kind != "pretrain":
+        raise DataError(f"data.eval_fraction: holds out documents of data.kind pretrain "
+                        f"only, not {d.kind}")
+    if split == "eval" and not holdout:
         if not d.eval_path:
             raise DataError(f"data.eval_path: not set (needed to evaluate kind {d.kind})")
         value, field = d.eval_path, "data.eval_path"
@@ -229,7 +237,8 @@ def build_dataset_loader(cfg, tokenizer, dp_rank: int, dp_size: int, split: str 
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
     if d.kind == "pretrain":
         dataset = build_pretrain_dataset(pretrain_sources(value, field), d.seq_len, seed,
-                                         d.document_mask, pad_id, cache_dir)
+                                         d.document_mask, pad_id, cache_dir,
+                                         (split, d.eval_fraction) if holdout else None)
     elif d.kind == "sft":
         if isinstance(value, (list, tuple)):
             if len(value) != 1:

@@ -19,6 +19,11 @@ cache directory (or the system temporary directory). Every rank builds and write
 same bytes under a temporary name and renames it, so ranks need no coordination and a
 node-local disk works.
 
+With ``holdout = (part, eval_fraction)`` the stream covers only the training documents
+(``part="train"``) or only the held-out ones (``"eval"``): ``held_out_documents`` picks
+``eval_fraction`` of the documents by a fixed hash of their index, so every run on the
+same data (whatever its seed) holds out the same ones.
+
 With ``document_mask`` a window carries a segment id per position: positions restart at
 0 at each document start (the first piece restarts at 0 too), attention stays inside a
 document (a block-causal mask, built by the loader), and the target that would cross
@@ -91,6 +96,38 @@ def positions_from_segments(segments: np.ndarray) -> np.ndarray:
     starts = np.flatnonzero(np.r_[True, segments[1:] != segments[:-1]])
     run_lengths = np.diff(np.r_[starts, n])
     return np.arange(n, dtype=np.int64) - np.repeat(starts, run_lengths)
+
+
+# --------------------------------------------------------------------------- holdout
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a fixed, well-spread hash of each uint64 (wrapping)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def held_out_documents(n_documents: int, eval_fraction: float) -> np.ndarray:
+    """The sorted indices of the documents held out for evaluation: ``eval_fraction`` of
+    them (rounded, at least one), those whose index hashes lowest. Empty when
+    ``eval_fraction`` is 0 or holding out would leave no document to train on."""
+    k = max(1, round(n_documents * eval_fraction))
+    if eval_fraction <= 0 or k >= n_documents:
+        return np.empty(0, dtype=np.int64)
+    keys = _mix(np.arange(n_documents, dtype=np.uint64) + np.uint64(1))
+    return np.sort(np.argpartition(keys, k - 1)[:k]).astype(np.int64)
+
+
+def split_documents(n_documents: int, eval_fraction: float, part: str) -> np.ndarray:
+    """The documents of ``part``: "train" (all but the held-out ones) or "eval"."""
+    held = held_out_documents(n_documents, eval_fraction)
+    if part == "eval":
+        return held
+    if part != "train":
+        raise ValueError(f"part: {part!r} is not train or eval")
+    keep = np.ones(n_documents, dtype=bool)
+    keep[held] = False
+    return np.flatnonzero(keep)
 
 
 # ----------------------------------------------------------------------------- cache
@@ -198,34 +235,60 @@ class PretrainDataset:
 
     def __init__(self, prefix: str | Path, seq_len: int, seed: int = 0,
                  document_mask: bool = False, pad_id: int = 0,
-                 cache_dir: Optional[Path] = None):
+                 cache_dir: Optional[Path] = None,
+                 holdout: Optional[tuple[str, float]] = None):
         self.prefix = strip_suffix(prefix)
         self.data = IndexedDataset(self.prefix)
         self.seq_len, self.seed = int(seq_len), int(seed)
         self.document_mask, self.pad_id = document_mask, int(pad_id)
-        total = self.data.num_tokens
+        self.documents = self._documents(holdout)  # None: all of them
+        self._lengths = (self.data.sequence_lengths if self.documents is None
+                         else self.data.sequence_lengths[self.documents])
+        self._num_tokens = (self.data.num_tokens if self.documents is None
+                            else int(self._lengths.sum(dtype=np.int64)))
+        total = self._num_tokens
         self.samples_per_epoch = (total - 1) // self.seq_len if total else 0
         if self.samples_per_epoch < 1:
-            raise DataError(f"{self.prefix}: {total} tokens, fewer than one window of "
-                            f"seq_len + 1 = {self.seq_len + 1}")
+            which = f" ({holdout[0]} documents)" if holdout else ""
+            raise DataError(f"{self.prefix}{which}: {total} tokens, fewer than one window "
+                            f"of seq_len + 1 = {self.seq_len + 1}")
         params = {"kind": "pretrain", "version": INDEX_VERSION, "seq_len": self.seq_len,
                   "seed": self.seed}
+        if holdout:
+            params["holdout"] = [holdout[0], float(holdout[1])]
         root = cache_dir_for(self.prefix, ".lmforge-index", cache_dir)
         self.cache = keyed_dir(root, params, data_stamp(idx_path(self.prefix),
                                                         bin_path(self.prefix)))
         self._epochs = RecentCache(2)
 
+    def _documents(self, holdout: Optional[tuple[str, float]]) -> Optional[np.ndarray]:
+        if not holdout:
+            return None
+        part, fraction = holdout
+        n = self.data.num_sequences
+        documents = split_documents(n, fraction, part)
+        if len(documents) in (0, n):  # nothing held out
+            raise DataError(f"{self.prefix}: too few documents ({n}) to hold out "
+                            f"data.eval_fraction={fraction} of them and train on the rest")
+        return documents
+
     @property
     def lengths(self) -> np.ndarray:
-        """Document lengths: one document per sequence, as in Megatron's GPTDataset."""
-        return self.data.sequence_lengths
+        """Document lengths: one document per sequence, as in Megatron's GPTDataset
+        (only this part's documents under a holdout)."""
+        return self._lengths
 
     @property
     def num_tokens(self) -> int:
-        return self.data.num_tokens
+        return self._num_tokens
 
     def fingerprint(self) -> list:
-        return [self.samples_per_epoch, self.data.num_documents]
+        held = self.data.num_documents if self.documents is None else len(self.documents)
+        return [self.samples_per_epoch, held]
+
+    def _document(self, position: int) -> int:
+        """The dataset's sequence index of this part's document ``position``."""
+        return position if self.documents is None else int(self.documents[position])
 
     # -- the per-epoch index
     def epoch_index(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -264,7 +327,7 @@ class PretrainDataset:
         pos, offset = int(starts[window, 0]), int(starts[window, 1])
         need, pieces = self.seq_len + 1, []
         while need > 0 and pos < len(order):
-            doc = self.data[int(order[pos])]
+            doc = self.data[self._document(int(order[pos]))]
             piece = doc[offset:offset + need]
             if len(piece):
                 pieces.append(piece)

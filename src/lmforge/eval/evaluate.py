@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -19,8 +19,11 @@ from lmforge.parallel import full_value
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: Iterable[dict], device: torch.device,
-             autocast=contextlib.nullcontext, loss_chunk_tokens: int = 0) -> tuple[float, int]:
-    """Mean per-token loss over every valid token of ``batches``, and the token count."""
+             autocast=contextlib.nullcontext, loss_chunk_tokens: int = 0,
+             on_batch: Optional[Callable[[int, float], None]] = None) -> tuple[float, int]:
+    """Mean per-token loss over every valid token of ``batches``, and the token count.
+    ``on_batch(tokens, mean loss)`` after each batch (for progress; it waits for the
+    device, so only when asked)."""
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)
@@ -29,10 +32,33 @@ def evaluate(model: nn.Module, batches: Iterable[dict], device: torch.device,
         loss = micro_batch_loss_sum(model, batch, device, autocast, loss_chunk_tokens)
         total += full_value(loss).double()
         tokens += int((batch["labels"] != IGNORE_INDEX).sum())
+        if on_batch is not None and tokens:
+            on_batch(tokens, float(total / tokens))
     model.train(was_training)
     if tokens == 0:
         raise ValueError("evaluation data has no valid tokens")
     return float(total / tokens), tokens
+
+
+def limit_tokens(batches: Iterable[dict], max_tokens: Optional[int]) -> Iterator[dict]:
+    """``batches`` until ``max_tokens`` targets (labels other than -100) are scored: the
+    batch that crosses the budget keeps only its first targets (row by row), and none
+    follows. ``None``: every batch."""
+    if max_tokens is None:
+        yield from batches
+        return
+    left = max_tokens
+    for batch in batches:
+        if left <= 0:
+            return
+        valid = batch["labels"] != IGNORE_INDEX
+        n = int(valid.sum())
+        if n > left:  # mask the targets past the budget
+            keep = valid.flatten().cumsum(0).view_as(valid) <= left
+            batch = {**batch, "labels": batch["labels"].masked_fill(~keep, IGNORE_INDEX)}
+            n = left
+        left -= n
+        yield batch
 
 
 def eval_batches_for(paths: list[str], tokenizer: Tokenizer, seq_len: int, batch_size: int,

@@ -12,7 +12,8 @@ import math
 import os
 import random
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lmforge import fsio
 from lmforge.checkpoint import (AsyncCheckpointer, CheckpointError, capture_rng,
                                 checkpoint_step, clean_stale_tmp, is_complete,
                                 list_checkpoints, load_checkpoint, read_meta, resolve_resume,
@@ -46,6 +48,7 @@ from lmforge.train.model_setup import (TrainModel, build_train_model, clip_grad_
 from lmforge.train.optim import Optimizers
 from lmforge.train.precision import LossScaler, device_notes, mixed_precision
 from lmforge.train.preempt import StopSignals
+from lmforge.train.progress import Progress, evaluation_plan, summary_lines
 from lmforge.train.run_dir import CHECKPOINTS, RunLock, claim_run_dir
 from lmforge.train.sample import write_sample
 from lmforge.train.step import count_valid_tokens, global_step_loss, global_valid_tokens
@@ -59,6 +62,7 @@ class Runtime:
     world_size: int = 1
     dims: ParallelDims = ParallelDims()  # the layout (and its DeviceMesh when distributed)
     param_dtype: Optional[torch.dtype] = None  # FSDP's compute dtype for parameters
+    started: float = field(default_factory=time.perf_counter)  # for the summary's wall time
 
     @property
     def is_logging_rank(self) -> bool:
@@ -109,7 +113,10 @@ def _run(cfg: JobConfig, rt: Runtime) -> dict:
 def _run_in(cfg: JobConfig, rt: Runtime, out_dir: Path) -> dict:
     tokenizer = prepare_tokenizer(cfg, out_dir, rt)
     args = resolve_model_args(cfg, tokenizer)
+    _say(rt, f"data: reading and tokenizing {_data_source(cfg)}")
     data = build_data(cfg, tokenizer, rt.dp_rank, rt.dp_size, cache_dir=out_dir / "cache")
+    _say(rt, "model: building" + (f", loading {cfg.model.init_from}"
+                                  if cfg.model.init_from else ""))
     model = build_train_model(cfg, args, rt.device, rt.dims, rt.param_dtype)
     optimizers = Optimizers(model.parts, cfg.optim, cfg.train.max_steps,
                             LossScaler.for_job(cfg, rt.device, rt.is_logging_rank))
@@ -126,21 +133,32 @@ def _run_in(cfg: JobConfig, rt: Runtime, out_dir: Path) -> dict:
                  f"{' (stage 0)' if len(model.parts) > 1 or rt.dims.pp > 1 else ''}")
     if cfg.train.activation_offload:
         _say(rt, offload_summary(rt.device, cfg.train.activation_checkpointing))
+    _say(rt, evaluation_plan(cfg, data))
     checkpoints = Checkpoints(cfg, rt, out_dir)
     start_step = checkpoints.resume(model, optimizers, data)
     end_step = min(cfg.train.max_steps, cfg.train.stop_at_step or cfg.train.max_steps)
+    progress = Progress(cfg, rt.is_logging_rank, start_step, end_step, rt.started)
     with StopSignals(rt.device) as stop:  # SIGUSR1/SIGTERM: checkpoint this step, leave
         history = run_loop(cfg, rt, model, optimizers, data, out_dir, checkpoints,
-                           start_step, end_step, stop)
+                           start_step, end_step, progress, stop)
     if stop.stopped_at is not None:
         _say(rt, f"preempted at step {stop.stopped_at}: checkpoint written, exiting; "
                  f"requeue resumes (train.resume=auto)")
         return {"preempted_at": stop.stopped_at, "history": history}
     if end_step < cfg.train.max_steps:
+        _say(rt, "\n".join(summary_lines(progress.summary(out_dir, history, rt.device))))
         _say(rt, f"stopped after step {end_step} of {cfg.train.max_steps} "
                  f"(train.stop_at_step); continue with train.resume=auto")
         return {"stopped_at": end_step, "history": history}
-    return finish(cfg, rt, model, tokenizer, data, out_dir, history)
+    return finish(cfg, rt, model, tokenizer, data, out_dir, history, progress)
+
+
+def _data_source(cfg: JobConfig) -> str:
+    d = cfg.data
+    if d.kind == "stdlib":
+        return "the Python standard library (data.kind=stdlib)"
+    where = d.blend if d.kind == "pretrain" and d.blend else d.path
+    return f"{where} (data.kind={d.kind})"
 
 
 def _shutdown() -> None:
@@ -233,6 +251,8 @@ def prepare_tokenizer(cfg: JobConfig, out_dir: Path, rt: Runtime) -> Tokenizer:
     saved = out_dir / "tokenizer"
     reuse = (saved / "tokenizer.json").is_file() and cfg.train.resume
     if rt.is_logging_rank and not reuse:  # one rank trains it, all load the same file
+        _say(rt, f"tokenizer: training a {cfg.data.tokenizer_vocab_size}-token BPE "
+                 f"tokenizer on {_data_source(cfg)}, saved in {saved}")
         train_corpus_tokenizer(cfg).save(saved)
     _barrier(rt)
     return load_tokenizer(saved)
@@ -280,6 +300,7 @@ def resolve_model_args(cfg: JobConfig, tokenizer: Tokenizer):
 def run_loop(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optimizers,
              data: DataBundle, out_dir: Path, checkpoints: "Checkpoints",
              start_step: int = 0, end_step: Optional[int] = None,
+             progress: Optional[Progress] = None,
              stop: Optional[StopSignals] = None) -> list[dict]:
     t = cfg.train
     accum = grad_accumulation_steps(cfg, rt.dp_size)
@@ -288,11 +309,11 @@ def run_loop(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optimiz
     logger = M.MetricsLogger(out_dir, enabled=rt.is_logging_rank, config=cfg.to_dict(),
                              start_step=start_step, wandb_project=t.wandb_project,
                              run_name=t.wandb_run_name)
-    bar = _progress_bar(cfg, rt, start_step)
+    end_step = end_step or t.max_steps
+    progress = progress or Progress(cfg, rt.is_logging_rank, start_step, end_step)
     # The whole run's records (rank 0): an earlier invocation's, then this one's.
     history, nonfinite_steps = list(logger.earlier), 0
     scaler = optimizers.scaler  # fp16's loss scale (a no-op otherwise)
-    end_step = end_step or t.max_steps
     for step in range(start_step + 1, end_step + 1):
         micro_batches = [data.train.next_batch() for _ in range(accum)]
         n_valid = global_valid_tokens(count_valid_tokens(micro_batches), rt.dims, rt.device)
@@ -310,7 +331,8 @@ def run_loop(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optimiz
         optimizers.step(update=finite, step=step)
         step_tokens = sum(b["input_ids"].numel() for b in micro_batches) * rt.dp_size
         throughput.add(step_tokens)
-        if step % t.log_every == 0 or step == start_step + 1 or step == end_step:
+        evaluate_now = eval_due(cfg, step, data)
+        if evaluate_now or step % t.log_every == 0 or step in (start_step + 1, end_step):
             record = {"loss": float(loss), "lr": lr,
                       "grad_norm": None if grad_norm is None else float(grad_norm),
                       **throughput.report(), **M.memory_metrics(rt.device),
@@ -320,24 +342,37 @@ def run_loop(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optimiz
             if t.log_sample_ids:
                 record["sample_ids"] = [int(i) for b in micro_batches
                                         for i in b.get("sample_ids", [])]
-            if t.eval_every and step % t.eval_every == 0 and data.eval_batches and model.whole:
-                record["eval_loss"] = model.evaluate(data.eval_batches(), rt.device,
-                                                     rt.autocast)[0]
+            if evaluate_now:
+                record.update(evaluate_held_out(rt, model, data))
+                throughput.reset()  # the evaluation's time is not the next steps'
             logger.log(step, record)
             history.append({"step": step, **record})
-            _report(rt, bar, step, record)
+            progress.logged(step, record)
         preempted = stop is not None and stop.should_stop(step)
         checkpoints.after_step(step, model, optimizers, data, final=step == end_step,
                                now=preempted)
-        if bar is not None:
-            bar.update(1)
+        progress.advance(step_tokens)
         if preempted:
             break
     checkpoints.wait()
-    if bar is not None:
-        bar.close()
+    progress.close()
     logger.close()
     return history
+
+
+def eval_due(cfg: JobConfig, step: int, data: DataBundle) -> bool:
+    """Every ``train.eval_every`` steps and after the run's last step, whether or not the
+    step is a logged one. A function of the step alone, so every rank enters the
+    evaluation (collective under FSDP, tensor and pipeline parallelism) together."""
+    every = cfg.train.eval_every
+    return data.eval_batches is not None and (
+        step == cfg.train.max_steps or bool(every and step % every == 0))
+
+
+def evaluate_held_out(rt: Runtime, model: TrainModel, data: DataBundle) -> dict:
+    """``eval_loss`` and ``eval_tokens`` of the held-out data, on any layout."""
+    loss, tokens = model.evaluate(data.eval_batches(), rt.device, rt.autocast)
+    return {"eval_loss": loss, "eval_tokens": tokens}
 
 
 class NonFiniteError(FloatingPointError):
@@ -415,60 +450,41 @@ class Checkpoints:
 # ------------------------------------------------------------------------- finishing
 
 def finish(cfg: JobConfig, rt: Runtime, model: TrainModel, tokenizer: Tokenizer,
-           data: DataBundle, out_dir: Path, history: list[dict]) -> dict:
-    summary = {"first_loss": history[0]["loss"] if history else None,
-               "last_loss": history[-1]["loss"] if history else None,
-               "steps": cfg.train.max_steps, **data.stats,
-               "hf_dir": str(out_dir / "hf") if cfg.train.save else None}
-    if data.eval_batches and model.whole is not None:
-        summary["eval_loss"], summary["eval_tokens"] = model.evaluate(
-            data.eval_batches(), rt.device, rt.autocast)
-        _say(rt, f"held-out loss {summary['eval_loss']:.4f} "
-                 f"(perplexity {math.exp(summary['eval_loss']):.2f})")
-    if not cfg.train.save:  # train.save=false: nothing to export or sample from
-        if rt.is_logging_rank:
-            (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        return summary
-    full_sd = gather_full_state_dict(model)
+           data: DataBundle, out_dir: Path, history: list[dict],
+           progress: Optional[Progress] = None) -> dict:
+    """Export and sample (``train.save``), then the summary block and ``summary.json``.
+    The held-out loss is the last step's evaluation (``run_loop``)."""
+    progress = progress or Progress(cfg, rt.is_logging_rank, started=rt.started)
+    sample = (export_and_sample(cfg, rt, model, tokenizer, data, out_dir) if cfg.train.save
+              else None)
+    # the wall time includes export
+    summary = {**progress.summary(out_dir, history, rt.device), **data.stats}
+    if sample is not None:
+        summary["sample"] = sample
     if rt.is_logging_rank:
-        # A single-device model holding the trained weights, for export and sampling.
-        trained = model.parts[0] if model.mesh is None else trained_model(
-            model.args, full_sd, cfg.lora)
-        export_trained(cfg, trained, tokenizer, out_dir)
-        if "eval_loss" not in summary and data.eval_batches:  # pipelined: evaluate the export
-            from lmforge.eval.evaluate import evaluate
-
-            summary["eval_loss"], summary["eval_tokens"] = evaluate(
-                trained, data.eval_batches(), torch.device("cpu"))
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        print(f"\nHugging Face export: {out_dir / 'hf'}")
-        summary["sample"] = write_sample(cfg, trained, tokenizer, data, rt.autocast)
+        fsio.atomic_write_bytes(out_dir / "summary.json", json.dumps(
+            {k: v for k, v in summary.items() if k != "sample"}, indent=2).encode())
+        print("\n".join(summary_lines(summary)), flush=True)
     return summary
 
 
-def _progress_bar(cfg: JobConfig, rt: Runtime, start_step: int = 0):
-    show = cfg.train.progress_bar
-    if show is None:
-        show = sys.stderr.isatty()
-    if not (show and rt.is_logging_rank):
+def export_and_sample(cfg: JobConfig, rt: Runtime, model: TrainModel, tokenizer: Tokenizer,
+                      data: DataBundle, out_dir: Path) -> Optional[str]:
+    """``hf/`` (and ``adapter/``) from the trained weights, then a short sample; returns
+    the sample on the logging rank. Collective (the weights are gathered to rank 0)."""
+    if model.mesh is not None:
+        _say(rt, "export: gathering the full weights on rank 0")
+    full_sd = gather_full_state_dict(model)
+    if not rt.is_logging_rank:
         return None
-    from tqdm import tqdm
-
-    return tqdm(total=cfg.train.max_steps, initial=start_step, unit="step", dynamic_ncols=True)
-
-
-def _report(rt: Runtime, bar, step: int, record: dict) -> None:
-    if bar is not None:
-        bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-        return
-    mfu = f" mfu {record['mfu']:.1%}" if record.get("mfu") is not None else ""
-    _say(rt, f"step {step:6d}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
-             f"grad_norm {_fmt(record['grad_norm'])}  tokens/s {record['tokens_per_s']:.0f}"
-             f"{mfu}  mem {record['peak_mem_gib']:.2f} GiB")
-
-
-def _fmt(value) -> str:
-    return "n/a" if value is None else f"{value:.3f}"
+    # A single-device model holding the trained weights, for export and sampling.
+    trained = model.parts[0] if model.mesh is None else trained_model(
+        model.args, full_sd, cfg.lora)
+    _say(rt, f"export: writing {out_dir / 'hf'}"
+             + (f" and {out_dir / 'adapter'}" if cfg.lora.enabled else ""))
+    export_trained(cfg, trained, tokenizer, out_dir)
+    print(f"\nHugging Face export: {out_dir / 'hf'}")
+    return write_sample(cfg, trained, tokenizer, data, rt.autocast)
 
 
 def _say(rt: Runtime, message: str) -> None:

@@ -17,11 +17,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lmforge.config import JobConfig, compute_dtype, pipeline_microbatches
+from lmforge.config import (JobConfig, compute_dtype, grad_accumulation_steps,
+                            pipeline_microbatches)
 from lmforge.eval.evaluate import evaluate
 from lmforge.models.common import count_parameters, materialize
 from lmforge.models.hf import from_hf_state_dict, read_hf_state_dict
-from lmforge.models.loss import token_loss_sum
+from lmforge.models.loss import IGNORE_INDEX, token_loss_sum
 from lmforge.models.registry import build_model
 from lmforge.parallel import full_value
 from lmforge.parallel.mesh import ParallelDims
@@ -47,8 +48,10 @@ class TrainModel:
     loss_chunk_tokens: int = 0  # train.loss_chunk_tokens (one process, dp, FSDP only)
     offload: Optional[ActivationOffloader] = None  # train.activation_offload
     tied: Optional[TiedEmbedding] = None  # a tied model's embedding on two pipeline stages
+    step_rows: int = 0  # rows of a step's local batch (the pipeline schedule's input shape)
     _n_valid: int = 1  # the current step's, for pipeline_loss
     _loss_scale: float = 1.0
+    _summing: bool = False  # evaluating: pipeline_loss returns plain token-loss sums
 
     @property
     def mesh(self):
@@ -117,12 +120,72 @@ class TrainModel:
         """The schedule's loss function, called per pipeline microbatch on the last stage
         (and by the schedule's set-up): what it returns is back-propagated, so it carries
         the loss scale."""
+        if self._summing:
+            return token_loss_sum(output, target)
         loss = normalize_loss(token_loss_sum(output, target), self._n_valid, self.dims.dp)
         return loss * self._loss_scale
 
     def evaluate(self, batches, device, autocast) -> tuple[float, int]:
+        """Mean per-token loss over ``batches`` and their valid tokens. Collective under
+        FSDP, tensor and pipeline parallelism: every rank calls it, with batches of its
+        data-parallel group."""
         with self.loss_context():
-            return evaluate(self.parts[0], batches, device, autocast, self.loss_chunk_tokens)
+            if self.schedule is None:
+                return evaluate(self.parts[0], batches, device, autocast,
+                                self.loss_chunk_tokens)
+            return self._pipeline_evaluate(batches, device, autocast)
+
+    def _pipeline_evaluate(self, batches, device, autocast) -> tuple[float, int]:
+        """Forward-only schedule passes over inputs of the training step's shape (the
+        stages were shaped by it); the last stage's loss sums reach every pp rank."""
+        parts = list(zip(self.stage_ids, self.parts))
+        first = has_first_stage(parts)
+        last = has_last_stage(parts, self.dims.pp * len(self.parts))
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        tokens = 0
+        self.train(False)
+        self._summing = True
+        try:
+            for inputs, targets in step_shaped(batches, self.step_rows):
+                tokens += int((targets != IGNORE_INDEX).sum())
+                losses: list = []
+                kwargs = {"target": targets.to(device), "losses": losses} if last else {}
+                with torch.no_grad(), autocast():
+                    if first:
+                        self.schedule.eval(inputs.to(device), **kwargs)
+                    else:
+                        self.schedule.eval(**kwargs)
+                for loss in losses:
+                    total += full_value(loss).double()
+        finally:
+            self._summing = False
+            self.train(True)
+        dist.all_reduce(total, group=self.dims.group("pp"))
+        if tokens == 0:
+            raise ValueError("evaluation data has no valid tokens")
+        return float(total / tokens), tokens
+
+
+def step_shaped(batches, rows: int):
+    """(input_ids, labels) of exactly ``rows`` rows from consecutive batches; the last
+    is padded with rows that have no targets."""
+    ids: list = []
+    labels: list = []
+    held = 0
+    for batch in batches:
+        ids.append(batch["input_ids"])
+        labels.append(batch["labels"])
+        held += len(batch["input_ids"])
+        while held >= rows:
+            all_ids, all_labels = torch.cat(ids), torch.cat(labels)
+            yield all_ids[:rows], all_labels[:rows]
+            ids, labels, held = [all_ids[rows:]], [all_labels[rows:]], held - rows
+    if held:
+        all_ids, all_labels = torch.cat(ids), torch.cat(labels)
+        pad = rows - held
+        yield (torch.cat([all_ids, all_ids.new_zeros(pad, all_ids.shape[1])]),
+               torch.cat([all_labels, all_labels.new_full((pad, all_labels.shape[1]),
+                                                          IGNORE_INDEX)]))
 
 
 def build_train_model(cfg: JobConfig, args, device: torch.device,
@@ -179,6 +242,7 @@ def build_train_model(cfg: JobConfig, args, device: torch.device,
 def _build_pipeline(tm: TrainModel, cfg: JobConfig, device: torch.device) -> None:
     """The schedule over this rank's stages, and a tied embedding's two copies made equal."""
     parts, n_stages = list(zip(tm.stage_ids, tm.parts)), tm.dims.pp * len(tm.parts)
+    tm.step_rows = grad_accumulation_steps(cfg, tm.dims.dp) * cfg.data.micro_batch_size
     if tm.args.tie_embeddings:
         tm.tied = TiedEmbedding.for_stages(parts, n_stages, tm.mesh)
         tm.tied.sync_weights()
