@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 import os
 import random
 import sys
@@ -51,7 +50,8 @@ from lmforge.train.preempt import StopSignals
 from lmforge.train.progress import Progress, evaluation_plan, summary_lines
 from lmforge.train.run_dir import CHECKPOINTS, RunLock, claim_run_dir
 from lmforge.train.sample import write_sample
-from lmforge.train.step import count_valid_tokens, global_step_loss, global_valid_tokens
+from lmforge.train.step import (check_finite, count_valid_tokens, global_step_loss,
+                                global_valid_tokens, sample_ids)
 
 
 @dataclass
@@ -338,10 +338,8 @@ def run_loop(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optimiz
                       **throughput.report(), **M.memory_metrics(rt.device),
                       "tokens": step * cfg.data.seq_len * samples_per_step(cfg, rt.dp_size),
                       "valid_tokens": n_valid, "nonfinite_steps": nonfinite_steps,
-                      "consumed_samples": data.train.consumed_samples, **scaler.metrics()}
-            if t.log_sample_ids:
-                record["sample_ids"] = [int(i) for b in micro_batches
-                                        for i in b.get("sample_ids", [])]
+                      "consumed_samples": data.train.consumed_samples, **scaler.metrics(),
+                      **(sample_ids(micro_batches) if t.log_sample_ids else {})}
             if evaluate_now:
                 record.update(evaluate_held_out(rt, model, data))
                 throughput.reset()  # the evaluation's time is not the next steps'
@@ -373,29 +371,6 @@ def evaluate_held_out(rt: Runtime, model: TrainModel, data: DataBundle) -> dict:
     """``eval_loss`` and ``eval_tokens`` of the held-out data, on any layout."""
     loss, tokens = model.evaluate(data.eval_batches(), rt.device, rt.autocast)
     return {"eval_loss": loss, "eval_tokens": tokens}
-
-
-class NonFiniteError(FloatingPointError):
-    """A NaN/Inf loss or gradient norm under ``train.on_nonfinite: stop``."""
-
-
-def check_finite(rt: Runtime, step: int, local_loss: torch.Tensor, loss: torch.Tensor,
-                 grad_norm: torch.Tensor, micro_batches: list[dict], t) -> bool:
-    """True when the step may update the weights. Every rank reaches the same verdict
-    (loss and grad norm are global); each rank whose own loss is non-finite says so with
-    its sample ids, so the bad data can be found."""
-    if math.isfinite(float(loss)) and (grad_norm is None or math.isfinite(float(grad_norm))):
-        return True
-    if not math.isfinite(float(local_loss)):
-        ids = [int(i) for b in micro_batches for i in b.get("sample_ids", [])]
-        print(f"rank {rt.rank}: step {step}: non-finite loss {float(local_loss)} on samples "
-              f"{ids}", file=sys.stderr, flush=True)
-    what = f"step {step}: non-finite loss ({float(loss)}) or grad norm ({grad_norm})"
-    if t.on_nonfinite == "stop":
-        raise NonFiniteError(f"{what}; stopped without saving (train.on_nonfinite=stop)")
-    if rt.is_logging_rank:
-        print(f"{what}; update skipped (train.on_nonfinite=skip)", file=sys.stderr, flush=True)
-    return False
 
 
 class Checkpoints:

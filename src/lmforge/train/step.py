@@ -3,11 +3,14 @@
 The loss of a step is the sum of the token cross-entropies over all its micro-batches
 divided by the number of valid (label != -100) tokens in the whole step, so it does not
 depend on how the step is split into micro-batches or how padding falls; every layout
-normalises with ``normalize_loss``.
+normalises with ``normalize_loss``. A step whose loss or gradient norm is not finite is
+skipped or stops the run (``check_finite``).
 """
 from __future__ import annotations
 
 import contextlib
+import math
+import sys
 from typing import Iterable
 
 import torch
@@ -85,3 +88,30 @@ def accumulate_gradients(model: nn.Module, micro_batches: list[dict], device: to
         (normalize_loss(micro_loss, n_valid, dp) * loss_scale).backward()
         loss_sum += full_value(micro_loss)  # (a replicated DTensor under loss parallel)
     return normalize_loss(loss_sum, n_valid)
+
+
+def sample_ids(micro_batches: list[dict]) -> dict:
+    """``{"sample_ids": [...]}``: the dataset indices of a step's samples, in order."""
+    return {"sample_ids": [int(i) for b in micro_batches for i in b.get("sample_ids", [])]}
+
+
+class NonFiniteError(FloatingPointError):
+    """A NaN/Inf loss or gradient norm under ``train.on_nonfinite: stop``."""
+
+
+def check_finite(rt, step: int, local_loss: torch.Tensor, loss: torch.Tensor,
+                 grad_norm: torch.Tensor, micro_batches: list[dict], t) -> bool:
+    """True when the step may update the weights. Every rank reaches the same verdict
+    (loss and grad norm are global); each rank whose own loss is non-finite says so with
+    its sample ids, so the bad data can be found. ``rt``: the run's Runtime."""
+    if math.isfinite(float(loss)) and (grad_norm is None or math.isfinite(float(grad_norm))):
+        return True
+    if not math.isfinite(float(local_loss)):
+        print(f"rank {rt.rank}: step {step}: non-finite loss {float(local_loss)} on samples "
+              f"{sample_ids(micro_batches)['sample_ids']}", file=sys.stderr, flush=True)
+    what = f"step {step}: non-finite loss ({float(loss)}) or grad norm ({grad_norm})"
+    if t.on_nonfinite == "stop":
+        raise NonFiniteError(f"{what}; stopped without saving (train.on_nonfinite=stop)")
+    if rt.is_logging_rank:
+        print(f"{what}; update skipped (train.on_nonfinite=skip)", file=sys.stderr, flush=True)
+    return False
