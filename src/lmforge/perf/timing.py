@@ -39,6 +39,9 @@ class Device:
     # captures. 0 for the GPUs (at the sizes they are quoted for it is a few percent of a
     # block's time and the efficiency absorbs it); --calibrate fits it.
     block_pass_us: float = 0.0
+    # Whether collectives run beside compute (a GPU: NCCL on its own streams and SMs) or
+    # take turns with it (a CPU: gloo's threads run on the cores that compute).
+    overlaps_communication: bool = True
 
     @property
     def peak_flops(self) -> float:
@@ -70,7 +73,7 @@ DEVICES: dict[str, Device] = {
     # --calibration, which replace them with the rates fitted on this machine. Memory: the
     # machine's RAM, read at plan time (0 here).
     "cpu": Device("cpu", 0.0, Link(1.0, 1.0), Link(1.0, 1.0), 1.0, peak_tflops=1.0,
-                  calibrated=False, block_pass_us=1.0),
+                  calibrated=False, block_pass_us=1.0, overlaps_communication=False),
 }
 
 GRAD_REDUCE_BYTES = 4  # FSDP2 reduces gradients in fp32 (parallel/fsdp.py reduce_dtype)
@@ -207,7 +210,8 @@ def dp_seconds(setup: Setup, device: Device, gpus_per_node: int, compute: float)
     one): ZeRO-3 gathers the parameters in forward and again in backward, ZeRO-2 once;
     gradients are reduce-scattered over dp_shard (fp32) and all-reduced over dp_replicate.
     All of it overlaps compute except each micro-batch's first block all-gather and last
-    block reduce (nothing to hide behind), and whatever exceeds the compute time."""
+    block reduce (nothing to hide behind), and whatever exceeds the compute time; on a
+    device that does not overlap communication, all of it is exposed."""
     if setup.dp_shard * setup.dp_replicate == 1:
         return 0.0
     params = param_count(setup.args) / (setup.tp * setup.pp)
@@ -224,6 +228,8 @@ def dp_seconds(setup: Setup, device: Device, gpus_per_node: int, compute: float)
     blocks = setup.args.n_layers / setup.pp
     unhidden = (gather + reduce + replicate) / blocks  # the first gather, the last reduce
     m = setup.microbatches
+    if not device.overlaps_communication:
+        return m * per_micro
     return max(0.0, m * per_micro - compute) + m * unhidden
 
 
