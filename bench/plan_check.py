@@ -65,7 +65,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--layouts", type=int, default=len(LAYOUTS))
-    ap.add_argument("--steps", type=int, default=8, help="timed steps per layout, + 1")
+    ap.add_argument("--steps", type=int, default=16, help="timed steps per layout, + 1")
     ns = ap.parse_args()
     os.environ["PYTHONPATH"] = str(ROOT / "src")
     cfg = load_config(*config_and_overrides(None, BASE))

@@ -67,7 +67,7 @@ DEVICES: dict[str, Device] = {
     "l40s": Device("L40S", 48.0, Link(32.0, 5.0), Link(25.0, 10.0), 0.40),
     # A CPU's sustained FLOP rate and its gloo transport are not on a data sheet (they
     # depend on the part, threads, the BLAS and the load), so no honest prior exists: the
-    # entry holds reference units (1 TFLOP/s at efficiency 1, 1 GB/s, no latency) that only
+    # entry holds reference units (1 TFLOP/s at efficiency 1, 1 GB/s) that only
     # split a step into its terms (1 us of latency and of overhead per block pass), and
     # `lmforge plan --device cpu` requires --calibrate or
     # --calibration, which replace them with the rates fitted on this machine. Memory: the
