@@ -4,7 +4,7 @@ model (``materialize``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 from torch import nn
@@ -66,6 +66,19 @@ class DecoderStack(nn.Module):
     stage sets the parts it does not hold to None, and ``forward`` skips them. The last
     stage of a tied model keeps the embedding, whose weight is its head's, and ``forward``
     applies it to token ids only, never to the hidden states a later stage receives."""
+
+    def __init__(self, args, block: Callable[[object, int], nn.Module], norm: nn.Module,
+                 output_bias: bool):
+        """``block(args, layer_id)`` builds one of the family's blocks; ``norm`` is the
+        final norm."""
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): block(args, i) for i in range(args.n_layers)})
+        self.norm = norm
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=output_bias)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
 
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
                 mask: Optional[torch.Tensor] = None, caches: Optional[list[KVCache]] = None,

@@ -59,27 +59,28 @@ class ModelFamily:
     biased_linears: Callable[[Any], tuple[str, ...]] = lambda args: ()
 
 
-LLAMA = ModelFamily(
-    name="llama", model_types=("llama", "mistral", "qwen2", "qwen3"),
+def _from_folder(package, **family) -> ModelFamily:
+    """A family whose folder holds what every family folder does: model.py
+    (PROJECTIONS, projection_shapes), hf.py (args_from_hf_config, hf_config_from_args,
+    hf_names), plan.py (block_plan, model_plan) and presets.py (PRESETS, check_args)."""
+    return ModelFamily(
+        args_from_hf_config=package.hf.args_from_hf_config,
+        hf_config=package.hf.hf_config_from_args, hf_names=package.hf.hf_names,
+        projections=package.model.PROJECTIONS,
+        projection_shapes=package.model.projection_shapes,
+        block_plan=package.plan.block_plan, model_plan=package.plan.model_plan,
+        presets=package.presets.PRESETS, check_args=package.presets.check_args, **family)
+
+
+LLAMA = _from_folder(
+    llama, name="llama", model_types=("llama", "mistral", "qwen2", "qwen3"),
     build=llama.model.Llama, args_from_dict=llama.model.LlamaArgs.from_dict,
-    args_from_hf_config=llama.hf.args_from_hf_config,
-    hf_config=llama.hf.hf_config_from_args, hf_names=llama.hf.hf_names,
-    projections=llama.model.PROJECTIONS,
-    projection_shapes=llama.model.projection_shapes,
-    block_plan=llama.plan.block_plan, model_plan=llama.plan.model_plan,
-    presets=llama.presets.PRESETS, check_args=llama.presets.check_args,
     as_variant=llama.hf.as_variant,
     biased_linears=lambda args: ("q_proj", "k_proj", "v_proj") if args.attention_bias else ())
 
-GPTJ = ModelFamily(
-    name="gptj", model_types=("gptj",),
+GPTJ = _from_folder(
+    gptj, name="gptj", model_types=("gptj",),
     build=gptj.model.GPTJ, args_from_dict=lambda d: gptj.model.GPTJArgs(**d),
-    args_from_hf_config=gptj.hf.args_from_hf_config,
-    hf_config=gptj.hf.hf_config_from_args, hf_names=gptj.hf.hf_names,
-    projections=gptj.model.PROJECTIONS,
-    projection_shapes=gptj.model.projection_shapes,
-    block_plan=gptj.plan.block_plan, model_plan=gptj.plan.model_plan,
-    presets=gptj.presets.PRESETS, check_args=gptj.presets.check_args,
     as_variant=lambda args, model_type: args,
     parallel_block=True, ignored_hf_suffixes=gptj.hf.IGNORED_SUFFIXES,
     norm="layer", mlp_activation="gelu", rotary_features=lambda args: args.rotary_features,

@@ -152,15 +152,8 @@ class TransformerBlock(nn.Module):
 
 class GPTJ(DecoderStack):
     def __init__(self, args: GPTJArgs):
-        super().__init__()
-        self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i)
-                                     for i in range(args.n_layers)})
-        self.norm = nn.LayerNorm(args.dim, eps=args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=True)
-        if args.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
+        super().__init__(args, TransformerBlock, nn.LayerNorm(args.dim, eps=args.norm_eps),
+                         output_bias=True)
 
     @torch.no_grad()
     def init_weights(self) -> None:
