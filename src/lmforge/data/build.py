@@ -1,13 +1,17 @@
 """One entry point from the data config to the loaders the trainer pulls batches from."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+import torch
+
 from lmforge.config import JobConfig
 from lmforge.data.errors import DataError
 from lmforge.data.loader import BatchLoader, build_dataset_loader
+from lmforge.data.pretrain import IGNORE_INDEX
 from lmforge.data.text import PackedTokenLoader, corpus_files, split_tokens, tokenize_files
 from lmforge.data.tokenizer import Tokenizer, read_text, train_bpe
 
@@ -126,7 +130,7 @@ def _build_text(cfg, tokenizer, dp_rank, dp_size) -> DataBundle:
     eval_batches = None
     if (len(eval_tokens) - 1) // d.seq_len >= 1:
         eval_batches = _text_passes(eval_tokens, d.seq_len, d.micro_batch_size,
-                                    cfg.train.eval_batches)
+                                    cfg.train.eval_batches, dp_rank, dp_size)
     where = "the Python standard library" if d.kind == "stdlib" else str(d.path)
     desc = (f"{len(train_files)} files from {where}: {len(train_tokens):,} training tokens, "
             f"{held} held out")
@@ -134,14 +138,26 @@ def _build_text(cfg, tokenizer, dp_rank, dp_size) -> DataBundle:
                       _text_eval_note(d, held, len(eval_tokens), eval_batches is not None))
 
 
-def _text_passes(tokens, seq_len: int, micro_batch_size: int, n: int
-                 ) -> Callable[[], Iterator[dict]]:
-    """Passes over the first ``n`` batches of every window of ``tokens``, in order."""
+def _text_passes(tokens, seq_len: int, micro_batch_size: int, n: int, dp_rank: int = 0,
+                 dp_size: int = 1) -> Callable[[], Iterator[dict]]:
+    """Passes over this data-parallel rank's share of the first ``n`` batches per rank of
+    every window of ``tokens``, in order: batch ``k`` of the held-out windows goes to rank
+    ``k % dp_size``, and a rank left short is given a batch with no targets, so every rank
+    runs the same number of forward passes (FSDP's gathers are collective)."""
     def one_pass():
         loader = PackedTokenLoader(tokens, seq_len, 1, 0, shuffle=False)
         loader.micro_batch_size = micro_batch_size
-        return _limited_iter(loader.iter_once(), n)
+        batches = _limited_iter(loader.iter_once(), n * dp_size)
+        mine = itertools.islice(batches, dp_rank, None, dp_size)
+        count = min(n, -(-loader.num_samples // (micro_batch_size * dp_size)))
+        for _, batch in itertools.zip_longest(range(count), mine):
+            yield batch if batch is not None else _no_targets(micro_batch_size, seq_len)
     return one_pass
+
+
+def _no_targets(rows: int, seq_len: int) -> dict:
+    return {"input_ids": torch.zeros(rows, seq_len, dtype=torch.int64),
+            "labels": torch.full((rows, seq_len), IGNORE_INDEX, dtype=torch.int64)}
 
 
 def _text_eval_note(d, held: str, eval_tokens: int, usable: bool) -> str:

@@ -17,13 +17,23 @@ from lmforge.models.loss import IGNORE_INDEX, micro_batch_loss_sum
 from lmforge.parallel import full_value
 
 
-@torch.no_grad()
 def evaluate(model: nn.Module, batches: Iterable[dict], device: torch.device,
              autocast=contextlib.nullcontext, loss_chunk_tokens: int = 0,
              on_batch: Optional[Callable[[int, float], None]] = None) -> tuple[float, int]:
     """Mean per-token loss over every valid token of ``batches``, and the token count.
     ``on_batch(tokens, mean loss)`` after each batch (for progress; it waits for the
     device, so only when asked)."""
+    total, tokens = loss_sums(model, batches, device, autocast, loss_chunk_tokens, on_batch)
+    return mean_loss(total, tokens)
+
+
+@torch.no_grad()
+def loss_sums(model: nn.Module, batches: Iterable[dict], device: torch.device,
+              autocast=contextlib.nullcontext, loss_chunk_tokens: int = 0,
+              on_batch: Optional[Callable[[int, float], None]] = None
+              ) -> tuple[torch.Tensor, int]:
+    """The sum of the token losses over ``batches`` (float64, on ``device``) and the count
+    of valid tokens: what data-parallel ranks add up before dividing."""
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)
@@ -35,6 +45,10 @@ def evaluate(model: nn.Module, batches: Iterable[dict], device: torch.device,
         if on_batch is not None and tokens:
             on_batch(tokens, float(total / tokens))
     model.train(was_training)
+    return total, tokens
+
+
+def mean_loss(total: torch.Tensor, tokens: int) -> tuple[float, int]:
     if tokens == 0:
         raise ValueError("evaluation data has no valid tokens")
     return float(total / tokens), tokens

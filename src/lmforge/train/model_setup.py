@@ -19,7 +19,7 @@ from torch import nn
 
 from lmforge.config import (JobConfig, compute_dtype, grad_accumulation_steps,
                             pipeline_microbatches)
-from lmforge.eval.evaluate import evaluate
+from lmforge.eval.evaluate import loss_sums, mean_loss
 from lmforge.models.common import count_parameters, materialize
 from lmforge.models.hf import from_hf_state_dict, read_hf_state_dict
 from lmforge.models.loss import IGNORE_INDEX, token_loss_sum
@@ -126,16 +126,23 @@ class TrainModel:
         return loss * self._loss_scale
 
     def evaluate(self, batches, device, autocast) -> tuple[float, int]:
-        """Mean per-token loss over ``batches`` and their valid tokens. Collective under
-        FSDP, tensor and pipeline parallelism: every rank calls it, with batches of its
-        data-parallel group."""
+        """Mean per-token loss over the held-out data of every data-parallel rank, and
+        their valid tokens: each rank scores ``batches`` (its own share), and the sums
+        meet before the division. Collective under FSDP, tensor and pipeline
+        parallelism: every rank calls it, with the same number of batches."""
         with self.loss_context():
             if self.schedule is None:
-                return evaluate(self.parts[0], batches, device, autocast,
-                                self.loss_chunk_tokens)
-            return self._pipeline_evaluate(batches, device, autocast)
+                total, tokens = loss_sums(self.parts[0], batches, device, autocast,
+                                          self.loss_chunk_tokens)
+            else:
+                total, tokens = self._pipeline_loss_sums(batches, device, autocast)
+        if self.dims.dp > 1:  # (tp and pp ranks of a data-parallel group hold copies)
+            sums = torch.stack([total, total.new_tensor(float(tokens))])
+            dist.all_reduce(sums, group=self.dims.group("dp"))
+            total, tokens = sums[0], int(sums[1])
+        return mean_loss(total, tokens)
 
-    def _pipeline_evaluate(self, batches, device, autocast) -> tuple[float, int]:
+    def _pipeline_loss_sums(self, batches, device, autocast) -> tuple[torch.Tensor, int]:
         """Forward-only schedule passes over inputs of the training step's shape (the
         stages were shaped by it); the last stage's loss sums reach every pp rank."""
         parts = list(zip(self.stage_ids, self.parts))
@@ -161,9 +168,7 @@ class TrainModel:
             self._summing = False
             self.train(True)
         dist.all_reduce(total, group=self.dims.group("pp"))
-        if tokens == 0:
-            raise ValueError("evaluation data has no valid tokens")
-        return float(total / tokens), tokens
+        return total, tokens
 
 
 def step_shaped(batches, rows: int):

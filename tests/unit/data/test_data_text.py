@@ -3,6 +3,7 @@ files, and too little text is refused with what to change."""
 import zlib
 
 import numpy as np
+import torch
 import pytest
 
 from lmforge.config import load_config
@@ -51,3 +52,26 @@ def test_too_few_tokens_for_one_batch_are_refused_with_what_to_change():
     with pytest.raises(ValueError, match=r"^data: 0 tokens make 0 windows of data.seq_len=256"
                                          r", fewer than one batch of 8 .*data.seq_len"):
         PackedTokenLoader(np.zeros(0, np.int32), 256, 8, seed=0)
+
+
+def test_data_parallel_ranks_share_the_held_out_windows_in_equal_numbers_of_batches(
+        tmp_path, tokenizer):
+    held_out = tmp_path / "held.txt"
+    held_out.write_text(make_docs(1, seed=6, min_words=42, max_words=42)[0])
+    assert (len(tokenize_files([held_out], tokenizer)) - 1) // 32 == 5  # windows
+    corpus = tmp_path / "train.txt"
+    corpus.write_text("\n\n".join(make_docs(60, seed=4)))
+    cfg = load_config(None, ["data.kind=text", f"data.path={corpus}", "data.seq_len=32",
+                             f"data.eval_path={held_out}", "data.micro_batch_size=2"])
+    one = list(build_data(cfg, tokenizer).eval_batches())  # rows 2, 2, 1
+    assert [len(b["labels"]) for b in one] == [2, 2, 1]
+    ranks = [list(build_data(cfg, tokenizer, r, 2).eval_batches()) for r in (0, 1)]
+    assert [len(batches) for batches in ranks] == [2, 2]  # the same number of passes
+    dealt = [ranks[0][0], ranks[1][0], ranks[0][1]]  # batch k on rank k % 2
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(one, dealt)
+               for k in ("input_ids", "labels"))
+    assert (ranks[1][1]["labels"] == -100).all()  # rank 1's second: no targets
+    cfg.train.eval_batches = 1  # per rank: the two ranks score the one process's first two
+    firsts = [list(build_data(cfg, tokenizer, r, 2).eval_batches()) for r in (0, 1)]
+    assert [len(b) for b in firsts] == [1, 1]
+    assert torch.equal(firsts[1][0]["labels"], one[1]["labels"])
