@@ -49,7 +49,7 @@ class DataConfig:
     path: Optional[Any] = None  # a path or a list of paths
     eval_path: Optional[Any] = None
     # Held out for validation when no eval_path is given: this fraction of a text corpus's
-    # files (or its last tokens) or of a pretrain prefix's documents; SFT holds out none.
+    # files (or its last tokens), of a pretrain prefix's documents, of an SFT file's samples.
     eval_fraction: float = 0.05
     seq_len: int = 256
     micro_batch_size: int = 8

@@ -69,8 +69,8 @@ def _passes(loader: BatchLoader, n: int) -> Callable[[], Iterator[dict]]:
 def _dataset_loaders(cfg, tokenizer, dp_rank, dp_size, cache_dir
                      ) -> tuple[BatchLoader, Optional[BatchLoader], str]:
     """(train loader, held-out loader or None, what is held out or why nothing is).
-    Without data.eval_path, pretraining holds out data.eval_fraction of its documents;
-    SFT holds out nothing."""
+    Without data.eval_path, data.eval_fraction of the documents (pretrain) or of the
+    samples (sft) is held out, unless too few to leave a training batch."""
     d = cfg.data
 
     def loader(split, holdout=False):
@@ -79,25 +79,36 @@ def _dataset_loaders(cfg, tokenizer, dp_rank, dp_size, cache_dir
 
     if d.eval_path:
         return loader("train"), loader("eval"), f"{d.eval_path} (data.eval_path)"
-    if d.kind != "pretrain":
-        return loader("train"), None, (f"data.kind={d.kind} holds nothing out: set "
-                                       "data.eval_path to evaluate")
     if d.eval_fraction <= 0:
         return loader("train"), None, "data.eval_fraction=0 and no data.eval_path"
     try:
         held_out = loader("eval", holdout=True)
         train = loader("train", holdout=True)
+        _keeps_a_micro_batch(train.dataset, d)
     except DataError as e:  # too small to split; the whole corpus trains
         return loader("train"), None, f"nothing held out ({e}); set data.eval_path"
-    docs, tokens = _documents_and_tokens(held_out.dataset)
-    source = d.blend or d.path
-    return train, held_out, (f"{docs:,} documents ({tokens:,} tokens) of {source} "
-                             f"(data.eval_fraction={d.eval_fraction})")
+    return train, held_out, _held_out_note(d, held_out.dataset)
 
 
-def _documents_and_tokens(dataset) -> tuple[int, int]:
-    parts = getattr(dataset, "datasets", [dataset])  # a blend, or one dataset
-    return sum(len(p.lengths) for p in parts), sum(p.num_tokens for p in parts)
+def _keeps_a_micro_batch(train_dataset, d) -> None:
+    """SFT: the training part must fill one micro-batch with distinct samples (a
+    pretraining part keeps a window at least, checked by PretrainDataset)."""
+    if d.kind == "sft" and train_dataset.num_samples < d.micro_batch_size:
+        raise DataError(f"{d.path}: {train_dataset.num_samples} training samples would be "
+                        f"left by data.eval_fraction={d.eval_fraction}, fewer than "
+                        f"data.micro_batch_size={d.micro_batch_size}")
+
+
+def _held_out_note(d, dataset) -> str:
+    """"12 documents (3,456 tokens) of PATH (data.eval_fraction=0.05)"."""
+    if d.kind == "sft":
+        count, unit, tokens, source = dataset.num_samples, "samples", dataset.num_tokens, d.path
+    else:
+        parts = getattr(dataset, "datasets", [dataset])  # a blend, or one dataset
+        count, unit = sum(len(p.lengths) for p in parts), "documents"
+        tokens, source = sum(p.num_tokens for p in parts), d.blend or d.path
+    return (f"{count:,} {unit} ({tokens:,} tokens) of {source} "
+            f"(data.eval_fraction={d.eval_fraction})")
 
 
 def _sft_truncation(dataset) -> tuple[list[str], dict]:

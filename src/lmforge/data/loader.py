@@ -214,15 +214,13 @@ def build_pretrain_dataset(sources: list[tuple[Optional[float], str]], seq_len: 
 def build_dataset_loader(cfg, tokenizer, dp_rank: int, dp_size: int, split: str = "train",
                          cache_dir: Optional[Path] = None, holdout: bool = False
                          ) -> BatchLoader:
-    """The trainer's loader for ``data.kind`` pretrain or sft. ``holdout`` (pretrain):
-    "train" reads the documents of data.path (or data.blend) that
+    """The trainer's loader for ``data.kind`` pretrain or sft. ``holdout``: "train" reads
+    the documents (pretrain) or samples (sft) of data.path (or data.blend) that
     ``data.eval_fraction`` does not hold out, and "eval" the held-out ones."""
     d = cfg.data
     if split not in ("train", "eval"):
         raise DataError(f"split: {split!r} is not train or eval")
-    if holdout and d.kind != "pretrain":
-        raise DataError(f"data.eval_fraction: holds out documents of data.kind pretrain "
-                        f"only, not {d.kind}")
+    held = (split, d.eval_fraction) if holdout else None
     if split == "eval" and not holdout:
         if not d.eval_path:
             raise DataError(f"data.eval_path: not set (needed to evaluate kind {d.kind})")
@@ -237,14 +235,14 @@ def build_dataset_loader(cfg, tokenizer, dp_rank: int, dp_size: int, split: str 
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
     if d.kind == "pretrain":
         dataset = build_pretrain_dataset(pretrain_sources(value, field), d.seq_len, seed,
-                                         d.document_mask, pad_id, cache_dir,
-                                         (split, d.eval_fraction) if holdout else None)
+                                         d.document_mask, pad_id, cache_dir, held)
     elif d.kind == "sft":
         if isinstance(value, (list, tuple)):
             if len(value) != 1:
                 raise DataError(f"{field}: sft takes one .jsonl file")
             value = value[0]
-        dataset = SFTDataset(value, tokenizer, d.template, d.seq_len, seed, d.pack, cache_dir)
+        dataset = SFTDataset(value, tokenizer, d.template, d.seq_len, seed, d.pack, cache_dir,
+                             held)
     else:
         raise DataError(f"data.kind: {d.kind!r} is not pretrain or sft")
     return BatchLoader(dataset, d.micro_batch_size, dp_rank, dp_size, seed, d.num_workers)

@@ -19,8 +19,15 @@ Packing (``data.pack``): samples are placed first-fit into rows of ``seq_len`` p
 positions from 0, attends only to itself (block-causal mask) and has no target from
 another sample, so a packed row gives the same loss and gradients as its samples alone.
 
+Held-out samples (``holdout = (part, eval_fraction)``, when there is no data.eval_path):
+``held_out_documents`` picks ``eval_fraction`` of the records by a fixed hash of their
+index in the file, as pretraining picks documents, so the split depends on neither the
+seed, the data-parallel layout nor packing; ``part="train"`` reads (and packs) only the
+others, ``"eval"`` only those, rendered and masked alike.
+
 Tokenized samples and packing plans are cached like the pretraining index
-(``FILE.lmforge-sft/`` next to the data, or the fallback cache directory).
+(``FILE.lmforge-sft/`` next to the data, or the fallback cache directory); the tokens are
+shared by both parts, a packing plan is named by its part and fraction.
 """
 from __future__ import annotations
 
@@ -36,8 +43,8 @@ import numpy as np
 from lmforge.data.errors import DataError
 from lmforge.data.indexed import IndexedDataset, IndexedDatasetWriter, exists, token_dtype
 from lmforge.data.pretrain import (
-    IGNORE_INDEX, RecentCache, cache_dir_for, data_stamp, keyed_dir, load_or_build,
-    positions_from_segments, rng_for, save_npy)
+    IGNORE_INDEX, RecentCache, cache_dir_for, data_stamp, held_out_documents, keyed_dir,
+    load_or_build, positions_from_segments, rng_for, save_npy, split_documents)
 from lmforge.data.templates import get_template
 
 ROLES = ("system", "user", "assistant")
@@ -140,6 +147,13 @@ def tokenize_file(path: Path, template, tok, out_dir: Path, batch: int = 256) ->
     save_npy(out_dir / "first_trained.npy", np.asarray(first, dtype=np.int64))
 
 
+def held_out_records(path: Path, eval_fraction: float) -> Iterator[tuple[int, object]]:
+    """(line number, parsed object) of the records ``eval_fraction`` holds out of an SFT
+    file (those ``SFTDataset``'s "eval" part reads), in file order."""
+    held = set(held_out_documents(sum(1 for _ in iter_jsonl(path)), eval_fraction).tolist())
+    return (record for i, record in enumerate(iter_jsonl(path)) if i in held)
+
+
 # -------------------------------------------------------------------------- rows
 
 def sft_row(samples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int,
@@ -199,12 +213,14 @@ def pack_first_fit(order: np.ndarray, sizes: np.ndarray, capacity: int,
 
 class SFTDataset:
     """The never-ending stream of SFT rows: epoch ``e`` shuffles the samples with
-    ``(seed, e)`` (and packs them when ``pack``); ``ds[k]`` is global row ``k``."""
+    ``(seed, e)`` (and packs them when ``pack``); ``ds[k]`` is global row ``k``.
+    ``holdout``: (part, eval_fraction), only that part's samples (see the module doc)."""
 
     _ORDER = 3  # rng purpose
 
     def __init__(self, path: str | Path, tokenizer, template: str, seq_len: int,
-                 seed: int = 0, pack: bool = False, cache_dir: Optional[Path] = None):
+                 seed: int = 0, pack: bool = False, cache_dir: Optional[Path] = None,
+                 holdout: Optional[tuple[str, float]] = None):
         self.path = Path(path)
         if not self.path.is_file():
             raise DataError(f"data.path: {self.path}: no such file (SFT data is JSON Lines)")
@@ -222,17 +238,10 @@ class SFTDataset:
             tokenize_file(self.path, self.template, tokenizer, self.cache)
         self.tokens = IndexedDataset(self.cache / "tokens")
         self.trained = IndexedDataset(self.cache / "trained")
-        first = np.load(self.cache / "first_trained.npy")
-        # A sample is usable if a trained token survives truncation to seq_len + 1.
-        self.rows = np.flatnonzero((first >= 1) & (first <= self.seq_len))
-        self.dropped = len(first) - len(self.rows)
-        if not len(self.rows):
-            raise DataError(f"{self.path}: no sample has a trained token within the first "
-                            f"seq_len + 1 = {self.seq_len + 1} tokens")
-        if self.dropped:
-            warnings.warn(f"{self.path}: {self.dropped} of {len(first)} samples dropped (no "
-                          f"assistant token within seq_len + 1 = {self.seq_len + 1} tokens)",
-                          stacklevel=2)
+        # in the names of packing plans: another part or fraction packs other samples
+        self._part_tag = "" if holdout is None else f"-{holdout[0]}{float(holdout[1])}"
+        self.rows, self.dropped = self._usable_samples(
+            np.load(self.cache / "first_trained.npy"), holdout)
         lengths = self.tokens.sequence_lengths.astype(np.int64)
         cut = np.maximum(lengths[self.rows] - (self.seq_len + 1), 0)  # of the kept samples
         self.truncated_samples, self.truncated_tokens = int((cut > 0).sum()), int(cut.sum())
@@ -240,9 +249,37 @@ class SFTDataset:
         self._epoch_starts = [0]  # global index of each epoch's first row
         self._epochs = RecentCache(2)
 
+    def _usable_samples(self, first: np.ndarray, holdout: Optional[tuple[str, float]]
+                        ) -> tuple[np.ndarray, int]:
+        """(this part's usable sample ids, how many of its samples were dropped): a sample
+        is usable if a trained token survives truncation to seq_len + 1."""
+        ids, which = np.arange(len(first)), ""
+        if holdout is not None:
+            part, fraction = holdout
+            ids = split_documents(len(first), fraction, part)
+            which = f" ({'held-out' if part == 'eval' else 'training'} samples)"
+            if len(ids) in (0, len(first)):  # nothing held out
+                raise DataError(f"{self.path}: too few samples ({len(first)}) to hold out "
+                                f"data.eval_fraction={fraction} of them and train on the rest")
+        usable = ids[(first[ids] >= 1) & (first[ids] <= self.seq_len)]
+        if not len(usable):
+            raise DataError(f"{self.path}{which}: no sample has a trained token within the "
+                            f"first seq_len + 1 = {self.seq_len + 1} tokens")
+        dropped = len(ids) - len(usable)
+        if dropped:
+            warnings.warn(f"{self.path}{which}: {dropped} of {len(ids)} samples dropped (no "
+                          f"assistant token within seq_len + 1 = {self.seq_len + 1} tokens)",
+                          stacklevel=3)
+        return usable, dropped
+
     @property
     def num_samples(self) -> int:
         return len(self.rows)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of this part's samples as its rows hold them (each cut to seq_len + 1)."""
+        return int((self.sizes[self.rows] + 1).sum())
 
     def fingerprint(self) -> list:
         return [len(self.rows), int(self.tokens.num_tokens)]
@@ -258,7 +295,8 @@ class SFTDataset:
         order = self.rows[rng_for(self.seed, epoch, self._ORDER).permutation(len(self.rows))]
         if self.pack:
             plan = load_or_build(
-                self.cache / f"pack-s{self.seq_len}-seed{self.seed}-epoch{epoch:06d}.npy",
+                self.cache / f"pack-s{self.seq_len}-seed{self.seed}{self._part_tag}-"
+                f"epoch{epoch:06d}.npy",
                 lambda: self._packed(order))
             n_rows = int(plan[0])  # stored as [rows, offsets..., sample ids...]
             offsets, items = plan[1:n_rows + 2], plan[n_rows + 2:]

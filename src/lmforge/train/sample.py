@@ -2,8 +2,8 @@
 
 ``train.sample_prompt`` when set (the demo's is ``"def "``, for its code corpus). When it
 is null, the default of a run with ``model.init_from`` (config/defaults.py), the prompt
-comes from the held-out data: for SFT the first sample of ``data.eval_path`` up to its
-first answer, rendered as the chat template renders a prompt for generation (as
+comes from the held-out data: for SFT the first sample of ``data.eval_path`` (else the
+first one ``data.eval_fraction`` holds out of ``data.path``) up to its first answer, rendered as the chat template renders a prompt for generation (as
 ``lmforge generate --chat`` does); for text and pretraining data the first tokens of the
 first held-out row evaluation reads (for text files: the start of the first held-out
 document). With no held-out data there is no sample, and the run says why in one line.
@@ -19,7 +19,7 @@ import torch
 from lmforge.config import JobConfig
 from lmforge.data.build import DataBundle
 from lmforge.data.errors import DataError
-from lmforge.data.sft import iter_jsonl, record_messages
+from lmforge.data.sft import held_out_records, iter_jsonl, record_messages
 from lmforge.data.templates import get_template
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.models.generate import generate
@@ -43,18 +43,23 @@ def choose_sample_prompt(cfg: JobConfig, tokenizer: Tokenizer,
         return SamplePrompt(tokenizer.encode(cfg.train.sample_prompt),
                             cfg.train.sample_prompt, "train.sample_prompt")
     if cfg.data.kind == "sft":
-        return _sft_prompt(cfg, tokenizer)
+        return _sft_prompt(cfg, tokenizer, data)
     return _held_out_prefix(tokenizer, data)
 
 
-def _sft_prompt(cfg: JobConfig, tokenizer: Tokenizer) -> Union[SamplePrompt, str]:
-    path = cfg.data.eval_path
+def _sft_prompt(cfg: JobConfig, tokenizer: Tokenizer,
+                data: DataBundle) -> Union[SamplePrompt, str]:
+    path, held_out = cfg.data.eval_path, False
+    if not path and data.eval_batches is not None:  # data.eval_fraction held samples out
+        path, held_out = cfg.data.path, True
     path = path[0] if isinstance(path, (list, tuple)) and path else path
     if not path:
-        return ("no held-out samples (data.eval_path) to take a prompt from; set "
-                "train.sample_prompt")
+        return ("no held-out samples (data.eval_path, data.eval_fraction) to take a prompt "
+                "from; set train.sample_prompt")
     try:
-        line, record = next(iter_jsonl(Path(path)), (None, None))
+        records = (held_out_records(Path(path), cfg.data.eval_fraction) if held_out
+                   else iter_jsonl(Path(path)))
+        line, record = next(records, (None, None))
         if record is None:
             return f"{path} holds no sample to take a prompt from"
         messages = record_messages(record, f"{path}:{line}")
@@ -64,8 +69,9 @@ def _sft_prompt(cfg: JobConfig, tokenizer: Tokenizer) -> Union[SamplePrompt, str
         stop = template.end_of_turn_id(tokenizer)
     except (DataError, OSError) as e:
         return f"no prompt from {path} ({e})"
-    return SamplePrompt(ids, tokenizer.decode(ids, skip_special=False),
-                        f"the first sample of {path}", (stop,))
+    source = f"the first held-out sample of {path}" if held_out else \
+        f"the first sample of {path}"
+    return SamplePrompt(ids, tokenizer.decode(ids, skip_special=False), source, (stop,))
 
 
 def _held_out_prefix(tokenizer: Tokenizer, data: DataBundle) -> Union[SamplePrompt, str]:

@@ -51,16 +51,20 @@ CASES = {
                                             "blend": [[0.6, "{d}/a"], [0.4, "{d}/b"]]}),
     "sft": ("sft", {"template": "plain"}),
     "sft-packed": ("sft", {"template": "llama3", "pack": True}),
+    # the training part of data.eval_fraction's split (holdout: a build_dataset_loader flag)
+    "sft-packed-holdout": ("sft", {"template": "llama3", "pack": True, "eval_fraction": 0.2,
+                                   "holdout": True}),
 }
 
 
 def _make(data, case, tokenizer, rank, dp, workers=0):
     kind, fields = CASES[case]
     fields = dict(fields)
+    holdout = fields.pop("holdout", False)
     if "blend" in fields:
         fields["blend"] = [[w, p.format(d=data)] for w, p in fields["blend"]]
     return build_dataset_loader(_cfg(data, kind, num_workers=workers, **fields), tokenizer,
-                                rank, dp, cache_dir=data / "cache")
+                                rank, dp, cache_dir=data / "cache", holdout=holdout)
 
 
 def _steps(loaders, steps):

@@ -7,6 +7,7 @@ import pytest
 
 from lmforge.config import load_config
 from lmforge.data.build import build_data
+from lmforge.data.pretrain import held_out_documents
 from lmforge.data.templates import get_template
 from lmforge.data.tokenizer import load_tokenizer, train_bpe
 from lmforge.train.sample import PREFIX_TOKENS, SamplePrompt, choose_sample_prompt
@@ -53,6 +54,18 @@ def test_sft_without_held_out_samples_has_no_sample_and_says_why(chatml, tmp_pat
     train = _jsonl(tmp_path / "train.jsonl", [{"prompt": "say hi", "response": "hi"}])
     reason = _choose(chatml, tmp_path, ["data.kind=sft", f"data.path={train}"])
     assert isinstance(reason, str) and "data.eval_path" in reason and "\n" not in reason
+
+
+def test_sft_without_eval_path_takes_the_first_sample_eval_fraction_holds_out(chatml,
+                                                                             tmp_path):
+    records = [{"prompt": f"question {i}", "response": f"answer {i}"} for i in range(40)]
+    train = _jsonl(tmp_path / "train.jsonl", records)
+    prompt = _choose(chatml, tmp_path, ["data.kind=sft", f"data.path={train}",
+                                        "data.micro_batch_size=2"])
+    first = int(held_out_documents(40, 0.05)[0])  # the default data.eval_fraction
+    assert prompt.text == f"<|im_start|>user\nquestion {first}<|im_end|>\n" \
+        "<|im_start|>assistant\n"
+    assert prompt.source == f"the first held-out sample of {train}"
 
 
 def test_text_takes_the_start_of_the_held_out_document(tmp_path):
