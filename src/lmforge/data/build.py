@@ -59,10 +59,20 @@ def build_data(cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int = 0, dp_size: 
 
 
 def _passes(loader: BatchLoader, n: int) -> Callable[[], Iterator[dict]]:
-    """Fresh passes over the first ``n`` batches of ``loader`` (the same ones each time)."""
+    """Fresh passes over this rank's first ``n`` batches of ``loader`` (the same ones each
+    time), at most one epoch of the held-out samples: a row past it would score a sample
+    twice, so it keeps no targets (every rank still runs the same number of batches)."""
+    distinct = loader.dataset.distinct_samples
+    per_batch = loader.sampler.micro_batch_size * loader.sampler.dp_size
+    n = min(n, -(-distinct // per_batch))
+
     def one_pass():
         loader.load_state_dict(loader.state_dict() | {"consumed_samples": 0})
-        return _limited(loader, n)
+        for batch in _limited(loader, n):
+            repeated = batch["sample_ids"] >= distinct
+            if repeated.any():
+                batch["labels"] = batch["labels"].masked_fill(repeated[:, None], IGNORE_INDEX)
+            yield batch
     return one_pass
 
 

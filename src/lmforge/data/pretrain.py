@@ -282,6 +282,11 @@ class PretrainDataset:
     def num_tokens(self) -> int:
         return self._num_tokens
 
+    @property
+    def distinct_samples(self) -> int:
+        """Windows the stream gives before one repeats: an epoch's."""
+        return self.samples_per_epoch
+
     def fingerprint(self) -> list:
         held = self.data.num_documents if self.documents is None else len(self.documents)
         return [self.samples_per_epoch, held]
@@ -366,6 +371,17 @@ class BlendedDataset:
 
     def fingerprint(self) -> list:
         return [x for d in self.datasets for x in d.fingerprint()]
+
+    @property
+    def distinct_samples(self) -> int:
+        """Samples the blend gives before any of its datasets repeats one."""
+        limits = np.array([d.distinct_samples for d in self.datasets])
+        b = max(int((limits / (self.weights * self.block)).min()) - 1, 0)  # just below
+        while (self._taken(b + 1) <= limits).all():  # whole blocks first
+            b += 1
+        which, local = self._block(b)
+        past = np.flatnonzero(local >= limits[which])
+        return b * self.block + int(past[0])  # (a block that crosses has such a sample)
 
     def _taken(self, blocks: int) -> np.ndarray:
         """Samples given by each dataset after ``blocks`` blocks."""

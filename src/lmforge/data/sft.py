@@ -311,6 +311,11 @@ class SFTDataset:
     def rows_in_epoch(self, epoch: int) -> int:
         return len(self.epoch_plan(epoch)[0]) - 1
 
+    @property
+    def distinct_samples(self) -> int:
+        """Rows the stream gives before a sample repeats: epoch 0's."""
+        return self.rows_in_epoch(0)
+
     def locate(self, k: int) -> tuple[int, int]:
         """Global row ``k`` -> (epoch, row in that epoch)."""
         k = int(k)

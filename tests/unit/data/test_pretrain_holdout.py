@@ -3,6 +3,8 @@ same ones whatever the seed), trains on the rest, and evaluates on the held-out 
 corpus too small to split trains on all of it and says why there is no evaluation."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -10,7 +12,7 @@ from lmforge.config import JobConfig
 from lmforge.data.build import build_data
 from lmforge.data.indexed import IndexedDataset
 from lmforge.data.loader import build_dataset_loader
-from lmforge.data.pretrain import held_out_documents, split_documents
+from lmforge.data.pretrain import BlendedDataset, held_out_documents, split_documents
 from lmforge.data.preprocess import preprocess
 from lmforge.data.tokenizer import load_tokenizer
 
@@ -87,3 +89,29 @@ def test_a_corpus_too_small_to_split_trains_on_all_of_it_and_says_why(root):
     off = build_data(_cfg(prefix, eval_fraction=0.0), load_tokenizer(root / "tok"),
                      cache_dir=root / "cache")
     assert off.eval_batches is None and "data.eval_fraction=0" in off.eval_note
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_an_evaluation_pass_scores_each_held_out_window_once(root, dp):
+    cfg = _cfg(str(root / "a"), eval_fraction=0.1)
+    cfg.train.eval_batches = 100  # far more than the held-out windows fill
+    tok = load_tokenizer(root / "tok")
+    ranks = [list(build_data(cfg, tok, r, dp, cache_dir=root / "cache").eval_batches())
+             for r in range(dp)]
+    assert len({len(batches) for batches in ranks}) == 1  # the same passes on every rank
+    scored = [int(i) for batches in ranks for b in batches
+              for i, labels in zip(b["sample_ids"], b["labels"]) if (labels != -100).any()]
+    distinct = build_dataset_loader(cfg, tok, 0, 1, "eval", root / "cache",
+                                    holdout=True).dataset.samples_per_epoch
+    assert 4 < distinct < 100
+    assert sorted(scored) == list(range(distinct))
+
+
+def test_a_blend_gives_distinct_samples_until_its_first_dataset_repeats():
+    parts = [SimpleNamespace(distinct_samples=n) for n in (5, 40, 7)]
+    blend = BlendedDataset(parts, [0.2, 0.5, 0.3], block=16)
+    n = blend.distinct_samples
+    seen = [blend.source(k) for k in range(n + 1)]
+    assert all(local < parts[d].distinct_samples for d, local in seen[:n])
+    d, local = seen[n]
+    assert local == parts[d].distinct_samples  # sample n is the first repeat

@@ -117,3 +117,19 @@ def test_an_sft_run_without_eval_path_evaluates_by_default(sft_path, tokenizer, 
     first = next(data.eval_batches())["input_ids"]
     assert torch.equal(next(data.eval_batches())["input_ids"], first)  # the same each pass
     assert not np.isin(held, ds.rows).any()
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_an_evaluation_pass_scores_each_held_out_sample_once(sft_path, tokenizer, tmp_path,
+                                                             pack):
+    cfg = _cfg(sft_path, "data.eval_fraction=0.2", f"data.pack={pack}",
+               "train.eval_batches=50")  # far more than 8 held-out samples fill
+    ranks = [build_data(cfg, tokenizer, r, 2, cache_dir=tmp_path) for r in (0, 1)]
+    passes = [list(data.eval_batches()) for data in ranks]
+    assert len(passes[0]) == len(passes[1])
+    dataset = build_dataset_loader(cfg, tokenizer, 0, 2, "eval", tmp_path,
+                                   holdout=True).dataset
+    scored = [s for batches in passes for b in batches
+              for k, labels in zip(b["sample_ids"].tolist(), b["labels"])
+              if (labels != -100).any() for s in dataset.samples_of(k)]
+    assert sorted(scored) == sorted(held_out_documents(N, 0.2).tolist())
