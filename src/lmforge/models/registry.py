@@ -51,12 +51,14 @@ class ModelFamily:
     # What the memory estimate (perf/) reads of a block beyond its projections' shapes:
     # the norm ("rms": RMSNorm, a weight; "layer": LayerNorm, a weight and a bias), the
     # MLP ("swiglu": the output projection reads silu(gate) * up; "gelu": gelu_tanh(fc_in)),
-    # the features of each head that rotate, and the linear layers with a bias
-    # (projection names, "output" for the head).
+    # the features of each head that rotate, the linear layers with a bias (projection
+    # names, "output" for the head), and whether q and k pass an RMSNorm over each head
+    # before the rotation (Qwen3's q_norm, k_norm: one head_dim weight each).
     norm: str = "rms"
     mlp_activation: str = "swiglu"
     rotary_features: Callable[[Any], int] = lambda args: args.head_dim
     biased_linears: Callable[[Any], tuple[str, ...]] = lambda args: ()
+    head_norms: Callable[[Any], bool] = lambda args: False
 
 
 def _from_folder(package, **family) -> ModelFamily:
@@ -75,7 +77,7 @@ def _from_folder(package, **family) -> ModelFamily:
 LLAMA = _from_folder(
     llama, name="llama", model_types=("llama", "mistral", "qwen2", "qwen3"),
     build=llama.model.Llama, args_from_dict=llama.model.LlamaArgs.from_dict,
-    as_variant=llama.hf.as_variant,
+    as_variant=llama.hf.as_variant, head_norms=lambda args: args.qk_norm,
     biased_linears=lambda args: ("q_proj", "k_proj", "v_proj") if args.attention_bias else ())
 
 GPTJ = _from_folder(

@@ -36,10 +36,16 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, cfg: JobConfig,
 
 
 def _checkpointed(cfg: JobConfig, layer_id: int) -> bool:
-    mode = cfg.train.activation_checkpointing
-    # selective: every n-th block recomputes, trading part of the memory saving for speed.
-    return mode == "full" or (mode == "selective"
-                              and layer_id % cfg.train.activation_checkpointing_every == 0)
+    return checkpointed_block(cfg.train.activation_checkpointing,
+                              cfg.train.activation_checkpointing_every, layer_id)
+
+
+def checkpointed_block(mode: str, every: int, layer_id: int) -> bool:
+    """Whether block ``layer_id`` (the model's numbering) recomputes in backward under
+    train.activation_checkpointing ``mode``: every block under full; under selective
+    blocks 0, every, 2 every, ..., trading part of the memory saving for speed. The
+    memory estimate asks the same (perf/estimate_setup.py)."""
+    return mode == "full" or (mode == "selective" and layer_id % every == 0)
 
 
 def checkpoint_forward(module: nn.Module) -> None:

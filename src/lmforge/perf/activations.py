@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from lmforge.models.registry import family_of
 from lmforge.parallel.offload import MIN_OFFLOAD_BYTES
 from lmforge.perf.estimate_setup import Setup, adapter_bytes, compute_bytes, residual_bytes
-from lmforge.perf.weights import stage_layers
+from lmforge.perf.weights import stage_layer_ids
 
 BATCH_BYTES_PER_TOKEN = 16.0  # the batch's input ids and labels (int64)
 
@@ -92,12 +92,19 @@ class _BlockWalk:
         """The norm's saved tensors; whether its output requires grad."""
         if self.family.norm == "layer":
             return self._layer_norm(label, input_needs_grad)
-        dim = self.args.dim
+        return self._rms_norm(label, input_needs_grad, self.args.dim, 1,
+                              self.residual_bytes, "seq")
+
+    def _rms_norm(self, label: str, input_needs_grad: bool, width: int, rows: int,
+                  in_bytes: int, split: str) -> bool:
+        """RMSNorm over ``width`` features per token in ``rows`` groups (one, or one per
+        head), of an input of ``in_bytes``: its saved tensors; whether its output
+        requires grad."""
         if input_needs_grad:  # x.float() (the input itself when fp32), rsqrt: kept by pow, mul
-            self.add(f"{label} input (fp32)", 4 * dim, "seq")
-            self.add(f"{label} rsqrt", 4, "seq")
-        if self.trainable.norms:  # weight * y keeps y for the weight's gradient
-            self.add(f"{label} normalized", self.residual_bytes * dim, "seq")
+            self.add(f"{label} input (fp32)", 4 * width, split)
+            self.add(f"{label} rsqrt", 4 * rows, split)
+        if self.trainable.norms:  # weight * y keeps y (the input's dtype) for its gradient
+            self.add(f"{label} normalized", in_bytes * width, split)
         return input_needs_grad or self.trainable.norms
 
     def _layer_norm(self, label: str, input_needs_grad: bool) -> bool:
@@ -162,7 +169,8 @@ class _BlockWalk:
         for name in qkv:
             self.adapter(name)
         q, k, v = (self.needs_grad(name, normed_needs_grad) for name in qkv)
-        self._rope(q, k)
+        q, k, roped_bytes = self._head_norms(q, k)
+        self._rope(q, k, roped_bytes)
         scores_need_grad = q or k or v
         if scores_need_grad:
             self._sdpa()
@@ -175,16 +183,30 @@ class _BlockWalk:
         self.adapter(out)
         return self.needs_grad(out, scores_need_grad)
 
-    def _rope(self, q_needs_grad: bool, k_needs_grad: bool) -> None:
+    def _head_norms(self, q_needs_grad: bool, k_needs_grad: bool) -> tuple[bool, bool, int]:
+        """Qwen3's RMSNorm over each q and k head (before RoPE), split with the heads:
+        whether q and k require grad after it, and their bytes then (an fp32 weight
+        times the normalized y makes them fp32 under autocast)."""
+        if not self.family.head_norms(self.args):
+            return q_needs_grad, k_needs_grad, self.matmul_bytes
+        args, c = self.args, self.matmul_bytes
+        q = self._rms_norm("q norm", q_needs_grad, args.n_heads * args.head_dim,
+                           args.n_heads, c, "heads")
+        k = self._rms_norm("k norm", k_needs_grad, args.n_kv_heads * args.head_dim,
+                           args.n_kv_heads, c, "heads")
+        return q, k, 4 if self.autocast else c
+
+    def _rope(self, q_needs_grad: bool, k_needs_grad: bool, roped_bytes: int) -> None:
         """Each attention computes fp32 cos/sin tables (batch, seq, rotary features: the
-        head dim, or GPT-J's first rotary_dim): kept as they are in fp32; in bf16 each
-        rotary call keeps bf16 copies, two per call (q and k)."""
+        head dim, or GPT-J's first rotary_dim): kept as they are when q and k are fp32
+        (``roped_bytes``); in bf16 each rotary call keeps bf16 copies, two per call (q
+        and k)."""
         features = self.family.rotary_features(self.args)
-        if self.matmul_bytes == 4 and (q_needs_grad or k_needs_grad):
+        if roped_bytes == 4 and (q_needs_grad or k_needs_grad):
             self.add("rope cos/sin (fp32)", 2 * 4 * features, "none")
-        elif self.matmul_bytes != 4:
+        elif roped_bytes != 4:
             calls = q_needs_grad + k_needs_grad
-            self.add("rope cos/sin copies", calls * 2 * self.matmul_bytes * features, "none")
+            self.add("rope cos/sin copies", calls * 2 * roped_bytes * features, "none")
 
     def _sdpa(self) -> None:
         args, out_bytes = self.args, self.matmul_bytes
@@ -309,7 +331,8 @@ def _backward_buffers(setup: Setup, walker: _BlockWalk) -> float:
     update and the scaled update, three f-sized tensors beside the saved ones."""
     ffn_per_device = setup.args.ffn_dim / setup.tp
     ffn_tensors = 3 if walker.family.mlp_activation == "swiglu" else 2
-    if setup.checkpointing == "full" and setup.trainable.rank(walker.names.mlp_inputs[-1]):
+    # (selective checkpointing recomputes block 0, so some block is recomputed)
+    if setup.checkpointing != "none" and setup.trainable.rank(walker.names.mlp_inputs[-1]):
         ffn_tensors = max(ffn_tensors, 3)
     return (walker.residual_bytes * _dim_per_device(setup)
             + ffn_tensors * walker.matmul_bytes * ffn_per_device)
@@ -341,7 +364,10 @@ class StageActivations:
     """Bytes per token of activations on one device of a pipeline stage."""
     blocks: float  # every block's saved tensors, for the micro-batches in flight
     blocks_at_first_block: float  # what is left when the backward reaches the first block
-    recomputed_block: float  # one checkpointed block, recomputed in backward
+    # a checkpointed block's tensors beyond its kept input, while it is recomputed in
+    # backward (0 for a block that is not checkpointed): the stage's last and first block
+    recomputed_last_block: float
+    recomputed_first_block: float
     stage_input: float  # the batch on the first stage; received activations on later ones
     head: float  # final norm and output-layer inputs (last stage)
     logits: float  # freed once the loss is computed (its backward keeps the log-softmax)
@@ -360,43 +386,40 @@ class StageActivations:
 
     @property
     def at_last_block(self) -> float:
-        return (self.blocks + self.recomputed_block + self.stage_input
+        return (self.blocks + self.recomputed_last_block + self.stage_input
                 - self.freed_mlp_out_input + self.pending_heads)
 
     @property
     def at_first_block(self) -> float:
-        return (self.blocks_at_first_block + self.recomputed_block + self.stage_input
+        return (self.blocks_at_first_block + self.recomputed_first_block + self.stage_input
                 - self.freed_mlp_out_input + self.pending_heads)
 
 
 def stage_activations(setup: Setup, act: Activations, stage: int) -> StageActivations:
-    """Activation checkpointing keeps each block's input and recomputes one block at a
-    time; pipeline parallelism multiplies by the micro-batches in flight (``in_flight``)."""
-    layers, first, last = stage_layers(setup, stage), stage == 0, stage == setup.pp - 1
-    held, per_layer = in_flight(setup, stage), act.other_layers
-    layer0 = act.first_layer if first else per_layer
-    if setup.checkpointing == "full":
-        blocks = held * layers * act.layer_input
-        blocks_at_first_block = act.layer_input
-        # one block recomputed in backward; its input is the one checkpointing kept
-        recomputed = per_layer - (act.layer_input if act.input_is_saved else 0.0)
-    else:
-        blocks = held * (layer0 + (layers - 1) * per_layer)
-        blocks_at_first_block = layer0 + (held - 1) * layers * per_layer
-        recomputed = 0.0
+    """A checkpointed block keeps its input until its backward, which recomputes the rest,
+    one block at a time; another keeps every saved tensor (``kept_by_block``). Pipeline
+    parallelism multiplies a stage's blocks by the micro-batches in flight
+    (``in_flight``): when one reaches its first block in backward, the others still hold
+    theirs."""
+    ids, first, last = stage_layer_ids(setup, stage), stage == 0, stage == setup.pp - 1
+    held = in_flight(setup, stage)
+    kept = [kept_by_block(setup, act, i) for i in ids]
+    blocks, blocks_at_first_block = held * sum(kept), kept[0] + (held - 1) * sum(kept)
     host = 0.0
     if setup.activation_offload:
-        moved = offloaded_per_layer(setup, act)
         # On the device: the block whose tensors are being copied out (forward) or back
         # ahead of use (backward), and the one computing; the others wait on the host.
-        host = held * max(layers - 2, 0) * moved
+        moved = sum(offloaded_per_layer(setup, act, setup.checkpointed(i)) for i in ids[:-2])
+        host = held * moved
         blocks -= host
+        blocks_at_first_block -= (held - 1) * moved
     bf16_logits = compute_bytes(setup) == 2
     pending = (held - 1) * (act.head_inputs + act.logits + act.log_softmax) if last else 0.0
     return StageActivations(
         pending_heads=pending,
         host=host, blocks=blocks, blocks_at_first_block=blocks_at_first_block,
-        recomputed_block=recomputed,
+        recomputed_last_block=recomputed_by_block(setup, act, ids[-1]),
+        recomputed_first_block=recomputed_by_block(setup, act, ids[0]),
         # a later stage receives its input activations
         stage_input=act.batch_inputs * held if first else held * act.layer_input,
         head=act.head_inputs if last else 0.0, logits=act.logits if last else 0.0,
@@ -405,13 +428,30 @@ def stage_activations(setup: Setup, act: Activations, stage: int) -> StageActiva
         backward_buffers=act.backward_buffers, freed_mlp_out_input=act.freed_mlp_out_input)
 
 
-def offloaded_per_layer(setup: Setup, act: Activations) -> float:
-    """Bytes per token of one block's saved tensors that activation offload moves: with
-    full checkpointing the block input it keeps, else every saved tensor of at least
+def kept_by_block(setup: Setup, act: Activations, layer_id: int) -> float:
+    """Bytes per token block ``layer_id`` keeps from its forward to its backward: its
+    input when checkpointed, else every tensor it saves (block 0 saves less when its
+    input, the embedding's output, does not require grad)."""
+    if setup.checkpointed(layer_id):
+        return act.layer_input
+    return act.first_layer if layer_id == 0 else act.other_layers
+
+
+def recomputed_by_block(setup: Setup, act: Activations, layer_id: int) -> float:
+    """What recomputing block ``layer_id`` in backward adds beside the input it kept (the
+    block's first norm keeps that input itself when it saves its input as is)."""
+    if not setup.checkpointed(layer_id):
+        return 0.0
+    return act.other_layers - (act.layer_input if act.input_is_saved else 0.0)
+
+
+def offloaded_per_layer(setup: Setup, act: Activations, checkpointed: bool) -> float:
+    """Bytes per token of one block's saved tensors that activation offload moves: of a
+    checkpointed block the input it keeps, of another every saved tensor of at least
     ``MIN_OFFLOAD_BYTES`` for a micro-batch (``parallel/offload.py``'s rule; smaller ones
     stay, as do weights, which are not activations here)."""
     tokens = setup.micro_batch * setup.seq_len
-    sizes = ([act.layer_input] if setup.checkpointing == "full"
+    sizes = ([act.layer_input] if checkpointed
              else [per_device([t], setup) for t in act.other_terms])
     return sum(b for b in sizes if b * tokens >= MIN_OFFLOAD_BYTES)
 

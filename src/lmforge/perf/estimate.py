@@ -27,7 +27,8 @@ from lmforge.perf.activations import (Activations, StageActivations, activation_
                                       in_flight, loss_chunk_tokens, stage_activations)
 from lmforge.perf.estimate_setup import DTYPE_BYTES, Setup, compute_bytes, frozen_weight_dtype
 from lmforge.perf.flops import projection_shapes
-from lmforge.perf.weights import Weights, model_parameters, stage_layers, stage_weights
+from lmforge.perf.weights import (Weights, model_parameters, stage_layer_ids, stage_layers,
+                                  stage_weights)
 
 GiB = 2**30
 # Scratch while one weight is dequantized (codes -> int64 indices -> fp32 values -> the
@@ -126,13 +127,13 @@ class AutocastCopies:
     inside checkpointed blocks (recomputed there, one block at a time). The head's copy
     is kept either way, but made per chunk with a chunked loss."""
     trainable_cache: float
-    frozen: float  # the blocks' frozen ones (none kept with checkpointing)
+    frozen: float  # the frozen ones of the blocks that are not checkpointed
     kept_for_backward: float  # the blocks' copies their matmuls keep
     one_layer: float  # one block's: what the block in backward holds (or recomputes)
     mlp_out: float  # the MLP output projection's, freed after its backward
     head: float
     head_in_forward: float  # none with a chunked loss (made per chunk)
-    checkpointed: bool
+    last_block_recomputed: bool  # the stage's last block is checkpointed
 
     @property
     def at_forward_end(self) -> float:
@@ -144,7 +145,7 @@ class AutocastCopies:
 
     @property
     def at_last_block(self) -> float:
-        recomputed = self.one_layer if self.checkpointed else 0.0
+        recomputed = self.one_layer if self.last_block_recomputed else 0.0
         return self.kept_for_backward + recomputed - self.mlp_out
 
     @property
@@ -153,17 +154,18 @@ class AutocastCopies:
 
 
 def autocast_copies(setup: Setup, weights: Weights, stage: int) -> AutocastCopies:
-    checkpointed = setup.checkpointing == "full"
-    cache = 2 * weights.matmul_trainable_fp32
-    frozen = 0.0 if checkpointed else 2 * weights.matmul_frozen_fp32
-    layers = max(stage_layers(setup, stage), 1)
+    ids = stage_layer_ids(setup, stage)
+    layers = max(len(ids), 1)
+    # the share of the stage's blocks whose matmuls keep their copies: not checkpointed
+    kept_share = sum(not setup.checkpointed(i) for i in ids) / layers
+    cache, frozen = 2 * weights.matmul_trainable_fp32, 2 * weights.matmul_frozen_fp32
     return AutocastCopies(
-        trainable_cache=cache, frozen=frozen,
-        kept_for_backward=0.0 if checkpointed else cache + frozen,
-        one_layer=(cache + 2 * weights.matmul_frozen_fp32) / layers,
+        trainable_cache=cache, frozen=kept_share * frozen,
+        kept_for_backward=kept_share * (cache + frozen),
+        one_layer=(cache + frozen) / layers,
         mlp_out=weights.mlp_out_copy, head=weights.head_copy,
         head_in_forward=0.0 if setup.loss_chunk_tokens else weights.head_copy,
-        checkpointed=checkpointed)
+        last_block_recomputed=bool(ids) and setup.checkpointed(ids[-1]))
 
 
 @dataclass
@@ -360,6 +362,7 @@ class MemoryEstimate:
             "parameters": model_parameters(s.args),
             "setup": {"seq_len": s.seq_len, "micro_batch": s.micro_batch, "device": s.device,
                       "compute": s.compute, "checkpointing": s.checkpointing,
+                      "checkpoint_every": s.checkpoint_every,
                       "optimizer": s.optimizer, "lora": dataclasses.asdict(s.lora)
                       if s.lora else None, "tp": s.tp, "pp": s.pp, "dp_shard": s.dp_shard,
                       "dp_replicate": s.dp_replicate, "zero": s.zero,
@@ -440,7 +443,9 @@ def format_table(est: MemoryEstimate, device_memory_gib: Optional[float] = None,
     lines = [
         f"model: {describe_model(s.args)}",
         f"run: seq {s.seq_len} x micro-batch {s.micro_batch}, {s.compute} compute, {lora}, "
-        f"{s.optimizer}, checkpointing {s.checkpointing}, attention {s.attention}",
+        f"{s.optimizer}, checkpointing {s.checkpointing}"
+        + (f" (every {s.checkpoint_every})" if s.checkpointing == "selective" else "")
+        + f", attention {s.attention}",
         f"layout: {s.world_size} device(s) on {s.device}: dp_replicate {s.dp_replicate} x "
         f"dp_shard {s.dp_shard} x tp {s.tp} x pp {s.pp}, zero {s.zero}"
         + (f"; pipeline stage {est.stage}" if s.pp > 1 else ""),

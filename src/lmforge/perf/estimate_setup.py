@@ -14,6 +14,7 @@ from lmforge.data.tokenizer import load_tokenizer
 from lmforge.models.hf import args_from_hf_config, read_hf_config
 from lmforge.models.presets import model_args, validate_job
 from lmforge.models.registry import family_of
+from lmforge.parallel.parallelize import checkpointed_block
 from lmforge.perf.flops import Trainability
 from lmforge.peft.targets import LoraSpec, lora_spec
 
@@ -28,7 +29,8 @@ class Setup:
     micro_batch: int  # sequences per micro-batch (with pp > 1: per pipeline microbatch)
     device: str = "cuda"  # cuda | cpu
     compute: str = "bf16"  # bf16 | fp16 (autocast, or FSDP2 half params) | fp32
-    checkpointing: str = "none"  # none | full
+    checkpointing: str = "none"  # none | full | selective (every checkpoint_every-th block)
+    checkpoint_every: int = 2  # train.activation_checkpointing_every
     trainable: Trainability = field(default_factory=Trainability.full)
     lora: Optional[LoraSpec] = None
     optimizer: str = "adamw"
@@ -52,6 +54,11 @@ class Setup:
     def __post_init__(self):
         if self.lora is not None and self.trainable == Trainability.full():
             self.trainable = Trainability.lora(self.lora)  # LoRA trains only its adapters
+
+    def checkpointed(self, layer_id: int) -> bool:
+        """Whether block ``layer_id`` keeps only its input and recomputes the rest in
+        backward: the trainer's rule (``parallel.parallelize.checkpointed_block``)."""
+        return checkpointed_block(self.checkpointing, self.checkpoint_every, layer_id)
 
     @property
     def world_size(self) -> int:
@@ -144,6 +151,7 @@ def setup_from_config(cfg, device: Optional[str] = None, world_size: Optional[in
     return Setup(args=args, seq_len=cfg.data.seq_len, micro_batch=micro_batch,
                  device=device, compute=compute,
                  checkpointing=cfg.train.activation_checkpointing,
+                 checkpoint_every=cfg.train.activation_checkpointing_every,
                  trainable=Trainability.from_config(cfg, args), lora=_lora(cfg, args, base_dtype),
                  optimizer=cfg.optim.name, fused_optimizer=cfg.optim.fused, tp=layout.tp,
                  pp=layout.pp, dp_shard=dp_shard, dp_replicate=layout.dp_replicate,

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from lmforge.models.registry import ModelFamily, family_of
+from lmforge.parallel import pipeline
 from lmforge.perf.estimate_setup import DTYPE_BYTES, Setup, frozen_weight_dtype
 from lmforge.perf.flops import projection_shapes
 
@@ -45,10 +46,19 @@ def model_parameters(args) -> int:
     return stage_weights(Setup(args=args, seq_len=1, micro_batch=1), 0).trainable_params
 
 
+def stage_layer_ids(setup: Setup, stage: int) -> list[int]:
+    """The model's ids of the blocks on pipeline rank ``stage``, as the trainer splits it
+    (``parallel/pipeline.py``): pp x pp_virtual_stages even stages, rank r holding stages
+    r, r + pp, ... Which of them activation checkpointing recomputes depends on the ids."""
+    virtual = setup.pp_virtual_stages
+    stages = pipeline.stage_layers(setup.args.n_layers, setup.pp * virtual)
+    return [i for s in pipeline.stage_ids_for_rank(stage, setup.pp, virtual)
+            for i in stages[s]]
+
+
 def stage_layers(setup: Setup, stage: int) -> int:
-    """Blocks on pipeline stage ``stage`` (the first stages take the remainder)."""
-    base, extra = divmod(setup.args.n_layers, setup.pp)
-    return base + (1 if stage < extra else 0)
+    """Blocks on pipeline rank ``stage``."""
+    return len(stage_layer_ids(setup, stage))
 
 
 def quantized_bytes(kind: str, n_in: int, n_out: int) -> float:
@@ -160,7 +170,11 @@ def _add_block(tally: _Tally, setup: Setup) -> None:
         if name == family.projections.mlp_output:
             _add_mlp_output_terms(tally, setup, trains, rank, (n_in, n_out), bias)
     norms = 1 if family.parallel_block else 2
-    tally.add(norms * norm_params(family, setup.args.dim), trainable.norms, matmul=False)
+    # Qwen3's q and k norms: one head_dim weight each, shared by the heads (replicated
+    # under tensor parallelism)
+    head_norms = 2 * setup.args.head_dim if family.head_norms(setup.args) else 0
+    tally.add(norms * norm_params(family, setup.args.dim) + head_norms, trainable.norms,
+              matmul=False)
     w.block_trainable = w.trainable_params - trainable_before
     w.block_total = w.trainable_params + w.frozen_params - total_before
 

@@ -1,8 +1,9 @@
 """The memory estimate against the peak measured on a real CPU training step.
 
 For a matrix of tiny configs (full / LoRA / QLoRA, with and without activation
-checkpointing, micro-batch 1 and 4, fp32 and bf16 autocast; a Llama, and a GPT-J for its
-LayerNorm, parallel block, partial rotary and biased GELU MLP) the step runs through
+checkpointing, full or selective, micro-batch 1 and 4, fp32 and bf16 autocast; a Llama, a
+Qwen3 for its q/k norms, and a GPT-J for its LayerNorm, parallel block, partial rotary and
+biased GELU MLP) the step runs through
 lmforge's own code (model, LoRA swap, checkpointing, optimizer, accumulate_gradients),
 and TensorMemoryTracker records the peak of live tensor storage over the second step (the
 first creates the optimizer state). The estimate of the same quantity (peak allocated,
@@ -18,7 +19,7 @@ from helpers.tiny_models import tiny_llama_args
 from lmforge.config import JobConfig
 from lmforge.models.common import materialize
 from lmforge.models.registry import PRESETS, build_model
-from lmforge.parallel.parallelize import checkpoint_forward
+from lmforge.parallel.parallelize import checkpoint_forward, checkpointed_block
 from lmforge.peft.lora import after_materialize, prepare_model_for_lora
 from lmforge.perf.estimate import estimate_memory
 from lmforge.perf.estimate_setup import Setup, setup_from_config
@@ -33,8 +34,11 @@ from lmforge.train.step import accumulate_gradients
 TOLERANCE = 0.15
 ARGS = tiny_llama_args(dim=64, vocab_size=256, ffn_dim=176, max_seq_len=128)
 # gptj-tiny (dim 64, 4 heads, ffn 256, rotary on 8 of 16 head features) at the same size
+# Qwen3: an RMSNorm over each q and k head, heads sized apart from dim (4 x 24 != 64)
 TINY = {"llama": ARGS, "gptj": dataclasses.replace(PRESETS["gptj-tiny"], n_layers=2,
-                                                     vocab_size=256, max_seq_len=128)}
+                                                     vocab_size=256, max_seq_len=128),
+        "qwen3": dataclasses.replace(ARGS, family="qwen3", qk_norm=True, explicit_head_dim=24)}
+TINY["qwen3 without q/k norms"] = dataclasses.replace(TINY["qwen3"], qk_norm=False)
 SEQ = 64
 
 
@@ -42,12 +46,16 @@ SEQ = 64
 def measure_step(lora: bool, ckpt: bool, micro_batch: int, bf16: bool = False,
                  quantize=None, dropout: float = 0.0, targets=("q_proj", "v_proj"),
                  loss_chunk: int = 0, vocab: int = ARGS.vocab_size, low_memory: bool = False,
-                 family: str = "llama", fp16: bool = False):
-    """(measured peak bytes of step 2, the Setup describing the same run). ``low_memory``:
-    bf16 weights, adamw_bf16, the step fused into backward (the trainer's low-memory
-    path); ``family``: which tiny model of TINY; ``fp16``: fp16 autocast with the loss
-    scaler the trainer uses (frozen weights stay fp32)."""
-    args = dataclasses.replace(TINY[family], vocab_size=vocab)
+                 family: str = "llama", fp16: bool = False, every: int = 2,
+                 layers: int = 2):
+    """(measured peak bytes of step 2, the Setup describing the same run). ``ckpt``:
+    True (full), False (none) or "selective", which checkpoints blocks 0, ``every``, ...
+    as the trainer does; ``low_memory``: bf16 weights, adamw_bf16, the step fused into
+    backward (the trainer's low-memory path); ``family``: which tiny model of TINY, with
+    ``layers`` blocks; ``fp16``: fp16 autocast with the loss scaler the trainer uses
+    (frozen weights stay fp32)."""
+    mode = ckpt if isinstance(ckpt, str) else "full" if ckpt else "none"
+    args = dataclasses.replace(TINY[family], vocab_size=vocab, n_layers=layers)
     torch.manual_seed(0)
     cfg = JobConfig()
     cfg.lora.enabled, cfg.lora.quantize = lora, quantize
@@ -55,8 +63,8 @@ def measure_step(lora: bool, ckpt: bool, micro_batch: int, bf16: bool = False,
     model = build_model(args)
     if lora:
         prepare_model_for_lora(model, cfg.lora)
-    if ckpt:
-        for layer in model.layers.values():
+    for layer in model.layers.values():
+        if checkpointed_block(mode, every, int(layer.layer_id)):
             checkpoint_forward(layer)
     materialize(model, "cpu")
     if lora:
@@ -98,7 +106,7 @@ def measure_step(lora: bool, ckpt: bool, micro_batch: int, bf16: bool = False,
                         dropout=dropout)
     setup = Setup(args=args, seq_len=SEQ, loss_chunk_tokens=loss_chunk, micro_batch=micro_batch,
                   device="cpu", compute="bf16" if bf16 else "fp16" if fp16 else "fp32",
-                  checkpointing="full" if ckpt else "none",
+                  checkpointing=mode, checkpoint_every=every,
                   trainable=Trainability.from_model(model), lora=spec,
                   optimizer=cfg.optim.name, param_dtype=cfg.train.param_dtype,
                   in_backward=cfg.optim.in_backward)
@@ -130,8 +138,20 @@ GPTJ += [dict(family="gptj", lora=False, ckpt=False, micro_batch=4, bf16=True),
          dict(family="gptj", lora=True, ckpt=True, micro_batch=4, quantize="int8",
               targets=("q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out"))]
 
+# Selective checkpointing (blocks 0, 2, ...): over 4 blocks the last one keeps every
+# tensor, over 3 it is recomputed; fp16 LoRA keeps an fp32 frozen base, whose autocast
+# copies only the blocks that are not checkpointed keep for backward
+SELECTIVE = [dict(lora=False, ckpt="selective", micro_batch=4, layers=4),
+             dict(lora=False, ckpt="selective", micro_batch=4, layers=3),
+             dict(lora=True, ckpt="selective", micro_batch=4, layers=4, fp16=True)]
+# Qwen3's q/k norms: fp32 (the norm keeps q and k themselves), bf16 autocast (an fp32
+# copy of each; the fp32 weight makes the rotation's input fp32), LoRA (frozen norms)
+QWEN3 = [dict(family="qwen3", lora=False, ckpt=False, micro_batch=4),
+         dict(family="qwen3", lora=False, ckpt=False, micro_batch=4, bf16=True),
+         dict(family="qwen3", lora=True, ckpt=True, micro_batch=4)]
 
-@pytest.mark.parametrize("case", MATRIX + EXTRA + GPTJ,
+
+@pytest.mark.parametrize("case", MATRIX + EXTRA + GPTJ + SELECTIVE + QWEN3,
                          ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_estimate_within_15_percent_of_measured_peak(case):
     measured, setup = measure_step(**case)
@@ -149,6 +169,19 @@ def test_the_estimate_follows_the_measurement_across_micro_batches():
     m4, s4 = measure_step(lora=False, ckpt=False, micro_batch=4)
     e1, e4 = estimate_memory(s1).peak_bytes, estimate_memory(s4).peak_bytes
     assert abs((e4 - e1) / (m4 - m1) - 1) <= TOLERANCE
+
+
+@pytest.mark.parametrize("case", QWEN3, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_the_q_k_norms_cost_what_the_estimate_says(case):
+    """Qwen3 against the same model without its q/k norms: the difference in peak (the
+    norms' weights, gradients, optimizer states and saved tensors) is estimated within
+    the same 15%."""
+    with_norms, setup = measure_step(**case)
+    without, plain_setup = measure_step(**{**case, "family": "qwen3 without q/k norms"})
+    estimated = estimate_memory(setup).peak_bytes - estimate_memory(plain_setup).peak_bytes
+    measured = with_norms - without
+    assert measured > 0
+    assert abs(estimated / measured - 1) <= TOLERANCE, (estimated, measured)
 
 
 def test_measured_setup_matches_a_config_built_one():

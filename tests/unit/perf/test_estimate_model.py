@@ -13,7 +13,8 @@ from lmforge.perf.activations import activation_model, in_flight
 from lmforge.perf.estimate import estimate_memory, estimate_stage, max_micro_batch
 from lmforge.perf.estimate_setup import Setup, setup_from_config
 from lmforge.perf.flops import Trainability
-from lmforge.perf.weights import stage_weights
+from lmforge.parallel.pipeline import split_model
+from lmforge.perf.weights import stage_layer_ids, stage_weights
 from lmforge.peft.targets import LoraSpec
 
 GiB = 2**30
@@ -26,7 +27,8 @@ def setup_7b(**changes) -> Setup:
 
 
 def test_weights_count_every_parameter_of_the_model():
-    for name in ("tiny", "llama2-7b", "llama3-8b"):
+    # qwen3: q_norm and k_norm in every block; qwen2.5: biased q/k/v
+    for name in ("tiny", "llama2-7b", "llama3-8b", "qwen2.5-0.5b", "qwen3-0.6b", "qwen3-8b"):
         args = PRESETS[name]
         w = stage_weights(Setup(args=args, seq_len=128, micro_batch=1), 0)
         assert w.trainable_params == count_parameters(build_llama(args))
@@ -50,6 +52,14 @@ def test_gptj_biases_split_with_column_parallel_outputs_and_replicate_after_row_
     one = stage_weights(Setup(args=args, seq_len=128, micro_batch=1), 0).trainable_params
     split = stage_weights(Setup(args=args, seq_len=128, micro_batch=1, tp=tp), 0)
     replicated = 28 * (2 * 4096 + 4096) + 2 * 4096  # ln_1, fc_out's bias; ln_f
+    assert split.trainable_params == (one - replicated) / tp + replicated
+
+
+def test_qwen3_q_k_norms_are_replicated_under_tensor_parallelism():
+    args, tp = PRESETS["qwen3-8b"], 8
+    one = stage_weights(Setup(args=args, seq_len=128, micro_batch=1), 0).trainable_params
+    split = stage_weights(Setup(args=args, seq_len=128, micro_batch=1, tp=tp), 0)
+    replicated = 36 * (2 * 4096 + 2 * 128) + 4096  # two norms, q/k norms; the final norm
     assert split.trainable_params == (one - replicated) / tp + replicated
 
 
@@ -87,6 +97,43 @@ def test_checkpointing_keeps_one_layer_input_per_layer():
     act = full.activations
     # FSDP-free bf16 autocast: the residual stream is fp32 -> 4 bytes x dim per token
     assert act.layer_input == 4 * 4096
+
+
+@pytest.mark.parametrize("preset", ["llama2-7b", "gptj-6b"])
+@pytest.mark.parametrize("lora", [False, True])
+def test_selective_checkpointing_lies_between_none_and_full_and_is_full_at_every_1(
+        preset, lora):
+    spec = LoraSpec(rank=8, targets=("q_proj", "v_proj")) if lora else None
+    base = setup_7b(args=PRESETS[preset], micro_batch=8, lora=spec)
+    peak = {ac: estimate_memory(dataclasses.replace(base, checkpointing=ac)).peak_bytes
+            for ac in ("none", "selective", "full")}
+    assert peak["full"] < peak["selective"] < peak["none"]
+    every_1 = dataclasses.replace(base, checkpointing="selective", checkpoint_every=1)
+    full = dataclasses.replace(base, checkpointing="full")
+    assert estimate_stage(every_1, 0).phases == estimate_stage(full, 0).phases
+
+
+def test_selective_checkpointing_counts_the_checkpointed_blocks_of_each_stage():
+    """Blocks 0, every, 2 every, ... by the model's numbering: with every = 32 of 32
+    layers over two stages, only the first stage's first block is checkpointed."""
+    s = setup_7b(pp=2, microbatches=4, checkpointing="selective", checkpoint_every=32)
+    none = dataclasses.replace(s, checkpointing="none")
+    assert estimate_stage(s, 1).phases == estimate_stage(none, 1).phases
+    saved = estimate_stage(none, 0).phases["forward end"] - estimate_stage(s, 0).phases[
+        "forward end"]
+    act, tokens = activation_model(s), 2048 * in_flight(s, 0)
+    assert saved == pytest.approx(tokens * (act.first_layer - act.layer_input))
+
+
+@pytest.mark.parametrize("pp,virtual", [(1, 1), (2, 1), (4, 1), (2, 2), (4, 2)])
+def test_stage_layer_ids_are_the_blocks_the_trainer_gives_each_rank(pp, virtual):
+    args = dataclasses.replace(PRESETS["tiny"], n_layers=16)
+    setup = Setup(args=args, seq_len=16, micro_batch=1, pp=pp, pp_virtual_stages=virtual)
+    model = build_llama(args)  # (meta device)
+    for rank in range(pp):
+        held = [int(i) for _, part in split_model(model, rank, pp, virtual)
+                for i in part.layers.keys()]
+        assert stage_layer_ids(setup, rank) == held
 
 
 def test_activations_scale_with_micro_batch_and_sequence():

@@ -18,15 +18,21 @@ def _setup(*overrides):
     return setup_from_config(cfg, device="cuda")
 
 
-@pytest.mark.parametrize("ckpt", ["full", "none"])
+@pytest.mark.parametrize("ckpt", ["full", "none", "selective"])
 def test_offload_moves_all_but_two_blocks_to_the_host_and_off_the_device(ckpt):
     base = _setup(f"train.activation_checkpointing={ckpt}")
     offloaded = dataclasses.replace(base, activation_offload=True)
     before, after = estimate_memory(base), estimate_memory(offloaded)
     tokens = base.micro_batch * base.seq_len
-    moved = offloaded_per_layer(offloaded, after.activations) * tokens
-    assert moved > 0
-    assert after.host_bytes == pytest.approx((base.args.n_layers - 2) * moved)
+    # a checkpointed block's input, every large saved tensor of another
+    moved = {c: offloaded_per_layer(offloaded, after.activations, c) * tokens
+             for c in (True, False)}
+    assert 0 < moved[True] < moved[False]
+    blocks = range(base.args.n_layers - 2)
+    assert after.host_bytes == pytest.approx(
+        sum(moved[offloaded.checkpointed(i)] for i in blocks))
+    if ckpt == "selective":  # blocks 0, 2, 4, ... keep their input: half of them here
+        assert after.host_bytes == pytest.approx(len(blocks) / 2 * sum(moved.values()))
     assert before.host_bytes == 0
     # the forward end holds every block's activations: exactly the host's share is gone
     assert before.phases["forward end"] - after.phases["forward end"] == pytest.approx(
