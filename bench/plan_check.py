@@ -77,7 +77,7 @@ def main() -> None:
         rows.append((name, cand, m, tensor_peak(keys, out)))
         print(f"ran {name}: {m.step_s} s, {m.error}", flush=True)
     fitted = fitted_device(device, fit_constants(
-        [fit_columns(c.setup, device, 8, 2) for _, c, _, _ in rows],
+        [fit_columns(c.setup, device, 8) for _, c, _, _ in rows],
         [m.step_s for _, _, m, _ in rows], prior_constants(device)))
     print(f"fit: {fitted.efficiency * 1e3:.3g} GFLOP/s effective, "
           f"{fitted.intra.gb_per_s:.3g} GB/s, latency {fitted.intra.latency_us:.3g} us, "

@@ -166,9 +166,8 @@ def _calibrate(ns, cfg, candidates, name, device) -> int:
     ok = [(c, m) for c, m in rows if m.step_s]
     if not ok:
         raise ValueError("--calibrate: no candidate ran; see the errors above")
-    every = cfg.train.activation_checkpointing_every
     fitted = fitted_device(device, fit_constants(
-        [fit_columns(c.setup, device, ns.gpus_per_node, every) for c, _ in ok],
+        [fit_columns(c.setup, device, ns.gpus_per_node) for c, _ in ok],
         [m.step_s for _, m in ok], prior_constants(device)))
     units = "" if device.calibrated else " (reference units, not a prediction)"
     print(f"fit: {describe_fit(device, fitted)}")
@@ -176,7 +175,7 @@ def _calibrate(ns, cfg, candidates, name, device) -> int:
           f"{'est GiB':>9s}{'peak_mem_gib':>14s}")
     saved, after, measured = [], [], []
     for c, m in ok:
-        t = step_time(c.setup, fitted, ns.gpus_per_node, every).total
+        t = step_time(c.setup, fitted, ns.gpus_per_node).total
         after.append(t)
         measured.append(m.step_s)
         print(f"{c.describe():52s}{c.time.total:10.3f}{t:9.3f}{m.step_s:10.3f}"

@@ -71,7 +71,7 @@ def measure(config: Optional[str], overrides: list[str], keys: dict, out: Path, 
     return Measured(step_seconds(records), max(peaks) if peaks else None)
 
 
-def fit_columns(setup, device: Device, gpus_per_node: int, every: int
+def fit_columns(setup, device: Device, gpus_per_node: int
                 ) -> tuple[float, float, float, float]:
     """(X, Y, L, P) of one candidate: see the module's docstring."""
     no_latency = dataclasses.replace(
@@ -79,11 +79,11 @@ def fit_columns(setup, device: Device, gpus_per_node: int, every: int
     unlimited = dataclasses.replace(
         device, intra=Link(1e15, device.intra.latency_us),
         inter=Link(1e15, device.inter.latency_us))
-    t = step_time(setup, no_latency, gpus_per_node, every)
-    latency = step_time(setup, unlimited, gpus_per_node, every)
+    t = step_time(setup, no_latency, gpus_per_node)
+    latency = step_time(setup, unlimited, gpus_per_node)
     return (t.compute + t.recompute + t.bubble, t.tp_comm + t.dp_comm + t.pp_comm,
             latency.tp_comm + latency.dp_comm + latency.pp_comm,
-            block_passes(setup, every) * 1e-6)
+            block_passes(setup) * 1e-6)
 
 
 def fit_constants(columns: list[tuple[float, ...]], measured: list[float],

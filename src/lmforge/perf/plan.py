@@ -123,9 +123,8 @@ def evaluate(cfg: JobConfig, keys: dict, gpus: int, per_node: int,
     except ConfigError:
         return None
     peak = estimate_memory(setup).total_bytes / GiB
-    every = cfg.train.activation_checkpointing_every
     return Candidate(keys=keys, setup=setup, peak_gib=peak,
-                     time=step_time(setup, device, per_node, every))
+                     time=step_time(setup, device, per_node))
 
 
 def runs_on(device: Device) -> str:

@@ -133,20 +133,21 @@ class StepTime:
         return max(terms, key=terms.get)
 
 
-def recompute_fraction(setup: Setup, every: int) -> float:
-    """Share of one forward of the blocks run again in backward: all of it under full
-    checkpointing, one block in ``every`` under selective (train.activation_checkpointing
-    _every)."""
-    return {"full": 1.0, "selective": 1.0 / every}.get(setup.checkpointing, 0.0)
+def recompute_fraction(setup: Setup) -> float:
+    """Share of one forward of the blocks run again in backward: the checkpointed blocks'
+    (all of them under full; under selective the trainer's every n-th, so 2 of 3 blocks
+    with every=2)."""
+    n = setup.args.n_layers
+    return sum(setup.checkpointed(i) for i in range(n)) / n
 
 
-def flops_per_token(setup: Setup, every: int) -> tuple[float, float]:
+def flops_per_token(setup: Setup) -> tuple[float, float]:
     """(model FLOPs, recomputed FLOPs) per token. Recomputed: the fraction of the blocks'
     forward checkpointing repeats, plus the head's forward under a chunked loss."""
     fl = flops_breakdown(setup.args, setup.seq_len, setup.trainable)
     head = 2 * setup.args.dim * setup.args.vocab_size
     blocks_forward = fl.forward + fl.attention_forward - head
-    extra = recompute_fraction(setup, every) * blocks_forward
+    extra = recompute_fraction(setup) * blocks_forward
     if setup.loss_chunk_tokens:
         extra += head
     return fl.total, extra
@@ -157,29 +158,29 @@ def param_count(args) -> float:
     return matmul_params(args) + args.dim * args.vocab_size
 
 
-def step_time(setup: Setup, device: Device, gpus_per_node: int, every: int = 2) -> StepTime:
+def step_time(setup: Setup, device: Device, gpus_per_node: int) -> StepTime:
     """Predicted seconds of one optimizer step of ``setup`` on ``device``."""
     m = setup.microbatches
     seq_tokens = setup.micro_batch * setup.seq_len * m  # per data-parallel replica
-    model, extra = flops_per_token(setup, every)
+    model, extra = flops_per_token(setup)
     split = setup.tp * setup.pp
     rate = device.peak_flops * device.efficiency
     compute, recompute = model * seq_tokens / split / rate, extra * seq_tokens / split / rate
     bubble = (compute + recompute) * (setup.pp - 1) / (m * setup.pp_virtual_stages)
-    tp = tp_seconds(setup, device, gpus_per_node, every)
+    tp = tp_seconds(setup, device, gpus_per_node)
     dp = dp_seconds(setup, device, gpus_per_node, compute + recompute)
     pp = pp_seconds(setup, device, gpus_per_node)
-    overhead = block_passes(setup, every) * device.block_pass_us * 1e-6
+    overhead = block_passes(setup) * device.block_pass_us * 1e-6
     return StepTime(compute=compute, recompute=recompute, tp_comm=tp, dp_comm=dp, pp_comm=pp,
                     bubble=bubble, overhead=overhead, model_flops=model * seq_tokens / split,
                     tokens=seq_tokens / split, peak_flops=device.peak_flops)
 
 
-def block_passes(setup: Setup, every: int) -> float:
+def block_passes(setup: Setup) -> float:
     """Block passes one device runs per step: each of its blocks, for each micro-batch,
     forward, backward and the recomputed share of the forward."""
     blocks = setup.args.n_layers / setup.pp
-    return setup.microbatches * blocks * (2 + recompute_fraction(setup, every))
+    return setup.microbatches * blocks * (2 + recompute_fraction(setup))
 
 
 def activation_bytes(setup: Setup) -> float:
@@ -187,7 +188,7 @@ def activation_bytes(setup: Setup) -> float:
     return setup.micro_batch * setup.seq_len * setup.args.dim * compute_bytes(setup)
 
 
-def tp_seconds(setup: Setup, device: Device, gpus_per_node: int, every: int) -> float:
+def tp_seconds(setup: Setup, device: Device, gpus_per_node: int) -> float:
     """Tensor parallelism, all exposed: per block forward, attention and MLP each gather
     their input and reduce-scatter their output (sequence parallel) or all-reduce it (not);
     backward does the same again, and recomputation repeats the forward's."""
@@ -200,7 +201,7 @@ def tp_seconds(setup: Setup, device: Device, gpus_per_node: int, every: int) -> 
                                                               link)
     else:
         pair = ring("all_reduce", act, setup.tp, link)
-    passes = 2 + recompute_fraction(setup, every)  # forward, backward, recomputed forward
+    passes = 2 + recompute_fraction(setup)  # forward, backward, recomputed forward
     blocks = setup.args.n_layers / setup.pp
     return 2 * pair * passes * blocks * setup.microbatches
 

@@ -48,7 +48,7 @@ def test_fit_columns_add_up_to_the_prediction():
                                                    "data.global_batch_size=8"]))
     cand = evaluate(cfg, {"parallel.tp": 2, "parallel.dp_shard": 1,
                           "data.micro_batch_size": 4}, 2, 8, DEVICES["cpu"])
-    columns = fit_columns(cand.setup, DEVICES["cpu"], 8, 2)
+    columns = fit_columns(cand.setup, DEVICES["cpu"], 8)
     prior = prior_constants(DEVICES["cpu"])
     assert sum(k * c for k, c in zip(prior, columns)) == pytest.approx(cand.time.total)
     assert all(c > 0 for c in columns)

@@ -76,8 +76,8 @@ def test_tp_communication_is_four_collectives_per_block_each_way_on_b_s_d():
     act = 2 * 512 * 512 * 2  # b x s x dim x bf16 bytes
     collective = act / 2 / 100e9  # (tp-1)/tp of it over the intra-node link
     # 2 all-gathers + 2 reduce-scatters per block, forward and backward, 8 blocks
-    assert tp_seconds(s, dev, 8, every=2) == pytest.approx(4 * collective * 2 * 8)
-    assert tp_seconds(s, dev, 1, every=2) == pytest.approx(100 * 4 * collective * 2 * 8)
+    assert tp_seconds(s, dev, 8) == pytest.approx(4 * collective * 2 * 8)
+    assert tp_seconds(s, dev, 1) == pytest.approx(100 * 4 * collective * 2 * 8)
 
 
 def test_checkpointing_adds_recomputation_not_model_flops():
@@ -86,6 +86,15 @@ def test_checkpointing_adds_recomputation_not_model_flops():
     assert times["none"].recompute == 0
     assert times["full"].recompute == pytest.approx(2 * times["selective"].recompute)
     assert len({t.model_flops for t in times.values()}) == 1
+
+
+def test_selective_recomputes_the_blocks_the_trainer_checkpoints():
+    # 3 blocks, every 2: blocks 0 and 2 recompute, 2/3 of full's recomputation (not 1/2)
+    three = [*SMALL, "model.n_layers=3"]
+    full, selective = (step_time(_setup([*three, f"train.activation_checkpointing={ac}",
+                                          "train.activation_checkpointing_every=2"], 1),
+                                 DEVICES["h100"], 8) for ac in ("full", "selective"))
+    assert selective.recompute == pytest.approx(full.recompute * 2 / 3)
 
 
 def test_more_gpus_never_predict_a_slower_step_at_a_fixed_global_batch():
