@@ -1,7 +1,6 @@
 """A few training steps of each model family in every parallel layout, through the
-trainer's own functions (``build_train_model``, ``TrainModel.forward_backward``, the step
-loss and token count of ``train/step.py``, ``clip_grad_norm``, ``Optimizers``), one launch
-per world size: ``lmforge train`` per (family, layout) would start torchrun, import torch
+trainer's own functions (``build_train_model``, ``Optimizers`` and the trainer's step,
+``loop.train_step``), one launch per world size: ``lmforge train`` per (family, layout) would start torchrun, import torch
 and export a model each time, about 17 s apiece on a 2-core CPU.
 
 ``torchrun --nproc-per-node=N family_training.py OUT`` trains every family in each layout
@@ -30,9 +29,9 @@ from lmforge.models.loss import IGNORE_INDEX
 from lmforge.models.presets import check_model_args
 from lmforge.parallel.mesh import (ParallelDims, build_parallel_dims, init_distributed,
                                    read_dist_env)
-from lmforge.train.model_setup import build_train_model, clip_grad_norm, gather_full_state_dict
+from lmforge.train.loop import Runtime, train_step
+from lmforge.train.model_setup import build_train_model, gather_full_state_dict
 from lmforge.train.optim import Optimizers
-from lmforge.train.step import count_valid_tokens, global_step_loss, global_valid_tokens
 
 STEPS = 4
 SEQ_LEN = 24
@@ -97,23 +96,25 @@ def rank_micro_batches(sample: dict, cfg: JobConfig, dims: ParallelDims) -> list
             for i in range(0, len(share["input_ids"]), size)]
 
 
+def runtime(dims: ParallelDims) -> Runtime:
+    """The trainer's Runtime of this process for ``dims``: fp32 on the CPU."""
+    rank = dist.get_rank() if dims.mesh is not None else 0
+    return Runtime(torch.device("cpu"), contextlib.nullcontext, rank=rank, dims=dims)
+
+
 def train_family(args, cfg: JobConfig, dims: ParallelDims) -> tuple[list, dict]:
     """run_loop's step, STEPS times: per-step (loss, grad norm) and the final weights."""
     check_model_args(args, cfg.data.seq_len)
     check_parallel_fits(cfg, args)
-    device = torch.device("cpu")
+    rt = runtime(dims)
     torch.manual_seed(cfg.train.seed)  # as init_runtime's seed_everything
-    model = build_train_model(cfg, args, device, dims)
+    model = build_train_model(cfg, args, rt.device, dims)
     optimizers = Optimizers(model.parts, cfg.optim, cfg.train.max_steps)
     history = []
-    for sample in step_samples(args.vocab_size):
-        micro_batches = rank_micro_batches(sample, cfg, dims)
-        n_valid = global_valid_tokens(count_valid_tokens(micro_batches), dims, device)
-        local = model.forward_backward(micro_batches, n_valid, device, contextlib.nullcontext)
-        loss = global_step_loss(local, dims)
-        grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
-        optimizers.step()
-        history.append((float(loss), float(grad_norm)))
+    for step, sample in enumerate(step_samples(args.vocab_size), 1):
+        result = train_step(cfg, rt, model, optimizers, rank_micro_batches(sample, cfg, dims),
+                            step)
+        history.append((float(result.loss), float(result.grad_norm)))
     return history, gather_full_state_dict(model)
 
 
