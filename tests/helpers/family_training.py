@@ -1,14 +1,16 @@
 """A few training steps of each model family in every parallel layout, through the
-trainer's own functions (``build_train_model``, ``Optimizers`` and the trainer's step,
-``loop.train_step``), one launch per world size: ``lmforge train`` per (family, layout) would start torchrun, import torch
-and export a model each time, about 17 s apiece on a 2-core CPU.
+trainer's own functions (``build_train_model``, ``Optimizers`` and its step,
+``loop.train_step``), one launch per world size: ``lmforge train`` per (family, layout)
+would start torchrun, import torch and export a model each time, about 17 s apiece on a
+2-core CPU.
 
 ``torchrun --nproc-per-node=N family_training.py OUT`` trains every family in each layout
 of ``LAYOUTS`` that takes N processes, on the same data; rank 0 first trains the families
 as the one plain process those layouts are compared with (``ParallelDims()``, no mesh:
 the path of a one-process ``lmforge train``, which touches no process group). Rank 0
-writes OUT/results-N.json (``run/family`` -> per-step loss and grad norm, or the error)
-and OUT/<run>-<family>.pt (the final weights).
+writes OUT/results-N.json (``run/family`` -> per-step loss and grad norm and whether a
+tied embedding's pipeline copies agree, or the error) and OUT/<run>-<family>.pt (the final
+weights).
 """
 from __future__ import annotations
 
@@ -30,18 +32,20 @@ from lmforge.models.presets import check_model_args
 from lmforge.parallel.mesh import (ParallelDims, build_parallel_dims, init_distributed,
                                    read_dist_env)
 from lmforge.train.loop import Runtime, train_step
-from lmforge.train.model_setup import build_train_model, gather_full_state_dict
+from lmforge.train.model_setup import TrainModel, build_train_model, gather_full_state_dict
 from lmforge.train.optim import Optimizers
 
 STEPS = 4
 SEQ_LEN = 24
-# Untied (pipeline stages refuse tied embeddings), 2 layers (one per pp=2 stage), an odd
-# vocabulary that tp=2 shards unevenly, 4 query heads over 2 KV heads for tp=2.
+# 2 layers (one per pp=2 stage), an odd vocabulary that tp=2 shards unevenly, 4 query heads
+# over 2 KV heads for tp=2.
 _SHAPE = dict(dim=32, n_layers=2, n_heads=4, vocab_size=97, ffn_dim=64, max_seq_len=64)
 FAMILIES = {
     # a window of 8 keys, shorter than the 24-token sequence: the banded mask is in play
     "mistral": LlamaArgs(**_SHAPE, n_kv_heads=2, family="mistral", sliding_window=8),
-    "qwen2": LlamaArgs(**_SHAPE, n_kv_heads=2, family="qwen2", attention_bias=True),
+    # tied, as Qwen2/2.5 0.5B and 1.5B: under pp, a copy on the first and on the last stage
+    "qwen2": LlamaArgs(**_SHAPE, n_kv_heads=2, family="qwen2", attention_bias=True,
+                       tie_embeddings=True),
     # head_dim 16, not dim / n_heads = 8
     "qwen3": LlamaArgs(**_SHAPE, n_kv_heads=2, family="qwen3", qk_norm=True,
                        explicit_head_dim=16),
@@ -57,6 +61,8 @@ LAYOUTS = {  # name -> (processes, config fields)
     # a later stage's input is a sequence slice there (the window mask once failed on it)
     "pp2_tp2_sp": (4, {"parallel.pp": 2, "parallel.tp": 2,
                        "parallel.sequence_parallel": True}),
+    # FSDP2 on each stage: a tied weight is sharded on the first and on the last stage
+    "pp2_dp2": (4, {"parallel.pp": 2, "parallel.dp_shard": 2}),
 }
 REFERENCES = {"single": {}, "lora_single": LORA}  # one plain process
 # Each layout is compared with this one-process run.
@@ -102,8 +108,9 @@ def runtime(dims: ParallelDims) -> Runtime:
     return Runtime(torch.device("cpu"), contextlib.nullcontext, rank=rank, dims=dims)
 
 
-def train_family(args, cfg: JobConfig, dims: ParallelDims) -> tuple[list, dict]:
-    """run_loop's step, STEPS times: per-step (loss, grad norm) and the final weights."""
+def train_family(args, cfg: JobConfig, dims: ParallelDims) -> tuple[dict, dict]:
+    """run_loop's step, STEPS times: {"history": per-step (loss, grad norm),
+    "tied_copies_equal": ``tied_copies_equal``} and the final weights."""
     check_model_args(args, cfg.data.seq_len)
     check_parallel_fits(cfg, args)
     rt = runtime(dims)
@@ -115,7 +122,25 @@ def train_family(args, cfg: JobConfig, dims: ParallelDims) -> tuple[list, dict]:
         result = train_step(cfg, rt, model, optimizers, rank_micro_batches(sample, cfg, dims),
                             step)
         history.append((float(result.loss), float(result.grad_norm)))
-    return history, gather_full_state_dict(model)
+    record = {"history": history, "tied_copies_equal": tied_copies_equal(model)}
+    return record, gather_full_state_dict(model)
+
+
+def tied_copies_equal(model: TrainModel) -> bool | None:
+    """Whether, on every rank pair, the first stage's and the last stage's copy of a tied
+    embedding are bit-equal (None: no copies, untied or not pipelined). The final weights
+    show only the last stage's (``gather_full_state_dict`` merges the stages in order)."""
+    if model.tied is None:
+        return None
+    equal = torch.tensor(1)
+    if model.tied.weight is not None:
+        mine = model.tied.weight.detach()
+        mine = mine.to_local() if hasattr(mine, "to_local") else mine  # (a shard)
+        first = mine.clone()
+        dist.broadcast(first, group=model.tied.group, group_src=0)
+        equal = torch.tensor(int(torch.equal(first, mine)))
+    dist.all_reduce(equal, op=dist.ReduceOp.MIN)
+    return bool(equal)
 
 
 def run(name: str, fields: dict, out: Path, world_size: int, results: dict) -> None:
@@ -124,14 +149,14 @@ def run(name: str, fields: dict, out: Path, world_size: int, results: dict) -> N
             else ParallelDims())
     for family, args in FAMILIES.items():
         try:
-            history, weights = train_family(args, cfg, dims)
+            record, weights = train_family(args, cfg, dims)
         except Exception:  # recorded per family; the test of that pair reports it (a
             # failure on some ranks only leaves the others waiting: the test's timeout)
             results[f"{name}/{family}"] = {"error": traceback.format_exc()}
             continue
         if weights is not None:  # global rank 0
             torch.save(weights, out / f"{name}-{family}.pt")
-            results[f"{name}/{family}"] = {"history": history}
+            results[f"{name}/{family}"] = record
 
 
 def main(out: Path) -> None:

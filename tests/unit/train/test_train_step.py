@@ -48,7 +48,8 @@ def test_a_step_reports_its_loss_norm_tokens_and_lr_and_updates():
     before = _weights(model)
     result = train_step(cfg, ft.runtime(ParallelDims()), model, optimizers, micro_batches, 1)
     assert result.finite
-    assert result.n_valid == sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches)
+    valid = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro_batches)
+    assert result.n_valid == valid
     assert result.loss == result.local_loss and 4 < float(result.loss) < 5  # ~ ln(97)
     assert float(result.grad_norm) > cfg.optim.grad_clip  # the norm before clipping
     assert result.lr == pytest.approx(cfg.optim.lr / 2)  # the first warmup step's
