@@ -55,6 +55,7 @@ def train(fields: dict, world_size: int) -> tuple[list, list, object]:
         result = train_step(cfg, rt, model, optimizers,
                             ft.rank_micro_batches(sample, cfg, dims), step)
         losses.append(torch.stack([result.loss, result.grad_norm]))
+    assert len(grads) == ft.STEPS, "the hook saw no update"  # (an empty list compares equal)
     return losses, grads, model.offload
 
 
