@@ -1,11 +1,13 @@
-"""Every model family (Mistral with a window shorter than the sequence, Qwen2, Qwen3,
-GPT-J) trains in each parallel layout exactly like one process: the same per-step loss
-and gradient norm (1e-5 relative) and final weights (1e-4), fp32 on CPU with gloo.
+"""Every model family (Mistral with a window shorter than the sequence, Qwen2 with tied
+embeddings, Qwen3, GPT-J) trains in each parallel layout exactly like one process: the
+same per-step loss and gradient norm (1e-5 relative) and final weights (1e-4), fp32 on
+CPU with gloo. Pipelined, a tied embedding's copies on the first and the last stage stay
+bit-equal.
 
-The matrix runs through the trainer's own functions (tests/helpers/family_training.py)
-in two launches, each with its one-process references: 2 processes (FSDP2, tp=2 with
-sequence parallelism, pp=2, LoRA under FSDP2) and 4 (pp=2 x tp=2 with sequence
-parallelism). About a minute on an idle 2-core CPU."""
+The matrix runs through the trainer's own step (tests/helpers/family_training.py) in two
+launches, each with its one-process references: 2 processes (FSDP2, tp=2 with sequence
+parallelism, pp=2, LoRA under FSDP2) and 4 (pp=2 x tp=2 with sequence parallelism,
+pp=2 x FSDP2 dp_shard=2). About 45 s on an idle 2-core CPU."""
 import json
 import os
 import subprocess
@@ -43,10 +45,10 @@ def launches(tmp_path_factory):
             for nproc in sorted({nproc for nproc, _ in ft.LAYOUTS.values()})}
 
 
-def _history(results: dict, key: str) -> list:
+def _record(results: dict, key: str) -> dict:
     assert key in results, f"{key} did not run"
     assert "error" not in results[key], f"{key} failed:\n{results[key]['error']}"
-    return results[key]["history"]
+    return results[key]
 
 
 @pytest.mark.parametrize("layout", list(ft.LAYOUTS))
@@ -54,13 +56,18 @@ def _history(results: dict, key: str) -> list:
 def test_family_trains_in_layout_like_one_process(launches, family, layout):
     results, out = launches[ft.LAYOUTS[layout][0]]
     reference = ft.REFERENCE_OF[layout]
-    got = _history(results, f"{layout}/{family}")
-    want = _history(results, f"{reference}/{family}")
+    record = _record(results, f"{layout}/{family}")
+    got, want = record["history"], _record(results, f"{reference}/{family}")["history"]
     assert len(got) == len(want) == ft.STEPS
     for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got, want), 1):
         assert loss == pytest.approx(ref_loss, rel=1e-5), f"step {step}: loss {loss} vs {ref_loss}"
         assert norm == pytest.approx(ref_norm, rel=1e-5), \
             f"step {step}: grad norm {norm} vs {ref_norm}"
+    # (these weights hold only the last stage's copy of a pipelined tied embedding)
+    pipelined = "parallel.pp" in ft.LAYOUTS[layout][1]
+    assert record["tied_copies_equal"] is (
+        True if pipelined and ft.FAMILIES[family].tie_embeddings else None), \
+        "the tied embedding's copies on the first and the last stage differ"
     weights = torch.load(out / f"{layout}-{family}.pt")
     ref_weights = torch.load(out / f"{reference}-{family}.pt")
     assert weights.keys() == ref_weights.keys()

@@ -1,15 +1,16 @@
 """A few training steps of each model family in every parallel layout, through the
-trainer's own functions (``build_train_model``, ``TrainModel.forward_backward``, the step
-loss and token count of ``train/step.py``, ``clip_grad_norm``, ``Optimizers``), one launch
-per world size: ``lmforge train`` per (family, layout) would start torchrun, import torch
-and export a model each time, about 17 s apiece on a 2-core CPU.
+trainer's own functions (``build_train_model``, ``Optimizers`` and its step,
+``loop.train_step``), one launch per world size: ``lmforge train`` per (family, layout)
+would start torchrun, import torch and export a model each time, about 17 s apiece on a
+2-core CPU.
 
 ``torchrun --nproc-per-node=N family_training.py OUT`` trains every family in each layout
 of ``LAYOUTS`` that takes N processes, on the same data; rank 0 first trains the families
 as the one plain process those layouts are compared with (``ParallelDims()``, no mesh:
 the path of a one-process ``lmforge train``, which touches no process group). Rank 0
-writes OUT/results-N.json (``run/family`` -> per-step loss and grad norm, or the error)
-and OUT/<run>-<family>.pt (the final weights).
+writes OUT/results-N.json (``run/family`` -> per-step loss and grad norm and whether a
+tied embedding's pipeline copies agree, or the error) and OUT/<run>-<family>.pt (the final
+weights).
 """
 from __future__ import annotations
 
@@ -30,19 +31,21 @@ from lmforge.models.loss import IGNORE_INDEX
 from lmforge.models.presets import check_model_args
 from lmforge.parallel.mesh import (ParallelDims, build_parallel_dims, init_distributed,
                                    read_dist_env)
-from lmforge.train.model_setup import build_train_model, clip_grad_norm, gather_full_state_dict
+from lmforge.train.loop import Runtime, train_step
+from lmforge.train.model_setup import TrainModel, build_train_model, gather_full_state_dict
 from lmforge.train.optim import Optimizers
-from lmforge.train.step import count_valid_tokens, global_step_loss, global_valid_tokens
 
 STEPS = 4
 SEQ_LEN = 24
-# Untied (pipeline stages refuse tied embeddings), 2 layers (one per pp=2 stage), an odd
-# vocabulary that tp=2 shards unevenly, 4 query heads over 2 KV heads for tp=2.
+# 2 layers (one per pp=2 stage), an odd vocabulary that tp=2 shards unevenly, 4 query heads
+# over 2 KV heads for tp=2.
 _SHAPE = dict(dim=32, n_layers=2, n_heads=4, vocab_size=97, ffn_dim=64, max_seq_len=64)
 FAMILIES = {
     # a window of 8 keys, shorter than the 24-token sequence: the banded mask is in play
     "mistral": LlamaArgs(**_SHAPE, n_kv_heads=2, family="mistral", sliding_window=8),
-    "qwen2": LlamaArgs(**_SHAPE, n_kv_heads=2, family="qwen2", attention_bias=True),
+    # tied, as Qwen2/2.5 0.5B and 1.5B: under pp, a copy on the first and on the last stage
+    "qwen2": LlamaArgs(**_SHAPE, n_kv_heads=2, family="qwen2", attention_bias=True,
+                       tie_embeddings=True),
     # head_dim 16, not dim / n_heads = 8
     "qwen3": LlamaArgs(**_SHAPE, n_kv_heads=2, family="qwen3", qk_norm=True,
                        explicit_head_dim=16),
@@ -58,6 +61,8 @@ LAYOUTS = {  # name -> (processes, config fields)
     # a later stage's input is a sequence slice there (the window mask once failed on it)
     "pp2_tp2_sp": (4, {"parallel.pp": 2, "parallel.tp": 2,
                        "parallel.sequence_parallel": True}),
+    # FSDP2 on each stage: a tied weight is sharded on the first and on the last stage
+    "pp2_dp2": (4, {"parallel.pp": 2, "parallel.dp_shard": 2}),
 }
 REFERENCES = {"single": {}, "lora_single": LORA}  # one plain process
 # Each layout is compared with this one-process run.
@@ -97,24 +102,45 @@ def rank_micro_batches(sample: dict, cfg: JobConfig, dims: ParallelDims) -> list
             for i in range(0, len(share["input_ids"]), size)]
 
 
-def train_family(args, cfg: JobConfig, dims: ParallelDims) -> tuple[list, dict]:
-    """run_loop's step, STEPS times: per-step (loss, grad norm) and the final weights."""
+def runtime(dims: ParallelDims) -> Runtime:
+    """The trainer's Runtime of this process for ``dims``: fp32 on the CPU."""
+    rank = dist.get_rank() if dims.mesh is not None else 0
+    return Runtime(torch.device("cpu"), contextlib.nullcontext, rank=rank, dims=dims)
+
+
+def train_family(args, cfg: JobConfig, dims: ParallelDims) -> tuple[dict, dict]:
+    """run_loop's step, STEPS times: {"history": per-step (loss, grad norm),
+    "tied_copies_equal": ``tied_copies_equal``} and the final weights."""
     check_model_args(args, cfg.data.seq_len)
     check_parallel_fits(cfg, args)
-    device = torch.device("cpu")
+    rt = runtime(dims)
     torch.manual_seed(cfg.train.seed)  # as init_runtime's seed_everything
-    model = build_train_model(cfg, args, device, dims)
+    model = build_train_model(cfg, args, rt.device, dims)
     optimizers = Optimizers(model.parts, cfg.optim, cfg.train.max_steps)
     history = []
-    for sample in step_samples(args.vocab_size):
-        micro_batches = rank_micro_batches(sample, cfg, dims)
-        n_valid = global_valid_tokens(count_valid_tokens(micro_batches), dims, device)
-        local = model.forward_backward(micro_batches, n_valid, device, contextlib.nullcontext)
-        loss = global_step_loss(local, dims)
-        grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
-        optimizers.step()
-        history.append((float(loss), float(grad_norm)))
-    return history, gather_full_state_dict(model)
+    for step, sample in enumerate(step_samples(args.vocab_size), 1):
+        result = train_step(cfg, rt, model, optimizers, rank_micro_batches(sample, cfg, dims),
+                            step)
+        history.append((float(result.loss), float(result.grad_norm)))
+    record = {"history": history, "tied_copies_equal": tied_copies_equal(model)}
+    return record, gather_full_state_dict(model)
+
+
+def tied_copies_equal(model: TrainModel) -> bool | None:
+    """Whether, on every rank pair, the first stage's and the last stage's copy of a tied
+    embedding are bit-equal (None: no copies, untied or not pipelined). The final weights
+    show only the last stage's (``gather_full_state_dict`` merges the stages in order)."""
+    if model.tied is None:
+        return None
+    equal = torch.tensor(1)
+    if model.tied.weight is not None:
+        mine = model.tied.weight.detach()
+        mine = mine.to_local() if hasattr(mine, "to_local") else mine  # (a shard)
+        first = mine.clone()
+        dist.broadcast(first, group=model.tied.group, group_src=0)
+        equal = torch.tensor(int(torch.equal(first, mine)))
+    dist.all_reduce(equal, op=dist.ReduceOp.MIN)
+    return bool(equal)
 
 
 def run(name: str, fields: dict, out: Path, world_size: int, results: dict) -> None:
@@ -123,14 +149,14 @@ def run(name: str, fields: dict, out: Path, world_size: int, results: dict) -> N
             else ParallelDims())
     for family, args in FAMILIES.items():
         try:
-            history, weights = train_family(args, cfg, dims)
+            record, weights = train_family(args, cfg, dims)
         except Exception:  # recorded per family; the test of that pair reports it (a
             # failure on some ranks only leaves the others waiting: the test's timeout)
             results[f"{name}/{family}"] = {"error": traceback.format_exc()}
             continue
         if weights is not None:  # global rank 0
             torch.save(weights, out / f"{name}-{family}.pt")
-            results[f"{name}/{family}"] = {"history": history}
+            results[f"{name}/{family}"] = record
 
 
 def main(out: Path) -> None:

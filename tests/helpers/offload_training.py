@@ -1,16 +1,16 @@
 """Training steps with and without ``train.activation_offload`` in the 2-process layouts,
-through the trainer's own functions (those of ``family_training``), on GPT-J's tiny shape.
+through the trainer's own step (``loop.train_step``, as ``family_training``), on GPT-J's
+tiny shape.
 
 ``torchrun --nproc-per-node=2 offload_training.py OUT`` trains each layout of ``RUNS``
 twice from the same weights and data, without and with offloading, and compares on every
-rank the per-step loss and this rank's gradients (its shards) bit for bit. Rank 0 writes
-OUT/results.json: run -> {"equal": on all ranks, "stats": rank 0's OffloadStats} or
-{"error": traceback}. The offload threshold is lowered so the tiny block inputs (a few
-KiB) are offloaded.
+rank the per-step loss and grad norm and this rank's gradients (its shards, as the update
+reads them) bit for bit. Rank 0 writes OUT/results.json: run -> {"equal": on all ranks,
+"stats": rank 0's OffloadStats} or {"error": traceback}. The offload threshold is lowered
+so the tiny block inputs (a few KiB) are offloaded.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import json
@@ -24,9 +24,9 @@ import torch.distributed as dist
 from helpers import family_training as ft
 from lmforge.parallel.mesh import build_parallel_dims, init_distributed, read_dist_env
 from lmforge.parallel import offload
+from lmforge.train.loop import train_step
 from lmforge.train.model_setup import build_train_model
 from lmforge.train.optim import Optimizers
-from lmforge.train.step import count_valid_tokens, global_step_loss, global_valid_tokens
 
 ARGS = ft.FAMILIES["gptj"]
 RUNS = {  # name -> config fields
@@ -39,21 +39,23 @@ RUNS = {  # name -> config fields
 
 
 def train(fields: dict, world_size: int) -> tuple[list, list, object]:
-    """Per-step losses and gradients (this rank's local tensors) of ``ft.STEPS`` steps."""
+    """Per-step (loss, grad norm) and gradients (this rank's local tensors, clipped, as
+    the optimizer is about to read them) of ``ft.STEPS`` steps."""
     cfg = ft.job_config(fields, world_size)
     dims = build_parallel_dims(cfg.parallel, world_size, "cpu")
-    device = torch.device("cpu")
+    rt = ft.runtime(dims)
     torch.manual_seed(cfg.train.seed)
-    model = build_train_model(cfg, ARGS, device, dims)
+    model = build_train_model(cfg, ARGS, rt.device, dims)
     optimizers = Optimizers(model.parts, cfg.optim, cfg.train.max_steps)
     losses, grads = [], []
-    for sample in ft.step_samples(ARGS.vocab_size):
-        micro_batches = ft.rank_micro_batches(sample, cfg, dims)
-        n_valid = global_valid_tokens(count_valid_tokens(micro_batches), dims, device)
-        local = model.forward_backward(micro_batches, n_valid, device, contextlib.nullcontext)
-        losses.append(global_step_loss(local, dims))
-        grads.append([_local(p.grad).clone() for p in model.parameters()])
-        optimizers.step()
+    for optimizer in optimizers.optimizers:
+        optimizer.register_step_pre_hook(lambda *_: grads.append(
+            [_local(p.grad).clone() for p in model.parameters()]))
+    for step, sample in enumerate(ft.step_samples(ARGS.vocab_size), 1):
+        result = train_step(cfg, rt, model, optimizers,
+                            ft.rank_micro_batches(sample, cfg, dims), step)
+        losses.append(torch.stack([result.loss, result.grad_norm]))
+    assert len(grads) == ft.STEPS, "the hook saw no update"  # (an empty list compares equal)
     return losses, grads, model.offload
 
 

@@ -50,8 +50,8 @@ from lmforge.train.preempt import StopSignals
 from lmforge.train.progress import Progress, evaluation_plan, summary_lines
 from lmforge.train.run_dir import CHECKPOINTS, RunLock, claim_run_dir
 from lmforge.train.sample import write_sample
-from lmforge.train.step import (check_finite, count_valid_tokens, global_step_loss,
-                                global_valid_tokens, sample_ids)
+from lmforge.train.step import (StepResult, check_finite, count_valid_tokens,
+                                global_step_loss, global_valid_tokens, sample_ids)
 
 
 @dataclass
@@ -313,32 +313,22 @@ def run_loop(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optimiz
     progress = progress or Progress(cfg, rt.is_logging_rank, start_step, end_step)
     # The whole run's records (rank 0): an earlier invocation's, then this one's.
     history, nonfinite_steps = list(logger.earlier), 0
-    scaler = optimizers.scaler  # fp16's loss scale (a no-op otherwise)
     for step in range(start_step + 1, end_step + 1):
         micro_batches = [data.train.next_batch() for _ in range(accum)]
-        n_valid = global_valid_tokens(count_valid_tokens(micro_batches), rt.dims, rt.device)
-        local_loss = model.forward_backward(micro_batches, n_valid, rt.device, rt.autocast,
-                                            scaler.scale)
-        loss = global_step_loss(local_loss, rt.dims)
-        scaler.unscale(optimizers.optimizers)  # the true gradients, for the norm and clipping
-        # With the update fused into backward no gradient outlives its parameter's step.
-        grad_norm = None if cfg.optim.in_backward else clip_grad_norm(model, cfg.optim.grad_clip)
-        lr = optimizers.lr
-        # fp16: gradients that overflowed are the scaler's to skip, not a non-finite step.
-        finite = check_finite(rt, step, local_loss, loss,
-                              None if scaler.enabled else grad_norm, micro_batches, t)
-        nonfinite_steps += not finite
-        optimizers.step(update=finite, step=step)
+        result = train_step(cfg, rt, model, optimizers, micro_batches, step)
+        nonfinite_steps += not result.finite
         step_tokens = sum(b["input_ids"].numel() for b in micro_batches) * rt.dp_size
         throughput.add(step_tokens)
         evaluate_now = eval_due(cfg, step, data)
         if evaluate_now or step % t.log_every == 0 or step in (start_step + 1, end_step):
-            record = {"loss": float(loss), "lr": lr,
-                      "grad_norm": None if grad_norm is None else float(grad_norm),
+            record = {"loss": float(result.loss), "lr": result.lr,
+                      "grad_norm": None if result.grad_norm is None
+                      else float(result.grad_norm),
                       **throughput.report(), **M.memory_metrics(rt.device),
                       "tokens": step * cfg.data.seq_len * samples_per_step(cfg, rt.dp_size),
-                      "valid_tokens": n_valid, "nonfinite_steps": nonfinite_steps,
-                      "consumed_samples": data.train.consumed_samples, **scaler.metrics(),
+                      "valid_tokens": result.n_valid, "nonfinite_steps": nonfinite_steps,
+                      "consumed_samples": data.train.consumed_samples,
+                      **optimizers.scaler.metrics(),
                       **(sample_ids(micro_batches) if t.log_sample_ids else {})}
             if evaluate_now:
                 record.update(evaluate_held_out(rt, model, data))
@@ -356,6 +346,27 @@ def run_loop(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optimiz
     progress.close()
     logger.close()
     return history
+
+
+def train_step(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optimizers,
+               micro_batches: list[dict], step: int) -> StepResult:
+    """Optimizer step ``step`` over this rank's ``micro_batches``: forward/backward, the
+    step loss, fp16's unscaling, clipping, the non-finite check, then the update (skipped
+    on a non-finite step; the LR schedule advances regardless)."""
+    scaler = optimizers.scaler  # fp16's loss scale (a no-op otherwise)
+    n_valid = global_valid_tokens(count_valid_tokens(micro_batches), rt.dims, rt.device)
+    local_loss = model.forward_backward(micro_batches, n_valid, rt.device, rt.autocast,
+                                        scaler.scale)
+    loss = global_step_loss(local_loss, rt.dims)
+    scaler.unscale(optimizers.optimizers)  # the true gradients, for the norm and clipping
+    # With the update fused into backward no gradient outlives its parameter's step.
+    grad_norm = None if cfg.optim.in_backward else clip_grad_norm(model, cfg.optim.grad_clip)
+    lr = optimizers.lr
+    # fp16: gradients that overflowed are the scaler's to skip, not a non-finite step.
+    finite = check_finite(step, local_loss, loss, None if scaler.enabled else grad_norm,
+                          micro_batches, cfg.train.on_nonfinite, rt.rank, rt.is_logging_rank)
+    optimizers.step(update=finite, step=step)
+    return StepResult(loss, local_loss, grad_norm, n_valid, lr, finite)
 
 
 def eval_due(cfg: JobConfig, step: int, data: DataBundle) -> bool:

@@ -4,14 +4,16 @@ The loss of a step is the sum of the token cross-entropies over all its micro-ba
 divided by the number of valid (label != -100) tokens in the whole step, so it does not
 depend on how the step is split into micro-batches or how padding falls; every layout
 normalises with ``normalize_loss``. A step whose loss or gradient norm is not finite is
-skipped or stops the run (``check_finite``).
+skipped or stops the run (``check_finite``). ``StepResult`` is what the trainer's one
+step (``loop.train_step``) reports.
 """
 from __future__ import annotations
 
 import contextlib
 import math
 import sys
-from typing import Iterable
+from dataclasses import dataclass
+from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -99,19 +101,33 @@ class NonFiniteError(FloatingPointError):
     """A NaN/Inf loss or gradient norm under ``train.on_nonfinite: stop``."""
 
 
-def check_finite(rt, step: int, local_loss: torch.Tensor, loss: torch.Tensor,
-                 grad_norm: torch.Tensor, micro_batches: list[dict], t) -> bool:
+@dataclass
+class StepResult:
+    """What one optimizer step did (``loop.train_step``)."""
+    loss: torch.Tensor  # the step loss, the same on every rank
+    local_loss: torch.Tensor  # this rank's share of it (``normalize_loss``, dp=1)
+    grad_norm: Optional[torch.Tensor]  # before clipping; None under optim.in_backward
+    n_valid: int  # the step's valid tokens on all data-parallel ranks
+    lr: float  # the learning rate of the update
+    # False: a non-finite loss or grad norm, update skipped (train.on_nonfinite=skip).
+    # An fp16 overflow is the loss scaler's to skip (``LossScaler.skipped_steps``).
+    finite: bool
+
+
+def check_finite(step: int, local_loss: torch.Tensor, loss: torch.Tensor,
+                 grad_norm: Optional[torch.Tensor], micro_batches: list[dict],
+                 on_nonfinite: str, rank: int, is_logging_rank: bool) -> bool:
     """True when the step may update the weights. Every rank reaches the same verdict
     (loss and grad norm are global); each rank whose own loss is non-finite says so with
-    its sample ids, so the bad data can be found. ``rt``: the run's Runtime."""
+    its sample ids, so the bad data can be found. ``on_nonfinite``: train.on_nonfinite."""
     if math.isfinite(float(loss)) and (grad_norm is None or math.isfinite(float(grad_norm))):
         return True
     if not math.isfinite(float(local_loss)):
-        print(f"rank {rt.rank}: step {step}: non-finite loss {float(local_loss)} on samples "
+        print(f"rank {rank}: step {step}: non-finite loss {float(local_loss)} on samples "
               f"{sample_ids(micro_batches)['sample_ids']}", file=sys.stderr, flush=True)
     what = f"step {step}: non-finite loss ({float(loss)}) or grad norm ({grad_norm})"
-    if t.on_nonfinite == "stop":
+    if on_nonfinite == "stop":
         raise NonFiniteError(f"{what}; stopped without saving (train.on_nonfinite=stop)")
-    if rt.is_logging_rank:
+    if is_logging_rank:
         print(f"{what}; update skipped (train.on_nonfinite=skip)", file=sys.stderr, flush=True)
     return False
