@@ -12,7 +12,8 @@ assistant's content and its end-of-turn token.
 Truncation: a sample longer than ``seq_len + 1`` tokens keeps its first ``seq_len + 1``
 (the end of the last answer is cut); ``truncated_samples`` and ``truncated_tokens`` count
 those samples and the tokens cut off them (the trainer prints and records both). A sample
-left with no trained target is dropped, and the count is reported. Batches are padded to ``seq_len`` (fixed shapes), with label -100.
+left with no trained target is dropped, and the count is reported. Batches are padded to
+``seq_len`` (fixed shapes), with label -100.
 
 Packing (``data.pack``): samples are placed first-fit into rows of ``seq_len`` positions
 (16 rows open at a time, in the epoch's shuffled order). Each sample keeps its own

@@ -3,7 +3,8 @@
 ``train.sample_prompt`` when set (the demo's is ``"def "``, for its code corpus). When it
 is null, the default of a run with ``model.init_from`` (config/defaults.py), the prompt
 comes from the held-out data: for SFT the first sample of ``data.eval_path`` (else the
-first one ``data.eval_fraction`` holds out of ``data.path``) up to its first answer, rendered as the chat template renders a prompt for generation (as
+first one ``data.eval_fraction`` holds out of ``data.path``) up to its first answer,
+rendered as the chat template renders a prompt for generation (as
 ``lmforge generate --chat`` does); for text and pretraining data the first tokens of the
 first held-out row evaluation reads (for text files: the start of the first held-out
 document). With no held-out data there is no sample, and the run says why in one line.
