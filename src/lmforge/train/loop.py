@@ -363,8 +363,8 @@ def train_step(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optim
     grad_norm = None if cfg.optim.in_backward else clip_grad_norm(model, cfg.optim.grad_clip)
     lr = optimizers.lr
     # fp16: gradients that overflowed are the scaler's to skip, not a non-finite step.
-    finite = check_finite(step, local_loss, loss, None if scaler.enabled else grad_norm,
-                          micro_batches, cfg.train.on_nonfinite, rt.rank, rt.is_logging_rank)
+    finite = check_finite(rt, step, local_loss, loss, None if scaler.enabled else grad_norm,
+                          micro_batches, cfg.train.on_nonfinite)
     optimizers.step(update=finite, step=step)
     return StepResult(loss, local_loss, grad_norm, n_valid, lr, finite)
 

@@ -114,20 +114,21 @@ class StepResult:
     finite: bool
 
 
-def check_finite(step: int, local_loss: torch.Tensor, loss: torch.Tensor,
+def check_finite(rt, step: int, local_loss: torch.Tensor, loss: torch.Tensor,
                  grad_norm: Optional[torch.Tensor], micro_batches: list[dict],
-                 on_nonfinite: str, rank: int, is_logging_rank: bool) -> bool:
+                 on_nonfinite: str) -> bool:
     """True when the step may update the weights. Every rank reaches the same verdict
     (loss and grad norm are global); each rank whose own loss is non-finite says so with
-    its sample ids, so the bad data can be found. ``on_nonfinite``: train.on_nonfinite."""
+    its sample ids, so the bad data can be found. ``rt``: the run's Runtime;
+    ``on_nonfinite``: train.on_nonfinite."""
     if math.isfinite(float(loss)) and (grad_norm is None or math.isfinite(float(grad_norm))):
         return True
     if not math.isfinite(float(local_loss)):
-        print(f"rank {rank}: step {step}: non-finite loss {float(local_loss)} on samples "
+        print(f"rank {rt.rank}: step {step}: non-finite loss {float(local_loss)} on samples "
               f"{sample_ids(micro_batches)['sample_ids']}", file=sys.stderr, flush=True)
     what = f"step {step}: non-finite loss ({float(loss)}) or grad norm ({grad_norm})"
     if on_nonfinite == "stop":
         raise NonFiniteError(f"{what}; stopped without saving (train.on_nonfinite=stop)")
-    if is_logging_rank:
+    if rt.is_logging_rank:
         print(f"{what}; update skipped (train.on_nonfinite=skip)", file=sys.stderr, flush=True)
     return False
