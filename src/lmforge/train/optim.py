@@ -17,8 +17,10 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     params = {id(p): p for p in model.parameters() if p.requires_grad}.values()
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    # An empty group (LoRA trains matrices only) would be saved with no parameter to
+    # name it, and torch's distributed optimizer state cannot load it back.
+    groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
+                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
     if cfg.name == "adamw_bf16":
         return AdamWBF16(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     fused = cfg.fused
@@ -91,4 +93,12 @@ class Optimizers:
 
     def load_scheduler_state(self, state: dict) -> None:
         for s in self.schedulers:
-            s.load_state_dict(state)
+            s.load_state_dict(_per_group_lists_cut(state, len(s.optimizer.param_groups)))
+
+
+def _per_group_lists_cut(state: dict, groups: int) -> dict:
+    """A schedule saved before empty parameter groups were dropped (LoRA checkpoints
+    with an empty no-decay group) lists one value per group, the empty one last: keep
+    the first ``groups``, which belong to the groups that still exist."""
+    return {k: v[:groups] if isinstance(v, list) and len(v) > groups else v
+            for k, v in state.items()}
