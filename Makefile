@@ -1,5 +1,5 @@
 # The two commands of the README: `make demo` and `make test`.
-.PHONY: setup demo test gpu-check
+.PHONY: setup demo test test-fast gpu-check
 
 setup:
 	bash scripts/setup.sh
@@ -7,8 +7,14 @@ setup:
 demo: setup
 	.venv/bin/lmforge train train.overwrite=true  # each demo starts over in runs/demo
 
+# A line per test file with the share done and the time taken so far (-v cancels the
+# -q of pyproject's addopts), then the ten slowest tests.
 test: setup
-	.venv/bin/python -m pytest tests
+	.venv/bin/python -m pytest -v --durations=10 tests
+
+# What to run while working: everything but the end-to-end runs marked slow.
+test-fast: setup
+	.venv/bin/python -m pytest -m "not slow" tests
 
 # On a CUDA machine: the GPU tests, then every training path for a few steps and the
 # side-by-side benches (bench/gpu_check.py; docs/benchmarks.md says how to run it on a lent

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Creates .venv and installs lmforge with its test extras. A machine that already has
+# Creates .venv and installs lmforge with its test extras at the versions constraints.txt
+# pins (the set CI was tested with; scripts/update_constraints.py regenerates it), so a
+# fresh machine gets that set whatever was published since. A machine that already has
 # PyTorch (a GPU image, say) keeps its own build; otherwise the pinned CPU wheel goes in.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,9 +17,9 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
     # Pinned: an unpinned `torch` would pull several GB of CUDA packages.
     "$PY" -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
 fi
-# Compare the install stamp with pyproject.toml so a re-run costs nothing.
+# Compare the install stamp with what it installed from, so a re-run costs nothing.
 stamp=.venv/.lmforge-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-    "$PY" -m pip install --quiet --disable-pip-version-check -e ".[test]"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ]; then
+    "$PY" -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test]"
     touch "$stamp"
 fi

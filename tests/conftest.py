@@ -1,6 +1,7 @@
 """Makes ``src/`` importable when the package is not installed (e.g. PYTHONPATH-less runs),
 and holds the fixtures every test directory shares."""
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,3 +22,21 @@ def tiny_llama():
     from helpers.tiny_models import tiny_llama as build  # importable only after the path
 
     return build()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    """The progress at the end of each line also says how long the run has taken
+    ("[ 42% 3:05]"), so a slow machine does not look hung (``make test`` prints a line
+    per test file)."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    progress = getattr(reporter, "_get_progress_information_message", None)
+    if progress is None:  # another pytest: keep its own progress
+        return
+    start = time.monotonic()
+
+    def with_elapsed() -> str:
+        minutes, seconds = divmod(int(time.monotonic() - start), 60)
+        return f"{progress().rstrip(']')} {minutes}:{seconds:02d}]"
+
+    reporter._get_progress_information_message = with_elapsed

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers.runs import read_metrics, run_lmforge, tiny_overrides
+from helpers.hf_models import load_reference
 
 pytestmark = pytest.mark.slow
 
@@ -117,7 +118,7 @@ def test_resume_on_other_layouts_reshards_model_and_optimizer(tiny_corpus, tmp_p
         assert step3[name]["grad_norm"] == pytest.approx(step3["same"]["grad_norm"], rel=1e-4)
 
     # The tp=2 x dp=2 run's final checkpoint, exported offline, equals its own export.
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     exported = tmp_path / "exported"
     proc = subprocess.run([sys.executable, "-m", "lmforge.cli", "export",
                            str(tmp_path / "same" / "checkpoints" / "step-0000003"),
@@ -126,8 +127,7 @@ def test_resume_on_other_layouts_reshards_model_and_optimizer(tiny_corpus, tmp_p
     ids = torch.randint(0, 301, (2, 24), generator=torch.Generator().manual_seed(0))
     logits = []
     for model_dir in (exported, tmp_path / "same" / "hf"):
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+        model = load_reference(model_dir)
         with torch.no_grad():
             logits.append(model(input_ids=ids).logits)
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)

@@ -1,7 +1,22 @@
-"""Tiny random transformers Llamas for the interop and adapter tests."""
+"""Tiny random transformers models for the interop and adapter tests, and the one way
+the tests load a transformers model from a directory. Every reference model states its
+attention implementation ("eager"): transformers' default changes between releases
+(5.24 made SDPA GPT-J's), and two implementations agree only within a tolerance."""
 from __future__ import annotations
 
 import torch
+
+REFERENCE_ATTENTION = "eager"
+
+
+def load_reference(model_dir, **kwargs):
+    """``transformers.AutoModelForCausalLM`` from ``model_dir`` in fp32, eval mode, with
+    the reference attention implementation."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation=REFERENCE_ATTENTION,
+        **kwargs).eval()
 
 
 def random_hf_llama(seed: int = 0, **config):
@@ -21,7 +36,7 @@ def random_hf_causal_lm(model_type: str, seed: int = 0, **config):
                   num_key_value_heads=2, intermediate_size=192, vocab_size=102,
                   max_position_embeddings=128, rms_norm_eps=1e-5, initializer_range=0.2,
                   bos_token_id=None, eos_token_id=None, pad_token_id=None,
-                  attn_implementation="eager")
+                  attn_implementation=REFERENCE_ATTENTION)
     kwargs.update(config)
     torch.manual_seed(seed)
     attn = kwargs.pop("attn_implementation")
@@ -36,9 +51,9 @@ def random_hf_causal_lm(model_type: str, seed: int = 0, **config):
 
 
 def random_hf_gptj(seed: int = 0, **config):
-    """A random fp32 ``transformers.GPTJForCausalLM`` in eval mode: the tiny shape with
-    partial rotary (8 of 16 features per head) and an explicit MLP width; LayerNorm
-    weights and biases, MLP biases and the head's bias randomised (transformers
+    """A random fp32 ``transformers.GPTJForCausalLM`` in eval mode (eager attention): the
+    tiny shape with partial rotary (8 of 16 features per head) and an explicit MLP width;
+    LayerNorm weights and biases, MLP biases and the head's bias randomised (transformers
     initialises them to constants, which would hide a mapping mistake)."""
     import transformers
 
@@ -47,7 +62,8 @@ def random_hf_gptj(seed: int = 0, **config):
                   eos_token_id=None, pad_token_id=None)
     kwargs.update(config)
     torch.manual_seed(seed)
-    model = transformers.GPTJForCausalLM(transformers.GPTJConfig(**kwargs)).eval()
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.GPTJConfig(**kwargs), attn_implementation=REFERENCE_ATTENTION).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias") or ".ln_" in name:

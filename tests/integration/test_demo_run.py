@@ -11,6 +11,8 @@ from lmforge.data.loader import iter_text_eval_batches
 from lmforge.data.text import split_files, stdlib_files
 from lmforge.data.tokenizer import load_tokenizer
 
+from helpers.hf_models import load_reference
+
 pytestmark = pytest.mark.slow
 STEPS = 100
 
@@ -50,7 +52,7 @@ def test_demo_lowers_the_loss_by_two_nats(demo_run):
 
 
 def test_export_loss_in_transformers_equals_lmforge_eval(demo_run, tmp_path):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     out, _ = demo_run
     held_out = split_files(stdlib_files(), 0.05)[1]
     assert held_out, "the demo holds out some standard-library files"
@@ -63,8 +65,7 @@ def test_export_loss_in_transformers_equals_lmforge_eval(demo_run, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     ours = json.loads(result_path.read_text())
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32)
-    hf.eval()
+    hf = load_reference(out / "hf")
     tokenizer = load_tokenizer(out / "hf")
     total, count = 0.0, 0
     with torch.no_grad():

@@ -13,6 +13,7 @@ from lmforge.cli import main
 from lmforge.data.tokenizer import load_tokenizer
 
 from helpers.real_tokenizers import KINDS, save_model
+from helpers.hf_models import load_reference
 from helpers.runs import run_lmforge
 
 transformers = pytest.importorskip("transformers")
@@ -27,8 +28,7 @@ def model_dir(request, tmp_path_factory):
 
 
 def _hf(model_dir):
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return model.eval(), transformers.AutoTokenizer.from_pretrained(model_dir)
+    return load_reference(model_dir), transformers.AutoTokenizer.from_pretrained(model_dir)
 
 
 def test_prompt_tokens_follow_the_tokenizer_own_rules(model_dir):

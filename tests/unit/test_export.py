@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from helpers.tiny_models import tiny_llama_args
+from helpers.hf_models import load_reference
 from lmforge.cli import build_parser
 from lmforge.checkpoint import CheckpointError, read_model_state, save_checkpoint
 from lmforge.config import JobConfig
@@ -60,11 +61,8 @@ def our_logits(model, tokens):
 
 
 def hf_logits(out_dir, tokens):
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(out_dir, attn_implementation="eager")
     with torch.no_grad():
-        return hf.eval()(tokens).logits
+        return load_reference(out_dir)(tokens).logits
 
 
 @pytest.mark.parametrize("tie", [False, True])

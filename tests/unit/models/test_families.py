@@ -19,7 +19,7 @@ from lmforge.models.llama import sliding_window_mask
 from lmforge.models.presets import PRESETS, check_model_args
 from lmforge.models.registry import build_model
 from lmforge.peft import apply_lora, export_merged, lora_layers, save_adapter
-from helpers.hf_models import random_hf_causal_lm, random_hf_gptj
+from helpers.hf_models import load_reference, random_hf_causal_lm, random_hf_gptj
 
 SEQ = 24
 FAMILIES = {  # id -> (model_type, config fields beyond the tiny Llama shape)
@@ -88,8 +88,9 @@ def test_export_is_bit_identical_and_loads_in_transformers(hf_dir, tmp_path):
     if before["model_type"] != "gptj":
         default_head_dim = before["hidden_size"] // before["num_attention_heads"]
         assert after["head_dim"] == before.get("head_dim", default_head_dim)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "out", attn_implementation="eager").eval()
+    reloaded = load_reference(tmp_path / "out")
+    # The same implementation on both sides over bit-identical weights: equal logits.
+    assert reloaded.config._attn_implementation == hf_model.config._attn_implementation
     tokens = _tokens(hf_model.config.vocab_size)
     with torch.no_grad():
         assert torch.equal(reloaded(tokens).logits, hf_model(tokens).logits)
@@ -119,8 +120,7 @@ def test_lora_adapter_loads_in_peft_and_the_merged_export_agrees(hf_dir, tmp_pat
     with_adapter.unload()  # give the fixture's model back without adapters
     assert (reference - base).abs().max() > 1e-3  # the adapter matters
     torch.testing.assert_close(ours(x), reference, rtol=1e-5, atol=1e-5)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
-        merged, dtype=torch.float32, attn_implementation="eager").eval()
+    reloaded = load_reference(merged)
     torch.testing.assert_close(reloaded(x).logits, reference, rtol=1e-4, atol=1e-4)
 
 

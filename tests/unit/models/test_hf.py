@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
-from transformers import AutoModelForCausalLM, LlamaForCausalLM  # noqa: E402
+from transformers import LlamaForCausalLM  # noqa: E402
 
-from helpers.hf_models import random_hf_llama  # noqa: E402
+from helpers.hf_models import load_reference, random_hf_llama  # noqa: E402
 from lmforge.data.tokenizer import train_bpe  # noqa: E402
 from lmforge.models.common import new_caches  # noqa: E402
 from lmforge.models.hf import (  # noqa: E402
@@ -159,7 +159,7 @@ def test_save_round_trips_every_tensor_and_transformers_reloads_it(tmp_path, var
     assert saved.keys() == original.keys()
     for key in original:
         assert saved[key].dtype == original[key].dtype and torch.equal(saved[key], original[key])
-    reloaded = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    reloaded = load_reference(out)
     tokens = prompt()
     assert torch.equal(reloaded(tokens).logits, reference(tokens).logits)
 

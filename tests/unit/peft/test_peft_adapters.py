@@ -12,6 +12,7 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 from lmforge.models.hf import load_hf_model  # noqa: E402
+from helpers.hf_models import load_reference  # noqa: E402
 from lmforge.peft import (AdapterError, apply_lora, export_merged, load_adapter,  # noqa: E402
                           lora_layers, merge_lora, save_adapter)
 
@@ -117,7 +118,7 @@ def test_rank_and_alpha_patterns_written_by_peft_load(lib, hf_llama_dir, tmp_pat
 
 
 def make_base(lib, tmp_path):
-    return transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+    return load_reference(tmp_path / "base")
 
 
 @torch.no_grad()
@@ -130,7 +131,7 @@ def test_merged_export_equals_the_unmerged_model(lib, hf_llama_dir, tmp_path):
     assert not any(m.merged for m in lora_layers(ours).values())  # model left as it was
     merged = load_hf_model(tmp_path / "merged").eval()
     assert lib.max_rel_err(merged(x), unmerged) < 1e-5
-    hf_merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    hf_merged = load_reference(tmp_path / "merged")
     assert lib.max_rel_err(hf_logits(hf_merged, x), unmerged) < 1e-5
     # merging in place, then exporting, writes the same weights
     merge_lora(ours)
