@@ -12,8 +12,9 @@ from lmforge.config import JobConfig
 from lmforge.data.errors import DataError
 from lmforge.data.loader import BatchLoader, build_dataset_loader
 from lmforge.data.pretrain import IGNORE_INDEX
-from lmforge.data.text import PackedTokenLoader, corpus_files, split_tokens, tokenize_files
-from lmforge.data.tokenizer import Tokenizer, read_text, train_bpe
+from lmforge.data.text import (PackedTokenLoader, check_corpus, corpus_documents,
+                               corpus_files, split_tokens, tokenize_files)
+from lmforge.data.tokenizer import Tokenizer, train_bpe
 
 
 @dataclass
@@ -28,11 +29,24 @@ class DataBundle:
     stats: dict = field(default_factory=dict)  # counts the run records in summary.json
 
 
+def check_data(cfg: JobConfig) -> None:
+    """What the data refuses before a run sets anything up (``train`` checks it before it
+    claims its output directory, so a refusal writes nothing). A text corpus is read once
+    here, whole: a bad record, a file that is not UTF-8 or a corpus without text is
+    refused naming the field and the file (and line)."""
+    d = cfg.data
+    if d.kind != "text":
+        return
+    check_corpus("data.path", d.path, d.json_key)
+    if d.eval_path:
+        check_corpus("data.eval_path", d.eval_path, d.json_key)
+
+
 def corpus_texts_for_tokenizer(cfg: JobConfig) -> Iterator[str]:
     """The training texts, for training a tokenizer when the run has none."""
     train_files, _ = corpus_files(cfg.data.kind, cfg.data.path, cfg.data.eval_path,
                                   cfg.data.eval_fraction)
-    return (read_text(f) for f in train_files)
+    return corpus_documents(train_files, cfg.data.json_key)
 
 
 def train_corpus_tokenizer(cfg: JobConfig) -> Tokenizer:
@@ -137,9 +151,10 @@ def _sft_truncation(dataset) -> tuple[list[str], dict]:
 def _build_text(cfg, tokenizer, dp_rank, dp_size) -> DataBundle:
     d = cfg.data
     train_files, eval_files = corpus_files(d.kind, d.path, d.eval_path, d.eval_fraction)
-    train_tokens = tokenize_files(train_files, tokenizer)
+    train_tokens = tokenize_files(train_files, tokenizer, d.json_key)
     if eval_files:
-        eval_tokens, held = tokenize_files(eval_files, tokenizer), f"{len(eval_files)} files"
+        eval_tokens, held = (tokenize_files(eval_files, tokenizer, d.json_key),
+                             f"{len(eval_files)} files")
     elif d.eval_path:
         eval_tokens, held = train_tokens[:0], "0 files"
     else:  # too few files to hold whole ones out: hold out the tail of the tokens
