@@ -68,7 +68,7 @@ def build_data(cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int = 0, dp_size: 
     if template is not None:  # say which template renders the samples (auto may fall back)
         description += f", chat template {template.name}" + (
             " (the model's own)" if d.template == "auto" and template.source else "")
-    notes, stats = _sft_truncation(train.dataset) if d.kind == "sft" else ([], {})
+    notes, stats = _sft_counts(train.dataset) if d.kind == "sft" else ([], {})
     return DataBundle(train, eval_batches, description, eval_note, notes, stats)
 
 
@@ -135,17 +135,22 @@ def _held_out_note(d, dataset) -> str:
             f"(data.eval_fraction={d.eval_fraction})")
 
 
-def _sft_truncation(dataset) -> tuple[list[str], dict]:
-    """The note and counts of the training samples cut to seq_len + 1 tokens."""
-    n, lost = dataset.truncated_samples, dataset.truncated_tokens
+def _sft_counts(dataset) -> tuple[list[str], dict]:
+    """The notes and counts of the training samples cut to seq_len + 1 tokens, and of
+    the records skipped for an empty answer."""
+    n, lost, empty = dataset.truncated_samples, dataset.truncated_tokens, dataset.empty_answers
     stats = {"sft_truncated_samples": n, "sft_truncated_tokens": lost,
-             "sft_dropped_samples": dataset.dropped}
-    if not n:
-        return [], stats
-    note = (f"SFT data: {n:,} of {dataset.num_samples:,} samples are longer than seq_len + "
-            f"1 = {dataset.seq_len + 1} tokens and were cut to fit ({lost:,} tokens lost); "
-            f"raise data.seq_len to keep them")
-    return [note], stats
+             "sft_dropped_samples": dataset.dropped, "sft_empty_answer_samples": empty}
+    notes = []
+    if n:
+        notes.append(f"SFT data: {n:,} of {dataset.num_samples:,} samples are longer than "
+                     f"seq_len + 1 = {dataset.seq_len + 1} tokens and were cut to fit ({lost:,} "
+                     f"tokens lost); raise data.seq_len to keep them")
+    if empty:
+        records = dataset.num_samples + dataset.dropped + empty
+        notes.append(f"SFT data: {empty:,} of {records:,} records have an empty assistant "
+                     f"answer and were skipped (nothing to learn but the end of the turn)")
+    return notes, stats
 
 
 def _build_text(cfg, tokenizer, dp_rank, dp_size) -> DataBundle:
