@@ -10,8 +10,10 @@ import torch
 
 from lmforge.config import JobConfig
 from lmforge.data.errors import DataError
-from lmforge.data.loader import BatchLoader, build_dataset_loader
+from lmforge.data.indexed import IndexedDataset
+from lmforge.data.loader import BatchLoader, build_dataset_loader, pretrain_sources
 from lmforge.data.pretrain import IGNORE_INDEX
+from lmforge.data.sft import check_some_answer
 from lmforge.data.text import (PackedTokenLoader, check_corpus, corpus_documents,
                                corpus_files, split_tokens, tokenize_files)
 from lmforge.data.tokenizer import Tokenizer, train_bpe
@@ -33,13 +35,24 @@ def check_data(cfg: JobConfig) -> None:
     """What the data refuses before a run sets anything up (``train`` checks it before it
     claims its output directory, so a refusal writes nothing). A text corpus is read once
     here, whole: a bad record, a file that is not UTF-8 or a corpus without text is
-    refused naming the field and the file (and line)."""
+    refused naming the field and the file (and line). An SFT file is read up to its first
+    record with an answer; pretraining prefixes are opened (their index checks)."""
     d = cfg.data
-    if d.kind != "text":
+    check = {"text": lambda field, path: check_corpus(field, path, d.json_key),
+             "sft": check_some_answer, "pretrain": _open_prefixes}.get(d.kind)
+    if check is None:
         return
-    check_corpus("data.path", d.path, d.json_key)
+    if d.kind == "pretrain" and d.blend:
+        check("data.blend", d.blend)
+    else:
+        check("data.path", d.path)
     if d.eval_path:
-        check_corpus("data.eval_path", d.eval_path, d.json_key)
+        check("data.eval_path", d.eval_path)
+
+
+def _open_prefixes(field: str, value) -> None:
+    for _, prefix in pretrain_sources(value, field):
+        IndexedDataset(prefix)
 
 
 def corpus_texts_for_tokenizer(cfg: JobConfig) -> Iterator[str]:

@@ -158,6 +158,20 @@ def _empty_answer(messages: list[dict]) -> bool:
     return any(m["role"] == "assistant" and not m["content"].strip() for m in messages)
 
 
+def check_some_answer(field: str, path: Path) -> None:
+    """Refuses (before a run writes anything) an SFT file that is missing or whose every
+    record has an empty answer. Reads up to the first record with one: usually one line."""
+    if not Path(path).is_file():
+        raise DataError(f"{field}: {path}: no such file (SFT data is JSON Lines)")
+    records = 0
+    for n, obj in iter_jsonl(Path(path)):
+        records += 1
+        if not _empty_answer(record_messages(obj, f"{path}:{n}")):
+            return
+    raise DataError(f"{field}: {path}: every record's assistant answer is empty ({records} "
+                    f"records): nothing to train on")
+
+
 def held_out_records(path: Path, eval_fraction: float) -> Iterator[tuple[int, object]]:
     """(line number, parsed object) of the records ``eval_fraction`` holds out of an SFT
     file (those ``SFTDataset``'s "eval" part reads), in file order."""

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from lmforge.config import load_config
 from lmforge.data import sft as sft_mod
-from lmforge.data.build import build_data
+from lmforge.data.build import build_data, check_data
 from lmforge.data.errors import DataError
 from lmforge.data.loader import collate
 from lmforge.data.sft import SFTDataset, record_messages, sft_row
@@ -190,6 +190,9 @@ def test_a_file_of_empty_answers_only_is_refused_naming_it(tmp_path, tokenizer):
     with pytest.raises(DataError, match=r"t\.jsonl: every record's assistant answer is "
                                         r"empty \(3 records\)"):
         SFTDataset(path, tokenizer, "plain", 32, cache_dir=tmp_path / "cache")
+    cfg = load_config(None, ["data.kind=sft", f"data.path={path}"])
+    with pytest.raises(DataError, match=r"^data\.path: .*t\.jsonl: every record's"):
+        check_data(cfg)  # what train checks before it writes anything
 
 
 def test_tokenized_cache_is_reused(tmp_path, tokenizer, monkeypatch):
