@@ -157,8 +157,8 @@ def _sft_counts(dataset) -> tuple[list[str], dict]:
     notes = []
     if n:
         notes.append(f"SFT data: {n:,} of {dataset.num_samples:,} samples are longer than "
-                     f"seq_len + 1 = {dataset.seq_len + 1} tokens and were cut to fit ({lost:,} "
-                     f"tokens lost); raise data.seq_len to keep them")
+                     f"seq_len + 1 = {dataset.seq_len + 1} tokens and were cut to fit "
+                     f"({lost:,} tokens lost); raise data.seq_len to keep them")
     if empty:
         records = dataset.num_samples + dataset.dropped + empty
         notes.append(f"SFT data: {empty:,} of {records:,} records have an empty assistant "
