@@ -127,6 +127,24 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 
 # ------------------------------------------------------------------------ directories
 
+@contextlib.contextmanager
+def parent_dirs(path: str | Path) -> Iterator[None]:
+    """Creates the missing directories above ``path``; if the block raises, removes those
+    of them still empty, so a refused job leaves nothing behind."""
+    missing, parent = [], Path(path).parent
+    while not parent.exists() and parent != parent.parent:
+        missing.append(parent)  # deepest first
+        parent = parent.parent
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        for directory in missing:
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        raise
+
+
 def set_aside(path: Path, why: str) -> Path:
     """Rename ``path`` to a hidden sibling (``why``: old or deleting); returns it."""
     aside = path.with_name(f".{path.name}.{why}-{uuid.uuid4().hex[:8]}")

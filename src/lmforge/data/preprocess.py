@@ -248,7 +248,7 @@ def preprocess(inputs: list[str | Path], output_prefix: str | Path, tokenizer_di
     stats = PreprocessStats([Output(k, p) for k, p in
                              zip(keys, output_prefixes(str(output_prefix), keys))],
                             files=len(files))
-    with _locked([o.prefix for o in stats.outputs]):
+    with fsio.parent_dirs(output_prefix), _locked([o.prefix for o in stats.outputs]):
         _write(files, keys, tok, stats, str(tokenizer_dir), append_eod, workers, on_error,
                max(4096, int(chunk_mb * (1 << 20))), progress, special_tokens)
     return stats
@@ -296,7 +296,6 @@ def _locked(prefixes: list[str]) -> Iterator[None]:
         for prefix in prefixes:
             lock = fsio.FileLock(f"{prefix}.lock", remove=True)
             try:
-                Path(prefix).parent.mkdir(parents=True, exist_ok=True)
                 lock.acquire()
             except fsio.LockHeld as e:
                 raise DataError(f"--output-prefix: {prefix} is being written by another "

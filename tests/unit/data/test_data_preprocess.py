@@ -156,9 +156,9 @@ def test_an_input_without_a_document_is_refused_and_nothing_written(tmp_path, to
                                                                      content):
     (tmp_path / "a.jsonl").write_text(content)
     with pytest.raises(DataError, match=r"^--input .*a\.jsonl: no documents to write") as e:
-        preprocess([tmp_path / "a.jsonl"], tmp_path / "p", tokenizer_dir)
+        preprocess([tmp_path / "a.jsonl"], tmp_path / "new" / "dir" / "p", tokenizer_dir)
     assert "\n" not in str(e.value)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl"]  # not even the dirs
 
 
 def test_a_second_job_on_a_prefix_being_written_is_refused_and_the_pair_stays_one(
