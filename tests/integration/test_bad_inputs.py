@@ -19,10 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+import numpy as np
 import pytest
 
+from lmforge import fsio
 from lmforge.cli import main
 from lmforge.config import LoraConfig
+from lmforge.data.indexed import IndexedDatasetWriter
 from lmforge.data.tokenizer import train_bpe
 from lmforge.models.hf import load_hf_model, save_hf_model
 from lmforge.peft import apply_lora, save_adapter
@@ -88,6 +91,28 @@ def write(path: str, content: str | bytes):
     return setup
 
 
+_HELD = []  # locks held for a row by "another job": this process, on its own open file
+
+
+def hold_lock(path: str):
+    """A setup that holds ``fsio.FileLock`` on a path under the row's directory until the
+    test process ends, as a job still running would."""
+    def setup(tmp: Path, assets: dict) -> None:
+        lock = fsio.FileLock(tmp / path, remove=True)
+        lock.acquire()
+        _HELD.append(lock)
+    return setup
+
+
+def same_shape_pairs(tmp: Path, assets: dict) -> None:
+    """Two indexed pairs a and b of equal sequence lengths, a's .bin replaced by b's (as
+    two preprocess jobs racing on one prefix could leave it): the index checks pass."""
+    for name, first in (("a", 1), ("b", 100)):
+        with IndexedDatasetWriter(tmp / name, np.uint16) as w:
+            w.add_document(np.arange(first, first + 40))
+    (tmp / "b.bin").replace(tmp / "a.bin")
+
+
 def steps(*setups):
     def setup(tmp: Path, assets: dict) -> None:
         for s in setups:
@@ -121,7 +146,50 @@ MODEL_DIRS = [
 ADAPTERS = [
 ]
 
+NOT_UTF8 = bytes(range(128, 256)) * 160  # 20 KB of bytes no UTF-8 decoder accepts
+
 DATA = [
+    Bad("text corpus of random bytes",
+        ["train", "data.kind=text", "data.path={tmp}/noise.bin", "train.output_dir={tmp}/run"],
+        r"^data\.path: {tmp}/noise\.bin:1: not valid UTF-8 \(byte 0x80 at byte offset 0",
+        setup=write("noise.bin", NOT_UTF8)),
+    Bad("text corpus with a broken JSON line",
+        ["train", "data.kind=text", "data.path={tmp}/c.jsonl", "train.output_dir={tmp}/run"],
+        r"^data\.path: {tmp}/c\.jsonl:2: not valid JSON",
+        setup=write("c.jsonl", '{"text": "fine"}\n{"text": "cut\n')),
+    Bad("text corpus of empty records",
+        ["train", "data.kind=text", "data.path={tmp}/c.jsonl", "train.output_dir={tmp}/run"],
+        r"^data\.path: {tmp}/c\.jsonl: no text to train on",
+        setup=write("c.jsonl", '{"text": ""}\n{"text": ""}\n')),
+    Bad("text eval_path without text",
+        ["train", "data.kind=text", "data.path={text}", "data.eval_path={tmp}/held.txt",
+         "train.output_dir={tmp}/run"],
+        r"^data\.eval_path: {tmp}/held\.txt: no text to train on",
+        setup=write("held.txt", "\n\n")),
+    Bad("SFT file of empty answers only",
+        ["train", "model.init_from={model}", "data.kind=sft", "data.path={tmp}/chat.jsonl",
+         "train.output_dir={tmp}/run"],
+        r"^data\.path: {tmp}/chat\.jsonl: every record's assistant answer is empty",
+        setup=write("chat.jsonl", '{"prompt": "hi", "response": ""}\n' * 3)),
+    Bad("preprocess of an empty file",
+        ["preprocess", "--input", "{tmp}/empty.jsonl", "--output-prefix", "{tmp}/p",
+         "--tokenizer", "{tokenizer}"],
+        r"^--input {tmp}/empty\.jsonl: no documents to write",
+        setup=write("empty.jsonl", "")),
+    Bad("tokenizer train on an empty file",
+        ["tokenizer", "train", "--input", "{tmp}/empty.txt", "--vocab-size", "300",
+         "--output", "{tmp}/tok"],
+        r"^--input {tmp}/empty\.txt: no text to train a tokenizer on",
+        setup=write("empty.txt", "")),
+    Bad("preprocess to a prefix another job writes",
+        ["preprocess", "--input", "{text}", "--output-prefix", "{tmp}/p",
+         "--tokenizer", "{tokenizer}"],
+        r"^--output-prefix: {tmp}/p is being written by another preprocess \(pid \d+",
+        setup=hold_lock("p.lock")),
+    Bad("pretraining on a .bin and .idx from two writes",
+        ["train", "data.kind=pretrain", "data.path={tmp}/a", "model.tokenizer={tokenizer}",
+         "train.output_dir={tmp}/run"],
+        r"^{tmp}/a\.bin and {tmp}/a\.idx are not one pair", setup=same_shape_pairs),
 ]
 
 GENERATE = [

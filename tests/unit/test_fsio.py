@@ -112,3 +112,29 @@ def test_check_writable_refuses_a_read_only_directory_naming_it(tmp_path):
             fsio.check_writable(locked, "OUT_DIR", kind="dir")
     finally:
         locked.chmod(0o700)
+
+
+def test_a_lock_whose_file_its_holder_removes_meanwhile_is_taken_on_the_new_file(
+        tmp_path, monkeypatch):
+    """B opens the lock file, A releases it (deleting the file), B's flock succeeds on the
+    deleted file: B must lock the file now under the name, or C would take that one too."""
+    path = tmp_path / "x.lock"
+    a = fsio.FileLock(path, remove=True)
+    a.acquire()
+    flock, calls = fsio._flock, []
+
+    def a_releases_first(fd):
+        if not calls:
+            a.release()
+        calls.append(fd)
+        return flock(fd)
+
+    monkeypatch.setattr(fsio, "_flock", a_releases_first)
+    b = fsio.FileLock(path, remove=True)
+    b.acquire()
+    assert len(calls) == 2, "B locked the deleted file and kept it"
+    with pytest.raises(fsio.LockHeld) as held:
+        fsio.FileLock(path, remove=True).acquire()
+    assert held.value.holder["pid"] == os.getpid()
+    b.release()
+    assert not path.exists()

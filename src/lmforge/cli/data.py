@@ -1,13 +1,14 @@
 """``lmforge preprocess`` and ``lmforge tokenizer``: raw text to tokens."""
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
 from lmforge import fsio
 from lmforge.data.preprocess import preprocess
-from lmforge.data.tokenizer import (RECORD_SUFFIXES, TEXT_SUFFIXES, iter_text_files,
-                                    train_bpe, training_texts)
+from lmforge.data.tokenizer import (CORPUS_SUFFIXES, iter_text_files, train_bpe,
+                                    training_texts)
 
 JSON_KEY = "text"  # the field holding a record's text, unless --json-key says otherwise
 PREPROCESS_DESCRIPTION = ("Tokenize raw text (.jsonl, .jsonl.gz, .json, .txt, .parquet) into "
@@ -73,7 +74,7 @@ def _add_tokenizer(sub) -> None:
                         "arrays and parquet give the text under --json-key of each record; "
                         "other files their whole text.")
     t.add_argument("--input", required=True, nargs="+", metavar="PATH",
-                   help=f"files, or directories of {', '.join(TEXT_SUFFIXES + RECORD_SUFFIXES)}")
+                   help=f"files, or directories of {', '.join(CORPUS_SUFFIXES)}")
     t.add_argument("--json-key", nargs="+", action="extend", metavar="KEY",
                    help="JSON/parquet field(s) holding the text, all trained on "
                         f"(default: {JSON_KEY})")
@@ -88,12 +89,16 @@ def _tokenizer_train(args) -> int:
     if args.vocab_size < 260:
         raise ValueError("--vocab-size must be at least 260 (256 bytes + special tokens)")
     fsio.check_writable(args.output, "--output", kind="dir")
-    files = list(iter_text_files(args.input, TEXT_SUFFIXES + RECORD_SUFFIXES))
+    files = list(iter_text_files(args.input, CORPUS_SUFFIXES))
     if not files:
         raise ValueError(f"{', '.join(args.input)}: no "
-                         f"{'/'.join(TEXT_SUFFIXES + RECORD_SUFFIXES)} files found")
+                         f"{'/'.join(CORPUS_SUFFIXES)} files found")
     texts = training_texts(files, args.json_key or [JSON_KEY])
-    tokenizer = train_bpe(texts, args.vocab_size)
+    first = next(texts, None)  # a tokenizer of no text would be the 256 bytes alone
+    if first is None:
+        raise ValueError(f"--input {' '.join(args.input)}: no text to train a tokenizer on "
+                         f"(every file, or every record's text, is empty)")
+    tokenizer = train_bpe(itertools.chain([first], texts), args.vocab_size)
     tokenizer.save(args.output)
     print(f"trained a {tokenizer.vocab_size}-token BPE tokenizer on {len(files)} files: "
           f"{Path(args.output) / 'tokenizer.json'}")

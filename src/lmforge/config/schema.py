@@ -44,7 +44,8 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     # stdlib: the Python standard library's sources (the CPU demo corpus);
-    # text: local .txt/.py/.md files or directories; pretrain / sft: see data/.
+    # text: local files or directories (.jsonl/.json/.parquet: the records' json_key,
+    # other files whole; data/text.py); pretrain / sft: see data/.
     kind: str = "stdlib"
     path: Optional[Any] = None  # a path or a list of paths
     eval_path: Optional[Any] = None

@@ -10,10 +10,13 @@ import torch
 
 from lmforge.config import JobConfig
 from lmforge.data.errors import DataError
-from lmforge.data.loader import BatchLoader, build_dataset_loader
+from lmforge.data.indexed import IndexedDataset
+from lmforge.data.loader import BatchLoader, build_dataset_loader, pretrain_sources
 from lmforge.data.pretrain import IGNORE_INDEX
-from lmforge.data.text import PackedTokenLoader, corpus_files, split_tokens, tokenize_files
-from lmforge.data.tokenizer import Tokenizer, read_text, train_bpe
+from lmforge.data.sft import check_some_answer
+from lmforge.data.text import (PackedTokenLoader, check_corpus, corpus_documents,
+                               corpus_files, split_tokens, tokenize_files)
+from lmforge.data.tokenizer import Tokenizer, train_bpe
 
 
 @dataclass
@@ -28,11 +31,35 @@ class DataBundle:
     stats: dict = field(default_factory=dict)  # counts the run records in summary.json
 
 
+def check_data(cfg: JobConfig) -> None:
+    """What the data refuses before a run sets anything up (``train`` checks it before it
+    claims its output directory, so a refusal writes nothing). A text corpus is read once
+    here, whole: a bad record, a file that is not UTF-8 or a corpus without text is
+    refused naming the field and the file (and line). An SFT file is read up to its first
+    record with an answer; pretraining prefixes are opened (their index checks)."""
+    d = cfg.data
+    check = {"text": lambda field, path: check_corpus(field, path, d.json_key),
+             "sft": check_some_answer, "pretrain": _open_prefixes}.get(d.kind)
+    if check is None:
+        return
+    if d.kind == "pretrain" and d.blend:
+        check("data.blend", d.blend)
+    else:
+        check("data.path", d.path)
+    if d.eval_path:
+        check("data.eval_path", d.eval_path)
+
+
+def _open_prefixes(field: str, value) -> None:
+    for _, prefix in pretrain_sources(value, field):
+        IndexedDataset(prefix)
+
+
 def corpus_texts_for_tokenizer(cfg: JobConfig) -> Iterator[str]:
     """The training texts, for training a tokenizer when the run has none."""
     train_files, _ = corpus_files(cfg.data.kind, cfg.data.path, cfg.data.eval_path,
                                   cfg.data.eval_fraction)
-    return (read_text(f) for f in train_files)
+    return corpus_documents(train_files, cfg.data.json_key)
 
 
 def train_corpus_tokenizer(cfg: JobConfig) -> Tokenizer:
@@ -54,7 +81,7 @@ def build_data(cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int = 0, dp_size: 
     if template is not None:  # say which template renders the samples (auto may fall back)
         description += f", chat template {template.name}" + (
             " (the model's own)" if d.template == "auto" and template.source else "")
-    notes, stats = _sft_truncation(train.dataset) if d.kind == "sft" else ([], {})
+    notes, stats = _sft_counts(train.dataset) if d.kind == "sft" else ([], {})
     return DataBundle(train, eval_batches, description, eval_note, notes, stats)
 
 
@@ -121,25 +148,31 @@ def _held_out_note(d, dataset) -> str:
             f"(data.eval_fraction={d.eval_fraction})")
 
 
-def _sft_truncation(dataset) -> tuple[list[str], dict]:
-    """The note and counts of the training samples cut to seq_len + 1 tokens."""
-    n, lost = dataset.truncated_samples, dataset.truncated_tokens
+def _sft_counts(dataset) -> tuple[list[str], dict]:
+    """The notes and counts of the training samples cut to seq_len + 1 tokens, and of
+    the records skipped for an empty answer."""
+    n, lost, empty = dataset.truncated_samples, dataset.truncated_tokens, dataset.empty_answers
     stats = {"sft_truncated_samples": n, "sft_truncated_tokens": lost,
-             "sft_dropped_samples": dataset.dropped}
-    if not n:
-        return [], stats
-    note = (f"SFT data: {n:,} of {dataset.num_samples:,} samples are longer than seq_len + "
-            f"1 = {dataset.seq_len + 1} tokens and were cut to fit ({lost:,} tokens lost); "
-            f"raise data.seq_len to keep them")
-    return [note], stats
+             "sft_dropped_samples": dataset.dropped, "sft_empty_answer_samples": empty}
+    notes = []
+    if n:
+        notes.append(f"SFT data: {n:,} of {dataset.num_samples:,} samples are longer than "
+                     f"seq_len + 1 = {dataset.seq_len + 1} tokens and were cut to fit "
+                     f"({lost:,} tokens lost); raise data.seq_len to keep them")
+    if empty:
+        records = dataset.num_samples + dataset.dropped + empty
+        notes.append(f"SFT data: {empty:,} of {records:,} records have an empty assistant "
+                     f"answer and were skipped (nothing to learn but the end of the turn)")
+    return notes, stats
 
 
 def _build_text(cfg, tokenizer, dp_rank, dp_size) -> DataBundle:
     d = cfg.data
     train_files, eval_files = corpus_files(d.kind, d.path, d.eval_path, d.eval_fraction)
-    train_tokens = tokenize_files(train_files, tokenizer)
+    train_tokens = tokenize_files(train_files, tokenizer, d.json_key)
     if eval_files:
-        eval_tokens, held = tokenize_files(eval_files, tokenizer), f"{len(eval_files)} files"
+        eval_tokens, held = (tokenize_files(eval_files, tokenizer, d.json_key),
+                             f"{len(eval_files)} files")
     elif d.eval_path:
         eval_tokens, held = train_tokens[:0], "0 files"
     else:  # too few files to hold whole ones out: hold out the tail of the tokens

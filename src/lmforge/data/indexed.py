@@ -17,9 +17,18 @@ Our preprocessing writes one sequence per document, as Megatron's ``preprocess_d
 does without sentence splitting. The writer keeps its memory flat whatever the size of the
 dataset (lengths are spilled to a side file) and renames the files into place only once
 they are complete. The reader maps both files and never copies tokens.
+
+The two renames are separate steps, so the writer also leaves ``PREFIX.pair``, a record of
+the pair (each file's size and a hash of 16 blocks of 4 KiB spread over it; outside the
+two files, so Megatron reads them unchanged). The reader checks it first and refuses a
+``.bin`` and ``.idx`` from two different writes (two jobs that raced, or a pair read while
+it is replaced) naming both files. A pair without the record (Megatron's, an older
+lmforge's) opens as before; the index checks below still apply to it.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import struct
 from array import array
@@ -54,6 +63,10 @@ def idx_path(prefix: str | Path) -> str:
     return f"{prefix}.idx"
 
 
+def pair_path(prefix: str | Path) -> str:
+    return f"{prefix}.pair"
+
+
 def strip_suffix(path: str | Path) -> str:
     """``data/x.bin`` or ``data/x.idx`` -> ``data/x``; a prefix is returned unchanged."""
     text = str(path)
@@ -85,6 +98,7 @@ class IndexedDatasetWriter:
         self._tmp_bin, self._tmp_idx = bin_path(self.prefix) + tag, idx_path(self.prefix) + tag
         self._tmp_lengths = f"{self.prefix}.lengths{tag}"
         self._tmp_docs = f"{self.prefix}.docs{tag}"
+        self._tmp_pair = pair_path(self.prefix) + tag
         Path(self._tmp_bin).parent.mkdir(parents=True, exist_ok=True)
         self._bin = open(self._tmp_bin, "wb")
         self._lengths_file = open(self._tmp_lengths, "w+b")
@@ -182,8 +196,11 @@ class IndexedDatasetWriter:
         self._write_index()
         self._lengths_file.close()
         self._docs_file.close()
+        fsio.write_file(self._tmp_pair, json.dumps(pair_record(
+            self._tmp_bin, self._tmp_idx)).encode())
         fsio.replace_file(self._tmp_bin, bin_path(self.prefix))
         fsio.replace_file(self._tmp_idx, idx_path(self.prefix))
+        fsio.replace_file(self._tmp_pair, pair_path(self.prefix))
         for tmp in (self._tmp_lengths, self._tmp_docs):
             os.unlink(tmp)
         self._done = True
@@ -219,7 +236,8 @@ class IndexedDatasetWriter:
             return
         for f in (self._bin, self._lengths_file, self._docs_file):
             f.close()
-        for tmp in (self._tmp_bin, self._tmp_idx, self._tmp_lengths, self._tmp_docs):
+        for tmp in (self._tmp_bin, self._tmp_idx, self._tmp_lengths, self._tmp_docs,
+                    self._tmp_pair):
             if os.path.exists(tmp):
                 os.unlink(tmp)
         self._done = True
@@ -277,9 +295,10 @@ class IndexedDataset:
         if bin_size % self.dtype.itemsize:
             raise DataError(f"{binp}: size {bin_size} is not a multiple of the "
                             f"{self.dtype} token size")
-        _check_sequences(idx, self.sequence_lengths, self.sequence_pointers,
+        _check_sequences(idx, binp, self.sequence_lengths, self.sequence_pointers,
                          self.dtype.itemsize, bin_size)
         _check_documents(idx, self.document_indices, n_seq)
+        check_pair(self.prefix)  # after the checks above, which say more where they fail
         self.tokens = (np.memmap(binp, dtype=self.dtype, mode="r") if bin_size
                        else np.empty(0, dtype=self.dtype))
         self._num_tokens: Optional[int] = None
@@ -340,6 +359,57 @@ class IndexedDataset:
             yield self[i]
 
 
+# -------------------------------------------------------------------------- the pair
+
+_FINGERPRINT_BLOCKS, _FINGERPRINT_BYTES = 16, 4096
+
+
+def file_fingerprint(path: str) -> dict:
+    """A file's size and a hash of ``_FINGERPRINT_BLOCKS`` blocks spread evenly over it
+    (the whole file when it is smaller): read in microseconds at every open, and two
+    different writes almost surely differ in one of them (a bit flip may not: that is
+    not what it is for)."""
+    size = os.path.getsize(path)
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        if size <= _FINGERPRINT_BLOCKS * _FINGERPRINT_BYTES:
+            digest.update(f.read())
+        else:
+            last = size - _FINGERPRINT_BYTES
+            for k in range(_FINGERPRINT_BLOCKS):
+                f.seek(last * k // (_FINGERPRINT_BLOCKS - 1))
+                digest.update(f.read(_FINGERPRINT_BYTES))
+    return {"bytes": size, "blake2b": digest.hexdigest()}
+
+
+def pair_record(bin_file: str, idx_file: str) -> dict:
+    return {"bin": file_fingerprint(bin_file), "idx": file_fingerprint(idx_file)}
+
+
+def check_pair(prefix: str) -> None:
+    """Refuse a ``.bin`` and ``.idx`` that ``PREFIX.pair`` says were not written together."""
+    record_file, binp, idx = pair_path(prefix), bin_path(prefix), idx_path(prefix)
+    try:
+        with open(record_file, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return  # Megatron's or an older lmforge's pair: the index checks still apply
+    try:
+        record = json.loads(raw)
+        recorded = {"bin": record["bin"], "idx": record["idx"]}
+    except (ValueError, TypeError, KeyError):
+        raise DataError(f"{record_file}: not a pair record of {binp} and {idx} (remove it "
+                        f"if you wrote the pair with another tool)") from None
+    actual = pair_record(binp, idx)
+    if actual != recorded:
+        changed = " and ".join(n for n in ("bin", "idx") if actual[n] != recorded[n])
+        raise DataError(
+            f"{binp} and {idx} are not one pair: the .{changed} differs from what "
+            f"{record_file} recorded (two writes raced, or the pair is being replaced now); "
+            f"re-run preprocess, or remove {record_file} if you replaced the files on "
+            f"purpose")
+
+
 # ------------------------------------------------------------------------- index checks
 # A wrong length or pointer would silently train on the wrong tokens (or on a window of
 # billions of them), so the reader checks the whole index at open. The checks run block by
@@ -363,14 +433,14 @@ def _first_bad(check, n: int) -> Optional[int]:
     return None
 
 
-def _check_sequences(idx: str, lengths: np.ndarray, pointers: np.ndarray, itemsize: int,
-                     bin_size: int) -> None:
+def _check_sequences(idx: str, binp: str, lengths: np.ndarray, pointers: np.ndarray,
+                     itemsize: int, bin_size: int) -> None:
     """Pointers start at 0, each is the previous one plus the previous length, and the last
     sequence ends exactly where ``.bin`` does (Megatron writes sequences back to back)."""
     n, held = len(lengths), bin_size // itemsize
     if n == 0:
         if held:
-            raise DataError(f"{idx}: no sequences, but the .bin holds {held} tokens")
+            raise DataError(f"{idx}: no sequences, but {binp} holds {held} tokens")
         return
     if pointers[0] != 0:
         raise DataError(f"{idx}: sequence 0 starts at byte {int(pointers[0])}, not 0")
@@ -392,10 +462,10 @@ def _check_sequences(idx: str, lengths: np.ndarray, pointers: np.ndarray, itemsi
     end = (int(pointers[-1]) + int(lengths[-1]) * itemsize) // itemsize
     if lengths[-1] < 0 or end > held:
         raise DataError(f"{idx}: sequence {n - 1} has {int(lengths[-1])} tokens and ends at "
-                        f"token {end}, but the .bin holds only {held} tokens (truncated, or "
+                        f"token {end}, but {binp} holds only {held} tokens (truncated, or "
                         f"not this index's .bin)")
     if end < held:
-        raise DataError(f"{idx}: the sequences end at token {end}, but the .bin holds {held} "
+        raise DataError(f"{idx}: the sequences end at token {end}, but {binp} holds {held} "
                         f"tokens (not this index's .bin?)")
 
 

@@ -12,10 +12,15 @@ module drives the run. Memory stays flat whatever the input size:
 
 Bad records stop the run with ``file:line: reason`` (for parquet the line is the 1-based
 row); ``--on-error skip`` skips them and reports how many and where. Empty or
-whitespace-only documents are never an error: they are left out and counted.
+whitespace-only documents are never an error: they are left out and counted; but an
+output left with no document at all is refused, and nothing is written.
+
+One job at a time writes a prefix: a second one is refused, naming the first
+(``PREFIX.lock``, which the first removes when it ends).
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import sys
@@ -240,12 +245,22 @@ def preprocess(inputs: list[str | Path], output_prefix: str | Path, tokenizer_di
     if append_eod and tok.eos_id is None:
         raise DataError(f"--append-eod: the tokenizer in {tokenizer_dir} has no end-of-text "
                         "token")
-    dtype = token_dtype(tok.vocab_size)
-    chunk_bytes = max(4096, int(chunk_mb * (1 << 20)))
     stats = PreprocessStats([Output(k, p) for k, p in
                              zip(keys, output_prefixes(str(output_prefix), keys))],
                             files=len(files))
-    writers = [IndexedDatasetWriter(o.prefix, dtype) for o in stats.outputs]
+    with fsio.parent_dirs(output_prefix), _locked([o.prefix for o in stats.outputs]):
+        _write(files, keys, tok, stats, str(tokenizer_dir), append_eod, workers, on_error,
+               max(4096, int(chunk_mb * (1 << 20))), progress, special_tokens)
+    return stats
+
+
+def _write(files: list[Path], keys: list[str], tok, stats: PreprocessStats,
+           tokenizer_dir: str, append_eod: bool, workers: int, on_error: str,
+           chunk_bytes: int, progress: bool, special_tokens: str) -> None:
+    """Tokenizes ``files`` into ``stats.outputs``' prefixes, counting in ``stats``; nothing
+    is left under the final names unless every output holds a document."""
+    writers = [IndexedDatasetWriter(o.prefix, token_dtype(tok.vocab_size))
+               for o in stats.outputs]
     bar = _progress_bar(sum(f.stat().st_size for f in files), progress)
     start = time.perf_counter()
     text_doc = {"tokens": 0, "content": False}
@@ -253,11 +268,12 @@ def preprocess(inputs: list[str | Path], output_prefix: str | Path, tokenizer_di
     text_ends = (prefix, suffix + ([tok.eos_id] if append_eod else []))
     try:
         chunks = iter_chunks(files, keys, chunk_bytes, bar.update if bar else None)
-        init = (str(tokenizer_dir), keys, append_eod, special_tokens == "tokenizer")
+        init = (tokenizer_dir, keys, append_eod, special_tokens == "tokenizer")
         for result in _run(chunks, workers, init):
             _consume(result, stats, writers, on_error, text_ends, text_doc)
             if bar:
                 bar.set_postfix(docs=stats.documents, tokens=stats.tokens, refresh=False)
+        _refuse_empty(stats, files)
         for w in writers:
             w.finalize()
     except BaseException:
@@ -268,7 +284,46 @@ def preprocess(inputs: list[str | Path], output_prefix: str | Path, tokenizer_di
         if bar:
             bar.close()
     stats.seconds = time.perf_counter() - start
-    return stats
+
+
+@contextlib.contextmanager
+def _locked(prefixes: list[str]) -> Iterator[None]:
+    """One job at a time per output prefix (``PREFIX.lock``, removed at the end): two jobs
+    renaming their .bin and .idx into one place could leave one's .bin with the other's
+    .idx."""
+    locks: list[fsio.FileLock] = []
+    try:
+        for prefix in prefixes:
+            lock = fsio.FileLock(f"{prefix}.lock", remove=True)
+            try:
+                lock.acquire()
+            except fsio.LockHeld as e:
+                raise DataError(f"--output-prefix: {prefix} is being written by another "
+                                f"preprocess ({fsio.describe_holder(e.holder)}; lock file "
+                                f"{lock.path}); wait for it or choose another prefix") from None
+            except OSError as e:
+                raise DataError(f"--output-prefix: cannot create {lock.path} "
+                                f"({e.strerror or e})") from None
+            locks.append(lock)
+        yield
+    finally:
+        for lock in reversed(locks):
+            lock.release()
+
+
+def _refuse_empty(stats: PreprocessStats, files: list[Path]) -> None:
+    """A dataset of no document is a mistake (an empty input, the wrong --json-key):
+    refused before anything is written."""
+    for o in stats.outputs:
+        if o.documents:
+            continue
+        key = f" under key {o.key!r}" if len(stats.outputs) > 1 else ""
+        why = [f"{o.empty:,} empty documents left out"] if o.empty else []
+        why += [f"{stats.skipped:,} bad records skipped"] if stats.skipped else []
+        named = ", ".join(map(str, files[:3])) + (f" and {len(files) - 3} more files"
+                                                   if len(files) > 3 else "")
+        raise DataError(f"--input {named}: no documents{key} to write "
+                        f"({', '.join(why) or 'no records'}); nothing written")
 
 
 def _run(chunks: Iterator[tuple], workers: int, init: tuple) -> Iterator[ChunkResult]:

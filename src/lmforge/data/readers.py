@@ -39,7 +39,7 @@ def find_inputs(paths: list[str | Path]) -> list[Path]:
     for p in map(Path, paths):
         if p.is_dir():
             found = sorted(f for f in p.rglob("*") if f.is_file() and input_kind(f)
-                           and not _skipped_dir(f.relative_to(p)))
+                           and not skipped_path(f.relative_to(p)))
             if not found:
                 raise DataError(f"{p}: no usable input files (looked for "
                                 f"{', '.join(SUFFIXES)})")
@@ -53,7 +53,7 @@ def find_inputs(paths: list[str | Path]) -> list[Path]:
     return files
 
 
-def _skipped_dir(relative: Path) -> bool:
+def skipped_path(relative: Path) -> bool:
     """Hidden files and folders, and lmforge's own caches, are not inputs."""
     return any(part.startswith(".") or part.endswith((".lmforge-index", ".lmforge-sft"))
                for part in relative.parts)

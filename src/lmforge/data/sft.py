@@ -12,8 +12,10 @@ assistant's content and its end-of-turn token.
 Truncation: a sample longer than ``seq_len + 1`` tokens keeps its first ``seq_len + 1``
 (the end of the last answer is cut); ``truncated_samples`` and ``truncated_tokens`` count
 those samples and the tokens cut off them (the trainer prints and records both). A sample
-left with no trained target is dropped, and the count is reported. Batches are padded to
-``seq_len`` (fixed shapes), with label -100.
+left with no trained target is dropped, and the count is reported. A record with an empty
+(or blank) assistant answer would teach only the end-of-turn token: it is skipped and
+counted (``empty_answers``, printed and recorded too); a file of nothing else is refused.
+Batches are padded to ``seq_len`` (fixed shapes), with label -100.
 
 Packing (``data.pack``): samples are placed first-fit into rows of ``seq_len`` positions
 (16 rows open at a time, in the epoch's shuffled order). Each sample keeps its own
@@ -49,7 +51,9 @@ from lmforge.data.pretrain import (
 from lmforge.data.templates import get_template
 
 ROLES = ("system", "user", "assistant")
-SFT_CACHE_VERSION = 2  # 2: special tokens follow the tokenizer's rules; Jinja templates
+# 2: special tokens follow the tokenizer's rules; Jinja templates. 3: EMPTY_ANSWER marks.
+SFT_CACHE_VERSION = 3
+EMPTY_ANSWER = -2  # first_trained of a record with an empty assistant answer
 
 
 # --------------------------------------------------------------------------- records
@@ -124,7 +128,8 @@ def tokenizer_fingerprint(tok) -> str:
 
 def tokenize_file(path: Path, template, tok, out_dir: Path, batch: int = 256) -> None:
     """Writes ``tokens`` and ``trained`` indexed datasets and ``first_trained.npy``
-    (index of each sample's first trained token after the first, -1 if none)."""
+    (index of each sample's first trained token after the first, -1 if none,
+    ``EMPTY_ANSWER`` for a record with an empty assistant answer)."""
     dtype = token_dtype(tok.vocab_size)
     first: list[int] = []
     with IndexedDatasetWriter(out_dir / "tokens", dtype) as tokens, \
@@ -132,11 +137,12 @@ def tokenize_file(path: Path, template, tok, out_dir: Path, batch: int = 256) ->
         pending: list = []
 
         def flush():
-            for ids, flags in template.encode_many(pending, tok):
+            for (_, messages), (ids, flags) in zip(pending, template.encode_many(pending, tok)):
                 tokens.add_document(ids)
                 trained.add_document(flags.astype(np.uint8))
                 hits = np.flatnonzero(flags[1:])
-                first.append(int(hits[0]) + 1 if len(hits) else -1)
+                first.append(EMPTY_ANSWER if _empty_answer(messages) else
+                             int(hits[0]) + 1 if len(hits) else -1)
             pending.clear()
 
         for n, obj in iter_jsonl(path):
@@ -146,6 +152,24 @@ def tokenize_file(path: Path, template, tok, out_dir: Path, batch: int = 256) ->
                 flush()
         flush()
     save_npy(out_dir / "first_trained.npy", np.asarray(first, dtype=np.int64))
+
+
+def _empty_answer(messages: list[dict]) -> bool:
+    return any(m["role"] == "assistant" and not m["content"].strip() for m in messages)
+
+
+def check_some_answer(field: str, path: Path) -> None:
+    """Refuses (before a run writes anything) an SFT file that is missing or whose every
+    record has an empty answer. Reads up to the first record with one: usually one line."""
+    if not Path(path).is_file():
+        raise DataError(f"{field}: {path}: no such file (SFT data is JSON Lines)")
+    records = 0
+    for n, obj in iter_jsonl(Path(path)):
+        records += 1
+        if not _empty_answer(record_messages(obj, f"{path}:{n}")):
+            return
+    raise DataError(f"{field}: {path}: every record's assistant answer is empty ({records} "
+                    f"records): nothing to train on")
 
 
 def held_out_records(path: Path, eval_fraction: float) -> Iterator[tuple[int, object]]:
@@ -241,7 +265,7 @@ class SFTDataset:
         self.trained = IndexedDataset(self.cache / "trained")
         # in the names of packing plans: another part or fraction packs other samples
         self._part_tag = "" if holdout is None else f"-{holdout[0]}{float(holdout[1])}"
-        self.rows, self.dropped = self._usable_samples(
+        self.rows, self.dropped, self.empty_answers = self._usable_samples(
             np.load(self.cache / "first_trained.npy"), holdout)
         lengths = self.tokens.sequence_lengths.astype(np.int64)
         cut = np.maximum(lengths[self.rows] - (self.seq_len + 1), 0)  # of the kept samples
@@ -251,9 +275,10 @@ class SFTDataset:
         self._epochs = RecentCache(2)
 
     def _usable_samples(self, first: np.ndarray, holdout: Optional[tuple[str, float]]
-                        ) -> tuple[np.ndarray, int]:
-        """(this part's usable sample ids, how many of its samples were dropped): a sample
-        is usable if a trained token survives truncation to seq_len + 1."""
+                        ) -> tuple[np.ndarray, int, int]:
+        """(this part's usable sample ids, how many of its samples were dropped, how many
+        skipped for an empty answer): a sample is usable if its answers hold text and a
+        trained token survives truncation to seq_len + 1."""
         ids, which = np.arange(len(first)), ""
         if holdout is not None:
             part, fraction = holdout
@@ -263,15 +288,19 @@ class SFTDataset:
                 raise DataError(f"{self.path}: too few samples ({len(first)}) to hold out "
                                 f"data.eval_fraction={fraction} of them and train on the rest")
         usable = ids[(first[ids] >= 1) & (first[ids] <= self.seq_len)]
+        empty = int((first[ids] == EMPTY_ANSWER).sum())
+        if empty == len(ids):
+            raise DataError(f"{self.path}{which}: every record's assistant answer is empty "
+                            f"({empty} records): nothing to train on")
         if not len(usable):
             raise DataError(f"{self.path}{which}: no sample has a trained token within the "
                             f"first seq_len + 1 = {self.seq_len + 1} tokens")
-        dropped = len(ids) - len(usable)
+        dropped = len(ids) - len(usable) - empty
         if dropped:
             warnings.warn(f"{self.path}{which}: {dropped} of {len(ids)} samples dropped (no "
                           f"assistant token within seq_len + 1 = {self.seq_len + 1} tokens)",
                           stacklevel=3)
-        return usable, dropped
+        return usable, dropped, empty
 
     @property
     def num_samples(self) -> int:

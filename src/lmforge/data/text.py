@@ -1,5 +1,11 @@
 """Plain-text corpora tokenized in memory: the Python standard library (the CPU demo's
-corpus, present on every machine with Python) and local text files.
+corpus, present on every machine with Python) and local files.
+
+A corpus is read as ``lmforge tokenizer train`` and ``preprocess`` read their inputs (one
+path for data, ``corpus_documents``): a JSON Lines, JSON array or parquet file gives the
+text under ``data.json_key`` of each record (a bad record is refused with ``file:line``),
+any other file its whole text (bytes that are not UTF-8 are refused with the file, line and
+byte offset). Blank documents are left out; a corpus of none but blank ones is refused.
 
 For corpora larger than memory, preprocess them into an indexed dataset instead
 (``lmforge preprocess``, ``data.kind: pretrain``).
@@ -9,13 +15,14 @@ from __future__ import annotations
 import sysconfig
 import zlib
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import numpy as np
 import torch
 
 from lmforge.data.loader import loader_state, resume_position
-from lmforge.data.tokenizer import Tokenizer, iter_text_files, read_text
+from lmforge.data.errors import DataError
+from lmforge.data.tokenizer import CORPUS_SUFFIXES, Tokenizer, iter_text_files, training_texts
 
 # The demo reads this much of the standard library: enough text for a few hundred steps,
 # small enough to tokenize in seconds on a laptop.
@@ -72,20 +79,45 @@ def corpus_files(kind: str, path, eval_path, eval_fraction: float
                  ) -> tuple[list[Path], list[Path]]:
     if kind == "stdlib":
         return split_files(stdlib_files(), eval_fraction)
-    paths = path if isinstance(path, list) else [path]
-    files = list(iter_text_files(paths))
-    if not files:
-        raise FileNotFoundError(f"{', '.join(map(str, paths))}: no .txt/.md/.py/.rst files")
+    files = listed_files(path)
     if eval_path:
-        eval_paths = eval_path if isinstance(eval_path, list) else [eval_path]
-        return files, list(iter_text_files(eval_paths))
+        return files, listed_files(eval_path)
     return split_files(files, eval_fraction)
 
 
-def tokenize_files(files: Iterable[Path], tokenizer: Tokenizer) -> np.ndarray:
+def listed_files(path) -> list[Path]:
+    """The files of ``path`` (a path or a list of them; directories walked in sorted order
+    for the corpus suffixes)."""
+    paths = path if isinstance(path, list) else [path]
+    files = list(iter_text_files(paths, CORPUS_SUFFIXES))
+    if not files:
+        raise FileNotFoundError(f"{', '.join(map(str, paths))}: no "
+                                f"{'/'.join(CORPUS_SUFFIXES)} files")
+    return files
+
+
+def corpus_documents(files: Iterable[Path], json_key: str = "text") -> Iterator[str]:
+    """The documents of ``files`` that hold text (see the module doc)."""
+    return training_texts(files, [json_key])
+
+
+def check_corpus(field: str, path, json_key: str) -> None:
+    """Reads every document of the corpus at ``path`` (config field ``field``), refusing a
+    bad record or file, or a corpus with no text at all, with the field first."""
+    try:
+        found = sum(1 for _ in corpus_documents(listed_files(path), json_key))
+    except (ValueError, OSError) as e:
+        raise DataError(f"{field}: {' '.join(str(e).split())}") from None
+    if not found:
+        raise DataError(f"{field}: {path}: no text to train on (every file, or every "
+                        f"record's {json_key!r}, is empty)")
+
+
+def tokenize_files(files: Iterable[Path], tokenizer: Tokenizer, json_key: str = "text"
+                   ) -> np.ndarray:
     """All documents concatenated, each as the tokenizer encodes it (with the special
     tokens it adds itself) and followed by the end-of-document token."""
-    texts = [read_text(f) for f in files]
+    texts = list(corpus_documents(files, json_key))
     pieces = [np.asarray(ids + tokenizer.eos_ids, dtype=np.int32)
               for ids in tokenizer.encode_batch(texts)]
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)

@@ -10,12 +10,14 @@ from typing import Iterable, Iterator, Optional
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from lmforge.data.readers import input_kind, iter_record_texts
+from lmforge.data.errors import at
+from lmforge.data.readers import input_kind, iter_record_texts, skipped_path
 
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")
 # Read as records, the text under a JSON key (a parquet column), as preprocess reads them.
 RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")
+CORPUS_SUFFIXES = TEXT_SUFFIXES + RECORD_SUFFIXES  # what a directory of a corpus gives
 
 
 class TokenizerError(ValueError):
@@ -186,11 +188,13 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
 
 def iter_text_files(paths: Iterable[str | Path], suffixes=TEXT_SUFFIXES) -> Iterator[Path]:
     """Files under ``paths`` (files as given, directories walked in sorted order for names
-    ending in one of ``suffixes``)."""
+    ending in one of ``suffixes``, past hidden ones and lmforge's caches, as preprocess
+    walks them)."""
     for p in map(Path, paths):
         if p.is_dir():
             yield from sorted(f for f in p.rglob("*") if f.is_file()
-                              and f.name.endswith(tuple(suffixes)))
+                              and f.name.endswith(tuple(suffixes))
+                              and not skipped_path(f.relative_to(p)))
         elif p.is_file():
             yield p
         else:
@@ -198,19 +202,31 @@ def iter_text_files(paths: Iterable[str | Path], suffixes=TEXT_SUFFIXES) -> Iter
 
 
 def read_text(path: Path) -> str:
-    return path.read_text(encoding="utf-8", errors="replace")
+    """A file's whole text. Bytes that are not UTF-8 are refused, naming the file, the
+    line and the byte offset: replacing them would train on noise (a binary file, or a
+    text in another encoding)."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise at(path, data.count(b"\n", 0, e.start) + 1,
+                 f"not valid UTF-8 (byte 0x{data[e.start]:02x} at byte offset {e.start}; "
+                 f"convert the file to UTF-8)") from None
 
 
 def training_texts(files: Iterable[Path], json_keys: Iterable[str] = ("text",)
                    ) -> Iterator[str]:
-    """The documents a tokenizer is trained on: of a JSON Lines / JSON array / parquet
-    file, the text under each of ``json_keys`` in each record (never the JSON syntax
-    around it; a bad record stops with file:line); of any other file, its whole text."""
+    """The documents of a corpus (what a tokenizer, or ``data.kind=text``, trains on): of a
+    JSON Lines / JSON array / parquet file, the text under each of ``json_keys`` in each
+    record (never the JSON syntax around it; a bad record stops with file:line); of any
+    other file, its whole text (``read_text``). Blank documents are left out, as
+    preprocess leaves them out."""
     for path in map(Path, files):
         if input_kind(path) in RECORD_SUFFIXES:
-            yield from iter_record_texts(path, list(json_keys))
+            texts = iter_record_texts(path, list(json_keys))
         else:
-            yield read_text(path)
+            texts = [read_text(path)]
+        yield from (text for text in texts if text.strip())
 
 
 def _read_json(path: Path) -> dict:

@@ -28,7 +28,7 @@ from lmforge.checkpoint import (AsyncCheckpointer, CheckpointError, capture_rng,
 from lmforge.config import (ConfigError, JobConfig, check_parallel_fits, compute_dtype,
                             grad_accumulation_steps, resolve_device, samples_per_step,
                             save_config, warmup_warning)
-from lmforge.data.build import DataBundle, build_data, train_corpus_tokenizer
+from lmforge.data.build import DataBundle, build_data, check_data, train_corpus_tokenizer
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
 from lmforge.export import export_trained, trained_model
 from lmforge.models.common import count_parameters
@@ -98,6 +98,7 @@ def check_job(cfg: JobConfig, env: DistEnv) -> bool:
     # lora.targets by peft's one rule, against the model family's names, before any compute
     resolve_targets(cfg.lora.targets, job_family(cfg).projections)
     check_resume_path(cfg.train.resume, Path(cfg.train.output_dir) / CHECKPOINTS)
+    check_data(cfg)  # last: it may read a whole text corpus
     return distributed
 
 

@@ -48,3 +48,17 @@ def test_tokenizer_train_stops_at_a_bad_record_naming_its_file_and_line(tmp_path
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err
     assert err.startswith(f"lmforge: error: {corpus}:2: no key 'text'")
+
+
+def test_tokenizer_train_on_inputs_without_text_is_refused_and_writes_nothing(
+        tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.jsonl").write_text('{"text": ""}\n{"text": "  \\n"}\n')
+    for name in ("empty.txt", "blank.jsonl"):
+        code = main(["tokenizer", "train", "--input", str(tmp_path / name),
+                     "--vocab-size", "300", "--output", str(tmp_path / "tok")])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and "\n" not in err
+        assert err.startswith(f"lmforge: error: --input {tmp_path / name}: no text to "
+                              "train a tokenizer on")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blank.jsonl", "empty.txt"]

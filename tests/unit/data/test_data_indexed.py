@@ -146,7 +146,7 @@ _POINTERS, _DOCS = _LENGTHS + 4 * _S, _LENGTHS + 12 * _S
     (_LENGTHS + 4 * 3, "<i", 2_000_000_000,
      r"x_text_document.idx: sequence 3 has 2000000000 tokens but its pointer and the next"),
     (_LENGTHS + 4 * 9, "<i", 2_000_000_000,
-     r"sequence 9 has 2000000000 tokens .* the .bin holds only 55 tokens"),
+     r"sequence 9 has 2000000000 tokens .*\.bin holds only 55 tokens"),
     (_LENGTHS + 4 * 5, "<i", -1, r"sequence 5 has -1 tokens but its pointer and the next"),
     (_POINTERS + 8 * 7, "<q", 4, r"sequence 6 has 7 tokens but its pointer and the next"),
     (_POINTERS, "<q", 2, r"sequence 0 starts at byte 2"),
@@ -172,5 +172,40 @@ def test_an_index_whose_header_counts_disagree_with_its_size_or_the_bin_is_refus
     prefix = _ten_documents(tmp_path)
     with open(bin_path(prefix), "ab") as f:
         f.write(b"\x00\x00")  # one token no sequence covers
-    with pytest.raises(DataError, match=r"end at token 55, but the .bin holds 56 tokens"):
+    with pytest.raises(DataError, match=r"end at token 55, but .*\.bin holds 56 tokens"):
         IndexedDataset(prefix)
+
+
+def _same_shape_pairs(tmp_path):
+    """Two datasets of equal sequence lengths and different tokens: the index checks
+    cannot tell one's .bin from the other's."""
+    prefixes = []
+    for name, seed in (("a", 1), ("b", 2)):
+        with IndexedDatasetWriter(tmp_path / name, np.uint16) as w:
+            for length in (5, 9, 3):
+                w.add_document(np.random.default_rng(seed).integers(0, 999, size=length))
+        prefixes.append(tmp_path / name)
+    return prefixes
+
+
+def test_a_bin_and_idx_from_two_writes_are_refused_naming_both(tmp_path):
+    a, b = _same_shape_pairs(tmp_path)
+    (tmp_path / "b.bin").replace(tmp_path / "a.bin")  # a.idx, b's tokens: as after a race
+    with pytest.raises(DataError) as refused:
+        IndexedDataset(a)
+    message = str(refused.value)
+    assert f"{a}.bin and {a}.idx are not one pair" in message and "\n" not in message
+    assert f"{a}.pair" in message
+    (tmp_path / "a.pair").unlink()  # no record (Megatron's pairs): only the index checks
+    assert IndexedDataset(a).num_tokens == 17
+
+
+def test_the_pair_record_samples_large_files_and_changes_with_any_sampled_block(tmp_path):
+    path = tmp_path / "big"
+    data = bytearray(np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8))
+    path.write_bytes(data)
+    first = indexed.file_fingerprint(str(path))
+    data[-1] ^= 1  # the last block is sampled
+    path.write_bytes(data)
+    assert indexed.file_fingerprint(str(path)) != first
+    assert first["bytes"] == 1 << 20

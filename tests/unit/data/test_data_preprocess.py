@@ -39,7 +39,8 @@ def test_jsonl_matches_direct_tokenization(tmp_path, tokenizer, tokenizer_dir, d
     assert stats.documents == len(docs) and stats.tokens == sum(map(len, _expected(
         tokenizer, docs)))
     assert IndexedDataset(tmp_path / "out" / "p").dtype == np.uint16
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["p.bin", "p.idx"]
+    # the pair, its record, and no lock or temporary file left behind
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["p.bin", "p.idx", "p.pair"]
 
 
 def test_workers_give_identical_files(tmp_path, tokenizer_dir, docs):
@@ -147,6 +148,45 @@ def test_empty_documents_are_left_out_and_counted(tmp_path, tokenizer, tokenizer
     assert stats.outputs[0].empty == 3 and stats.documents == 2
     assert _documents(tmp_path / "p") == _expected(tokenizer, ["one", "two"])
     assert "3 empty documents left out" in stats.summary()
+
+
+@pytest.mark.parametrize("content", ["", '{"text": ""}\n{"text": " \\n"}\n'],
+                         ids=["no records", "only empty texts"])
+def test_an_input_without_a_document_is_refused_and_nothing_written(tmp_path, tokenizer_dir,
+                                                                     content):
+    (tmp_path / "a.jsonl").write_text(content)
+    with pytest.raises(DataError, match=r"^--input .*a\.jsonl: no documents to write") as e:
+        preprocess([tmp_path / "a.jsonl"], tmp_path / "new" / "dir" / "p", tokenizer_dir)
+    assert "\n" not in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl"]  # not even the dirs
+
+
+def test_a_second_job_on_a_prefix_being_written_is_refused_and_the_pair_stays_one(
+        tmp_path, tokenizer, tokenizer_dir, monkeypatch):
+    """Job B starts while job A renames its files into place (between its .bin and its
+    .idx): B is refused naming the prefix and A, and A's pair is what stays."""
+    from lmforge import fsio
+
+    write_jsonl(tmp_path / "a.jsonl", [{"text": "first job's text"}])
+    write_jsonl(tmp_path / "b.jsonl", [{"text": "the second job writes other words"}])
+    rename, refusals = fsio.replace_file, []
+
+    def rename_then_start_b(tmp, path):
+        rename(tmp, path)
+        if str(path).endswith(".bin") and not refusals:
+            try:
+                preprocess([tmp_path / "b.jsonl"], tmp_path / "p", tokenizer_dir)
+                refusals.append(None)
+            except DataError as e:
+                refusals.append(str(e))
+
+    monkeypatch.setattr(fsio, "replace_file", rename_then_start_b)
+    preprocess([tmp_path / "a.jsonl"], tmp_path / "p", tokenizer_dir)
+    assert refusals[0] is not None, "the second job ran"
+    assert refusals[0].startswith(f"--output-prefix: {tmp_path / 'p'} is being written by "
+                                  f"another preprocess (pid {os.getpid()} on ")
+    assert _documents(tmp_path / "p") == _expected(tokenizer, ["first job's text"], False)
+    assert not (tmp_path / "p.lock").exists()
 
 
 def test_bad_inputs_are_refused_naming_file_and_line_leaving_no_output(tmp_path, tokenizer_dir):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from lmforge.config import load_config
 from lmforge.data import sft as sft_mod
-from lmforge.data.build import build_data
+from lmforge.data.build import build_data, check_data
 from lmforge.data.errors import DataError
 from lmforge.data.loader import collate
 from lmforge.data.sft import SFTDataset, record_messages, sft_row
@@ -158,13 +158,41 @@ def test_truncated_samples_and_the_tokens_cut_are_counted_and_reported(tmp_path,
     cut = [len(ds.sample(i)[0]) - 33 for i in range(3) if len(ds.sample(i)[0]) > 33]
     assert len(cut) == 2 and ds.truncated_samples == 2 and ds.truncated_tokens == sum(cut)
     assert data.stats == {"sft_truncated_samples": 2, "sft_truncated_tokens": sum(cut),
-                          "sft_dropped_samples": 0}
+                          "sft_dropped_samples": 0, "sft_empty_answer_samples": 0}
     assert len(data.notes) == 1 and "2 of 3 samples" in data.notes[0]
     assert f"({sum(cut):,} tokens lost)" in data.notes[0]
     fits = build_data(load_config(None, ["data.kind=sft", f"data.path={path}",
                                          "data.template=plain", "data.seq_len=4096"]),
                       tokenizer, cache_dir=tmp_path / "cache")
     assert fits.notes == [] and fits.stats["sft_truncated_samples"] == 0
+
+
+def test_records_with_an_empty_answer_are_skipped_counted_and_reported(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "t.jsonl", [
+        {"prompt": "fine", "response": "ok"},
+        {"prompt": "nothing to say", "response": ""},
+        {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                      {"role": "user", "content": "c"}, {"role": "assistant", "content": " "}]},
+        {"prompt": "also fine", "response": "yes"}])
+    cfg = load_config(None, ["data.kind=sft", f"data.path={path}", "data.template=plain",
+                             "data.seq_len=64", "data.eval_fraction=0",
+                             "data.micro_batch_size=1"])
+    data = build_data(cfg, tokenizer, cache_dir=tmp_path / "cache")
+    ds = data.train.dataset
+    assert ds.rows.tolist() == [0, 3] and ds.empty_answers == 2 and ds.dropped == 0
+    assert data.stats["sft_empty_answer_samples"] == 2
+    assert any(n.startswith("SFT data: 2 of 4 records have an empty assistant answer")
+               for n in data.notes)
+
+
+def test_a_file_of_empty_answers_only_is_refused_naming_it(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "p", "response": ""}] * 3)
+    with pytest.raises(DataError, match=r"t\.jsonl: every record's assistant answer is "
+                                        r"empty \(3 records\)"):
+        SFTDataset(path, tokenizer, "plain", 32, cache_dir=tmp_path / "cache")
+    cfg = load_config(None, ["data.kind=sft", f"data.path={path}"])
+    with pytest.raises(DataError, match=r"^data\.path: .*t\.jsonl: every record's"):
+        check_data(cfg)  # what train checks before it writes anything
 
 
 def test_tokenized_cache_is_reused(tmp_path, tokenizer, monkeypatch):

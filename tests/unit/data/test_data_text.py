@@ -1,5 +1,7 @@
 """Raw-text corpora (data.kind=text): the train/held-out split works for any number of
-files, and too little text is refused with what to change."""
+files, and too little text is refused with what to change; records are read as preprocess
+reads them, and a bad or empty corpus is refused naming the field and the place."""
+import json
 import zlib
 
 import numpy as np
@@ -7,10 +9,11 @@ import torch
 import pytest
 
 from lmforge.config import load_config
-from lmforge.data.build import build_data, corpus_texts_for_tokenizer
+from lmforge.data.build import build_data, check_data, corpus_texts_for_tokenizer
+from lmforge.data.errors import DataError
 from lmforge.data.text import PackedTokenLoader, split_files, tokenize_files
 
-from .conftest import make_docs
+from .conftest import make_docs, write_jsonl
 
 HELD_OUT_NAME = "notes16.txt"  # its name hashes into the 5% held-out share
 
@@ -75,3 +78,57 @@ def test_data_parallel_ranks_share_the_held_out_windows_in_equal_numbers_of_batc
     firsts = [list(build_data(cfg, tokenizer, r, 2).eval_batches()) for r in (0, 1)]
     assert [len(b) for b in firsts] == [1, 1]
     assert torch.equal(firsts[1][0]["labels"], one[1]["labels"])
+
+
+def test_a_jsonl_corpus_trains_on_its_records_texts_and_leaves_out_empty_ones(
+        tmp_path, tokenizer):
+    docs = make_docs(30, seed=7)
+    records = [{"body": d, "id": i} for i, d in enumerate(docs)]
+    records[3]["body"] = records[9]["body"] = ""  # no text: no document (not a lone EOS)
+    corpus = write_jsonl(tmp_path / "c.jsonl", records)
+    cfg = load_config(None, ["data.kind=text", f"data.path={corpus}", "data.json_key=body",
+                             "data.seq_len=16", "data.micro_batch_size=2",
+                             "data.eval_fraction=0"])
+    kept = [d for i, d in enumerate(docs) if i not in (3, 9)]
+    expected = np.concatenate([tokenizer.encode(d) + tokenizer.eos_ids for d in kept])
+    assert np.array_equal(build_data(cfg, tokenizer).train.tokens, expected)
+    assert list(corpus_texts_for_tokenizer(cfg)) == kept
+
+
+NOT_UTF8 = bytes(range(128, 256)) * 160  # 20 KB that no UTF-8 decoder accepts
+BAD_CORPORA = {
+    "random bytes": ("noise.bin", NOT_UTF8,
+                     r"^data\.path: .*noise\.bin:1: not valid UTF-8 \(byte 0x80 at byte "
+                     r"offset 0"),
+    "bytes after text": ("late.txt", b"fine\nstill fine\n\xff",
+                         r"^data\.path: .*late\.txt:3: not valid UTF-8 \(byte 0xff at byte "
+                         r"offset 16"),
+    "broken JSON line": ("broken.jsonl", b'{"text": "ok"}\n{"text": "cut\n',
+                         r"^data\.path: .*broken\.jsonl:2: not valid JSON"),
+    "only empty texts": ("empty.jsonl", b'{"text": ""}\n{"text": " "}\n',
+                         r"^data\.path: .*empty\.jsonl: no text to train on"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CORPORA))
+def test_a_bad_or_empty_corpus_is_refused_naming_the_field_and_the_place(
+        tmp_path, tokenizer, case):
+    name, content, message = BAD_CORPORA[case]
+    (tmp_path / name).write_bytes(content)
+    cfg = load_config(None, ["data.kind=text", f"data.path={tmp_path / name}",
+                             "data.seq_len=16", "data.micro_batch_size=2"])
+    with pytest.raises(DataError, match=message) as refused:
+        check_data(cfg)
+    assert "\n" not in str(refused.value)
+    with pytest.raises(ValueError):  # building the data reads it the same way
+        build_data(cfg, tokenizer)
+
+
+def test_an_eval_path_without_text_is_refused_naming_it(tmp_path):
+    corpus, held = tmp_path / "train.txt", tmp_path / "held.jsonl"
+    corpus.write_text("\n\n".join(make_docs(60, seed=4)))
+    held.write_text(json.dumps({"text": ""}) + "\n")
+    cfg = load_config(None, ["data.kind=text", f"data.path={corpus}",
+                             f"data.eval_path={held}"])
+    with pytest.raises(DataError, match=r"^data\.eval_path: .*held\.jsonl: no text"):
+        check_data(cfg)

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from lmforge.config import ConfigError, JobConfig
-from lmforge.train.run_dir import LOCK_NAME, RunLock, claim_run_dir, holder_alive
+from lmforge.fsio import holder_alive
+from lmforge.train.run_dir import LOCK_NAME, RunLock, claim_run_dir
 
 
 def _checkpoint(run_dir, step):
