@@ -40,6 +40,7 @@ from lmforge.parallel.mesh import (DistEnv, ParallelDims, build_parallel_dims,
 from lmforge.parallel.offload import offload_summary
 from lmforge.peft.lora import trainable_summary
 from lmforge.peft.targets import resolve_targets
+from lmforge.perf.budget import require_fit
 from lmforge.perf.flops import device_peak_flops, model_flops_per_token
 from lmforge.train import metrics as M
 from lmforge.train.model_setup import (TrainModel, build_train_model, clip_grad_norm,
@@ -81,6 +82,7 @@ def train(cfg: JobConfig) -> dict:
     """Runs the job described by ``cfg``; returns a summary of what happened."""
     env = read_dist_env()
     distributed = check_job(cfg, env)
+    require_fit(cfg, env.world_size, env.local_rank)  # before any allocation or write
     if env.rank == 0 and (warning := warmup_warning(cfg)):
         print(warning, file=sys.stderr, flush=True)
     summary = _run(cfg, init_runtime(cfg, env, distributed))
