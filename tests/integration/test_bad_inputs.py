@@ -123,6 +123,11 @@ def steps(*setups):
 # ----------------------------------------------------------------- the table
 # Sections by command; keep a row's name unique (it is the test id).
 
+HUGE_CPU_RUN = ["model.preset=llama3-70b", "model.vocab_size=128256", "data.seq_len=4096",
+                "train.device=cpu"]
+OVER_MEMORY = (r"^memory: the run needs about \d+\.\d GiB per device .* GiB; try .*"
+               r"train\.skip_memory_check=true")
+
 TRAIN = [
     Bad("negative lr", ["train", "optim.lr=-1", "train.output_dir={tmp}/run"],
         r"optim\.lr"),
@@ -136,6 +141,11 @@ TRAIN = [
     Bad("missing init_from", ["train", "model.init_from={tmp}/absent",
                               "train.output_dir={tmp}/run"],
         r"model\.init_from"),
+    # A full 70B training step on the CPU: about 2.6 TiB per process, over any CI machine.
+    Bad("model over the machine's memory", ["train", *HUGE_CPU_RUN,
+                                            "train.output_dir={tmp}/run"], OVER_MEMORY),
+    Bad("dry run of a model over the machine's memory",
+        ["train", "--dry-run", *HUGE_CPU_RUN, "train.output_dir={tmp}/run"], OVER_MEMORY),
 ]
 
 MODEL_DIRS = [

@@ -11,6 +11,7 @@ from lmforge.data.tokenizer import load_tokenizer
 from lmforge.models.registry import build_model
 from lmforge.parallel.mesh import DistEnv, read_dist_env
 from lmforge.peft.lora import prepare_model_for_lora, trainable_summary
+from lmforge.perf.budget import check_memory, refusal
 from lmforge.perf.estimate import estimate_memory, format_table
 from lmforge.perf.estimate_setup import setup_from_config
 from lmforge.train.loop import check_job, resolve_model_args, train
@@ -74,9 +75,15 @@ def _look_before_running(args) -> int:
     model = build_model(_model_args(cfg, setup))  # meta device: nothing allocated
     if cfg.lora.enabled:
         prepare_model_for_lora(model, cfg.lora)
+    estimate = estimate_memory(setup)
+    memory = check_memory(cfg, env.world_size, env.local_rank, estimate.total_bytes)
     if env.rank == 0:
         print(f"parameters: {trainable_summary(model)}")
-        print(format_table(estimate_memory(setup)))
+        print(format_table(estimate))
+        print(memory.describe(), flush=True)
+    if not memory.fits:  # refused as the run would be: exit 2, one line
+        raise ConfigError(refusal(cfg, memory, env.world_size))
+    if env.rank == 0:
         print("dry run: the config is valid; nothing was computed or written")
     return 0
 

@@ -5,10 +5,18 @@ which takes a high peak LR, a fixed 20-step warmup and a code prompt for its sam
 that starts from a model (``model.init_from``) is fine-tuning: ``load_config`` gives it
 the table below instead, for each key its YAML and ``key=value`` overrides did not set (a
 value given explicitly always wins). README.md ("Fine-tuning defaults") states the table.
+
+The run directory is named for the run too (``run_output_dir``): a run loaded from a config
+file takes ``runs/<the file's stem>``, a fine-tune given on the command line
+``runs/<init_from's directory name>``; only the demo (neither) writes to ``runs/demo``.
+The name is stable, not stamped with the time: every rank of a job and every requeued
+attempt (``train.resume=auto``) must find the same directory.
 """
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 from typing import Any, Collection, Optional
 
 from lmforge.config.schema import JobConfig
@@ -20,6 +28,7 @@ LORA_LR = 2e-4
 # Warmup as a share of train.max_steps (rounded up), not a fixed count a short run may
 # never get through.
 WARMUP_FRACTION = 0.03
+RUNS_ROOT = "runs"  # where a run directory named for its config or init_from goes
 
 
 def fine_tuning_defaults(cfg: JobConfig) -> dict[str, Any]:
@@ -34,15 +43,38 @@ def fine_tuning_defaults(cfg: JobConfig) -> dict[str, Any]:
             "train.sample_prompt": None}
 
 
-def apply_run_defaults(cfg: JobConfig, explicit: Collection[str]) -> None:
+def apply_run_defaults(cfg: JobConfig, explicit: Collection[str],
+                       config_path: Optional[str | Path] = None) -> None:
     """Gives a run with model.init_from the fine-tuning defaults on each key not in
-    ``explicit`` (the ``section.key`` names its config set)."""
+    ``explicit`` (the ``section.key`` names its config set), and any run its directory's
+    name (``run_output_dir``) unless it set train.output_dir."""
+    if "train.output_dir" not in explicit:
+        cfg.train.output_dir = run_output_dir(cfg, config_path)
     if not cfg.model.init_from:
         return
     for dotted, value in fine_tuning_defaults(cfg).items():
         section, key = dotted.split(".")
         if dotted not in explicit:
             setattr(getattr(cfg, section), key, value)
+
+
+def run_output_dir(cfg: JobConfig, config_path: Optional[str | Path] = None) -> str:
+    """``runs/<config file stem>``; without a file, ``runs/<init_from's name>`` for a
+    fine-tune; else the schema's (the demo's) directory."""
+    if config_path is not None:
+        return f"{RUNS_ROOT}/{Path(config_path).stem}"
+    if cfg.model.init_from:
+        return f"{RUNS_ROOT}/{model_dir_name(cfg.model.init_from)}"
+    return cfg.train.output_dir
+
+
+def model_dir_name(path: str) -> str:
+    """A model directory's name; for a Hugging Face cache snapshot
+    (``models--org--name/snapshots/<hash>``) the model's, not the hash."""
+    where = Path(os.path.abspath(path))
+    if where.parent.name == "snapshots" and where.parent.parent.name.startswith("models--"):
+        return where.parent.parent.name.split("--")[-1]
+    return where.name or "model"
 
 
 def warmup_warning(cfg: JobConfig) -> Optional[str]:

@@ -33,7 +33,7 @@ def load_config(path: Optional[str | Path] = None, overrides: list[str] = ()) ->
         explicit.update(apply_dict(cfg, raw))
     for item in overrides:
         explicit.add(apply_override(cfg, item))
-    apply_run_defaults(cfg, explicit)
+    apply_run_defaults(cfg, explicit, path)
     return cfg
 
 

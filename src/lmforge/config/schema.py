@@ -143,6 +143,10 @@ class TrainConfig:
     # (default: the output directory's name).
     wandb_project: Optional[str] = None
     wandb_run_name: Optional[str] = None
+    # A run whose memory estimate (lmforge estimate) exceeds its device's memory (a GPU's
+    # total, or the host's available memory on the CPU) is refused before anything is
+    # allocated or written (perf/budget.py, docs/security.md); true runs it anyway.
+    skip_memory_check: bool = False
 
 
 @dataclass

@@ -164,11 +164,11 @@ QLORA = {"lora.enabled": True, "lora.quantize": "nf4", **SINGLE_DEVICE,
 
 # ---------------------------------------------------------------- when nothing fits
 
-def peak_gib(cfg: JobConfig, keys: dict, gpus: int) -> Optional[float]:
-    """Estimated total GiB of ``cfg`` with ``keys`` set on ``gpus`` devices; None when
-    the trainer would refuse that config."""
+def peak_gib(cfg: JobConfig, keys: dict, gpus: int, device: str = "cuda") -> Optional[float]:
+    """Estimated total GiB of ``cfg`` with ``keys`` set on ``gpus`` devices of type
+    ``device`` (cuda | cpu); None when the trainer would refuse that config."""
     try:
-        setup = setup_from_config(with_keys(cfg, keys), device="cuda", world_size=gpus)
+        setup = setup_from_config(with_keys(cfg, keys), device=device, world_size=gpus)
     except ConfigError:
         return None
     return estimate_memory(setup).total_bytes / GiB

@@ -40,6 +40,7 @@ from lmforge.parallel.mesh import (DistEnv, ParallelDims, build_parallel_dims,
 from lmforge.parallel.offload import offload_summary
 from lmforge.peft.lora import trainable_summary
 from lmforge.peft.targets import resolve_targets
+from lmforge.perf.budget import require_fit
 from lmforge.perf.flops import device_peak_flops, model_flops_per_token
 from lmforge.train import metrics as M
 from lmforge.train.model_setup import (TrainModel, build_train_model, clip_grad_norm,
@@ -81,6 +82,7 @@ def train(cfg: JobConfig) -> dict:
     """Runs the job described by ``cfg``; returns a summary of what happened."""
     env = read_dist_env()
     distributed = check_job(cfg, env)
+    require_fit(cfg, env.world_size, env.local_rank)  # before any allocation or write
     if env.rank == 0 and (warning := warmup_warning(cfg)):
         print(warning, file=sys.stderr, flush=True)
     summary = _run(cfg, init_runtime(cfg, env, distributed))
@@ -139,7 +141,8 @@ def _run_in(cfg: JobConfig, rt: Runtime, out_dir: Path) -> dict:
     start_step = checkpoints.resume(model, optimizers, data)
     end_step = min(cfg.train.max_steps, cfg.train.stop_at_step or cfg.train.max_steps)
     progress = Progress(cfg, rt.is_logging_rank, start_step, end_step, rt.started)
-    with StopSignals(rt.device) as stop:  # SIGUSR1/SIGTERM: checkpoint this step, leave
+    # SIGUSR1/SIGTERM: checkpoint this step, leave (rank 0 says so when the signal comes)
+    with StopSignals(rt.device, announce=rt.is_logging_rank) as stop:
         history = run_loop(cfg, rt, model, optimizers, data, out_dir, checkpoints,
                            start_step, end_step, progress, stop)
     if stop.stopped_at is not None:
@@ -147,7 +150,7 @@ def _run_in(cfg: JobConfig, rt: Runtime, out_dir: Path) -> dict:
                  f"requeue resumes (train.resume=auto)")
         return {"preempted_at": stop.stopped_at, "history": history}
     if end_step < cfg.train.max_steps:
-        _say(rt, "\n".join(summary_lines(progress.summary(out_dir, history, rt.device))))
+        _say(rt, "\n".join(summary_lines(progress.summary(out_dir, history, rt.device, data))))
         _say(rt, f"stopped after step {end_step} of {cfg.train.max_steps} "
                  f"(train.stop_at_step); continue with train.resume=auto")
         return {"stopped_at": end_step, "history": history}
@@ -314,6 +317,7 @@ def run_loop(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optimiz
     progress = progress or Progress(cfg, rt.is_logging_rank, start_step, end_step)
     # The whole run's records (rank 0): an earlier invocation's, then this one's.
     history, nonfinite_steps = list(logger.earlier), 0
+    progress.starting(start_step + 1, accum)  # the first step can take minutes: say so
     for step in range(start_step + 1, end_step + 1):
         micro_batches = [data.train.next_batch() for _ in range(accum)]
         result = train_step(cfg, rt, model, optimizers, micro_batches, step)
@@ -321,7 +325,10 @@ def run_loop(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optimiz
         step_tokens = sum(b["input_ids"].numel() for b in micro_batches) * rt.dp_size
         throughput.add(step_tokens)
         evaluate_now = eval_due(cfg, step, data)
-        if evaluate_now or step % t.log_every == 0 or step in (start_step + 1, end_step):
+        # a stop signal: this step is the run's last for now, so it is logged too
+        preempted = stop is not None and stop.should_stop(step)
+        logged = evaluate_now or preempted or step % t.log_every == 0
+        if logged or step in (start_step + 1, end_step):
             record = {"loss": float(result.loss), "lr": result.lr,
                       "grad_norm": None if result.grad_norm is None
                       else float(result.grad_norm),
@@ -337,7 +344,6 @@ def run_loop(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optimiz
             logger.log(step, record)
             history.append({"step": step, **record})
             progress.logged(step, record)
-        preempted = stop is not None and stop.should_stop(step)
         checkpoints.after_step(step, model, optimizers, data, final=step == end_step,
                                now=preempted)
         progress.advance(step_tokens)
@@ -445,7 +451,7 @@ def finish(cfg: JobConfig, rt: Runtime, model: TrainModel, tokenizer: Tokenizer,
     sample = (export_and_sample(cfg, rt, model, tokenizer, data, out_dir) if cfg.train.save
               else None)
     # the wall time includes export
-    summary = {**progress.summary(out_dir, history, rt.device), **data.stats}
+    summary = {**progress.summary(out_dir, history, rt.device, data), **data.stats}
     if sample is not None:
         summary["sample"] = sample
     if rt.is_logging_rank:

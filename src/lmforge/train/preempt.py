@@ -5,10 +5,12 @@ SLURM warns a job before its time limit with the signal ``--signal`` names (the 
 with SIGTERM. While the training steps run, either signal only raises a flag; after the
 step in progress every rank agrees whether any rank saw one, and if so all of them write
 a checkpoint of that step and leave, so ``train.resume=auto`` continues exactly there.
-``lmforge train`` then exits with ``PREEMPTED_EXIT_CODE``.
+``lmforge train`` then exits with ``PREEMPTED_EXIT_CODE``. The logging rank says at once
+that the signal came (a step can take minutes), and the step it ends on is logged.
 """
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from typing import Optional
@@ -26,8 +28,9 @@ class StopSignals:
     instead of ending the process; the previous handlers come back on exit. Outside the
     main thread, where Python cannot install handlers, nothing is installed."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, announce: bool = False):
         self.device = device
+        self.announce = announce  # say on stderr when a signal comes (the logging rank)
         self.received: Optional[int] = None  # the first stop signal seen by this rank
         self.stopped_at: Optional[int] = None  # the step the run stopped after
         self._previous: dict = {}
@@ -44,9 +47,11 @@ class StopSignals:
         self._previous = {}
 
     def _note(self, signum: int, frame) -> None:
-        # A handler may run between any two bytecodes: it only records, the loop acts.
+        # A handler may run between any two bytecodes: it records and says so; the loop acts.
         if self.received is None:
             self.received = signum
+            if self.announce:
+                say_received(signum)
 
     def should_stop(self, step: int) -> bool:
         """Collective under torch.distributed (every rank calls it after every step): True
@@ -61,3 +66,16 @@ class StopSignals:
         if seen:
             self.stopped_at = step
         return seen
+
+
+def say_received(signum: int) -> None:
+    """One line on stderr, from the signal handler: an unbuffered write to the file
+    descriptor, since the handler may interrupt a write to ``sys.stderr`` in progress (a
+    second, reentrant one into its buffer would raise). On a terminal it starts a line of
+    its own, below the progress bar."""
+    line = (f"lmforge: {signal.Signals(signum).name} received: stopping after this step, "
+            f"then a checkpoint\n")
+    try:
+        os.write(2, (("\n" if os.isatty(2) else "") + line).encode())
+    except OSError:  # no stderr to write to: the stop goes on regardless
+        pass

@@ -43,6 +43,16 @@ class Progress:
         self.tokens = 0  # trained by this invocation
         self.last_eval: Optional[float] = None
 
+    def starting(self, step: int, micro_batches: int) -> None:
+        """Said as this invocation's first step begins: before it ends (minutes, for a
+        large model on a slow device) nothing else would show that the run is training."""
+        if step > self.end_step:
+            return
+        d = self.cfg.data
+        self.say(f"step {step} of {self.max_steps} started: {micro_batches} x "
+                 f"{d.micro_batch_size} sequences of {d.seq_len} tokens per rank; the first "
+                 f"step is the slowest (memory allocation, kernel warm-up)")
+
     def advance(self, tokens: int) -> None:
         """One step done, ``tokens`` trained in it (all ranks together)."""
         self.tokens += tokens
@@ -89,16 +99,23 @@ class Progress:
             self.bar.close()
             self.bar = None
 
-    def summary(self, out_dir: Path, history: list[dict], device: torch.device) -> dict:
+    def summary(self, out_dir: Path, history: list[dict], device: torch.device,
+                data: Optional[DataBundle] = None) -> dict:
         """What ``summary.json`` holds. Losses and tokens are the whole run's (``history``
         begins with the records an earlier invocation wrote to metrics.jsonl); wall time
-        and tokens/s are this invocation's."""
+        and tokens/s are this invocation's. The held-out loss is the last evaluation's
+        (``eval_step``), or ``eval_note`` says why there is none."""
         cfg, last = self.cfg, history[-1] if history else {}
         newest = latest_checkpoint(out_dir / CHECKPOINTS)
         ended = cfg.train.save and last.get("step") == cfg.train.max_steps
+        evaluated = [r for r in history if r.get("eval_loss") is not None]
+        held_out = evaluated[-1] if evaluated else {}
         return {"first_loss": history[0]["loss"] if history else None,
                 "last_loss": last.get("loss"),
-                "eval_loss": last.get("eval_loss"), "eval_tokens": last.get("eval_tokens"),
+                "eval_loss": held_out.get("eval_loss"),
+                "eval_tokens": held_out.get("eval_tokens"), "eval_step": held_out.get("step"),
+                "eval_note": None if evaluated else no_evaluation(cfg, data,
+                                                                  last.get("step", 0)),
                 "steps": cfg.train.max_steps, "step": last.get("step", 0),
                 "start_step": self.start_step,
                 "wall_time_s": time.perf_counter() - self.invocation_started,
@@ -121,6 +138,20 @@ def evaluation_plan(cfg: JobConfig, data: DataBundle) -> str:
             else "at the end (train.eval_every=0)")
     return (f"evaluation: {when}, on up to {cfg.train.eval_batches} batches "
             f"(train.eval_batches) of held-out data: {data.eval_note}")
+
+
+def no_evaluation(cfg: JobConfig, data: Optional[DataBundle], step: int) -> str:
+    """Why a run that stopped after ``step`` has no held-out loss."""
+    if data is None or data.eval_batches is None:
+        return "no held-out data" + (f": {data.eval_note}" if data and data.eval_note else "")
+    every, steps = cfg.train.eval_every, cfg.train.max_steps
+    if every and step < min(every, steps):
+        return (f"stopped at step {step}; train.eval_every={every} evaluates first at step "
+                f"{min(every, steps)}")
+    if not every and step < steps:
+        return (f"stopped at step {step}; train.eval_every=0 evaluates only at the last "
+                f"step, {steps}")
+    return "no evaluation recorded in metrics.jsonl"
 
 
 def _progress_bar(cfg: JobConfig, start_step: int):
@@ -194,11 +225,13 @@ def summary_lines(summary: dict) -> list[str]:
             ("train loss", f"{_loss(s['first_loss'])} at the first logged step, "
                            f"{_loss(s['last_loss'])} at the last")]
     if s.get("eval_loss") is not None:
+        earlier = s.get("eval_step") not in (None, s["step"])
+        at = f", at step {s['eval_step']}" if earlier else ""
         rows.append(("eval loss", f"{s['eval_loss']:.4f} (perplexity "
                                   f"{_perplexity(s['eval_loss'])}, "
-                                  f"{s['eval_tokens']:,} held-out tokens)"))
+                                  f"{s['eval_tokens']:,} held-out tokens{at})"))
     else:
-        rows.append(("eval loss", "none (no held-out data)"))
+        rows.append(("eval loss", f"none ({s.get('eval_note') or 'no held-out data'})"))
     for key, name in (("checkpoint", "checkpoint"), ("hf_dir", "hf"),
                       ("adapter_dir", "adapter"), ("metrics", "metrics")):
         if s.get(key):

@@ -50,3 +50,18 @@ def test_warmup_at_least_the_run_is_warned_in_one_line():
     assert "optim.warmup_steps (20) >= train.max_steps (10)" in warning
     assert "\n" not in warning
     assert warmup_warning(load_config(None, ["train.max_steps=21"])) is None
+
+
+def test_a_run_is_named_for_its_config_file_or_init_from_and_only_the_demo_uses_runs_demo(
+        tmp_path):
+    assert load_config(None).train.output_dir == "runs/demo"
+    fine_tune = load_config(None, ["model.init_from=/models/Llama-3.2-1B/"])
+    assert fine_tune.train.output_dir == "runs/Llama-3.2-1B"
+    snapshot = "/hf/hub/models--meta-llama--Llama-3.2-1B/snapshots/4e20de3"
+    assert load_config(None, [f"model.init_from={snapshot}"]).train.output_dir == \
+        "runs/Llama-3.2-1B"
+    recipe = tmp_path / "chat-sft.yaml"
+    recipe.write_text("model:\n  init_from: /models/base\n")
+    assert load_config(recipe).train.output_dir == "runs/chat-sft"
+    given = load_config(recipe, ["train.output_dir=runs/demo"])  # given: always wins
+    assert given.train.output_dir == "runs/demo"

@@ -7,6 +7,7 @@ import io
 import json
 
 import pytest
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from helpers.tiny_models import tiny_model_overrides
@@ -14,7 +15,7 @@ from lmforge.config import load_config
 from lmforge.perf.records import read_metrics
 from lmforge.train import metrics as M
 from lmforge.train.loop import train
-from lmforge.train.progress import Progress
+from lmforge.train.progress import Progress, no_evaluation, summary_lines
 
 RECORD = {"loss": 2.5, "lr": 3e-4, "grad_norm": 0.75, "tokens_per_s": 1234.0, "mfu": None,
           "peak_mem_gib": 1.5}
@@ -136,3 +137,52 @@ def test_summary_of_a_resumed_run_has_the_runs_first_loss(corpus, tmp_path, caps
     first = read_metrics(out)[0]
     assert first["step"] == 1 and summary["first_loss"] == first["loss"]
     assert summary["start_step"] == 1 and "(this invocation: 2-3)" in capsys.readouterr().out
+
+
+def test_the_first_step_is_announced_as_it_starts_before_any_step_ends(run):
+    _, stdout = run
+    lines = stdout.splitlines()
+    started = lines.index("step 1 of 7 started: 1 x 2 sequences of 16 tokens per rank; the "
+                          "first step is the slowest (memory allocation, kernel warm-up)")
+    assert started < next(i for i, line in enumerate(lines) if line.startswith("step 1/7  "))
+
+
+def test_a_run_stopped_before_its_first_evaluation_says_why_it_has_no_eval_loss(
+        corpus, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv(M.WANDB_ENV, raising=False)
+    _train(corpus, tmp_path / "run", "train.max_steps=6", "train.eval_every=4",
+           "train.stop_at_step=2")
+    assert ("eval loss    none (stopped at step 2; train.eval_every=4 evaluates first at "
+            "step 4)") in capsys.readouterr().out
+
+
+class _HeldOut:
+    eval_batches = staticmethod(lambda: iter(()))
+    eval_note = "2 files"
+
+
+@pytest.mark.parametrize("keys, step, reason", [
+    (["train.eval_every=0"], 2, "stopped at step 2; train.eval_every=0 evaluates only at "
+                                "the last step, 10"),
+    (["train.eval_every=20"], 3, "stopped at step 3; train.eval_every=20 evaluates first "
+                                 "at step 10"),  # past max_steps: the last step's
+])
+def test_why_there_is_no_eval_loss_names_the_setting_and_the_step(keys, step, reason):
+    cfg = load_config(None, ["train.max_steps=10", *keys])
+    assert no_evaluation(cfg, _HeldOut(), step) == reason
+    no_data = type("NoData", (), {"eval_batches": None,
+                                  "eval_note": "data.eval_fraction=0 and no data.eval_path"})
+    assert no_evaluation(cfg, no_data(), step) == ("no held-out data: data.eval_fraction=0 "
+                                                   "and no data.eval_path")
+
+
+def test_an_earlier_evaluation_is_the_summarys_eval_loss_with_its_step(tmp_path):
+    """Stopped at step 6 of 8 (train.stop_at_step) after an evaluation at step 4."""
+    history = [{"step": 4, "loss": 3.0, "tokens": 64, "eval_loss": 2.5, "eval_tokens": 64},
+               {"step": 6, "loss": 2.0, "tokens": 96}]
+    progress = Progress(load_config(None, ["train.max_steps=8"]), enabled=False)
+    progress.close()
+    summary = progress.summary(tmp_path, history, torch.device("cpu"), _HeldOut())
+    assert (summary["eval_loss"], summary["eval_step"], summary["eval_note"]) == (2.5, 4, None)
+    line = next(x for x in summary_lines(summary) if x.startswith("  eval loss"))
+    assert line.endswith("(perplexity 12.18, 64 held-out tokens, at step 4)")
