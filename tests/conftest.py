@@ -21,3 +21,12 @@ def tiny_llama():
     from helpers.tiny_models import tiny_llama as build  # importable only after the path
 
     return build()
+
+
+@pytest.fixture(autouse=True)
+def data_cache(tmp_path_factory, monkeypatch):
+    """Every test's data caches (lmforge.data.cache) go to a fresh temporary directory,
+    never to ~/.cache/lmforge (subprocesses such as torchrun ranks inherit it)."""
+    root = tmp_path_factory.mktemp("lmforge-cache")
+    monkeypatch.setenv("LMFORGE_CACHE", str(root))
+    return root

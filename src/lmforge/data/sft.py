@@ -26,9 +26,10 @@ index in the file, as pretraining picks documents, so the split depends on neith
 seed, the data-parallel layout nor packing; ``part="train"`` reads (and packs) only the
 others, ``"eval"`` only those, rendered and masked alike.
 
-Tokenized samples and packing plans are cached like the pretraining index
-(``FILE.lmforge-sft/`` next to the data, or the fallback cache directory); the tokens are
-shared by both parts, a packing plan is named by its part and fraction.
+Tokenized samples and packing plans are cached under the data cache directory
+(``lmforge.data.cache``: ``$LMFORGE_CACHE``, by default ``~/.cache/lmforge``), keyed by the
+file's path and content, the tokenizer and the template, never beside the data; the tokens
+are shared by both parts, a packing plan is named by its part and fraction.
 """
 from __future__ import annotations
 
@@ -41,11 +42,12 @@ from typing import Iterator, Optional
 
 import numpy as np
 
+from lmforge.data.cache import (cache_dir_for, content_fingerprint, keyed_dir, load_or_build,
+                                save_npy)
 from lmforge.data.errors import DataError
 from lmforge.data.indexed import IndexedDataset, IndexedDatasetWriter, exists, token_dtype
-from lmforge.data.pretrain import (
-    IGNORE_INDEX, RecentCache, cache_dir_for, data_stamp, held_out_documents, keyed_dir,
-    load_or_build, positions_from_segments, rng_for, save_npy, split_documents)
+from lmforge.data.pretrain import (IGNORE_INDEX, RecentCache, held_out_documents,
+                                   positions_from_segments, rng_for, split_documents)
 from lmforge.data.templates import get_template
 
 ROLES = ("system", "user", "assistant")
@@ -232,8 +234,8 @@ class SFTDataset:
         params = {"kind": "sft", "version": SFT_CACHE_VERSION,
                   "template": self.template.fingerprint,
                   "tokenizer": tokenizer_fingerprint(tokenizer)}
-        root = cache_dir_for(str(self.path), ".lmforge-sft", cache_dir)
-        self.cache = keyed_dir(root, params, data_stamp(str(self.path)))
+        root = cache_dir_for(str(self.path), "sft", cache_dir)
+        self.cache = keyed_dir(root, params, content_fingerprint(str(self.path)))
         if not (exists(self.cache / "tokens") and exists(self.cache / "trained")
                 and (self.cache / "first_trained.npy").is_file()):
             tokenize_file(self.path, self.template, tokenizer, self.cache)

@@ -167,10 +167,10 @@ def test_truncated_samples_and_the_tokens_cut_are_counted_and_reported(tmp_path,
     assert fits.notes == [] and fits.stats["sft_truncated_samples"] == 0
 
 
-def test_tokenized_cache_is_reused(tmp_path, tokenizer, monkeypatch):
+def test_tokenized_cache_is_reused(tmp_path, tokenizer, monkeypatch, data_cache):
     path = _sft_file(tmp_path / "s.jsonl")
     first = SFTDataset(path, tokenizer, "llama3", 64)
-    assert first.cache.parent == tmp_path / "s.jsonl.lmforge-sft"
+    assert first.cache.parent.parent == data_cache / "sft"
     monkeypatch.setattr(sft_mod, "tokenize_file", lambda *a, **k: 1 / 0)
     again = SFTDataset(path, tokenizer, "llama3", 64)
     np.testing.assert_array_equal(again[3]["input_ids"], first[3]["input_ids"])
