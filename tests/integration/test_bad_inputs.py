@@ -122,6 +122,9 @@ ADAPTERS = [
 ]
 
 DATA = [
+    Bad("negative pad_to_multiple_of", ["train", "data.pad_to_multiple_of=-8",
+                                        "train.output_dir={tmp}/run"],
+        r"data\.pad_to_multiple_of: must be >= 0"),
 ]
 
 GENERATE = [

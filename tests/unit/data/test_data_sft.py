@@ -157,6 +157,7 @@ def test_truncated_samples_and_the_tokens_cut_are_counted_and_reported(tmp_path,
     ds = data.train.dataset
     cut = [len(ds.sample(i)[0]) - 33 for i in range(3) if len(ds.sample(i)[0]) > 33]
     assert len(cut) == 2 and ds.truncated_samples == 2 and ds.truncated_tokens == sum(cut)
+    assert 0 <= data.stats.pop("sft_padding_share") < 1 and "padding" in data.notes.pop()
     assert data.stats == {"sft_truncated_samples": 2, "sft_truncated_tokens": sum(cut),
                           "sft_dropped_samples": 0}
     assert len(data.notes) == 1 and "2 of 3 samples" in data.notes[0]
@@ -164,7 +165,7 @@ def test_truncated_samples_and_the_tokens_cut_are_counted_and_reported(tmp_path,
     fits = build_data(load_config(None, ["data.kind=sft", f"data.path={path}",
                                          "data.template=plain", "data.seq_len=4096"]),
                       tokenizer, cache_dir=tmp_path / "cache")
-    assert fits.notes == [] and fits.stats["sft_truncated_samples"] == 0
+    assert len(fits.notes) == 1 and fits.stats["sft_truncated_samples"] == 0
 
 
 def test_tokenized_cache_is_reused(tmp_path, tokenizer, monkeypatch, data_cache):
