@@ -23,10 +23,12 @@ def tiny_llama():
     return build()
 
 
-@pytest.fixture(autouse=True)
-def data_cache(tmp_path_factory, monkeypatch):
-    """Every test's data caches (lmforge.data.cache) go to a fresh temporary directory,
-    never to ~/.cache/lmforge (subprocesses such as torchrun ranks inherit it)."""
+@pytest.fixture(scope="session", autouse=True)
+def data_cache(tmp_path_factory):
+    """The data caches (lmforge.data.cache) of the whole session go to a temporary
+    directory, never to ~/.cache/lmforge. Session-wide, so module fixtures that train
+    (and subprocesses such as torchrun ranks, which inherit it) use it too."""
     root = tmp_path_factory.mktemp("lmforge-cache")
-    monkeypatch.setenv("LMFORGE_CACHE", str(root))
-    return root
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LMFORGE_CACHE", str(root))
+        yield root
