@@ -40,3 +40,14 @@ def pytest_configure(config):
         return f"{progress().rstrip(']')} {minutes}:{seconds:02d}]"
 
     reporter._get_progress_information_message = with_elapsed
+
+
+@pytest.fixture(scope="session", autouse=True)
+def data_cache(tmp_path_factory):
+    """The data caches (lmforge.data.cache) of the whole session go to a temporary
+    directory, never to ~/.cache/lmforge. Session-wide, so module fixtures that train
+    (and subprocesses such as torchrun ranks, which inherit it) use it too."""
+    root = tmp_path_factory.mktemp("lmforge-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LMFORGE_CACHE", str(root))
+        yield root

@@ -200,6 +200,9 @@ DATA = [
         ["train", "data.kind=pretrain", "data.path={tmp}/a", "model.tokenizer={tokenizer}",
          "train.output_dir={tmp}/run"],
         r"^{tmp}/a\.bin and {tmp}/a\.idx are not one pair", setup=same_shape_pairs),
+    Bad("negative pad_to_multiple_of", ["train", "data.pad_to_multiple_of=-8",
+                                        "train.output_dir={tmp}/run"],
+        r"data\.pad_to_multiple_of: must be >= 0"),
 ]
 
 GENERATE = [

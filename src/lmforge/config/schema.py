@@ -66,6 +66,9 @@ class DataConfig:
     blend: Optional[list] = None
     document_mask: bool = False
     pack: bool = False
+    # SFT without packing: each batch is padded to its longest sample, rounded up to a
+    # multiple of this (8; 64 suits GPU kernels best); 0 pads every batch to seq_len.
+    pad_to_multiple_of: int = 8
     num_workers: int = 0
 
 
@@ -226,7 +229,8 @@ _BOUNDS = {
                      "model.rotary_dim", "optim.eps"), "> 0"),
     **dict.fromkeys(("optim.weight_decay", "optim.grad_clip", "optim.warmup_steps",
                      "train.checkpoint_every", "train.eval_every", "train.keep_last",
-                     "train.threads", "train.loss_chunk_tokens", "data.num_workers"), ">= 0"),
+                     "train.threads", "train.loss_chunk_tokens", "data.num_workers",
+                     "data.pad_to_multiple_of"), ">= 0"),
     **dict.fromkeys(("train.stop_at_step", "parallel.dp_replicate", "parallel.tp",
                      "parallel.pp", "parallel.pp_virtual_stages", "parallel.microbatches"),
                     ">= 1"),

@@ -82,6 +82,9 @@ def build_data(cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int = 0, dp_size: 
         description += f", chat template {template.name}" + (
             " (the model's own)" if d.template == "auto" and template.source else "")
     notes, stats = _sft_counts(train.dataset) if d.kind == "sft" else ([], {})
+    if d.kind == "sft":
+        note, stats["sft_padding_share"] = _sft_padding(cfg, train)
+        notes.append(note)
     return DataBundle(train, eval_batches, description, eval_note, notes, stats)
 
 
@@ -164,6 +167,25 @@ def _sft_counts(dataset) -> tuple[list[str], dict]:
         notes.append(f"SFT data: {empty:,} of {records:,} records have an empty assistant "
                      f"answer and were skipped (nothing to learn but the end of the turn)")
     return notes, stats
+
+
+def _sft_padding(cfg: JobConfig, loader: BatchLoader) -> tuple[str, float]:
+    """The start-up line saying how much of the SFT batches is padding (over the first
+    epoch, as each rank's micro-batches hold it), and that share."""
+    ds = loader.dataset
+    share = ds.padding_share(loader.sampler.micro_batch_size)
+    line = f"SFT: {ds.num_samples:,} samples, padding {share:.0%} of the positions"
+    if ds.pack:
+        return (f"{line} ({ds.rows_in_epoch(0):,} rows of data.seq_len = {ds.seq_len} "
+                f"packed with samples, data.pack=true)"), share
+    if ds.pad_to_multiple_of:
+        how = (f"each batch padded to its longest sample, rounded up to a multiple of "
+               f"{ds.pad_to_multiple_of} (data.pad_to_multiple_of)")
+    elif cfg.parallel.pp > 1:
+        how = "every batch padded to data.seq_len: pipeline parallelism needs one shape"
+    else:
+        how = "every batch padded to data.seq_len, data.pad_to_multiple_of=0"
+    return f"{line} ({how}; data.pack=true packs samples instead)", share
 
 
 def _build_text(cfg, tokenizer, dp_rank, dp_size) -> DataBundle:

@@ -3,21 +3,26 @@
 ``build_dataset_loader`` returns a ``BatchLoader`` whose ``next_batch()`` gives this
 rank's next micro-batch, forever (epochs roll over with a new shuffle)::
 
-    input_ids  LongTensor (micro_batch, seq_len)
-    labels     LongTensor (micro_batch, seq_len), -100 where there is no target
-    positions  LongTensor (micro_batch, seq_len)         } with document masking or
-    mask       BoolTensor (micro_batch, 1, seq_len, seq_len) } SFT packing; True = may attend
+    input_ids  LongTensor (micro_batch, seq)
+    labels     LongTensor (micro_batch, seq), -100 where there is no target
+    positions  LongTensor (micro_batch, seq)         } with document masking or
+    mask       BoolTensor (micro_batch, 1, seq, seq) } SFT packing; True = may attend
     sample_ids LongTensor (micro_batch,): the rows' indices in the global sample stream
+
+``seq`` is ``data.seq_len``, except for unpacked SFT batches: those are padded to their
+longest sample rounded up to ``sft_pad_multiple(cfg)`` (so ranks and micro-batches may
+differ in length; the loss is normalised by the step's valid tokens, see train/step.py).
 
 Rank ``r``'s rows are a pure function of (data, seed, dp_rank, dp_size, consumed samples)
 (see ``sampler.py``), and ``state_dict()`` is ``loader_state``: ``consumed_samples`` plus
-checks, so a resumed run reads exactly the rows an uninterrupted one would. SFT rows are padded to
-``seq_len``. With ``data.num_workers > 0`` batches are built ahead in worker processes;
-the state counts only the batches handed out.
+checks, so a resumed run reads exactly the rows an uninterrupted one would (a batch's
+length is a function of its rows). With ``data.num_workers > 0`` batches are built ahead
+in worker processes; the state counts only the batches handed out.
 """
 from __future__ import annotations
 
 import itertools
+import math
 import warnings
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
@@ -91,7 +96,8 @@ class _MicroBatches(torch.utils.data.Dataset):
 
     def __getitem__(self, micro_step: int) -> dict:
         ids = self.sampler.indices(micro_step)
-        return collate([self.dataset[k] for k in ids], ids)
+        batch_rows = getattr(self.dataset, "batch_rows", None)  # SFT: padded per batch
+        return collate(batch_rows(ids) if batch_rows else [self.dataset[k] for k in ids], ids)
 
 
 class _CountFrom:
@@ -242,10 +248,22 @@ def build_dataset_loader(cfg, tokenizer, dp_rank: int, dp_size: int, split: str 
                 raise DataError(f"{field}: sft takes one .jsonl file")
             value = value[0]
         dataset = SFTDataset(value, tokenizer, d.template, d.seq_len, seed, d.pack, cache_dir,
-                             held)
+                             held, sft_pad_multiple(cfg))
     else:
         raise DataError(f"data.kind: {d.kind!r} is not pretrain or sft")
     return BatchLoader(dataset, d.micro_batch_size, dp_rank, dp_size, seed, d.num_workers)
+
+
+def sft_pad_multiple(cfg) -> Optional[int]:
+    """What unpacked SFT batches are padded to a multiple of (their longest sample,
+    rounded up), or None: every row data.seq_len wide. None under pipeline parallelism,
+    whose stages are shaped once by the first step (every microbatch, every step must
+    match), and with data.pad_to_multiple_of=0; a multiple of parallel.tp too, as
+    sequence parallelism splits the sequence tp ways."""
+    d, p = cfg.data, cfg.parallel
+    if d.pack or not d.pad_to_multiple_of or p.pp > 1:
+        return None
+    return math.lcm(d.pad_to_multiple_of, p.tp)
 
 
 # ------------------------------------------------------------------------------ eval

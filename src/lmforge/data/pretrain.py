@@ -12,12 +12,11 @@ position ``k % N`` of epoch ``k // N``: the stream never ends and is a pure func
 
 Window starts are found with a binary search over the documents' cumulative lengths
 (Megatron's "sample index"); that index and the two permutations are cached as ``.npy``
-files in ``PREFIX.lmforge-index/`` next to the data, keyed by the parameters and by the
-data files' size and modification time, so a change to either builds a new index (stale
-ones are removed). When the data directory is not writable the cache goes to the run's
-cache directory (or the system temporary directory). Every rank builds and writes the
-same bytes under a temporary name and renames it, so ranks need no coordination and a
-node-local disk works.
+files under the data cache directory (``lmforge.data.cache``: ``$LMFORGE_CACHE``, by
+default ``~/.cache/lmforge``), keyed by the parameters and by a hash of the ``.idx`` file
+(the document lengths), so a change to either builds a new index. Every rank builds and
+writes the same bytes under a temporary name and renames it, so ranks need no
+coordination and a node-local disk works.
 
 With ``holdout = (part, eval_fraction)`` the stream covers only the training documents
 (``part="train"``) or only the held-out ones (``"eval"``): ``held_out_documents`` picks
@@ -32,21 +31,16 @@ then exactly those of its document pieces run separately, weighted by their toke
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import os
-import shutil
-import tempfile
 from collections import OrderedDict
 from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
 
+from lmforge.data.cache import cache_dir_for, content_fingerprint, keyed_dir, load_or_build
 from lmforge.data.errors import DataError
-from lmforge.data.indexed import IndexedDataset, bin_path, idx_path, strip_suffix
-from lmforge.fsio import atomic_file, atomic_write_bytes, tmp_tag
+from lmforge.data.indexed import IndexedDataset, idx_path, strip_suffix
 
 IGNORE_INDEX = -100
 INDEX_VERSION = 1
@@ -132,75 +126,6 @@ def split_documents(n_documents: int, eval_fraction: float, part: str) -> np.nda
 
 # ----------------------------------------------------------------------------- cache
 
-def data_stamp(*paths: str) -> dict:
-    """What identifies the data files cheaply: sizes and modification times."""
-    stamp = {}
-    for p in paths:
-        st = os.stat(p)
-        stamp[os.path.basename(p)] = [st.st_size, st.st_mtime_ns]
-    return stamp
-
-
-def cache_dir_for(data_path: str, suffix: str, fallback: Optional[Path]) -> Path:
-    """``DATA{suffix}/`` next to the data when writable, else under ``fallback`` (or the
-    system temporary directory), named by a hash of the data's absolute path."""
-    primary = Path(f"{data_path}{suffix}")
-    try:
-        primary.mkdir(parents=True, exist_ok=True)
-        probe = primary / f".probe{tmp_tag()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-        return primary
-    except OSError:
-        root = Path(fallback) if fallback is not None else \
-            Path(tempfile.gettempdir()) / "lmforge-cache"
-        tag = hashlib.sha1(os.path.abspath(data_path).encode()).hexdigest()[:16]
-        out = root / "data-index" / f"{Path(data_path).name}-{tag}"
-        out.mkdir(parents=True, exist_ok=True)
-        return out
-
-
-def keyed_dir(root: Path, params: dict, stamp: dict) -> Path:
-    """``root/<hash of params and data stamp>/`` with a meta.json; removes sibling
-    directories built for other versions of the same data (the data changed)."""
-    key = hashlib.sha1(json.dumps([params, stamp], sort_keys=True).encode()).hexdigest()[:16]
-    out = root / key
-    meta = out / "meta.json"
-    if not meta.is_file():
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(meta, json.dumps({"params": params, "data": stamp}, indent=1).encode())
-        for other in root.iterdir():
-            if other == out or not other.is_dir():
-                continue
-            try:
-                old = json.loads((other / "meta.json").read_text())
-                if old.get("data") != stamp:
-                    shutil.rmtree(other, ignore_errors=True)
-            except (OSError, ValueError):
-                pass
-    return out
-
-
-def save_npy(path: Path, array: np.ndarray) -> None:
-    with atomic_file(path) as f:
-        np.save(f, array)
-
-
-def load_or_build(path: Path, build) -> np.ndarray:
-    """The cached array at ``path`` (memory-mapped), built and saved on a miss."""
-    if path.is_file():
-        try:
-            return np.load(path, mmap_mode="r")
-        except (OSError, ValueError):
-            pass  # a damaged cache file is rebuilt
-    array = build()
-    try:
-        save_npy(path, array)
-    except OSError:
-        pass  # caching is an optimisation; a full disk must not stop training
-    return array
-
-
 class RecentCache:
     """The ``size`` most recently used values by key (an epoch's index, a blend block).
     Pickled empty: a loader worker rebuilds only what it reads."""
@@ -256,9 +181,9 @@ class PretrainDataset:
                   "seed": self.seed}
         if holdout:
             params["holdout"] = [holdout[0], float(holdout[1])]
-        root = cache_dir_for(self.prefix, ".lmforge-index", cache_dir)
-        self.cache = keyed_dir(root, params, data_stamp(idx_path(self.prefix),
-                                                        bin_path(self.prefix)))
+        # The index depends on the documents' lengths alone, all in the .idx file.
+        root = cache_dir_for(self.prefix, "pretrain-index", cache_dir)
+        self.cache = keyed_dir(root, params, content_fingerprint(idx_path(self.prefix)))
         self._epochs = RecentCache(2)
 
     def _documents(self, holdout: Optional[tuple[str, float]]) -> Optional[np.ndarray]:

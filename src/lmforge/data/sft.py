@@ -15,7 +15,14 @@ those samples and the tokens cut off them (the trainer prints and records both).
 left with no trained target is dropped, and the count is reported. A record with an empty
 (or blank) assistant answer would teach only the end-of-turn token: it is skipped and
 counted (``empty_answers``, printed and recorded too); a file of nothing else is refused.
-Batches are padded to ``seq_len`` (fixed shapes), with label -100.
+
+Padding (label -100, ``pad_to_multiple_of``): a batch is padded to its longest sample,
+rounded up to a multiple of ``pad_to_multiple_of`` (data.pad_to_multiple_of; a few
+shapes, so compiled blocks are not recompiled for every length) and at most ``seq_len``;
+``None`` pads every row to ``seq_len`` (fixed shapes). The padding is a function of the
+batch's samples, so batches stay deterministic and resumable, and trailing padding
+changes no loss or gradient (attention is causal and padding has no target).
+``padding_share`` estimates the share of padded positions over an epoch.
 
 Packing (``data.pack``): samples are placed first-fit into rows of ``seq_len`` positions
 (16 rows open at a time, in the epoch's shuffled order). Each sample keeps its own
@@ -28,9 +35,10 @@ index in the file, as pretraining picks documents, so the split depends on neith
 seed, the data-parallel layout nor packing; ``part="train"`` reads (and packs) only the
 others, ``"eval"`` only those, rendered and masked alike.
 
-Tokenized samples and packing plans are cached like the pretraining index
-(``FILE.lmforge-sft/`` next to the data, or the fallback cache directory); the tokens are
-shared by both parts, a packing plan is named by its part and fraction.
+Tokenized samples and packing plans are cached under the data cache directory
+(``lmforge.data.cache``: ``$LMFORGE_CACHE``, by default ``~/.cache/lmforge``), keyed by the
+file's path and content, the tokenizer and the template, never beside the data; the tokens
+are shared by both parts, a packing plan is named by its part and fraction.
 """
 from __future__ import annotations
 
@@ -43,11 +51,12 @@ from typing import Iterator, Optional
 
 import numpy as np
 
+from lmforge.data.cache import (cache_dir_for, content_fingerprint, keyed_dir, load_or_build,
+                                save_npy)
 from lmforge.data.errors import DataError
 from lmforge.data.indexed import IndexedDataset, IndexedDatasetWriter, exists, token_dtype
-from lmforge.data.pretrain import (
-    IGNORE_INDEX, RecentCache, cache_dir_for, data_stamp, held_out_documents, keyed_dir,
-    load_or_build, positions_from_segments, rng_for, save_npy, split_documents)
+from lmforge.data.pretrain import (IGNORE_INDEX, RecentCache, held_out_documents,
+                                   positions_from_segments, rng_for, split_documents)
 from lmforge.data.templates import get_template
 
 ROLES = ("system", "user", "assistant")
@@ -182,8 +191,10 @@ def held_out_records(path: Path, eval_fraction: float) -> Iterator[tuple[int, ob
 # -------------------------------------------------------------------------- rows
 
 def sft_row(samples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int,
-            packed: bool) -> dict:
-    """A padded row from one sample, or several packed ones (with segments/positions)."""
+            packed: bool, width: Optional[int] = None) -> dict:
+    """A row from one sample (cut to ``seq_len + 1`` tokens), or several packed ones
+    (with segments/positions), padded to ``width`` positions (default ``seq_len``)."""
+    width = seq_len if width is None else width
     inputs, labels, lengths = [], [], []
     for ids, trained in samples:
         ids = np.asarray(ids[:seq_len + 1], dtype=np.int64)  # stored as uint16/int32
@@ -192,16 +203,16 @@ def sft_row(samples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: 
         labels.append(np.where(trained[1:], ids[1:], IGNORE_INDEX))
         lengths.append(len(ids) - 1)
     n = sum(lengths)
-    if n > seq_len:
-        raise ValueError(f"{n} positions do not fit seq_len {seq_len}")
-    input_ids = np.full(seq_len, pad_id, dtype=np.int64)
-    label_row = np.full(seq_len, IGNORE_INDEX, dtype=np.int64)
+    if n > width:
+        raise ValueError(f"{n} positions do not fit a row of {width}")
+    input_ids = np.full(width, pad_id, dtype=np.int64)
+    label_row = np.full(width, IGNORE_INDEX, dtype=np.int64)
     if n:
         input_ids[:n] = np.concatenate(inputs)
         label_row[:n] = np.concatenate(labels)
     row = {"input_ids": input_ids, "labels": label_row}
     if packed:
-        segments = np.full(seq_len, len(samples), dtype=np.int64)  # padding: own segment
+        segments = np.full(width, len(samples), dtype=np.int64)  # padding: own segment
         segments[:n] = np.repeat(np.arange(len(samples)), lengths)
         row["segments"] = segments
         row["positions"] = positions_from_segments(segments)
@@ -238,26 +249,30 @@ def pack_first_fit(order: np.ndarray, sizes: np.ndarray, capacity: int,
 
 class SFTDataset:
     """The never-ending stream of SFT rows: epoch ``e`` shuffles the samples with
-    ``(seed, e)`` (and packs them when ``pack``); ``ds[k]`` is global row ``k``.
-    ``holdout``: (part, eval_fraction), only that part's samples (see the module doc)."""
+    ``(seed, e)`` (and packs them when ``pack``); ``ds[k]`` is global row ``k``, padded
+    to ``seq_len``, and ``batch_rows(ks)`` rows ``ks`` padded as one batch.
+    ``holdout``: (part, eval_fraction), only that part's samples; ``pad_to_multiple_of``:
+    see the module doc (ignored when packing: packed rows are ``seq_len`` wide)."""
 
     _ORDER = 3  # rng purpose
 
     def __init__(self, path: str | Path, tokenizer, template: str, seq_len: int,
                  seed: int = 0, pack: bool = False, cache_dir: Optional[Path] = None,
-                 holdout: Optional[tuple[str, float]] = None):
+                 holdout: Optional[tuple[str, float]] = None,
+                 pad_to_multiple_of: Optional[int] = None):
         self.path = Path(path)
         if not self.path.is_file():
             raise DataError(f"data.path: {self.path}: no such file (SFT data is JSON Lines)")
         self.template = get_template(template, tokenizer)
         self.seq_len, self.seed, self.pack = int(seq_len), int(seed), bool(pack)
+        self.pad_to_multiple_of = None if pack else pad_to_multiple_of
         self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
         self.end_of_turn_id = self.template.end_of_turn_id(tokenizer)
         params = {"kind": "sft", "version": SFT_CACHE_VERSION,
                   "template": self.template.fingerprint,
                   "tokenizer": tokenizer_fingerprint(tokenizer)}
-        root = cache_dir_for(str(self.path), ".lmforge-sft", cache_dir)
-        self.cache = keyed_dir(root, params, data_stamp(str(self.path)))
+        root = cache_dir_for(str(self.path), "sft", cache_dir)
+        self.cache = keyed_dir(root, params, content_fingerprint(str(self.path)))
         if not (exists(self.cache / "tokens") and exists(self.cache / "trained")
                 and (self.cache / "first_trained.npy").is_file()):
             tokenize_file(self.path, self.template, tokenizer, self.cache)
@@ -363,5 +378,32 @@ class SFTDataset:
         return items[offsets[r]:offsets[r + 1]].tolist()
 
     def __getitem__(self, k: int) -> dict:
+        return self._row(k, self.seq_len)
+
+    def _row(self, k: int, width: int) -> dict:
         return sft_row([self.sample(i) for i in self.samples_of(k)], self.seq_len,
-                       self.pad_id, self.pack)
+                       self.pad_id, self.pack, width)
+
+    def batch_rows(self, ks: list[int]) -> list[dict]:
+        """Rows ``ks`` as one batch: padded to their longest, rounded up to a multiple
+        of ``pad_to_multiple_of`` (at most seq_len), or to seq_len without one."""
+        longest = max(int(self.sizes[self.samples_of(k)].sum()) for k in ks)
+        width = int(self._widths(np.int64(longest)))
+        return [self._row(k, width) for k in ks]
+
+    def _widths(self, longest: np.ndarray) -> np.ndarray:
+        """The row width of batches whose longest rows fill ``longest`` positions."""
+        m = self.pad_to_multiple_of
+        if not m:
+            return np.full_like(longest, self.seq_len)
+        return np.minimum(-(-longest // m) * m, self.seq_len)
+
+    def padding_share(self, micro_batch_size: int) -> float:
+        """The share of epoch 0's positions that are padding, in batches of
+        ``micro_batch_size`` consecutive rows (each rank's micro-batches; see sampler)."""
+        offsets, items = self.epoch_plan(0)
+        filled = np.add.reduceat(self.sizes[items], offsets[:-1])  # positions of each row
+        starts = np.arange(0, len(filled), micro_batch_size)
+        widths = self._widths(np.maximum.reduceat(filled, starts))
+        rows = np.diff(np.append(starts, len(filled)))
+        return 1.0 - float(filled.sum()) / float((widths * rows).sum())

@@ -6,6 +6,7 @@ export and a sample.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -51,8 +52,8 @@ from lmforge.train.preempt import StopSignals
 from lmforge.train.progress import Progress, evaluation_plan, summary_lines
 from lmforge.train.run_dir import CHECKPOINTS, RunLock, claim_run_dir
 from lmforge.train.sample import write_sample
-from lmforge.train.step import (StepResult, check_finite, count_valid_tokens,
-                                global_step_loss, global_valid_tokens, sample_ids)
+from lmforge.train.step import (StepResult, check_finite, global_step_loss, sample_ids,
+                                step_counts)
 
 
 @dataclass
@@ -308,8 +309,10 @@ def run_loop(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optimiz
              stop: Optional[StopSignals] = None) -> list[dict]:
     t = cfg.train
     accum = grad_accumulation_steps(cfg, rt.dp_size)
-    throughput = M.Throughput(model_flops_per_token(model, cfg.data.seq_len),
-                              device_peak_flops(rt.device), rt.world_size)
+    # by sequence length: SFT batches are as long as their longest sample
+    flops_per_token = functools.lru_cache()(functools.partial(model_flops_per_token, model))
+    throughput = M.Throughput(flops_per_token(cfg.data.seq_len), device_peak_flops(rt.device),
+                              rt.world_size)
     logger = M.MetricsLogger(out_dir, enabled=rt.is_logging_rank, config=cfg.to_dict(),
                              start_step=start_step, wandb_project=t.wandb_project,
                              run_name=t.wandb_run_name)
@@ -318,12 +321,13 @@ def run_loop(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optimiz
     # The whole run's records (rank 0): an earlier invocation's, then this one's.
     history, nonfinite_steps = list(logger.earlier), 0
     progress.starting(start_step + 1, accum)  # the first step can take minutes: say so
+    tokens = checkpoints.tokens  # positions the run's steps ran over (metrics "tokens")
     for step in range(start_step + 1, end_step + 1):
         micro_batches = [data.train.next_batch() for _ in range(accum)]
-        result = train_step(cfg, rt, model, optimizers, micro_batches, step)
+        result = train_step(cfg, rt, model, optimizers, micro_batches, step, flops_per_token)
         nonfinite_steps += not result.finite
-        step_tokens = sum(b["input_ids"].numel() for b in micro_batches) * rt.dp_size
-        throughput.add(step_tokens)
+        throughput.add(result.counts.positions, result.counts.flops)
+        tokens += result.counts.positions
         evaluate_now = eval_due(cfg, step, data)
         # a stop signal: this step is the run's last for now, so it is logged too
         preempted = stop is not None and stop.should_stop(step)
@@ -333,7 +337,7 @@ def run_loop(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optimiz
                       "grad_norm": None if result.grad_norm is None
                       else float(result.grad_norm),
                       **throughput.report(), **M.memory_metrics(rt.device),
-                      "tokens": step * cfg.data.seq_len * samples_per_step(cfg, rt.dp_size),
+                      "tokens": tokens,
                       "valid_tokens": result.n_valid, "nonfinite_steps": nonfinite_steps,
                       "consumed_samples": data.train.consumed_samples,
                       **optimizers.scaler.metrics(),
@@ -345,8 +349,8 @@ def run_loop(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optimiz
             history.append({"step": step, **record})
             progress.logged(step, record)
         checkpoints.after_step(step, model, optimizers, data, final=step == end_step,
-                               now=preempted)
-        progress.advance(step_tokens)
+                               now=preempted, tokens=tokens)
+        progress.advance(result.counts.positions)
         if preempted:
             break
     checkpoints.wait()
@@ -356,13 +360,14 @@ def run_loop(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optimiz
 
 
 def train_step(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optimizers,
-               micro_batches: list[dict], step: int) -> StepResult:
+               micro_batches: list[dict], step: int, flops_per_token=None) -> StepResult:
     """Optimizer step ``step`` over this rank's ``micro_batches``: forward/backward, the
     step loss, fp16's unscaling, clipping, the non-finite check, then the update (skipped
-    on a non-finite step; the LR schedule advances regardless)."""
+    on a non-finite step; the LR schedule advances regardless). ``flops_per_token``: by
+    sequence length, for the step's FLOPs (``step_counts``)."""
     scaler = optimizers.scaler  # fp16's loss scale (a no-op otherwise)
-    n_valid = global_valid_tokens(count_valid_tokens(micro_batches), rt.dims, rt.device)
-    local_loss = model.forward_backward(micro_batches, n_valid, rt.device, rt.autocast,
+    counts = step_counts(micro_batches, rt.dims, rt.device, flops_per_token)
+    local_loss = model.forward_backward(micro_batches, counts.valid, rt.device, rt.autocast,
                                         scaler.scale)
     loss = global_step_loss(local_loss, rt.dims)
     scaler.unscale(optimizers.optimizers)  # the true gradients, for the norm and clipping
@@ -373,7 +378,7 @@ def train_step(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optim
     finite = check_finite(rt, step, local_loss, loss, None if scaler.enabled else grad_norm,
                           micro_batches, cfg.train.on_nonfinite)
     optimizers.step(update=finite, step=step)
-    return StepResult(loss, local_loss, grad_norm, n_valid, lr, finite)
+    return StepResult(loss, local_loss, grad_norm, counts, lr, finite)
 
 
 def eval_due(cfg: JobConfig, step: int, data: DataBundle) -> bool:
@@ -402,6 +407,7 @@ class Checkpoints:
         _barrier(rt)
         self.writer = AsyncCheckpointer(self.root, keep_last=cfg.train.keep_last,
                                         use_async=cfg.train.async_checkpoint)
+        self.tokens = 0  # positions the run's steps ran over, up to the resumed one
 
     def resume(self, model: TrainModel, optimizers: Optimizers, data: DataBundle) -> int:
         """Loads ``train.resume`` (auto: the newest complete checkpoint) on any layout;
@@ -415,6 +421,8 @@ class Checkpoints:
         optimizers.scaler.load_state_dict(extra.get("loss_scale"))
         data.train.load_state_dict(extra["data"])
         step = int(extra["step"])
+        self.tokens = int(extra.get("tokens", step * self.cfg.data.seq_len * samples_per_step(
+            self.cfg, self.rt.dp_size)))  # saved without it: every row was seq_len wide
         if rank_state is not None and read_meta(path).get("world_size") == self.rt.world_size:
             restore_rng(rank_state)
         else:  # another layout: the old per-rank generators do not map onto the new ranks
@@ -423,7 +431,8 @@ class Checkpoints:
         return step
 
     def after_step(self, step: int, model: TrainModel, optimizers: Optimizers,
-                   data: DataBundle, final: bool = False, now: bool = False) -> None:
+                   data: DataBundle, final: bool = False, now: bool = False,
+                   tokens: int = 0) -> None:
         """Saves at ``train.checkpoint_every``, at the end (``train.save``), or ``now``
         (a stop signal: whatever train.save says, the run must be resumable)."""
         self.writer.maybe_finalize()
@@ -431,7 +440,7 @@ class Checkpoints:
         if not (now or (final and self.cfg.train.save) or (every and step % every == 0)):
             return
         extra = {"step": step, "scheduler": optimizers.scheduler_state(),
-                 "data": data.train.state_dict(),
+                 "data": data.train.state_dict(), "tokens": int(tokens),
                  "loss_scale": optimizers.scaler.state_dict()}
         self.writer.save(step, model.parts, optimizers.optimizers, extra, capture_rng(),
                          self.cfg.to_dict())

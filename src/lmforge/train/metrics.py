@@ -51,15 +51,18 @@ class Throughput:
         self.reset()
 
     def reset(self) -> None:
-        self.tokens, self.start = 0, time.perf_counter()
+        self.tokens, self.flops, self.start = 0, 0.0, time.perf_counter()
 
-    def add(self, tokens: int) -> None:
+    def add(self, tokens: int, flops: Optional[float] = None) -> None:
+        """``tokens`` positions run over (all devices), costing ``flops`` model FLOPs
+        (default: ``flops_per_token`` each; a shorter sequence costs less attention)."""
         self.tokens += tokens
+        self.flops += tokens * self.flops_per_token if flops is None else flops
 
     def report(self) -> dict:
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         tokens_per_s = self.tokens / elapsed
-        flops_per_device = tokens_per_s * self.flops_per_token / self.n_devices
+        flops_per_device = self.flops / elapsed / self.n_devices
         mfu = flops_per_device / self.peak_flops if self.peak_flops else None
         self.reset()
         return {"tokens_per_s": tokens_per_s, "tflops_per_device": flops_per_device / 1e12,

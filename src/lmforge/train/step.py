@@ -13,7 +13,7 @@ import contextlib
 import math
 import sys
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ def normalize_loss(loss_sum: torch.Tensor, n_valid: int, dp: int = 1) -> torch.T
         loss = (sum of the token cross-entropies of the step) / N,
 
     N = the step's valid (label != -100) tokens on all data-parallel ranks together
-    (``global_valid_tokens``; at least 1, so a step of only padding gives 0, not NaN).
+    (``step_counts``; at least 1, so a step of only padding gives 0, not NaN).
     What is back-propagated is ``loss_sum * dp / N`` in every layout:
 
     - gradient accumulation: each micro-batch's sum is divided by the whole step's N, not
@@ -51,15 +51,31 @@ def count_valid_tokens(batches: Iterable[dict]) -> int:
     return int(sum((b["labels"] != IGNORE_INDEX).sum().item() for b in batches))
 
 
-def global_valid_tokens(local: int, dims: ParallelDims, device: torch.device) -> int:
-    """N of ``normalize_loss``: the step's valid tokens on all data-parallel ranks. Every
+@dataclass
+class StepCounts:
+    """What one step ran over, on all data-parallel ranks together."""
+    valid: int  # tokens with a target: N of ``normalize_loss``
+    positions: int  # positions the model ran over (rows x length, padding included)
+    flops: float  # model FLOPs of those positions (0 without a flops_per_token)
+
+
+def step_counts(micro_batches: list[dict], dims: ParallelDims, device: torch.device,
+                flops_per_token: Optional[Callable[[int], float]] = None) -> StepCounts:
+    """The step's counts summed over all data-parallel ranks (one all-reduce): ranks and
+    micro-batches may differ in length (SFT batches are padded to their longest sample),
+    and the attention's FLOPs per token grow with it (``flops_per_token(length)``). Every
     tp and pp rank of a data-parallel group loads the same batch, so the world sum counts
-    each tp x pp times."""
-    if dims.mesh is None:
-        return local
-    total = torch.tensor(local, dtype=torch.int64, device=device)
-    dist.all_reduce(total)
-    return int(total) // (dims.tp * dims.pp)
+    each tp x pp times. float64 holds the counts exactly (below 2**53)."""
+    local = [float(count_valid_tokens(micro_batches)), 0.0, 0.0]
+    for batch in micro_batches:
+        rows, length = batch["input_ids"].shape
+        local[1] += rows * length
+        local[2] += rows * length * (flops_per_token(length) if flops_per_token else 0.0)
+    if dims.mesh is not None:
+        total = torch.tensor(local, dtype=torch.float64, device=device)
+        dist.all_reduce(total)
+        local = (total / (dims.tp * dims.pp)).tolist()
+    return StepCounts(round(local[0]), round(local[1]), local[2])
 
 
 def global_step_loss(local: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
@@ -107,11 +123,15 @@ class StepResult:
     loss: torch.Tensor  # the step loss, the same on every rank
     local_loss: torch.Tensor  # this rank's share of it (``normalize_loss``, dp=1)
     grad_norm: Optional[torch.Tensor]  # before clipping; None under optim.in_backward
-    n_valid: int  # the step's valid tokens on all data-parallel ranks
+    counts: StepCounts  # the step's valid tokens, positions and FLOPs (all dp ranks)
     lr: float  # the learning rate of the update
     # False: a non-finite loss or grad norm, update skipped (train.on_nonfinite=skip).
     # An fp16 overflow is the loss scaler's to skip (``LossScaler.skipped_steps``).
     finite: bool
+
+    @property
+    def n_valid(self) -> int:
+        return self.counts.valid
 
 
 def check_finite(rt, step: int, local_loss: torch.Tensor, loss: torch.Tensor,

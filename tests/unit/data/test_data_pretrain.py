@@ -60,13 +60,15 @@ def test_each_window_once_per_epoch_and_a_new_shuffle_each_epoch(prefix):
 
 
 def test_index_cache_is_reused_and_rebuilt_when_the_data_changes(tmp_path, tokenizer_dir,
-                                                                 monkeypatch):
+                                                                 monkeypatch, data_cache):
     src = write_jsonl(tmp_path / "a.jsonl", [{"text": d} for d in make_docs(60, seed=3)])
     preprocess([src], tmp_path / "a", tokenizer_dir, append_eod=True)
     first = PretrainDataset(tmp_path / "a", SEQ, seed=1)
     expected = first[3]["input_ids"]
-    cache_root = tmp_path / "a.lmforge-index"
-    assert first.cache.parent == cache_root and list(first.cache.glob("epoch-000000-*.npy"))
+    cache_root = first.cache.parent  # under $LMFORGE_CACHE, nothing beside the data
+    assert cache_root.parent == data_cache / "pretrain-index"
+    assert list(first.cache.glob("epoch-000000-*.npy"))
+    assert not list(tmp_path.glob("*lmforge*"))
 
     def boom(*a, **k):
         raise AssertionError("index rebuilt although cached")
@@ -86,12 +88,13 @@ def test_index_cache_is_reused_and_rebuilt_when_the_data_changes(tmp_path, token
     assert again.samples_per_epoch != first.samples_per_epoch
 
 
-def test_cache_falls_back_when_data_dir_unwritable(tmp_path, prefix):
+def test_cache_falls_back_when_the_cache_dir_is_unwritable(tmp_path, prefix, monkeypatch):
     import shutil
 
     for ext in (".bin", ".idx"):
         shutil.copy(prefix + ext, tmp_path / f"ro{ext}")
-    (tmp_path / "ro.lmforge-index").write_text("not a directory")  # mkdir there fails
+    (tmp_path / "not-a-dir").write_text("")  # mkdir under it fails, even for root
+    monkeypatch.setenv("LMFORGE_CACHE", str(tmp_path / "not-a-dir"))
     ds = PretrainDataset(tmp_path / "ro", SEQ, seed=1, cache_dir=tmp_path / "run-cache")
     assert str(ds.cache).startswith(str(tmp_path / "run-cache"))
     np.testing.assert_array_equal(ds[0]["input_ids"], PretrainDataset(prefix, SEQ, 1)[0][

@@ -157,6 +157,7 @@ def test_truncated_samples_and_the_tokens_cut_are_counted_and_reported(tmp_path,
     ds = data.train.dataset
     cut = [len(ds.sample(i)[0]) - 33 for i in range(3) if len(ds.sample(i)[0]) > 33]
     assert len(cut) == 2 and ds.truncated_samples == 2 and ds.truncated_tokens == sum(cut)
+    assert 0 <= data.stats.pop("sft_padding_share") < 1 and "padding" in data.notes.pop()
     assert data.stats == {"sft_truncated_samples": 2, "sft_truncated_tokens": sum(cut),
                           "sft_dropped_samples": 0, "sft_empty_answer_samples": 0}
     assert len(data.notes) == 1 and "2 of 3 samples" in data.notes[0]
@@ -164,7 +165,7 @@ def test_truncated_samples_and_the_tokens_cut_are_counted_and_reported(tmp_path,
     fits = build_data(load_config(None, ["data.kind=sft", f"data.path={path}",
                                          "data.template=plain", "data.seq_len=4096"]),
                       tokenizer, cache_dir=tmp_path / "cache")
-    assert fits.notes == [] and fits.stats["sft_truncated_samples"] == 0
+    assert len(fits.notes) == 1 and fits.stats["sft_truncated_samples"] == 0
 
 
 def test_records_with_an_empty_answer_are_skipped_counted_and_reported(tmp_path, tokenizer):
@@ -195,10 +196,10 @@ def test_a_file_of_empty_answers_only_is_refused_naming_it(tmp_path, tokenizer):
         check_data(cfg)  # what train checks before it writes anything
 
 
-def test_tokenized_cache_is_reused(tmp_path, tokenizer, monkeypatch):
+def test_tokenized_cache_is_reused(tmp_path, tokenizer, monkeypatch, data_cache):
     path = _sft_file(tmp_path / "s.jsonl")
     first = SFTDataset(path, tokenizer, "llama3", 64)
-    assert first.cache.parent == tmp_path / "s.jsonl.lmforge-sft"
+    assert first.cache.parent.parent == data_cache / "sft"
     monkeypatch.setattr(sft_mod, "tokenize_file", lambda *a, **k: 1 / 0)
     again = SFTDataset(path, tokenizer, "llama3", 64)
     np.testing.assert_array_equal(again[3]["input_ids"], first[3]["input_ids"])

@@ -79,7 +79,8 @@ def test_held_out_rows_score_only_the_assistant_tokens(sft_path, tokenizer, tmp_
     for batch in batches:
         for row, k in enumerate(batch["sample_ids"].tolist()):
             (i,) = held_out.samples_of(k)
-            expected = sft_row([held_out.sample(i)], SEQ, tokenizer.pad_id, packed=False)
+            expected = sft_row([held_out.sample(i)], SEQ, tokenizer.pad_id, packed=False,
+                               width=batch["labels"].shape[1])  # the batch's longest
             assert torch.equal(batch["labels"][row], torch.from_numpy(expected["labels"]))
             labels = batch["labels"][row]
             scored = tokenizer.decode(labels[labels != -100].tolist(), skip_special=False)

@@ -172,3 +172,16 @@ def test_throughput_reports_tokens_tflops_and_mfu(monkeypatch):
     assert report["tflops_per_device"] == pytest.approx(1.0)  # 2000 * 1e9 / 2 devices
     assert report["mfu"] == pytest.approx(1.0)
     assert M.Throughput(1e9, None).report()["mfu"] is None
+
+
+def test_throughput_counts_the_flops_of_steps_shorter_than_seq_len(monkeypatch):
+    """SFT batches as long as their longest sample: the step's FLOPs come with it (the
+    attention of a shorter sequence costs less per token)."""
+    clock = iter([0.0, 2.0] + [2.0] * 10)
+    monkeypatch.setattr(M.time, "perf_counter", lambda: next(clock))
+    throughput = M.Throughput(flops_per_token=1e9, peak_flops=1e12, n_devices=2)
+    throughput.add(3000, flops=2.4e12)
+    throughput.add(1000)  # at flops_per_token
+    report = throughput.report()
+    assert report["tokens_per_s"] == 2000
+    assert report["tflops_per_device"] == pytest.approx((2.4 + 1.0) / 2 / 2)

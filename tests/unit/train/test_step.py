@@ -8,7 +8,8 @@ from lmforge.train.optim import lr_multiplier
 from lmforge.config import OptimConfig
 from lmforge.eval.evaluate import evaluate
 from lmforge.models.loss import IGNORE_INDEX
-from lmforge.train.step import accumulate_gradients, normalize_loss
+from lmforge.parallel.mesh import ParallelDims
+from lmforge.train.step import accumulate_gradients, normalize_loss, step_counts
 
 ARGS = tiny_llama_args(vocab_size=61)
 
@@ -94,3 +95,14 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
     assert lr_multiplier(100, cfg, 100) == pytest.approx(0.1)
     linear = OptimConfig(warmup_steps=0, min_lr_ratio=0.0, schedule="linear")
     assert lr_multiplier(50, linear, 100) == pytest.approx(0.5)
+
+
+def test_step_counts_sum_the_positions_and_flops_of_micro_batches_of_any_length():
+    """SFT micro-batches are as long as their longest sample: positions are rows x length
+    of each, and FLOPs per token follow the length (attention)."""
+    batches = [_padded_batch([12, 3], seq=12), _padded_batch([5, 2, 1], seq=6)]
+    counts = step_counts(batches, ParallelDims(), torch.device("cpu"), lambda s: 100.0 + s)
+    assert counts.valid == 12 + 3 + 5 + 2 + 1
+    assert counts.positions == 2 * 12 + 3 * 6
+    assert counts.flops == 2 * 12 * 112.0 + 3 * 6 * 106.0
+    assert step_counts(batches, ParallelDims(), torch.device("cpu")).flops == 0
