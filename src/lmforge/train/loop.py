@@ -10,24 +10,20 @@ import functools
 import gc
 import json
 import os
-import random
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from lmforge import fsio
-from lmforge.checkpoint import (AsyncCheckpointer, CheckpointError, capture_rng,
-                                checkpoint_step, clean_stale_tmp, is_complete,
-                                list_checkpoints, load_checkpoint, read_meta, resolve_resume,
-                                restore_rng, resume_is_auto)
+from lmforge.checkpoint import (CheckpointError, checkpoint_step, is_complete,
+                                list_checkpoints, resolve_resume, resume_is_auto)
 from lmforge.config import (ConfigError, JobConfig, check_parallel_fits, compute_dtype,
-                            grad_accumulation_steps, resolve_device, samples_per_step,
+                            grad_accumulation_steps, resolve_device,
                             save_config, warmup_warning)
 from lmforge.data.build import DataBundle, build_data, check_data, train_corpus_tokenizer
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
@@ -44,6 +40,7 @@ from lmforge.peft.targets import resolve_targets
 from lmforge.perf.budget import require_fit
 from lmforge.perf.flops import device_peak_flops, model_flops_per_token
 from lmforge.train import metrics as M
+from lmforge.train.checkpoints import Checkpoints, seed_everything
 from lmforge.train.model_setup import (TrainModel, build_train_model, clip_grad_norm,
                                        gather_full_state_dict)
 from lmforge.train.optim import Optimizers
@@ -197,12 +194,6 @@ def init_runtime(cfg: JobConfig, env: DistEnv, distributed: bool = False) -> Run
                                             dims.uses_fsdp)
     return Runtime(device=device, autocast=autocast, rank=env.rank,
                    world_size=env.world_size, dims=dims, param_dtype=param_dtype)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def prepare_output_dir(cfg: JobConfig, rt: Runtime) -> tuple[Path, Optional[RunLock]]:
@@ -394,59 +385,6 @@ def evaluate_held_out(rt: Runtime, model: TrainModel, data: DataBundle) -> dict:
     """``eval_loss`` and ``eval_tokens`` of the held-out data, on any layout."""
     loss, tokens = model.evaluate(data.eval_batches(), rt.device, rt.autocast)
     return {"eval_loss": loss, "eval_tokens": tokens}
-
-
-class Checkpoints:
-    """When to save, resume and prune; the mechanics live in lmforge.checkpoint."""
-
-    def __init__(self, cfg: JobConfig, rt: Runtime, out_dir: Path):
-        self.cfg, self.rt = cfg, rt
-        self.root = out_dir / CHECKPOINTS
-        if rt.is_logging_rank:
-            clean_stale_tmp(self.root)
-        _barrier(rt)
-        self.writer = AsyncCheckpointer(self.root, keep_last=cfg.train.keep_last,
-                                        use_async=cfg.train.async_checkpoint)
-        self.tokens = 0  # positions the run's steps ran over, up to the resumed one
-
-    def resume(self, model: TrainModel, optimizers: Optimizers, data: DataBundle) -> int:
-        """Loads ``train.resume`` (auto: the newest complete checkpoint) on any layout;
-        returns the step to continue after (0 for a fresh start)."""
-        path = resolve_resume(self.cfg.train.resume, self.root,
-                              verify=self.cfg.train.verify_checkpoint)
-        if path is None:
-            return 0
-        extra, rank_state = load_checkpoint(path, model.parts, optimizers.optimizers)
-        optimizers.load_scheduler_state(extra["scheduler"])
-        optimizers.scaler.load_state_dict(extra.get("loss_scale"))
-        data.train.load_state_dict(extra["data"])
-        step = int(extra["step"])
-        self.tokens = int(extra.get("tokens", step * self.cfg.data.seq_len * samples_per_step(
-            self.cfg, self.rt.dp_size)))  # saved without it: every row was seq_len wide
-        if rank_state is not None and read_meta(path).get("world_size") == self.rt.world_size:
-            restore_rng(rank_state)
-        else:  # another layout: the old per-rank generators do not map onto the new ranks
-            seed_everything(self.cfg.train.seed + step)
-        _say(self.rt, f"resumed from {path} (step {step})")
-        return step
-
-    def after_step(self, step: int, model: TrainModel, optimizers: Optimizers,
-                   data: DataBundle, final: bool = False, now: bool = False,
-                   tokens: int = 0) -> None:
-        """Saves at ``train.checkpoint_every``, at the end (``train.save``), or ``now``
-        (a stop signal: whatever train.save says, the run must be resumable)."""
-        self.writer.maybe_finalize()
-        every = self.cfg.train.checkpoint_every
-        if not (now or (final and self.cfg.train.save) or (every and step % every == 0)):
-            return
-        extra = {"step": step, "scheduler": optimizers.scheduler_state(),
-                 "data": data.train.state_dict(), "tokens": int(tokens),
-                 "loss_scale": optimizers.scaler.state_dict()}
-        self.writer.save(step, model.parts, optimizers.optimizers, extra, capture_rng(),
-                         self.cfg.to_dict())
-
-    def wait(self) -> None:
-        self.writer.wait()
 
 
 # ------------------------------------------------------------------------- finishing

@@ -32,11 +32,11 @@ def test_a_run_says_at_once_that_a_stop_signal_came_and_logs_the_step_it_stops_a
     step_in_progress = loop.train_step
     said_during_the_step = []
 
-    def signalled_mid_step(cfg, rt, model, optimizers, micro_batches, step):
+    def signalled_mid_step(cfg, rt, model, optimizers, micro_batches, step, *rest):
         if step == 3:  # the scheduler's SIGTERM arrives while step 3 runs
             os.kill(os.getpid(), signal.SIGTERM)
             said_during_the_step.append(capfd.readouterr().err)
-        return step_in_progress(cfg, rt, model, optimizers, micro_batches, step)
+        return step_in_progress(cfg, rt, model, optimizers, micro_batches, step, *rest)
 
     monkeypatch.setattr(loop, "train_step", signalled_mid_step)
     out = tmp_path / "run"
