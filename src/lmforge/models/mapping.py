@@ -115,14 +115,22 @@ def remap_state_dict(sd: dict, names: dict[str, str], shapes: dict[str, tuple],
 
 def check_finite(sd: dict, source: str) -> None:
     """Refuse a floating-point tensor holding NaN or Inf, naming it: a model computing with
-    one generates, evaluates and fine-tunes nonsense. A sum per tensor (several GB/s, no
-    copy) finds them; a non-finite sum is confirmed element by element, in chunks, since a
-    16-bit sum can overflow on finite values."""
+    one generates, evaluates and fine-tunes nonsense."""
+    name = first_nonfinite(sd)
+    if name is not None:
+        raise HFCheckpointError(f"{source}: tensor {name} holds NaN or Inf values")
+
+
+def first_nonfinite(sd: dict) -> Optional[str]:
+    """The name of the first floating-point tensor holding NaN or Inf, None if none does.
+    A sum per tensor (several GB/s, no copy) finds them; a non-finite sum is confirmed
+    element by element, in chunks, since a 16-bit sum can overflow on finite values."""
     for name, tensor in sd.items():
         if not tensor.is_floating_point() or tensor.is_meta:
             continue
         if not torch.isfinite(tensor.sum()) and not _all_finite(tensor):
-            raise HFCheckpointError(f"{source}: tensor {name} holds NaN or Inf values")
+            return name
+    return None
 
 
 def _all_finite(tensor: torch.Tensor, chunk: int = 1 << 22) -> bool:
