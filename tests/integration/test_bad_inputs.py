@@ -195,6 +195,9 @@ MODEL_DIRS = [
     Bad("inf in a weight", GEN, r"model\.safetensors: tensor model\.norm\.weight holds NaN or Inf",
         setup=model_with(edit_tensors("model/model.safetensors",
                                       poison("model.norm", float("inf"))))),
+    Bad("eos_token_id as a string", GEN,
+        r"generation_config\.json: eos_token_id: 'end' is not a token id",
+        setup=model_with(edit_json("model/generation_config.json", eos_token_id="end"))),
 ]
 
 ADAPTERS = [

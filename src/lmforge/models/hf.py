@@ -88,7 +88,12 @@ def stop_token_ids(model_dir: str | Path) -> list[int]:
         if (root / name).is_file():
             eos = read_json(root / name, "").get("eos_token_id")
             if eos is not None:
-                return [int(i) for i in (eos if isinstance(eos, list) else [eos])]
+                ids = eos if isinstance(eos, list) else [eos]
+                if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                           for i in ids):
+                    raise HFCheckpointError(f"{root / name}: eos_token_id: {eos!r} is not a "
+                                            f"token id or a list of them")
+                return list(ids)
     return []
 
 
