@@ -1,5 +1,7 @@
 """Atomic writes, the one implementation every writer uses (checkpoints, Hugging Face
-model directories, adapters, datasets and data caches).
+model directories, adapters, datasets and data caches); and the rules for reading what
+others wrote: which file names an index may give, and how a refused ``torch.load`` is
+reported.
 
 The scheme: write into a temporary sibling, fsync it, rename it into place, fsync the
 parent directory. A reader, or a run after a crash, sees the old content or the new one,
@@ -32,6 +34,8 @@ from pathlib import Path
 from typing import IO, Iterator, Optional
 
 _SET_ASIDE = re.compile(r"^\.(?P<name>.+)\.(?:old|deleting)-[0-9a-f]{8}$")
+_PICKLE_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+_UNPICKLER_DETAIL = re.compile(r"WeightsUnpickler error: (.*?)\s*(?:Check the documentation|$)")
 
 
 def tmp_tag() -> str:
@@ -355,3 +359,43 @@ def _pid_exists(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+# ------------------------------------------------------------- reading what others wrote
+
+def is_plain_name(name: object) -> bool:
+    """A file name inside a directory: a string with no separator, not ``.``/``..``, not
+    absolute. The only names an index, a manifest or a metadata file may give."""
+    return isinstance(name, str) and Path(name).name == name and name not in ("", ".", "..")
+
+
+def outside_dir(root: str | Path, name: object) -> Optional[str]:
+    """Why ``name`` (read from a file in ``root``) must not be opened, or None when it is a
+    plain name whose file, symlinks followed, lies inside ``root``. One place outside
+    counts as inside: the ``blobs/`` of a Hugging Face hub cache repository, which its
+    ``snapshots/<revision>/`` files link to."""
+    if not is_plain_name(name):
+        return "not a plain file name inside the directory"
+    home = Path(root).resolve()
+    allowed = [home] + ([home.parent.parent / "blobs"] if home.parent.name == "snapshots"
+                        else [])
+    target = (home / name).resolve()
+    if not any(target.is_relative_to(place) for place in allowed):
+        return f"a link to {target}, outside the directory"
+    return None
+
+
+def torch_load_error(err: BaseException) -> str:
+    """One line for what ``torch.load(weights_only=True)`` raised. torch's own message
+    advises retrying with ``weights_only=False``, which runs whatever the file asks for:
+    that advice is never passed on; the global the pickle asked for is."""
+    text = " ".join(str(err).split())
+    if "Weights only load failed" not in text:
+        return text or type(err).__name__
+    asked = _PICKLE_GLOBAL.search(text)
+    if asked:
+        return f"refused: the pickle asks for {asked.group(1)}, which a weights-only load " \
+               f"never runs"
+    detail = _UNPICKLER_DETAIL.search(text)
+    return "refused: a pickle a weights-only load cannot read" + (
+        f" ({detail.group(1)})" if detail and detail.group(1) else "")

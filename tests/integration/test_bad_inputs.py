@@ -113,11 +113,62 @@ def same_shape_pairs(tmp: Path, assets: dict) -> None:
     (tmp / "b.bin").replace(tmp / "a.bin")
 
 
+def edit_tensors(path: str, change):
+    """A setup step that rewrites a safetensors file under the row's directory:
+    ``change(tensors)`` edits the dict of tensors in place."""
+    def setup(tmp: Path, assets: dict) -> None:
+        from safetensors.torch import load_file, save_file
+        tensors = load_file(tmp / path)
+        change(tensors)
+        save_file(tensors, str(tmp / path))
+    return setup
+
+
+def poison(name_part: str, value: float):
+    """``change`` for ``edit_tensors``: the first tensor whose name holds ``name_part``
+    gets ``value`` in one element."""
+    def change(tensors: dict) -> None:
+        name = next(k for k in sorted(tensors) if name_part in k)
+        tensors[name].view(-1)[0] = value
+    return change
+
+
+def shard_index(target: str, link: Optional[str] = None):
+    """A setup step that turns the row's model copy into a sharded one whose index names
+    ``target`` (``link``: make ``target`` a symlink to that asset's file first)."""
+    def setup(tmp: Path, assets: dict) -> None:
+        model = tmp / "model"
+        (model / "model.safetensors").unlink()
+        if link is not None:
+            (model / target).symlink_to(assets[link] / "model.safetensors")
+        (model / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": {"model.embed_tokens.weight": target}}))
+    return setup
+
+
 def steps(*setups):
     def setup(tmp: Path, assets: dict) -> None:
         for s in setups:
             s(tmp, assets)
     return setup
+
+
+# Command lines and setups the model-directory, adapter and generate rows share.
+GEN = ["generate", "--model", "{tmp}/model", "--prompt", "hi"]  # on the row's model copy
+MERGE = ["lora", "merge", "--model", "{model}", "--adapter", "{tmp}/adapter", "--output",
+         "{tmp}/out"]
+
+
+def model_with(*setups):
+    return steps(copy_asset("model"), *setups)
+
+
+def adapter_with(*setups):
+    return steps(copy_asset("adapter"), *setups)
+
+
+def adapter_config(**changes):
+    return adapter_with(edit_json("adapter/adapter_config.json", **changes))
 
 
 # ----------------------------------------------------------------- the table
@@ -151,9 +202,82 @@ TRAIN = [
 MODEL_DIRS = [
     Bad("broken config.json", ["generate", "--model", "{tmp}/model", "--prompt", "hi"],
         r"config\.json", setup=steps(copy_asset("model"), write("model/config.json", "{x"))),
+    Bad("zero attention heads", GEN, r"config\.json: num_attention_heads: 0 is not a positive",
+        setup=model_with(edit_json("model/config.json", num_attention_heads=0))),
+    Bad("kv heads not dividing heads", GEN,
+        r"config\.json: num_attention_heads: 4 is not a multiple of num_key_value_heads \(3\)",
+        setup=model_with(edit_json("model/config.json", num_key_value_heads=3))),
+    Bad("hidden size as a string", GEN, r"config\.json: hidden_size: '32' is not a positive",
+        setup=model_with(edit_json("model/config.json", hidden_size="32"))),
+    Bad("nan rms_norm_eps", GEN, r"config\.json: rms_norm_eps: nan is not a positive finite",
+        setup=model_with(edit_json("model/config.json", rms_norm_eps=float("nan")))),
+    Bad("infinite rope_theta", GEN, r"config\.json: rope_theta: inf is not a positive finite",
+        setup=model_with(edit_json("model/config.json", rope_theta=float("inf")))),
+    Bad("shard path climbing out of the model dir", GEN,
+        r"model\.safetensors\.index\.json: weight_map\['model\.embed_tokens\.weight'\] = "
+        r"'\.\./\.\./\.\./etc/passwd': not a plain file name",
+        setup=model_with(shard_index("../../../etc/passwd"))),
+    Bad("absolute shard path", GEN,
+        r"model\.safetensors\.index\.json: weight_map\[.*\] = '/etc/passwd': not a plain",
+        setup=model_with(shard_index("/etc/passwd"))),
+    Bad("shard symlink leaving the model dir", GEN,
+        r"model\.safetensors\.index\.json: weight_map\[.*\] = 'model-1\.safetensors': a link "
+        r"to .* outside the directory",
+        setup=model_with(shard_index("model-1.safetensors", link="model"))),
+    Bad("nan in a weight", GEN, r"model\.safetensors: tensor model\.layers\.0\.\S+ holds NaN",
+        setup=model_with(edit_tensors("model/model.safetensors",
+                                      poison("layers.0.self_attn.q_proj", float("nan"))))),
+    Bad("inf in a weight", GEN, r"model\.safetensors: tensor model\.norm\.weight holds NaN or Inf",
+        setup=model_with(edit_tensors("model/model.safetensors",
+                                      poison("model.norm", float("inf"))))),
+    Bad("eos_token_id as a string", GEN,
+        r"generation_config\.json: eos_token_id: 'end' is not a token id",
+        setup=model_with(edit_json("model/generation_config.json", eos_token_id="end"))),
 ]
 
 ADAPTERS = [
+    Bad("negative r and nan alpha", MERGE,
+        r"adapter_config\.json: r: -4 is not a positive integer",
+        setup=adapter_config(r=-4, lora_alpha="nan")),
+    Bad("alpha as the string nan", MERGE,
+        r"adapter_config\.json: lora_alpha: 'nan' is not a positive finite number",
+        setup=adapter_config(lora_alpha="nan")),
+    Bad("infinite alpha", MERGE,
+        r"adapter_config\.json: lora_alpha: inf is not a positive finite number",
+        setup=adapter_config(lora_alpha=float("inf"))),
+    Bad("zero r", MERGE, r"adapter_config\.json: r: 0 is not a positive integer",
+        setup=adapter_config(r=0)),
+    Bad("r off the tensors' rank", MERGE,
+        r"adapter_config\.json: r: 1000000 does not match the rank 4 of model\.layers\.\d+\.",
+        setup=adapter_config(r=1000000)),
+    Bad("target module the base lacks", MERGE,
+        r"adapter_config\.json: target_modules: 'nonexistent_proj' matches no linear layer",
+        setup=adapter_config(target_modules=["nonexistent_proj"])),
+    Bad("weights for an untargeted module", MERGE,
+        r"adapter_model\.safetensors: holds weights for model\.layers\.\d+\.self_attn\.v_proj,"
+        r" which adapter_config\.json does not target \(target_modules: \['q_proj'\]\)",
+        setup=adapter_config(target_modules=["q_proj"])),
+    Bad("dropout above one", MERGE, r"adapter_config\.json: lora_dropout: 1\.5 is not",
+        setup=adapter_config(lora_dropout=1.5)),
+    Bad("DoRA adapter", MERGE, r"adapter_config\.json: use_dora = True is not supported",
+        setup=adapter_config(use_dora=True)),
+    Bad("PiSSA adapter", MERGE,
+        r"adapter_config\.json: init_lora_weights = 'pissa' is not supported",
+        setup=adapter_config(init_lora_weights="pissa")),
+    Bad("unknown adapter setting", MERGE,
+        r"adapter_config\.json: mystery_config = \{'on': True\} is a setting lmforge does not",
+        setup=adapter_config(mystery_config={"on": True})),
+    Bad("nan in an adapter tensor", MERGE,
+        r"adapter_model\.safetensors: tensor base_model\.model\.\S+\.lora_B\.weight holds NaN",
+        setup=adapter_with(edit_tensors("adapter/adapter_model.safetensors",
+                                        poison("lora_B", float("nan"))))),
+    Bad("lora eval of a bad adapter", ["lora", "eval", "--model", "{model}", "--adapter",
+                                       "{tmp}/adapter", "--data", "{chat}", "--output",
+                                       "{tmp}/r.json"],
+        r"adapter_config\.json: r: -4", setup=adapter_config(r=-4)),
+    Bad("generate with a bad adapter", ["generate", "--model", "{model}", "--adapter",
+                                        "{tmp}/adapter", "--prompt", "hi"],
+        r"adapter_config\.json: lora_alpha: inf", setup=adapter_config(lora_alpha=float("inf"))),
 ]
 
 NOT_UTF8 = bytes(range(128, 256)) * 160  # 20 KB of bytes no UTF-8 decoder accepts
@@ -206,6 +330,26 @@ DATA = [
 ]
 
 GENERATE = [
+    Bad("nan temperature", ["generate", "--model", "{model}", "--prompt", "hi",
+                            "--temperature", "nan"], r"^--temperature: nan must be"),
+    Bad("negative temperature", ["generate", "--model", "{model}", "--prompt", "hi",
+                                 "--temperature", "-0.5"], r"^--temperature: -0\.5 must be"),
+    Bad("top-p above one", ["generate", "--model", "{model}", "--prompt", "hi", "--top-p", "2"],
+        r"^--top-p: 2\.0 must be in \(0, 1\]"),
+    Bad("top-p zero", ["generate", "--model", "{model}", "--prompt", "hi", "--top-p", "0"],
+        r"^--top-p: 0\.0 must be in"),
+    Bad("negative top-k", ["generate", "--model", "{model}", "--prompt", "hi", "--top-k", "-3"],
+        r"^--top-k: -3 must be >= 0"),
+    Bad("no new tokens", ["generate", "--model", "{model}", "--prompt", "hi",
+                          "--max-new-tokens", "0"], r"^--max-new-tokens: 0 must be > 0"),
+    Bad("chat template that raises", GEN + ["--chat"],
+        r"tokenizer_config\.json: chat_template: the chat template cannot render this "
+        r"conversation \(no user turns here\)",
+        setup=model_with(edit_json("model/tokenizer_config.json",
+                                   chat_template="{{ raise_exception('no user turns here') }}"))),
+    Bad("chat_template.jinja that does not parse", GEN + ["--chat"],
+        r"model/chat_template\.jinja: the chat template does not parse",
+        setup=model_with(write("model/chat_template.jinja", "{% if %}"))),
 ]
 
 LAUNCH = [

@@ -138,3 +138,83 @@ def test_a_lock_whose_file_its_holder_removes_meanwhile_is_taken_on_the_new_file
     assert held.value.holder["pid"] == os.getpid()
     b.release()
     assert not path.exists()
+
+
+# ------------------------------------------------------------- reading what others wrote
+
+def test_outside_dir_accepts_plain_names_and_links_that_stay_inside(tmp_path):
+    (tmp_path / "shard.safetensors").write_bytes(b"x")
+    (tmp_path / "alias.safetensors").symlink_to("shard.safetensors")
+    assert fsio.outside_dir(tmp_path, "shard.safetensors") is None
+    assert fsio.outside_dir(tmp_path, "alias.safetensors") is None
+    assert fsio.outside_dir(tmp_path, "not-yet-written.safetensors") is None
+
+
+@pytest.mark.parametrize("name", ["../../../etc/passwd", "/etc/passwd", "sub/shard", "..",
+                                  ".", "", None, 3])
+def test_outside_dir_refuses_anything_but_a_plain_name(tmp_path, name):
+    assert fsio.outside_dir(tmp_path, name) == "not a plain file name inside the directory"
+
+
+def test_outside_dir_refuses_a_link_leaving_the_directory(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (tmp_path / "secret").write_text("key")
+    (model / "shard.safetensors").symlink_to(tmp_path / "secret")
+    problem = fsio.outside_dir(model, "shard.safetensors")
+    assert problem == f"a link to {tmp_path.resolve() / 'secret'}, outside the directory"
+
+
+def test_outside_dir_accepts_a_hub_cache_snapshot_linking_into_its_blobs(tmp_path):
+    """transformers' cache: snapshots/<revision>/ holds links to ../../blobs/<hash>; the
+    link to a sibling repository's blobs is still refused."""
+    repo = tmp_path / "models--org--name"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "blobs" / "abc123").write_bytes(b"x")
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (snapshot / "model.safetensors").symlink_to("../../blobs/abc123")
+    assert fsio.outside_dir(snapshot, "model.safetensors") is None
+    other = tmp_path / "models--org--other" / "blobs"
+    other.mkdir(parents=True)
+    (other / "def456").write_bytes(b"x")
+    (snapshot / "stolen.safetensors").symlink_to(other / "def456")
+    assert "outside the directory" in fsio.outside_dir(snapshot, "stolen.safetensors")
+
+
+def _weights_only_error(payload, protocol: int) -> Exception:
+    import io
+    import pickle
+
+    import torch
+    buffer = io.BytesIO(pickle.dumps(payload, protocol=protocol))
+    try:
+        torch.load(buffer, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - the error torch raises is what is tested
+        return e
+    raise AssertionError("torch.load accepted the payload")
+
+
+class _System:
+    def __reduce__(self):
+        return os.system, ("true",)
+
+
+def test_torch_load_error_names_what_the_pickle_asked_for_without_torchs_advice():
+    error = _weights_only_error(_System(), protocol=2)
+    assert "weights_only` set to `False`" in str(error)  # torch's advice, to be dropped
+    message = fsio.torch_load_error(error)
+    assert message == ("refused: the pickle asks for posix.system, which a weights-only "
+                       "load never runs")
+    assert "weights_only" not in message and "\n" not in message
+
+
+def test_torch_load_error_of_an_unreadable_pickle_keeps_the_reason_only():
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns about the pickle protocol
+        error = _weights_only_error({"a": 1}, protocol=4)  # an opcode it does not read
+    message = fsio.torch_load_error(error)
+    assert message.startswith("refused: a pickle a weights-only load cannot read")
+    assert "weights_only" not in message and "trusted source" not in message, message
+    assert fsio.torch_load_error(OSError("disk gone")) == "disk gone"

@@ -11,6 +11,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from lmforge.fsio import torch_load_error
+
 try:  # a BaseException, not an Exception: it must be caught by name
     from torch.distributed.checkpoint.api import CheckpointException as DCPException
 except ImportError:  # pragma: no cover
@@ -111,11 +113,11 @@ def describe(err: BaseException) -> str:
         return f"disk full ({err.strerror or 'no space left on device'})"
     if isinstance(err, OSError) and err.strerror:
         return err.strerror
-    text = " ".join(str(err).split())
+    text = torch_load_error(err)  # never torch's advice to load with weights_only=False
     zip_write = _ZIP_WRITE_FAILED.search(text)
     if zip_write:
         return f"disk full, or another failed write (torch: {zip_write.group(1)})"
-    return text or type(err).__name__
+    return text
 
 
 def write_error(directory: Path, err: BaseException) -> str:

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from lmforge import fsio
 from lmforge.checkpoint.collective import describe, gather_errors, group_rank, group_size
 from lmforge.checkpoint.safe_load import (METADATA_NAME, MetadataError, data_files,
-                                          is_plain_name, read_metadata_file)
+                                          read_metadata_file)
 
 MANIFEST_NAME = "checksums.json"
 ALGORITHM = "sha256"
@@ -108,7 +108,7 @@ def read_manifest(path: Path) -> Optional[dict[str, dict]]:
     for name, recorded in files.items():
         # Only names inside the directory: a crafted manifest must not make verification
         # read /dev/zero or a file elsewhere.
-        if not is_plain_name(name) or not isinstance(recorded, dict):
+        if not fsio.is_plain_name(name) or not isinstance(recorded, dict):
             raise ValueError(f"bad entry {name!r}")
     return files
 

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from lmforge.checkpoint.collective import CheckpointError, describe
+from lmforge.fsio import is_plain_name
 
 METADATA_NAME = ".metadata"
 
@@ -105,11 +106,6 @@ def _check_shape(metadata: Any, path: Path) -> None:
         if not is_plain_name(name):
             raise MetadataError(path, "refused", f"names a data file outside the "
                                                  f"checkpoint directory ({name!r})")
-
-
-def is_plain_name(name: Any) -> bool:
-    """A file name inside a directory: no separator, not ``.``/``..``, not absolute."""
-    return isinstance(name, str) and Path(name).name == name and name not in ("", ".", "..")
 
 
 def data_files(metadata: dcp_metadata.Metadata) -> set[str]:

@@ -190,12 +190,14 @@ class ChatTemplate:
 class JinjaTemplate:
     """A Jinja chat template (the model's own, or a built-in one) rendered sandboxed."""
 
-    def __init__(self, source: str, name: str = "auto"):
-        self.source, self.name = source, name
+    def __init__(self, source: str, name: str = "auto", label: str = "data.template"):
+        """``label``: what an error names as the template's origin (the config field, or
+        the model directory's template file when a command renders the model's own)."""
+        self.source, self.name, self.label = source, name, label
         try:
             self._template = _environment().from_string(source)
         except Exception as e:  # jinja2's TemplateSyntaxError and friends
-            raise DataError(f"data.template: the chat template does not parse ({_one_line(e)})"
+            raise DataError(f"{label}: the chat template does not parse ({_one_line(e)})"
                             ) from None
 
     @property
@@ -203,7 +205,8 @@ class JinjaTemplate:
         return f"{self.name}:{hashlib.sha1(self.source.encode()).hexdigest()[:16]}"
 
     def render(self, messages: list[dict], tok, add_generation_prompt: bool = False,
-               where: str = "data.template") -> str:
+               where: Optional[str] = None) -> str:
+        where = where or self.label
         try:
             return self._template.render(messages=messages,
                                          add_generation_prompt=add_generation_prompt,
@@ -212,8 +215,8 @@ class JinjaTemplate:
             raise DataError(f"{where}: the chat template cannot render this conversation "
                             f"({_one_line(e)})") from None
 
-    def encode(self, messages: list[dict], tok, where: str = "data.template") -> Sample:
-        return self.encode_many([(where, messages)], tok)[0]
+    def encode(self, messages: list[dict], tok, where: Optional[str] = None) -> Sample:
+        return self.encode_many([(where or self.label, messages)], tok)[0]
 
     def encode_many(self, samples: list[tuple[str, list[dict]]], tok) -> list[Sample]:
         texts, spans = [], []
@@ -279,7 +282,7 @@ class JinjaTemplate:
         """The token that ends an assistant turn (what generation stops on): the last
         trained token of a probe conversation. Refuses a template that cannot train."""
         probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
-        ids, trained = self.encode(probe, tok, where="data.template")
+        ids, trained = self.encode(probe, tok)
         return int(ids[np.flatnonzero(trained)[-1]])
 
     def end_of_turn(self, tok) -> str:

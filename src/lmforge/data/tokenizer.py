@@ -149,6 +149,15 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
                      chat_template=_chat_template(root, config))
 
 
+def chat_template_origin(model_dir: str | Path) -> str:
+    """Where ``load_tokenizer`` took the directory's chat template from, as an error names
+    it: ``…/chat_template.jinja``, else ``…/tokenizer_config.json: chat_template``."""
+    root = Path(model_dir)
+    if (root / "chat_template.jinja").is_file():
+        return str(root / "chat_template.jinja")
+    return f"{root / 'tokenizer_config.json'}: chat_template"
+
+
 def _chat_template(root: Path, config: dict) -> Optional[str]:
     """transformers' places: ``chat_template.jinja``, else tokenizer_config.json's
     ``chat_template`` (a string, or a list of named ones where "default" is used)."""

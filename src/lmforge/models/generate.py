@@ -1,6 +1,7 @@
 """Text generation with a KV cache: greedy, or sampled with temperature / top-k / top-p."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -15,6 +16,7 @@ def generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, greed
              top_p: Optional[float] = None, stop_ids: tuple[int, ...] = (),
              generator: Optional[torch.Generator] = None) -> list[int]:
     """Returns the new tokens only; stops early on any of ``stop_ids``."""
+    check_sampling(None, temperature, top_k, top_p)  # 0 new tokens: an empty answer
     if not prompt_ids:
         raise ValueError("generate: the prompt is empty (give at least one token)")
     was_training = model.training
@@ -33,6 +35,24 @@ def generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, greed
         tokens = torch.tensor([[next_id]], device=device)  # (1, 1): cache holds the past
     model.train(was_training)
     return new
+
+
+def check_sampling(max_new_tokens: Optional[int], temperature: float, top_k: Optional[int],
+                   top_p: Optional[float], names: Optional[dict[str, str]] = None) -> None:
+    """Refuse settings that cannot sample: ``max_new_tokens`` > 0 (None: not checked),
+    ``temperature`` finite and >= 0 (0: greedy), ``top_k`` >= 0 (0 or None: every token),
+    ``top_p`` in (0, 1]. ``names``: how the caller spells each parameter (its options)."""
+    def bad(name: str, value, rule: str) -> ValueError:
+        return ValueError(f"{(names or {}).get(name, name)}: {value} {rule}")
+
+    if max_new_tokens is not None and max_new_tokens <= 0:
+        raise bad("max_new_tokens", max_new_tokens, "must be > 0")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise bad("temperature", temperature, "must be a finite number >= 0 (0: greedy)")
+    if top_k is not None and top_k < 0:
+        raise bad("top_k", top_k, "must be >= 0 (0: every token)")
+    if top_p is not None and not 0 < top_p <= 1:  # also refuses nan
+        raise bad("top_p", top_p, "must be in (0, 1]")
 
 
 def _pick(logits: torch.Tensor, greedy: bool, temperature: float, top_k: Optional[int],

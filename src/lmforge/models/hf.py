@@ -14,8 +14,8 @@ from torch import nn
 
 from lmforge import fsio
 from lmforge.models.common import materialize
-from lmforge.models.mapping import (HFCheckpointError, drop_tied_head, read_json,
-                                    remap_state_dict)
+from lmforge.models.mapping import (HFCheckpointError, check_finite, drop_tied_head,
+                                    read_json, remap_state_dict)
 from lmforge.models.registry import (args_from_hf_config, build_model, family_of,
                                      hf_config_from_args, hf_names)
 
@@ -34,7 +34,8 @@ def param_shapes(args) -> dict[str, tuple[int, ...]]:
 
 def from_hf_state_dict(sd: dict, args, source: str = "HF state dict") -> dict:
     """HF names -> ours. Tied: ``output.weight`` is the embedding tensor itself. Buffers
-    some checkpoints carry (GPT-J's causal mask) are dropped."""
+    some checkpoints carry (GPT-J's causal mask) are dropped. A tensor holding NaN or Inf
+    is refused (every command that loads a model directory comes here)."""
     names = hf_names(args)
     shapes = param_shapes(args)
     ignored = family_of(args).ignored_hf_suffixes
@@ -44,6 +45,7 @@ def from_hf_state_dict(sd: dict, args, source: str = "HF state dict") -> dict:
     out = remap_state_dict(sd, {hf: ours for ours, hf in names.items()},
                            {hf: shapes[ours] for ours, hf in names.items()}, source,
                            hint=_untied_hint(args))
+    check_finite(sd, source)  # after the names: sd now holds exactly the model's tensors
     if args.tie_embeddings:
         out["output.weight"] = out["tok_embeddings.weight"]
     return out
@@ -86,29 +88,45 @@ def stop_token_ids(model_dir: str | Path) -> list[int]:
         if (root / name).is_file():
             eos = read_json(root / name, "").get("eos_token_id")
             if eos is not None:
-                return [int(i) for i in (eos if isinstance(eos, list) else [eos])]
+                ids = eos if isinstance(eos, list) else [eos]
+                if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                           for i in ids):
+                    raise HFCheckpointError(f"{root / name}: eos_token_id: {eos!r} is not a "
+                                            f"token id or a list of them")
+                return list(ids)
     return []
 
 
 def read_hf_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of ``model.safetensors`` or of the shards an index names (CPU)."""
-    root = Path(model_dir)
+    """All tensors of ``model.safetensors`` or of the shards an index names (CPU). A file
+    that leaves the directory (``../``, an absolute path, a link out) is refused."""
+    sd: dict[str, torch.Tensor] = {}
+    for path in _weight_files(Path(model_dir)):
+        sd.update(_load_safetensors(path))
+    return sd
+
+
+def _weight_files(root: Path) -> list[Path]:
     if (root / WEIGHTS_NAME).is_file():
-        files = [root / WEIGHTS_NAME]
-    elif (root / INDEX_NAME).is_file():
+        _check_inside(root, WEIGHTS_NAME, f"{root / WEIGHTS_NAME}")
+        return [root / WEIGHTS_NAME]
+    if (root / INDEX_NAME).is_file():
         index = read_json(root / INDEX_NAME, "")
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise HFCheckpointError(f"{root / INDEX_NAME}: no weight_map")
-        files = [root / name for name in sorted(set(weight_map.values()))]
-    else:
-        pickled = [p.name for p in root.glob("pytorch_model*.bin")]
-        why = (f" (found {pickled[0]}: lmforge reads safetensors only)" if pickled else "")
-        raise HFCheckpointError(f"{root}: no {WEIGHTS_NAME} or {INDEX_NAME}{why}")
-    sd: dict[str, torch.Tensor] = {}
-    for path in files:
-        sd.update(_load_safetensors(path))
-    return sd
+        for key, name in weight_map.items():
+            _check_inside(root, name, f"{root / INDEX_NAME}: weight_map[{key!r}] = {name!r}")
+        return [root / name for name in sorted(set(weight_map.values()))]
+    pickled = [p.name for p in root.glob("pytorch_model*.bin")]
+    why = (f" (found {pickled[0]}: lmforge reads safetensors only)" if pickled else "")
+    raise HFCheckpointError(f"{root}: no {WEIGHTS_NAME} or {INDEX_NAME}{why}")
+
+
+def _check_inside(root: Path, name, where: str) -> None:
+    problem = fsio.outside_dir(root, name)
+    if problem:
+        raise HFCheckpointError(f"{where}: {problem}; refused")
 
 
 def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:

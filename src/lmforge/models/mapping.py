@@ -5,7 +5,9 @@ model later; a tied head accepted only as a copy of the embedding."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+from typing import Any, Optional
 
 import torch
 
@@ -14,6 +16,67 @@ class HFCheckpointError(ValueError):
     """A model directory, config or state dict cannot be read; the message names the file,
     field or keys at fault."""
 
+
+# ------------------------------------------------------------------ config.json fields
+
+_MISSING = object()
+
+
+def config_int(cfg: dict, names: str | tuple[str, ...], source: str,
+               default: Any = _MISSING) -> Optional[int]:
+    """config.json's positive integer ``names`` (a key, or a key and the aliases
+    transformers maps to it): ``default`` when absent or null (refused as missing when
+    there is none). Refused, naming the key: anything but a positive whole number."""
+    name, value = _lookup(cfg, names, source, default)
+    if value is None or name is None:
+        return value
+    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not whole or value <= 0:
+        raise HFCheckpointError(f"{source}: {name}: {value!r} is not a positive integer")
+    return int(value)
+
+
+def config_float(cfg: dict, names: str | tuple[str, ...], source: str,
+                 default: Any = _MISSING, positive: bool = True) -> Optional[float]:
+    """config.json's finite number ``names`` (> 0 when ``positive``, else >= 0)."""
+    name, value = _lookup(cfg, names, source, default)
+    if value is None or name is None:
+        return value
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or value < 0 or (positive and value == 0):
+        kind = "positive" if positive else "non-negative"
+        raise HFCheckpointError(f"{source}: {name}: {value!r} is not a {kind} finite "
+                                f"number")
+    return float(value)
+
+
+def config_bool(cfg: dict, name: str, source: str, default: bool) -> bool:
+    """config.json's true/false ``name`` (a JSON boolean, not the string "false")."""
+    _, value = _lookup(cfg, name, source, default)
+    if not isinstance(value, bool):
+        raise HFCheckpointError(f"{source}: {name}: {value!r} is not true or false")
+    return value
+
+
+def _lookup(cfg: dict, names, source: str, default) -> tuple[Optional[str], Any]:
+    """(the key found, its value), or (None, default)."""
+    names = (names,) if isinstance(names, str) else names
+    for name in names:
+        if cfg.get(name) is not None:
+            return name, cfg[name]
+    if default is _MISSING:
+        raise HFCheckpointError(f"{source}: {names[0]} is missing")
+    return None, default
+
+
+def check_multiple(source: str, name: str, value: int, of_name: str, of: int) -> None:
+    """``value`` (config.json's ``name``) is a multiple of ``of`` (its ``of_name``)."""
+    if value % of:
+        raise HFCheckpointError(f"{source}: {name}: {value} is not a multiple of {of_name} "
+                                f"({of})")
+
+
+# ------------------------------------------------------------------ state dicts
 
 def drop_tied_head(sd: dict, head: str, embed: str, tied: bool, source: str) -> dict:
     """A tied checkpoint may still carry the head; accept it only as a copy of the
@@ -48,6 +111,30 @@ def remap_state_dict(sd: dict, names: dict[str, str], shapes: dict[str, tuple],
         extra = hint if any(k.startswith(("lm_head", "output")) for k in missing) else ""
         raise HFCheckpointError(f"{source}: " + "; ".join(problems) + extra)
     return {target: sd[src] for src, target in names.items()}
+
+
+def check_finite(sd: dict, source: str) -> None:
+    """Refuse a floating-point tensor holding NaN or Inf, naming it: a model computing with
+    one generates, evaluates and fine-tunes nonsense."""
+    name = first_nonfinite(sd)
+    if name is not None:
+        raise HFCheckpointError(f"{source}: tensor {name} holds NaN or Inf values")
+
+
+def first_nonfinite(sd: dict) -> Optional[str]:
+    """The name of the first floating-point tensor holding NaN or Inf, None if none does.
+    A sum per tensor (several GB/s, no copy) finds them; a non-finite sum is confirmed
+    element by element, in chunks, since a 16-bit sum can overflow on finite values."""
+    for name, tensor in sd.items():
+        if not tensor.is_floating_point() or tensor.is_meta:
+            continue
+        if not torch.isfinite(tensor.sum()) and not _all_finite(tensor):
+            return name
+    return None
+
+
+def _all_finite(tensor: torch.Tensor, chunk: int = 1 << 22) -> bool:
+    return all(bool(torch.isfinite(part).all()) for part in tensor.reshape(-1).split(chunk))
 
 
 def _truncate(keys: list[str], limit: int = 6) -> str:

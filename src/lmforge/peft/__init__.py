@@ -2,6 +2,7 @@
 adapters and merged exports. Modules, each building on the ones before it:
 ``targets`` (projection names and the rule reading ``lora.targets``), ``quant`` (quantized
 frozen linears; knows nothing of LoRA), ``lora`` (the LoRA layer and the model-wide swap),
+``adapter_spec`` (what an adapter directory may say, checked whole before it is used),
 ``adapters`` (peft's on-disk layout, merged exports).
 
 The trainer's calls, in order::

@@ -10,14 +10,14 @@ An adapter directory is what ``peft.PeftModel.save_pretrained`` writes and
   ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``.
 
 Module names are translated with ``lmforge.models.hf.hf_names``, so adapters written here
-load into transformers + peft and adapters peft wrote load here. ``export_merged`` writes
-a plain Hugging Face model directory with the adapters added into the weights
-(dequantizing a quantized base first), leaving the model it reads untouched.
+load into transformers + peft and adapters peft wrote load here. What is read is checked
+first, whole, by ``adapter_spec`` (every field, every tensor, against the base model).
+``export_merged`` writes a plain Hugging Face model directory with the adapters added into
+the weights (dequantizing a quantized base first), leaving the model it reads untouched.
 """
 from __future__ import annotations
 
 import json
-import re
 from collections import Counter
 from pathlib import Path
 from typing import Optional
@@ -30,24 +30,13 @@ from lmforge.config import LoraConfig
 from lmforge.models.hf import hf_names, save_hf_model
 from lmforge.models.registry import build_model
 from lmforge.parallel import full_value
+from lmforge.peft.adapter_spec import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX,
+                                       AdapterConfig, AdapterError, adapter_linears,
+                                       adapter_pairs, check_against_base,
+                                       parse_adapter_config)
 from lmforge.peft.lora import LoraLinear, apply_lora, lora_layers
 from lmforge.peft.quant import QuantizedLinear, is_quantized
 from lmforge.peft.targets import target_modules
-
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-PEFT_PREFIX = "base_model.model."
-_PEFT_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])"
-                       r"(?:\.(?P<adapter>[^.]+))?\.weight$")
-# peft options that change what the weights mean; refused unless at these values.
-_REFUSED_OPTIONS = {"use_dora": False, "lora_bias": False, "fan_in_fan_out": False,
-                    "bias": "none", "modules_to_save": None, "layer_replication": None,
-                    "target_parameters": None, "trainable_token_indices": None}
-
-
-class AdapterError(ValueError):
-    """An adapter directory cannot be written or read; the message names the file or key."""
-
 
 # ------------------------------------------------------------------------ names
 
@@ -133,115 +122,95 @@ def _peft_config(layers: dict[str, LoraLinear], base_model_path, lora_cfg) -> di
 # ------------------------------------------------------------------------- load
 
 def read_adapter(adapter_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """adapter_config.json and the adapter weights, checked for what we support."""
+    """adapter_config.json (checked: ``adapter_spec.parse_adapter_config``) and the
+    adapter weights, as read."""
+    raw, _, sd = _read(Path(adapter_dir))
+    return raw, sd
+
+
+def _read(root: Path) -> tuple[dict, AdapterConfig, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
-    root = Path(adapter_dir)
     cfg_path = root / ADAPTER_CONFIG
     if not cfg_path.is_file():
         raise AdapterError(f"{cfg_path}: not found (a PEFT adapter directory needs it)")
     try:
-        config = json.loads(cfg_path.read_text())
+        raw = json.loads(cfg_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise AdapterError(f"{cfg_path}: not valid JSON ({e})") from None
-    if config.get("peft_type") != "LORA":
-        raise AdapterError(f"{cfg_path}: peft_type = {config.get('peft_type')!r}; only LORA "
-                           f"adapters are supported")
-    for key, allowed in _REFUSED_OPTIONS.items():
-        value = config.get(key, allowed)
-        if value != allowed and not (allowed is None and not value):
-            raise AdapterError(f"{cfg_path}: {key} = {value!r} is not supported "
-                               f"(lmforge needs {allowed!r})")
+    config = parse_adapter_config(raw, cfg_path)
     weights = root / ADAPTER_WEIGHTS
     if not weights.is_file():
         extra = " (adapter_model.bin found: lmforge reads safetensors only)" if (
             root / "adapter_model.bin").is_file() else ""
         raise AdapterError(f"{weights}: not found{extra}")
     try:
-        return config, load_file(str(weights))
+        return raw, config, load_file(str(weights))
     except Exception as e:  # safetensors raises its own error type on a bad header
         raise AdapterError(f"{weights}: not a readable safetensors file ({e})") from None
 
 
 def load_adapter(model: nn.Module, adapter_dir: str | Path, strict: bool = True):
     """Load a peft LoRA adapter into ``model``: target linears without LoRA are swapped
-    first (rank from the tensors, alpha / rsLoRA / dropout from the config), existing LoRA
-    layers must have the same rank. ``strict``: every key must find a module (set False on
-    a pipeline stage that holds only some layers). Returns a ``lmforge.config.LoraConfig``
-    describing the adapter."""
+    first (rank, alpha, rsLoRA and dropout from the config), existing LoRA layers must have
+    the same rank. The whole adapter is checked against the model's architecture
+    (``adapter_spec``) before the model is touched. ``strict``: every tensor must find its
+    module in ``model`` (set False on a pipeline stage that holds only some layers).
+    Returns a ``lmforge.config.LoraConfig`` describing the adapter."""
     root = Path(adapter_dir)
-    config, sd = read_adapter(root)
-    by_hf = {theirs: ours for ours, theirs in _module_names(model).items()}
-    pairs = _group_keys(sd, root / ADAPTER_WEIGHTS)
+    _, config, sd = _read(root)
+    args = getattr(model, "args", None)
+    if args is None:
+        raise AdapterError("load_adapter: the model has no .args (an lmforge model is "
+                           "needed to translate module names)")
+    linears = adapter_linears(args)
+    check_against_base(config, linears, args.n_layers)
+    pairs = adapter_pairs(config, sd, linears, root / ADAPTER_WEIGHTS)
     modules = dict(model.named_modules())
-    rslora = bool(config.get("use_rslora", False))
-    dropout = float(config.get("lora_dropout") or 0.0)
-    loaded, ranks = 0, Counter()
-    for hf_module, (a, b) in pairs.items():
-        ours = by_hf.get(hf_module)
-        if ours is None or ours not in modules:
-            if strict:
-                raise AdapterError(f"{root / ADAPTER_WEIGHTS}: {hf_module} has no matching "
-                                   f"module in the model")
-            continue
-        rank = a.shape[0]
-        alpha = float(_pattern_value(config.get("alpha_pattern") or {}, hf_module,
-                                     config.get("lora_alpha", 8)))
-        layer = modules[ours]
-        if not isinstance(layer, LoraLinear):
-            settings = LoraConfig(enabled=True, rank=rank, alpha=alpha, dropout=dropout,
-                                  rslora=rslora)
-            apply_lora(model, settings, module_names=[ours])
-            layer = model.get_submodule(ours)
-        elif layer.rank != rank:
-            raise AdapterError(f"{root / ADAPTER_WEIGHTS}: {hf_module} has rank {rank} but "
-                               f"the model's LoRA layer {ours} has rank {layer.rank}")
-        if layer.merged:
-            raise AdapterError(f"load_adapter: {ours} is merged; unmerge_lora(model) first")
-        expected = ((rank, layer.in_features), (layer.out_features, rank))
-        if (tuple(a.shape), tuple(b.shape)) != expected:
-            raise AdapterError(f"{root / ADAPTER_WEIGHTS}: {hf_module} lora_A/lora_B shapes "
-                               f"{tuple(a.shape)}/{tuple(b.shape)}, expected "
-                               f"{expected[0]}/{expected[1]}")
-        layer.alpha, layer.rslora, layer.dropout = alpha, rslora, dropout
-        _copy_into(layer.lora_a, a)
-        _copy_into(layer.lora_b, b)
-        loaded += 1
-        ranks[rank] += 1
-    if loaded == 0:
+    present = {m: ab for m, ab in pairs.items() if linears[m].ours in modules}
+    if strict and len(present) < len(pairs):
+        missing = next(m for m in pairs if m not in present)
+        raise AdapterError(f"{root / ADAPTER_WEIGHTS}: {missing} has no matching module "
+                           f"in the model")
+    if not present:
         raise AdapterError(f"{root / ADAPTER_WEIGHTS}: no LoRA weights matched the model")
-    targets = target_modules(pairs)
+    for hf_module in present:
+        _check_layer(modules[linears[hf_module].ours], config, hf_module, root)
+    for hf_module, (a, b) in present.items():
+        _load_pair(model, linears[hf_module].ours, config, hf_module, a, b)
+    ranks = Counter(config.rank(m) for m in present)
     return LoraConfig(enabled=True, rank=ranks.most_common(1)[0][0],
-                      alpha=float(config.get("lora_alpha", 8)), dropout=dropout,
-                      targets=targets, rslora=rslora, adapter_from=str(root))
+                      alpha=config.lora_alpha, dropout=config.lora_dropout,
+                      targets=target_modules(pairs), rslora=config.use_rslora,
+                      adapter_from=str(root))
 
 
-def _group_keys(sd: dict, source: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    found: dict[str, dict[str, torch.Tensor]] = {}
-    unexpected = []
-    for key, tensor in sd.items():
-        m = _PEFT_KEY.match(key)
-        if m is None:
-            unexpected.append(key)
-            continue
-        found.setdefault(m["module"], {})[m["ab"]] = tensor
-    if unexpected:
-        raise AdapterError(f"{source}: keys lmforge cannot load (only lora_A/lora_B of "
-                           f"linear layers): {', '.join(unexpected[:4])}"
-                           + (f", ... ({len(unexpected) - 4} more)" if len(unexpected) > 4
-                              else ""))
-    half = [k for k, v in found.items() if set(v) != {"A", "B"}]
-    if half:
-        raise AdapterError(f"{source}: {half[0]} has only one of lora_A / lora_B")
-    return {k: (v["A"], v["B"]) for k, v in found.items()}
+def _check_layer(layer: nn.Module, config: AdapterConfig, hf_module: str,
+                 root: Path) -> None:
+    """A LoRA layer the model has already must take the adapter as it is."""
+    if not isinstance(layer, LoraLinear):
+        return
+    if layer.rank != config.rank(hf_module):
+        raise AdapterError(f"{root / ADAPTER_WEIGHTS}: {hf_module} has rank "
+                           f"{config.rank(hf_module)} but the model's LoRA layer has rank "
+                           f"{layer.rank}")
+    if layer.merged:
+        raise AdapterError(f"load_adapter: {hf_module} is merged in the model; "
+                           f"unmerge_lora(model) first")
 
 
-def _pattern_value(patterns: dict, module: str, default):
-    """peft's rule: a pattern key matches a module whose name ends with it (regex)."""
-    for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return default
+def _load_pair(model: nn.Module, ours: str, config: AdapterConfig, hf_module: str,
+               a: torch.Tensor, b: torch.Tensor) -> None:
+    rank, alpha = config.rank(hf_module), float(config.alpha(hf_module))
+    layer = model.get_submodule(ours)
+    if not isinstance(layer, LoraLinear):
+        settings = LoraConfig(enabled=True, rank=rank, alpha=alpha,
+                              dropout=config.lora_dropout, rslora=config.use_rslora)
+        apply_lora(model, settings, module_names=[ours])
+        layer = model.get_submodule(ours)
+    layer.alpha, layer.rslora, layer.dropout = alpha, config.use_rslora, config.lora_dropout
+    _copy_into(layer.lora_a, a)
+    _copy_into(layer.lora_b, b)
 
 
 @torch.no_grad()

@@ -84,3 +84,17 @@ def test_checkpoints_written_by_the_plain_dcp_writer_still_load(tmp_path, monkey
     assert_loads(path, expected)
     sd = read_model_state(path)
     assert all(torch.equal(sd[k], v) for k, v in expected.items())
+
+
+def test_a_payload_in_a_rank_file_is_refused_without_advising_weights_only_false(tmp_path):
+    path, _ = _saved(tmp_path)
+    marker = tmp_path / "pwned"
+    torch.save({"rng": _Touch(marker)}, path / "rank-00000.pt")
+    model, optimizer = make_model(seed=1)
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path, model, optimizer)
+    message = str(err.value)
+    assert message.startswith(f"{path / 'rank-00000.pt'}: not readable (refused: the pickle "
+                              f"asks for posix.system"), message
+    assert "weights_only" not in message and "\n" not in message, message
+    assert not marker.exists(), "the payload ran"

@@ -1,8 +1,9 @@
 """Generation: greedy decoding with the KV cache equals re-running the whole sequence."""
+import pytest
 import torch
 
 from helpers.tiny_models import tiny_llama_args
-from lmforge.models.generate import generate
+from lmforge.models.generate import check_sampling, generate
 from lmforge.models.llama import build_llama, materialize
 
 ARGS = tiny_llama_args(vocab_size=53)
@@ -41,3 +42,26 @@ def test_generation_never_runs_past_max_seq_len():
     model = _model()
     out = generate(model, [i % 50 for i in range(60)], 50, greedy=True)
     assert len(out) == ARGS.max_seq_len - 60
+
+
+@pytest.mark.parametrize("setting,message", [
+    (dict(temperature=float("nan")), r"^temperature: nan must be a finite number >= 0"),
+    (dict(temperature=float("inf")), r"^temperature: inf must be"),
+    (dict(temperature=-0.1), r"^temperature: -0\.1 must be"),
+    (dict(top_k=-1), r"^top_k: -1 must be >= 0"),
+    (dict(top_p=0.0), r"^top_p: 0\.0 must be in \(0, 1\]"),
+    (dict(top_p=1.5), r"^top_p: 1\.5 must be in"),
+    (dict(top_p=float("nan")), r"^top_p: nan must be in"),
+])
+def test_settings_that_cannot_sample_are_refused_before_any_token(setting, message):
+    model = _model()
+    with pytest.raises(ValueError, match=message):
+        generate(model, [1, 2], 4, greedy=False, **setting)
+
+
+def test_check_sampling_names_the_options_of_its_caller():
+    names = {"max_new_tokens": "--max-new-tokens", "top_p": "--top-p"}
+    with pytest.raises(ValueError, match=r"^--max-new-tokens: 0 must be > 0$"):
+        check_sampling(0, 1.0, None, None, names)
+    with pytest.raises(ValueError, match=r"^--top-p: 2 must be in \(0, 1\]$"):
+        check_sampling(8, 1.0, None, 2, names)

@@ -155,3 +155,30 @@ def test_meta_checkpoint_without_params_json_is_named(tmp_path):
     (tmp_path / "meta").mkdir()
     with pytest.raises(HFCheckpointError, match=r"params\.json: not found"):
         load_meta_checkpoint(tmp_path / "meta")
+
+
+class _Touch:
+    """Unpickling this would create ``marker`` (what an attacker's command would do)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_pickled_payload_is_refused_without_advising_weights_only_false(tmp_path):
+    model, _ = saved_hf_model(tmp_path)
+    meta = tmp_path / "meta"
+    meta.mkdir()
+    (meta / "params.json").write_text(json.dumps(meta_params(model.config, VOCAB)))
+    marker = tmp_path / "pwned"
+    torch.save({"tok_embeddings.weight": _Touch(marker)}, meta / "consolidated.00.pth")
+    with pytest.raises(HFCheckpointError) as err:
+        load_meta_checkpoint(meta)
+    message = str(err.value)
+    assert "consolidated.00.pth: cannot be read as a weights-only checkpoint (refused: the " \
+           "pickle asks for posix.system" in message
+    assert "weights_only" not in message.split("(", 1)[1] and "\n" not in message, message
+    assert not marker.exists()

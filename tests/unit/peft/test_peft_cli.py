@@ -54,3 +54,28 @@ def test_lora_eval_with_and_without_adapter(lib, tmp_path, capsys):
     assert main(["lora", "eval", "--model", str(tmp_path / "base"), "--data",
                  str(tmp_path / "missing.jsonl")]) == 2
     assert "missing.jsonl" in capsys.readouterr().err
+
+
+_CHAT = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|end_of_text|>"
+         "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def test_generate_with_an_adapter_equals_generate_on_the_merged_model(lib, tmp_path, capsys):
+    """Greedy, with and without --chat: the adapter is applied as `lora merge` applies it."""
+    _saved_model_and_adapter(lib, tmp_path)
+    config = json.loads((tmp_path / "base" / "tokenizer_config.json").read_text())
+    (tmp_path / "base" / "tokenizer_config.json").write_text(
+        json.dumps({**config, "chat_template": _CHAT}))
+    assert main(["lora", "merge", "--model", str(tmp_path / "base"), "--adapter",
+                 str(tmp_path / "adapter"), "--output", str(tmp_path / "merged")]) == 0
+    capsys.readouterr()
+
+    def generated(model, *extra):
+        assert main(["generate", "--model", str(tmp_path / model), "--prompt", "A: hello 2",
+                     "--greedy", "--max-new-tokens", "12", *extra]) == 0
+        return capsys.readouterr().out
+
+    for chat in ([], ["--chat"]):
+        with_adapter = generated("base", "--adapter", str(tmp_path / "adapter"), *chat)
+        assert with_adapter == generated("merged", *chat)
+        assert with_adapter != generated("base", *chat)  # the adapter matters

@@ -4,7 +4,8 @@ compute with, so no tensor is permuted)."""
 from __future__ import annotations
 
 from lmforge.models.gptj.model import GPTJArgs
-from lmforge.models.mapping import HFCheckpointError
+from lmforge.models.mapping import (HFCheckpointError, check_multiple, config_bool,
+                                    config_float, config_int)
 
 _LAYER_NAMES = {  # ours -> Hugging Face, inside layers.{i} / transformer.h.{i}
     "attention_norm.weight": "ln_1.weight",
@@ -32,35 +33,32 @@ _TANH_GELU = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
 def args_from_hf_config(cfg: dict, source: str = "config.json") -> GPTJArgs:
     """A transformers GPT-J config dict -> ``GPTJArgs``; refuses, naming the field, what
-    our model would compute differently."""
-    def field(*names):  # GPT-J's own key, or the generic alias transformers maps to it
-        for name in names:
-            if cfg.get(name) is not None:
-                return cfg[name]
-        raise HFCheckpointError(f"{source}: {names[0]} is missing")
-
-    def get(name):
-        return cfg[name] if cfg.get(name) is not None else _DEFAULTS[name]
-
-    if get("activation_function") not in _TANH_GELU:
-        raise HFCheckpointError(f"{source}: activation_function = "
-                                f"{cfg['activation_function']!r} is not supported for "
-                                f"model_type 'gptj' (lmforge needs 'gelu_new')")
-    dim, n_heads = int(field("n_embd", "hidden_size")), int(field("n_head", "num_attention_heads"))
-    if dim % n_heads:
-        raise HFCheckpointError(f"{source}: n_embd {dim} is not a multiple of n_head {n_heads}")
-    rotary_dim = cfg.get("rotary_dim")
+    our model would compute differently and shapes it cannot have. A size may be under
+    GPT-J's own key or the generic alias transformers maps to it (n_embd, hidden_size)."""
+    activation = cfg.get("activation_function") or _DEFAULTS["activation_function"]
+    if activation not in _TANH_GELU:
+        raise HFCheckpointError(f"{source}: activation_function = {activation!r} is not "
+                                f"supported for model_type 'gptj' (lmforge needs "
+                                f"'gelu_new')")
+    dim = config_int(cfg, ("n_embd", "hidden_size"), source)
+    n_heads = config_int(cfg, ("n_head", "num_attention_heads"), source)
+    check_multiple(source, "n_embd", dim, "n_head", n_heads)
+    rotary_dim = config_int(cfg, "rotary_dim", source, default=None)
     if rotary_dim is not None and (rotary_dim > dim // n_heads or rotary_dim % 2):
-        raise HFCheckpointError(f"{source}: rotary_dim = {rotary_dim} must be even and at "
+        raise HFCheckpointError(f"{source}: rotary_dim: {rotary_dim} must be even and at "
                                 f"most the head size {dim // n_heads}")
     return GPTJArgs(
-        dim=dim, n_layers=int(field("n_layer", "num_hidden_layers")), n_heads=n_heads,
-        n_kv_heads=n_heads, vocab_size=int(field("vocab_size")),
-        ffn_dim=int(cfg.get("n_inner") or 4 * dim),
-        max_seq_len=int(get("n_positions")), norm_eps=float(get("layer_norm_epsilon")),
-        tie_embeddings=bool(get("tie_word_embeddings")),
-        init_std=float(get("initializer_range")),
-        rotary_dim=None if rotary_dim is None else int(rotary_dim))
+        dim=dim, n_layers=config_int(cfg, ("n_layer", "num_hidden_layers"), source),
+        n_heads=n_heads, n_kv_heads=n_heads, vocab_size=config_int(cfg, "vocab_size", source),
+        ffn_dim=config_int(cfg, "n_inner", source, default=4 * dim),
+        max_seq_len=config_int(cfg, "n_positions", source, _DEFAULTS["n_positions"]),
+        norm_eps=config_float(cfg, "layer_norm_epsilon", source,
+                              _DEFAULTS["layer_norm_epsilon"]),
+        tie_embeddings=config_bool(cfg, "tie_word_embeddings", source,
+                                   _DEFAULTS["tie_word_embeddings"]),
+        init_std=config_float(cfg, "initializer_range", source,
+                              _DEFAULTS["initializer_range"], positive=False),
+        rotary_dim=rotary_dim)
 
 
 def hf_config_from_args(args: GPTJArgs) -> dict:

@@ -8,7 +8,8 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from lmforge.models.llama.model import LlamaArgs, RopeScaling
-from lmforge.models.mapping import HFCheckpointError
+from lmforge.models.mapping import (HFCheckpointError, check_multiple, config_bool,
+                                    config_float, config_int)
 
 
 _LAYER_NAMES = {  # ours -> Hugging Face, inside layers.{i}
@@ -86,70 +87,80 @@ def _sliding_window(cfg: dict, family: str, source: str) -> Optional[int]:
         raise HFCheckpointError(f"{source}: {key} = {cfg[key]!r} is not supported for "
                                 f"model_type {family!r} (lmforge applies one window to "
                                 f"every layer; per-layer windows are not implemented)")
-    return int(cfg["sliding_window"])
+    return config_int(cfg, "sliding_window", source)
 
 
-def _head_dim(cfg: dict, dim: int, n_heads: int, source: str) -> Optional[int]:
-    """The explicit head_dim, or None when it is dim / n_heads anyway."""
-    head_dim = cfg.get("head_dim")
+def _heads(cfg: dict, source: str) -> tuple[int, int, int, Optional[int]]:
+    """(hidden_size, heads, KV heads, the explicit head_dim or None when it is
+    hidden_size / heads anyway), checked to divide as attention and RoPE need."""
+    dim = config_int(cfg, "hidden_size", source)
+    n_heads = config_int(cfg, "num_attention_heads", source)
+    n_kv_heads = config_int(cfg, "num_key_value_heads", source, default=n_heads)
+    check_multiple(source, "num_attention_heads", n_heads, "num_key_value_heads", n_kv_heads)
+    head_dim = config_int(cfg, "head_dim", source, default=None)
     if head_dim is None or (dim % n_heads == 0 and head_dim == dim // n_heads):
-        if dim % n_heads:
-            raise HFCheckpointError(f"{source}: hidden_size {dim} is not a multiple of "
-                                    f"num_attention_heads {n_heads} and no head_dim is set")
-        return None
-    return int(head_dim)
+        check_multiple(source, "hidden_size", dim, "num_attention_heads", n_heads)
+        head_dim, explicit = dim // n_heads, None
+    else:
+        explicit = head_dim
+    if head_dim % 2:
+        raise HFCheckpointError(f"{source}: head_dim: {head_dim} (hidden_size / "
+                                f"num_attention_heads unless set) must be even for RoPE")
+    return dim, n_heads, n_kv_heads, explicit
 
 
 def args_from_hf_config(cfg: dict, source: str = "config.json") -> LlamaArgs:
     """A transformers Llama, Mistral, Qwen2 or Qwen3 config dict (v4 or v5 layout) ->
     ``LlamaArgs``. Refuses, naming the field, anything our model would compute
-    differently."""
-    def field(name):
-        if cfg.get(name) is None:
-            raise HFCheckpointError(f"{source}: {name} is missing")
-        return cfg[name]
-
+    differently, and shapes it cannot have (a size that is not a positive integer,
+    heads that do not divide)."""
     family = _variant_of(cfg, source)
-    dim, n_heads = int(field("hidden_size")), int(field("num_attention_heads"))
-
-    def get(name):
-        return cfg[name] if cfg.get(name) is not None else _LLAMA_DEFAULTS[name]
-
+    dim, n_heads, n_kv_heads, explicit_head_dim = _heads(cfg, source)
+    d = _LLAMA_DEFAULTS
     return LlamaArgs(
-        dim=dim, n_layers=int(field("num_hidden_layers")), n_heads=n_heads,
-        n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-        vocab_size=int(field("vocab_size")), ffn_dim=int(field("intermediate_size")),
-        max_seq_len=int(get("max_position_embeddings")),
-        rope_theta=float(_rope_theta(cfg)), rope_scaling=_rope_scaling(cfg, source),
-        norm_eps=float(get("rms_norm_eps")), tie_embeddings=bool(get("tie_word_embeddings")),
-        init_std=float(get("initializer_range")), family=family,
-        explicit_head_dim=_head_dim(cfg, dim, n_heads, source),
+        dim=dim, n_layers=config_int(cfg, "num_hidden_layers", source), n_heads=n_heads,
+        n_kv_heads=n_kv_heads, vocab_size=config_int(cfg, "vocab_size", source),
+        ffn_dim=config_int(cfg, "intermediate_size", source),
+        max_seq_len=config_int(cfg, "max_position_embeddings", source,
+                               d["max_position_embeddings"]),
+        rope_theta=_rope_theta(cfg, source), rope_scaling=_rope_scaling(cfg, source),
+        norm_eps=config_float(cfg, "rms_norm_eps", source, d["rms_norm_eps"]),
+        tie_embeddings=config_bool(cfg, "tie_word_embeddings", source,
+                                   d["tie_word_embeddings"]),
+        init_std=config_float(cfg, "initializer_range", source, d["initializer_range"],
+                              positive=False),
+        family=family, explicit_head_dim=explicit_head_dim,
         attention_bias=VARIANTS[family].attention_bias, qk_norm=VARIANTS[family].qk_norm,
         sliding_window=_sliding_window(cfg, family, source))
 
 
-def _rope_theta(cfg: dict) -> float:
+def _rope_theta(cfg: dict, source: str) -> float:
     # transformers 5 moved rope_theta into rope_parameters; 4.x keeps it at the top level.
     if cfg.get("rope_theta") is not None:
-        return cfg["rope_theta"]
-    return (cfg.get("rope_parameters") or {}).get("rope_theta", _LLAMA_DEFAULTS["rope_theta"])
+        return config_float(cfg, "rope_theta", source)
+    params = cfg.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise HFCheckpointError(f"{source}: rope_parameters: {params!r} is not an object")
+    return config_float(params, "rope_theta", f"{source}: rope_parameters",
+                        _LLAMA_DEFAULTS["rope_theta"])
 
 
 def _rope_scaling(cfg: dict, source: str) -> Optional[RopeScaling]:
     name = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
     rope = cfg.get(name) or {}
+    if not isinstance(rope, dict):
+        raise HFCheckpointError(f"{source}: {name}: {rope!r} is not an object")
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind == "default":
         return None
     if kind != "llama3":
         raise HFCheckpointError(f"{source}: {name}.rope_type = {kind!r} is not supported "
                                 f"(lmforge supports 'default' and 'llama3')")
-    try:
-        return RopeScaling(float(rope["factor"]), float(rope["low_freq_factor"]),
-                           float(rope["high_freq_factor"]),
-                           int(rope["original_max_position_embeddings"]))
-    except KeyError as e:
-        raise HFCheckpointError(f"{source}: {name}.{e.args[0]} is missing") from None
+    where = f"{source}: {name}"
+    return RopeScaling(config_float(rope, "factor", where),
+                       config_float(rope, "low_freq_factor", where),
+                       config_float(rope, "high_freq_factor", where),
+                       config_int(rope, "original_max_position_embeddings", where))
 
 
 def hf_config_from_args(args: LlamaArgs) -> dict:

@@ -13,10 +13,11 @@ from typing import Optional
 
 import torch
 
+from lmforge.fsio import torch_load_error
 from lmforge.models.hf import load_into_model, param_shapes
 from lmforge.models.llama.model import Llama, LlamaArgs, RopeScaling
-from lmforge.models.mapping import (HFCheckpointError, drop_tied_head, read_json,
-                                    remap_state_dict, same_tensor)
+from lmforge.models.mapping import (HFCheckpointError, check_finite, drop_tied_head,
+                                    read_json, remap_state_dict, same_tensor)
 
 _META_LAYER_NAMES = {  # Meta -> ours, inside layers.{i}
     "attention.wq.weight": "attention.q_proj.weight",
@@ -116,6 +117,7 @@ def from_meta_state_dict(sd: dict, args: LlamaArgs, source: str = "Meta state di
         sd = drop_tied_head(sd, "output.weight", "tok_embeddings.weight", True, source)
         del names["output.weight"]
     out = remap_state_dict(sd, names, {meta: shapes[ours] for meta, ours in names.items()}, source)
+    check_finite(sd, source)
     if args.tie_embeddings:
         out["output.weight"] = out["tok_embeddings.weight"]
     return _permute_qk(out, args, interleaved_to_half)
@@ -175,5 +177,4 @@ def _torch_load(path: Path) -> dict:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # weights_only refuses arbitrary pickles; corrupt zips too
         raise HFCheckpointError(f"{path}: cannot be read as a weights-only checkpoint "
-                                f"({str(e).splitlines()[0] if str(e) else type(e).__name__})"
-                                ) from None
+                                f"({torch_load_error(e)})") from None
