@@ -25,7 +25,7 @@ from lmforge.config import JobConfig
 from lmforge.data.templates import get_template
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
 from lmforge.models.common import materialize
-from lmforge.models.hf import args_from_hf_config, read_hf_config, save_hf_model
+from lmforge.models.hf import read_model_args, save_hf_model
 from lmforge.models.presets import model_args
 from lmforge.models.registry import args_from_dict, build_model
 from lmforge.peft.adapters import export_merged, save_adapter
@@ -135,7 +135,7 @@ def checkpoint_model_args(ckpt_dir: str | Path, model_sd: Optional[dict] = None)
     cfg = read_job_config(path)
     base = None
     if cfg.model.init_from and Path(cfg.model.init_from, "config.json").is_file():
-        base = args_from_hf_config(read_hf_config(cfg.model.init_from))
+        base = read_model_args(cfg.model.init_from)
     args = model_args(cfg, base=base)
     if model_sd is not None and "tok_embeddings.weight" in model_sd:
         args = dataclasses.replace(args, vocab_size=model_sd["tok_embeddings.weight"].shape[0])

@@ -233,6 +233,11 @@ MODEL_DIRS = [
     Bad("eos_token_id as a string", GEN,
         r"generation_config\.json: eos_token_id: 'end' is not a token id",
         setup=model_with(edit_json("model/generation_config.json", eos_token_id="end"))),
+    Bad("fine-tune of a model with zero attention heads",
+        ["train", "model.init_from={tmp}/model", "data.kind=sft", "data.path={chat}",
+         "train.output_dir={tmp}/run"],
+        r"^{tmp}/model/config\.json: num_attention_heads: 0 is not a positive integer",
+        setup=model_with(edit_json("model/config.json", num_attention_heads=0))),
 ]
 
 ADAPTERS = [

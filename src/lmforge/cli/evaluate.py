@@ -16,7 +16,7 @@ from lmforge.cli.common import DEVICES
 from lmforge.config import resolve_device
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.eval.evaluate import eval_batches_for, evaluate, limit_tokens
-from lmforge.models.hf import CONFIG_NAME, args_from_hf_config, load_hf_model, read_hf_config
+from lmforge.models.hf import load_hf_model, read_model_args
 
 PROGRESS_EVERY_S = 30.0  # without a terminal: how often a progress line is written
 
@@ -118,11 +118,10 @@ def _seq_len(model_dir: str, seq_len: int | None) -> int:
     """``--seq-len``, checked against the model's maximum from config.json alone (before
     the weights are read): the model was never trained on positions past it, so a loss
     measured there says nothing about the model."""
-    source = Path(model_dir) / CONFIG_NAME
-    longest = args_from_hf_config(read_hf_config(model_dir), source=str(source)).max_seq_len
+    longest = read_model_args(model_dir).max_seq_len
     if seq_len is None:
         return min(256, longest)
     if seq_len > longest:
         raise ValueError(f"--seq-len: {seq_len} is above the model's maximum sequence length "
-                         f"{longest} (max_position_embeddings in {source})")
+                         f"{longest} (max_position_embeddings in {Path(model_dir) / 'config.json'})")
     return seq_len

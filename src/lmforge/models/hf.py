@@ -80,6 +80,13 @@ def read_hf_config(model_dir: str | Path) -> dict:
     return read_json(root / CONFIG_NAME, "a Hugging Face model directory needs config.json")
 
 
+def read_model_args(model_dir: str | Path):
+    """The model's shape (its family's args) from a model directory's config.json; an
+    error names that file and the field."""
+    root = Path(model_dir)
+    return args_from_hf_config(read_hf_config(root), source=str(root / CONFIG_NAME))
+
+
 def stop_token_ids(model_dir: str | Path) -> list[int]:
     """The ids generation stops on, as transformers picks them: generation_config.json's
     ``eos_token_id`` (an id or a list), else config.json's."""
@@ -144,7 +151,7 @@ def load_hf_model(model_dir: str | Path, device: str | torch.device = "cpu",
     """A Hugging Face model directory -> lmforge's model of its family on ``device``.
     ``dtype`` None keeps the dtype the weights are stored in."""
     root = Path(model_dir)
-    args = args_from_hf_config(read_hf_config(root), source=str(root / CONFIG_NAME))
+    args = read_model_args(root)
     hf_sd = read_hf_state_dict(root)
     weights = root / (WEIGHTS_NAME if (root / WEIGHTS_NAME).is_file() else INDEX_NAME)
     sd = from_hf_state_dict(hf_sd, args, source=str(weights))

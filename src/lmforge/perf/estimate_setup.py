@@ -11,7 +11,7 @@ from typing import Any, Optional
 from lmforge.config import (ConfigError, compute_dtype, grad_accumulation_steps,
                             pipeline_microbatches, resolve_device, resolve_layout)
 from lmforge.data.tokenizer import load_tokenizer
-from lmforge.models.hf import args_from_hf_config, read_hf_config
+from lmforge.models.hf import read_model_args
 from lmforge.models.presets import model_args, validate_job
 from lmforge.models.registry import family_of
 from lmforge.parallel.parallelize import checkpointed_block
@@ -168,7 +168,7 @@ def _model_args(cfg, notes: list[str]):
     """The model's shape as the trainer builds it: from model.init_from's config.json, or
     the preset with the vocabulary of the run's tokenizer when model.vocab_size is unset."""
     if cfg.model.init_from:
-        return model_args(cfg, base=args_from_hf_config(read_hf_config(cfg.model.init_from)))
+        return model_args(cfg, base=read_model_args(cfg.model.init_from))
     args = model_args(cfg)
     if cfg.model.vocab_size is not None:
         return args

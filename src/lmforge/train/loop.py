@@ -29,7 +29,7 @@ from lmforge.data.build import DataBundle, build_data, check_data, train_corpus_
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
 from lmforge.export import export_trained, trained_model
 from lmforge.models.common import count_parameters
-from lmforge.models.hf import args_from_hf_config, read_hf_config
+from lmforge.models.hf import read_model_args
 from lmforge.models.presets import check_model_args, job_family, model_args, validate_job
 from lmforge.models.registry import build_model
 from lmforge.parallel.mesh import (DistEnv, ParallelDims, build_parallel_dims,
@@ -270,7 +270,7 @@ def _from_rank0(rt: Runtime, value):
 
 def resolve_model_args(cfg: JobConfig, tokenizer: Tokenizer):
     if cfg.model.init_from:
-        base = args_from_hf_config(read_hf_config(cfg.model.init_from))
+        base = read_model_args(cfg.model.init_from)
         for name in ("family", "dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size",
                      "ffn_dim", "head_dim", "tie_embeddings"):
             value = getattr(cfg.model, name)
