@@ -103,8 +103,9 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, fmt: str = "hf"
         raise CheckpointError(f"--dtype: {dtype!r} is not one of {', '.join(EXPORT_DTYPES)}")
     fsio.check_writable(out_dir, "OUT_DIR", kind="dir")
     path = find_checkpoint(ckpt_dir)
-    sd = read_model_state(path)
+    # The small config first: a bad one is refused before the tensors are read.
     cfg = read_job_config(path) if (path / CONFIG_NAME).is_file() else None
+    sd = read_model_state(path)
     args = checkpoint_model_args(path, sd)
     source = _tokenizer_source(path, tokenizer_dir, cfg)
     tokenizer, generation = chat_export(cfg, load_tokenizer(source) if source else None)

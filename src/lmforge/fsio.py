@@ -54,9 +54,12 @@ def tmp_sibling(path: str | Path) -> Path:
 
 def check_writable(path: str | Path, what: str, kind: str = "file") -> None:
     """Refuse, before any work, an output ``path`` (a ``kind`` "file" or "dir") that could
-    not be written: the wrong kind of thing in the way, or no permission. Every writer
-    here creates or renames entries in the parent, so the nearest existing ancestor
-    must be a writable directory. ``what`` names the option in the message."""
+    not be written: the wrong kind of thing in the way, no permission, or a directory that
+    takes no new files. Every writer here creates or renames entries in the parent, so the
+    nearest existing ancestor must be a writable directory; a file is created there and
+    removed to prove it (permission bits do not tell: root passes them, and /proc, /sys
+    or a read-only mount refuse files whatever they say). ``what`` names the option in
+    the message."""
     path = Path(path)
     if kind not in ("file", "dir"):
         raise ValueError(f"kind must be file or dir, got {kind!r}")
@@ -75,6 +78,31 @@ def check_writable(path: str | Path, what: str, kind: str = "file") -> None:
     if not os.access(parent, os.W_OK | os.X_OK):
         raise PermissionError(f"{path}: cannot write {what}: no permission to create "
                               f"files in {parent}")
+    # An existing output directory is filled in place by some writers, so it is tried too.
+    for directory in (parent, *([path] if kind == "dir" and path.is_dir() else [])):
+        problem = _cannot_create_in(directory)
+        if problem:
+            raise PermissionError(f"{path}: cannot write {what}: {directory} does not "
+                                  f"accept new files ({problem})")
+
+
+# errno -> why, in plain words, a directory refused a new file
+_REFUSALS = {errno.EROFS: "the file system is read-only",
+             errno.EACCES: "permission denied", errno.EPERM: "permission denied",
+             errno.ENOSPC: "no space left on the device",
+             errno.EDQUOT: "the disk quota is used up"}
+
+
+def _cannot_create_in(directory: Path) -> Optional[str]:
+    """Why a file cannot be created in ``directory`` (None: it can): one is created and
+    removed at once."""
+    probe = directory / f".lmforge-probe{tmp_tag()}-{uuid.uuid4().hex[:8]}"
+    try:
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except OSError as e:
+        return _REFUSALS.get(e.errno, f"creating a file there failed: {e.strerror or e}")
+    os.unlink(probe)
+    return None
 
 
 def _nearest_existing(path: Path) -> Path:

@@ -10,10 +10,20 @@ node -> the workers), lmforge checkpoints after the step in progress and exits, 
 script requeues the job. A preempted job gets SIGTERM, which reaches lmforge the same
 way; SLURM requeues it itself (``--requeue``). Every attempt trains with
 ``train.resume=auto``, so it continues from the newest checkpoint.
+
+Nothing but the intended directives and commands reaches the script: every value written
+into an ``#SBATCH`` line must match its option's strict pattern (no whitespace sbatch
+would split at, no quote, ``#``, newline or other control character), numbers are range
+checked, command arguments (config, overrides, --env) are shell-quoted and must be one
+line, and each ``--setup`` line, the user's own shell code, runs as given through
+``eval`` of one quoted word, so it cannot open a quote, a here-document or a line
+continuation that swallows the script after it.
 """
 from __future__ import annotations
 
+import re
 import shlex
+import unicodedata
 from string import Template
 from typing import Optional
 
@@ -88,7 +98,11 @@ def render_slurm_script(config: Optional[str], overrides: list[str], nodes: int,
                         stop_before: int = 180, env: Optional[str] = None,
                         setup: tuple[str, ...] = ()) -> str:
     """The sbatch script. ``env``: a virtual environment to activate on every node;
-    ``setup``: shell lines run before it (``module load ...``)."""
+    ``setup``: shell lines run before it (``module load ...``). Raises ValueError naming
+    the option of a value that could not be written safely (see the module's doc)."""
+    check_directive_values(job_name=job_name, time_limit=time_limit, partition=partition,
+                           account=account, log_dir=log_dir)
+    check_numbers(nodes, gpus_per_node, cpus_per_task, port, stop_before, time_limit)
     extra = []
     if partition:
         extra.append(f"#SBATCH --partition={partition}")
@@ -105,17 +119,105 @@ def render_slurm_script(config: Optional[str], overrides: list[str], nodes: int,
 def train_arguments(config: Optional[str], overrides: list[str]) -> list[str]:
     """`lmforge train`'s arguments: every attempt of the job resumes from the newest
     checkpoint, so ``train.resume=auto`` always (and only once)."""
+    if config:
+        check_one_line(config, "CONFIG")
+    for override in overrides:
+        check_one_line(override, "override")
     kept = [o for o in overrides if not o.startswith("train.resume=")]
     return ([config] if config else []) + kept + ["train.resume=auto"]
 
 
 def environment_lines(env: Optional[str], setup: tuple[str, ...]) -> str:
+    """The set-up lines, each run as given by ``eval`` of one quoted word, then the
+    environment's activation."""
     lines = []
     if setup:
-        lines += ["# Set-up (--setup).", *setup]
+        for line in setup:
+            check_one_line(line, "--setup")
+        lines += ["# Set-up (--setup): each line runs as given, in this shell.",
+                  *(f"eval {shlex.quote(line)}" for line in setup)]
     if env:
+        check_one_line(env, "--env")
         lines += ["# The environment lmforge runs in (--env); srun passes it to every node.",
                   f"source {shlex.quote(env + '/bin/activate')}"]
     else:
         lines += ["# No --env: lmforge and torchrun come from the submitting shell's PATH."]
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------- the checks
+
+_NAME = r"[A-Za-z0-9][A-Za-z0-9._+-]*"
+# An #SBATCH option -> (the pattern its whole value must match, what that pattern allows).
+# Slurm accepts more in some of them; these cover real names and nothing that could end
+# the line, be split by sbatch at whitespace, or be quoted or commented differently.
+DIRECTIVE_PATTERNS = {
+    "--job-name": (_NAME, "letters, digits and . _ + - (the first a letter or digit)"),
+    "--partition": (rf"{_NAME}(?:,{_NAME})*", "partition names (letters, digits, . _ + -) "
+                    "separated by commas"),
+    "--account": (_NAME, "letters, digits and . _ + - (the first a letter or digit)"),
+    "--time": (r"(?:\d+-)?\d+(?::\d+){0,2}|(?i:unlimited|infinite)",
+               "MINUTES, MINUTES:SECONDS, HOURS:MINUTES:SECONDS, DAYS-HOURS, "
+               "DAYS-HOURS:MINUTES, DAYS-HOURS:MINUTES:SECONDS or UNLIMITED"),
+    "log_dir": (r"[A-Za-z0-9._/+-]+", "a path of letters, digits and . _ / + -"),
+}
+PORTS = (1, 65535)
+MAX_STOP_BEFORE = 65535  # seconds: the largest warning time #SBATCH --signal accepts
+
+
+def check_directive_values(**values: Optional[str]) -> None:
+    """Refuse a value for an ``#SBATCH`` line that does not match its option's pattern;
+    keys are the render function's parameter names, None means unset."""
+    options = {"job_name": "--job-name", "time_limit": "--time", "partition": "--partition",
+               "account": "--account", "log_dir": "log_dir"}
+    for key, value in values.items():
+        if value is None:
+            continue
+        option = options[key]
+        pattern, allowed = DIRECTIVE_PATTERNS[option]
+        if not re.fullmatch(pattern, value, flags=re.ASCII):
+            raise ValueError(f"{option}: {value!r} is refused: it must be {allowed} (the "
+                             f"value is written into an #SBATCH line of the script)")
+
+
+def check_numbers(nodes: int, gpus_per_node: int, cpus_per_task: int, port: int,
+                  stop_before: int, time_limit: str) -> None:
+    for option, value in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node),
+                          ("--cpus-per-task", cpus_per_task)):
+        if value < 1:
+            raise ValueError(f"{option}: must be >= 1, got {value}")
+    if not PORTS[0] <= port <= PORTS[1]:
+        raise ValueError(f"--port: must be a TCP port in [{PORTS[0]}, {PORTS[1]}], got {port}")
+    if not 1 <= stop_before <= MAX_STOP_BEFORE:
+        raise ValueError(f"--stop-before: must be in [1, {MAX_STOP_BEFORE}] seconds (SLURM's "
+                         f"--signal limit), got {stop_before}")
+    limit = time_limit_seconds(time_limit)
+    if limit is not None and stop_before >= limit:
+        raise ValueError(f"--stop-before: {stop_before} s is not shorter than --time "
+                         f"{time_limit} ({limit} s): the job would be warned before it runs")
+
+
+def time_limit_seconds(text: str) -> Optional[int]:
+    """Seconds in a SLURM ``--time`` (already matched by its pattern); None: no limit."""
+    if text.lower() in ("unlimited", "infinite"):
+        return None
+    days, _, clock = text.rpartition("-")
+    parts = [int(p) for p in clock.split(":")]
+    if days:  # DAYS-HOURS[:MINUTES[:SECONDS]]
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+    elif len(parts) == 3:  # HOURS:MINUTES:SECONDS
+        hours, minutes, seconds = parts
+    else:  # MINUTES[:SECONDS]
+        hours, (minutes, seconds) = 0, (parts + [0])[:2]
+    total = int(days or 0) * 86400 + hours * 3600 + minutes * 60 + seconds
+    return total or None  # SLURM reads a limit of 0 as none
+
+
+def check_one_line(value: str, option: str) -> None:
+    """Refuse a value the script writes as one line (quoted, or a --setup line) that holds
+    a line break or another control character: a newline would start a command of its
+    own, and the others make the line read differently than it runs."""
+    for char in value:
+        if char != "\t" and unicodedata.category(char) in ("Cc", "Cf", "Zl", "Zp"):
+            raise ValueError(f"{option}: {value!r} holds a control character "
+                             f"(U+{ord(char):04X}); the script takes it as one line")

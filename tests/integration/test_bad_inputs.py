@@ -143,6 +143,14 @@ def shard_index(target: str, link: Optional[str] = None):
             (model / target).symlink_to(assets[link] / "model.safetensors")
         (model / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {}, "weight_map": {"model.embed_tokens.weight": target}}))
+def fake_checkpoint(config_yaml: str):
+    """A setup: ``{tmp}/run/checkpoints/step-0000001``, committed (its marker), holding
+    only a config.yaml of the given text."""
+    def setup(tmp: Path, assets: dict) -> None:
+        step = tmp / "run" / "checkpoints" / "step-0000001"
+        step.mkdir(parents=True)
+        (step / "COMPLETE").write_text('{"step": 1}\n')
+        (step / "config.yaml").write_text(config_yaml)
     return setup
 
 
@@ -178,6 +186,13 @@ HUGE_CPU_RUN = ["model.preset=llama3-70b", "model.vocab_size=128256", "data.seq_
                 "train.device=cpu"]
 OVER_MEMORY = (r"^memory: the run needs about \d+\.\d GiB per device .* GiB; try .*"
                r"train\.skip_memory_check=true")
+# A config that would run a command if it were read by an unsafe YAML loader.
+PYTHON_TAG_YAML = 'train:\n  seed: 1\noptim: !!python/object/apply:os.system ["touch F"]\n'
+PYTHON_TAG_REFUSED = r"the YAML tag !!python/object/apply:os\.system is refused"
+# /proc takes no new files, whatever its permission bits say (root passes those).
+PROC_REFUSED = r"(/proc does not accept new files|no permission to create files in /proc)"
+LAUNCH_ARGS = ["launch", "slurm", "--nodes", "1", "--gpus-per-node", "1", "--env", "none",
+               "--output", "{tmp}/job.sbatch"]
 
 TRAIN = [
     Bad("negative lr", ["train", "optim.lr=-1", "train.output_dir={tmp}/run"],
@@ -197,6 +212,25 @@ TRAIN = [
                                             "train.output_dir={tmp}/run"], OVER_MEMORY),
     Bad("dry run of a model over the machine's memory",
         ["train", "--dry-run", *HUGE_CPU_RUN, "train.output_dir={tmp}/run"], OVER_MEMORY),
+    Bad("negative seed", ["train", "train.seed=-1", "train.output_dir={tmp}/run"],
+        r"^train\.seed: must be in \[0, 2\^63\), got -1"),
+    Bad("zero eval batches", ["train", "train.eval_batches=0", "train.output_dir={tmp}/run"],
+        r"^train\.eval_batches: must be > 0"),
+    Bad("negative sample tokens", ["train", "train.sample_tokens=-1",
+                                   "train.output_dir={tmp}/run"],
+        r"^train\.sample_tokens: must be >= 0"),
+    Bad("infinite rope theta", ["train", "model.rope_theta=inf", "train.output_dir={tmp}/run"],
+        r"^model\.rope_theta: inf is not a finite number"),
+    Bad("zero norm eps", ["train", "model.norm_eps=0", "train.output_dir={tmp}/run"],
+        r"^model\.norm_eps: must be > 0"),
+    Bad("nan lora alpha", ["train", "lora.alpha=nan", "train.output_dir={tmp}/run"],
+        r"^lora\.alpha: nan is not a finite number"),
+    Bad("zero dp_shard", ["train", "parallel.dp_shard=0", "train.output_dir={tmp}/run"],
+        r"^parallel\.dp_shard: must be -1 \(the rest of the world size\) or >= 1, got 0"),
+    Bad("config with a python tag", ["train", "{tmp}/evil.yaml", "train.output_dir={tmp}/run"],
+        r"^{tmp}/evil\.yaml:3: " + PYTHON_TAG_REFUSED, setup=write("evil.yaml", PYTHON_TAG_YAML)),
+    Bad("config with a yaml syntax error", ["train", "{tmp}/bad.yaml"],
+        r"^{tmp}/bad\.yaml:3: not valid YAML", setup=write("bad.yaml", "train:\n  seed: [1,\n")),
 ]
 
 MODEL_DIRS = [
@@ -358,11 +392,76 @@ GENERATE = [
 ]
 
 LAUNCH = [
+    Bad("job name with a newline", [*LAUNCH_ARGS, "--job-name", "x\ntouch F"],
+        r"^--job-name: 'x\\ntouch F' is refused: it must be letters, digits"),
+    Bad("job name with a command", [*LAUNCH_ARGS, "--job-name", "$(touch F)"],
+        r"^--job-name: '\$\(touch F\)' is refused"),
+    Bad("partition with a space", [*LAUNCH_ARGS, "--partition", "gpu --wrap=touch"],
+        r"^--partition: 'gpu --wrap=touch' is refused"),
+    Bad("account with a newline", [*LAUNCH_ARGS, "--account", "proj\n#SBATCH --wrap=x"],
+        r"^--account: .* is refused"),
+    Bad("time with a newline", [*LAUNCH_ARGS, "--time", "1:00:00\ntouch F"],
+        r"^--time: .* is refused: it must be MINUTES"),
+    Bad("time not in slurm's forms", [*LAUNCH_ARGS, "--time", "1h"],
+        r"^--time: '1h' is refused"),
+    Bad("setup line with a newline", [*LAUNCH_ARGS, "--setup", "module load x\ntouch F"],
+        r"^--setup: .* holds a control character \(U\+000A\)"),
+    Bad("setup line with a carriage return", [*LAUNCH_ARGS, "--setup", "echo a\rtouch F"],
+        r"^--setup: .* holds a control character \(U\+000D\)"),
+    Bad("override with a newline", [*LAUNCH_ARGS, "train.output_dir={tmp}/a\ntouch F"],
+        r"^override: .* holds a control character"),
+    Bad("config path with a newline", [*LAUNCH_ARGS, "{tmp}/a\nb.yaml"],
+        r"^CONFIG: .* holds a control character",
+        setup=write("a\nb.yaml", "train:\n  seed: 1\n")),
+    Bad("env path with a newline", [*LAUNCH_ARGS, "--env", "{tmp}/v\nx"],
+        r"^--env: .* holds a control character", setup=write("v\nx/bin/activate", "")),
+    Bad("zero nodes", [*LAUNCH_ARGS, "--nodes", "0"], r"^--nodes: must be >= 1, got 0"),
+    Bad("zero cpus per task", [*LAUNCH_ARGS, "--cpus-per-task", "0"],
+        r"^--cpus-per-task: must be >= 1"),
+    Bad("port out of range", [*LAUNCH_ARGS, "--port", "70000"],
+        r"^--port: must be a TCP port in \[1, 65535\], got 70000"),
+    Bad("stop-before past slurm's limit", [*LAUNCH_ARGS, "--stop-before", "70000"],
+        r"^--stop-before: must be in \[1, 65535\]"),
+    Bad("stop-before longer than the time limit", [*LAUNCH_ARGS, "--time", "10",
+                                                    "--stop-before", "600"],
+        r"^--stop-before: 600 s is not shorter than --time 10 \(600 s\)"),
+    Bad("launch script under /proc", [*LAUNCH_ARGS, "--output", "/proc/lmforge.sbatch"],
+        r"^/proc/lmforge\.sbatch: cannot write --output: " + PROC_REFUSED),
 ]
 
 EXPORT_AND_EVAL = [
     Bad("eval of a missing model", ["eval", "--model", "{tmp}/absent", "--data", "{text}"],
         r"absent"),
+    Bad("eval output under /proc", ["eval", "--model", "{model}", "--data", "{text}",
+                                    "--output", "/proc/lmforge-eval.json"],
+        r"^/proc/lmforge-eval\.json: cannot write --output: " + PROC_REFUSED),
+    Bad("preprocess output prefix under /proc",
+        ["preprocess", "--input", "{text}", "--output-prefix", "/proc/lmforge-tokens",
+         "--tokenizer", "{tokenizer}"],
+        r"^/proc/lmforge-tokens\.bin: cannot write --output-prefix: " + PROC_REFUSED),
+    Bad("tokenizer output under /proc", ["tokenizer", "train", "--input", "{text}",
+                                         "--vocab-size", "300", "--output", "/proc/lmforge-tok"],
+        r"^/proc/lmforge-tok: cannot write --output: " + PROC_REFUSED),
+    Bad("export under /proc", ["export", "{tmp}/run", "/proc/lmforge-export"],
+        r"^/proc/lmforge-export: cannot write OUT_DIR: " + PROC_REFUSED,
+        setup=fake_checkpoint("train:\n  seed: 1\n")),
+    Bad("lora merge under /proc", ["lora", "merge", "--model", "{model}", "--adapter",
+                                   "{adapter}", "--output", "/proc/lmforge-merged"],
+        r"^/proc/lmforge-merged: cannot write --output: " + PROC_REFUSED),
+    Bad("lora eval output under /proc", ["lora", "eval", "--model", "{model}", "--data",
+                                         "{chat}", "--output", "/proc/lmforge-lora.json"],
+        r"^/proc/lmforge-lora\.json: cannot write --output: " + PROC_REFUSED),
+    Bad("report under /proc", ["report", "{tmp}/run", "--output", "/proc/lmforge-report"],
+        r"^/proc/lmforge-report: cannot write --output: " + PROC_REFUSED),
+    Bad("plan output under /proc", ["plan", "--gpus", "8", "--output", "/proc/plan.yaml"],
+        r"^/proc/plan\.yaml: cannot write --output: " + PROC_REFUSED),
+    Bad("checkpoint config with a python tag", ["export", "{tmp}/run", "{tmp}/out"],
+        r"^{tmp}/run/checkpoints/step-0000001/config\.yaml:3: " + PYTHON_TAG_REFUSED,
+        setup=fake_checkpoint(PYTHON_TAG_YAML)),
+    Bad("checkpoint config with a yaml syntax error", ["export", "{tmp}/run", "{tmp}/out"],
+        r"^{tmp}/run/checkpoints/step-0000001/config\.yaml:3: not valid YAML \(expected "
+        r"',' or '\]', but got '<stream end>'; while parsing a flow sequence from line 2\)",
+        setup=fake_checkpoint("train:\n  seed: [1\n")),
 ]
 
 TABLE = TRAIN + MODEL_DIRS + ADAPTERS + DATA + GENERATE + LAUNCH + EXPORT_AND_EVAL

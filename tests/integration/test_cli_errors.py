@@ -108,8 +108,11 @@ def test_only_the_cli_package_knows_argparse():
 
 def _unwritable_outputs(tmp_path, how):
     """(a file output, a directory output) that cannot be written, ``how``: read-only
-    (a directory without write permission) or in-the-way (a file or directory is where
-    the other kind is needed)."""
+    (a directory without write permission), in-the-way (a file or directory is where
+    the other kind is needed) or no-new-files (/proc: its permission bits let root
+    write, the file system refuses new files)."""
+    if how == "no-new-files":
+        return Path("/proc/lmforge-out"), Path("/proc/lmforge-out-dir")
     if how == "read-only":
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o500)
@@ -120,7 +123,9 @@ def _unwritable_outputs(tmp_path, how):
 
 
 CASES = [pytest.param("read-only", marks=pytest.mark.skipif(
-    os.geteuid() == 0, reason="root ignores file permissions")), "in-the-way"]
+    os.geteuid() == 0, reason="root ignores file permissions")), "in-the-way",
+    pytest.param("no-new-files", marks=pytest.mark.skipif(
+        not Path("/proc/self").is_dir(), reason="no /proc on this system"))]
 
 
 def _refused_in_one_line(capsys, argv, output):

@@ -2,6 +2,7 @@
 and nothing temporary is left behind."""
 from __future__ import annotations
 
+import errno
 import os
 
 import pytest
@@ -218,3 +219,35 @@ def test_torch_load_error_of_an_unreadable_pickle_keeps_the_reason_only():
     assert message.startswith("refused: a pickle a weights-only load cannot read")
     assert "weights_only" not in message and "trusted source" not in message, message
     assert fsio.torch_load_error(OSError("disk gone")) == "disk gone"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="no /proc on this system")
+def test_check_writable_refuses_a_directory_that_takes_no_new_files_whatever_its_mode():
+    # /proc's mode lets root write (os.access says yes), but it takes no new file.
+    with pytest.raises(PermissionError, match=r"^/proc/out.json: cannot write --output: "
+                                              r"/proc (does not accept new files|.*permission)"):
+        fsio.check_writable("/proc/out.json", "--output")
+    with pytest.raises(PermissionError, match=r"^/proc/a/b: cannot write OUT_DIR"):
+        fsio.check_writable("/proc/a/b", "OUT_DIR", kind="dir")
+
+
+@pytest.mark.parametrize("code, why", [
+    (errno.EROFS, "the file system is read-only"), (errno.ENOSPC, "no space left"),
+    (errno.ENOENT, "creating a file there failed: No such file or directory")])
+def test_check_writable_tries_a_file_and_says_in_plain_words_why_it_failed(
+        tmp_path, monkeypatch, code, why):
+    (tmp_path / "out-dir").mkdir()
+    fsio.check_writable(tmp_path / "out-dir", "OUT_DIR", kind="dir")
+    fsio.check_writable(tmp_path / "new" / "out.json", "--output")
+    assert names(tmp_path) == ["out-dir"] and names(tmp_path / "out-dir") == []  # tried, gone
+    real_open = os.open
+
+    def refusing_open(path, flags, *args):
+        if ".lmforge-probe" in str(path):
+            raise OSError(code, os.strerror(code), str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    with pytest.raises(PermissionError, match=rf"out.json: cannot write --output: {tmp_path} "
+                                              rf"does not accept new files \({why}"):
+        fsio.check_writable(tmp_path / "out.json", "--output")

@@ -38,7 +38,7 @@ from lmforge.checkpoint.collective import (CAUGHT, CheckpointError, QuietSingleP
 from lmforge.checkpoint.integrity import HashingWriter, check_share, missing_shard
 from lmforge.checkpoint.safe_load import (METADATA_NAME, SafeLoadPlanner, SafeReader,
                                           read_metadata_file)
-from lmforge.config import JobConfig, apply_dict
+from lmforge.config import ConfigError, JobConfig, apply_dict, read_yaml_file
 
 FORMAT_VERSION = 1
 # Flattened optimizer state: one entry per parameter FQN, param-group hyperparameters
@@ -381,6 +381,12 @@ def read_job_config(ckpt_dir: str | Path) -> JobConfig:
     path = Path(ckpt_dir) / layout.CONFIG_NAME
     if not path.is_file():
         raise CheckpointError(f"{path}: not found (the checkpoint has no config)")
+    raw = read_yaml_file(path) or {}
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: top level must be a mapping of config sections")
     cfg = JobConfig()
-    apply_dict(cfg, yaml.safe_load(path.read_text()) or {})
+    try:
+        apply_dict(cfg, raw)
+    except ConfigError as e:  # e.g. a section another lmforge version wrote
+        raise CheckpointError(f"{path}: {e}") from None
     return cfg

@@ -7,11 +7,14 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from lmforge import fsio
 from lmforge.checkpoint import resume_is_auto
 from lmforge.cli.common import config_and_overrides
 from lmforge.config import load_config
 from lmforge.models.presets import validate_job
 from lmforge.launch import render_slurm_script
+
+LOG_DIR = "slurm-logs"  # the jobs' logs, relative to the directory sbatch is run from
 
 
 def add_parser(sub) -> None:
@@ -45,7 +48,7 @@ def add_parser(sub) -> None:
                    "running this command, if any; 'none': use the submitting shell's PATH)")
     s.add_argument("--setup", action="append", default=[], metavar="LINE",
                    help="a shell line to run before training, e.g. 'module load cuda' "
-                   "(repeatable)")
+                   "(repeatable; one line each, run as given by the batch shell)")
     s.add_argument("--output", default="lmforge.sbatch", help="script path to write")
     s.add_argument("--submit", action="store_true", help="run sbatch on the script")
     s.set_defaults(func=_slurm)
@@ -53,11 +56,19 @@ def add_parser(sub) -> None:
 
 
 def _slurm(args) -> int:
-    if args.nodes < 1 or args.gpus_per_node < 1:
-        raise ValueError("--nodes and --gpus-per-node must be >= 1")
-    if args.stop_before < 1:
-        raise ValueError("--stop-before must be >= 1 (seconds before the time limit)")
+    if args.submit and shutil.which("sbatch") is None:
+        raise FileNotFoundError("--submit: sbatch is not on PATH (is this a SLURM login node?)")
+    out, log_dir = Path(args.output), Path(LOG_DIR)
+    fsio.check_writable(out, "--output")
+    fsio.check_writable(log_dir, f"the log directory {LOG_DIR}", kind="dir")
     config, overrides = config_and_overrides(args.config, args.overrides)
+    env = _environment(args.env)
+    # Every option's value is checked as the script is rendered, before the config is read.
+    script = render_slurm_script(config, overrides, args.nodes, args.gpus_per_node,
+                                 args.job_name, args.time_limit, args.cpus_per_task,
+                                 args.partition, args.account, log_dir=LOG_DIR,
+                                 port=args.port, stop_before=args.stop_before, env=env,
+                                 setup=tuple(args.setup))
     cfg = load_config(config, overrides)
     if cfg.train.resume and not resume_is_auto(cfg.train.resume):
         raise ValueError(f"train.resume: {cfg.train.resume}: a SLURM job resumes with "
@@ -66,22 +77,13 @@ def _slurm(args) -> int:
                          "into <train.output_dir>/checkpoints/ instead")
     # Refuse a layout that cannot run on this many processes before writing anything.
     validate_job(cfg, world_size=args.nodes * args.gpus_per_node)
-    env = _environment(args.env)
-    script = render_slurm_script(config, overrides, args.nodes, args.gpus_per_node,
-                                 args.job_name, args.time_limit, args.cpus_per_task,
-                                 args.partition, args.account, port=args.port,
-                                 stop_before=args.stop_before, env=env,
-                                 setup=tuple(args.setup))
-    out = Path(args.output)
-    Path("slurm-logs").mkdir(exist_ok=True)  # sbatch does not create the --output dir
+    log_dir.mkdir(exist_ok=True)  # sbatch does not create the directory of #SBATCH --output
     out.write_text(script)
     out.chmod(0o755)
     print(f"wrote {out} ({args.nodes} x {args.gpus_per_node} processes; environment: "
           f"{env or 'the submitting shell'}; requeued at the time limit and on preemption, "
           f"resuming with train.resume=auto)")
     if args.submit:
-        if shutil.which("sbatch") is None:
-            raise FileNotFoundError("--submit: sbatch is not on PATH (is this a SLURM login node?)")
         subprocess.run(["sbatch", str(out)], check=True)
     return 0
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from lmforge import fsio
 from lmforge.cli.common import DEVICES
 from lmforge.config import resolve_device
 from lmforge.data.tokenizer import load_tokenizer
@@ -55,6 +56,7 @@ def add_parser(sub) -> None:
 
 
 def _merge(args) -> int:
+    fsio.check_writable(args.output, "--output", kind="dir")  # before the model is read
     model = load_hf_model(args.model)
     load_adapter(model, args.adapter)
     dtype = EXPORT_DTYPES.get(args.dtype)  # None (auto): keep the base model's
@@ -67,6 +69,8 @@ def _merge(args) -> int:
 def _eval(args) -> int:
     if args.max_new_tokens <= 0 or (args.limit is not None and args.limit <= 0):
         raise ValueError("--max-new-tokens and --limit must be > 0")
+    output = Path(args.output or "eval-lora.json")
+    fsio.check_writable(output, "--output")  # before the evaluation, not after it
     device = resolve_device(args.device, "--device")
     model = load_hf_model(args.model, device=device).eval()
     if args.adapter:
@@ -81,7 +85,7 @@ def _eval(args) -> int:
     print(json.dumps({k: v for k, v in result.items() if k != "examples"}, indent=2))
     for ex in result["examples"][:2]:
         print(f"\nreference:  {ex['reference']}\nprediction: {ex['prediction']}")
-    Path(args.output or "eval-lora.json").write_text(json.dumps(result, indent=2) + "\n")
+    output.write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 

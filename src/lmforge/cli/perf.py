@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from lmforge import fsio
 from lmforge.cli.common import config_and_overrides
 from lmforge.config import load_config, save_config
 from lmforge.perf.estimate import GiB, estimate_memory, format_table, max_micro_batch
@@ -132,6 +133,7 @@ def _plan(ns) -> int:
     if ns.gpus > ns.gpus_per_node and ns.gpus % ns.gpus_per_node:
         raise ValueError(f"--gpus: {ns.gpus} is not a multiple of --gpus-per-node "
                          f"{ns.gpus_per_node} (whole nodes only)")
+    _check_plan_outputs(ns)
     name, device = _device(ns)
     per_node = ns.gpus_per_node
     cfg = load_config(*config_and_overrides(ns.config, ns.overrides))
@@ -151,6 +153,16 @@ def _plan(ns) -> int:
         save_config(with_keys(cfg, result.candidates[0].keys), ns.output)
         print(f"wrote {ns.output}")
     return 0
+
+
+def _check_plan_outputs(ns) -> None:
+    """Refuse an output that cannot be written before the search (or the runs) start."""
+    if ns.output:
+        fsio.check_writable(ns.output, "--output")
+    if ns.calibrate:
+        fsio.check_writable(ns.calibrate_dir, "--calibrate-dir", kind="dir")
+        if ns.calibration:
+            fsio.check_writable(ns.calibration, "--calibration")
 
 
 def _calibrate(ns, cfg, candidates, name, device) -> int:

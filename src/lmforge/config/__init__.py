@@ -4,7 +4,7 @@ config, and the defaults that depend on the run (``defaults``). Everything is im
 from ``lmforge.config``."""
 from lmforge.config.defaults import apply_run_defaults, fine_tuning_defaults, warmup_warning
 from lmforge.config.loading import (apply_dict, apply_override, config_yaml, load_config,
-                                    save_config, set_field)
+                                    read_yaml_file, save_config, set_field)
 from lmforge.config.schema import (CHAT_TEMPLATES, ConfigError, DataConfig, JobConfig,
                                    LoraConfig, ModelConfig, OptimConfig, ParallelConfig,
                                    QUANTIZE_FORMATS, TrainConfig, check_parallel_fits,
@@ -16,5 +16,6 @@ __all__ = ["CHAT_TEMPLATES", "ConfigError", "DataConfig", "JobConfig", "LoraConf
            "ModelConfig", "OptimConfig", "ParallelConfig", "QUANTIZE_FORMATS", "TrainConfig",
            "apply_dict", "apply_override", "apply_run_defaults", "check_parallel_fits",
            "compute_dtype", "config_yaml", "fine_tuning_defaults", "grad_accumulation_steps",
-           "load_config", "pipeline_microbatches", "resolve_device", "resolve_layout",
-           "samples_per_step", "save_config", "set_field", "validate", "warmup_warning"]
+           "load_config", "pipeline_microbatches", "read_yaml_file", "resolve_device",
+           "resolve_layout", "samples_per_step", "save_config", "set_field", "validate",
+           "warmup_warning"]

@@ -4,6 +4,7 @@ depend on the run (``defaults.py``) on the keys neither set."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from pathlib import Path
@@ -24,10 +25,7 @@ def load_config(path: Optional[str | Path] = None, overrides: list[str] = ()) ->
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {path}: not found")
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path}: not valid YAML ({_one_line(e)})") from None
+        raw = read_yaml_file(path) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path}: top level must be a mapping of sections")
         explicit.update(apply_dict(cfg, raw))
@@ -35,6 +33,37 @@ def load_config(path: Optional[str | Path] = None, overrides: list[str] = ()) ->
         explicit.add(apply_override(cfg, item))
     apply_run_defaults(cfg, explicit, path)
     return cfg
+
+
+def read_yaml_file(path: str | Path) -> Any:
+    """The plain data (mappings, lists, strings, numbers) of a YAML file, read by the safe
+    loader: the one reader of every YAML file lmforge is given (configs, a checkpoint's or
+    a run's config.yaml). A tag that would build a Python object (``!!python/...``) or an
+    unknown one, and a syntax error, are refused in one line naming the file and line."""
+    try:
+        return yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except yaml.constructor.ConstructorError as e:
+        tag = re.search(r"tag '([^']*)'", e.problem or "")
+        if tag is None:  # a known tag with a bad value, e.g. !!binary that is not base64
+            raise ConfigError(f"{_where(path, e)}: not valid YAML ({e.problem})") from None
+        name = tag.group(1).replace("tag:yaml.org,2002:", "!!")
+        raise ConfigError(f"{_where(path, e)}: the YAML tag {name} is refused: only plain "
+                          f"data is read (mappings, lists, strings, numbers), never "
+                          f"Python objects") from None
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or _one_line(e)
+        context, start = getattr(e, "context", None), getattr(e, "context_mark", None)
+        if context and start is not None:  # where the unfinished construct began
+            problem += f"; {context} from line {start.line + 1}"
+        raise ConfigError(f"{_where(path, e)}: not valid YAML ({problem})") from None
+
+
+def _where(path: str | Path, error: yaml.YAMLError) -> str:
+    """``path:line`` of a YAML error, ``path`` when the error has no position."""
+    mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
+    return f"{path}:{mark.line + 1}" if mark is not None else str(path)
 
 
 def apply_dict(cfg: JobConfig, raw: dict) -> list[str]:

@@ -218,27 +218,35 @@ _CHOICES = {
     "lora.quantize": (None, *QUANTIZE_FORMATS),
 }
 
-# field -> the range its value must lie in (a key of _RANGES); unset (None) fields pass
+# field -> the range its value must lie in (a key of _RANGES); unset (None) fields pass.
+# Every number in the config has a range here, checked before any compute: a value out of
+# it would otherwise fail late (a model built first) or with a message naming no field.
 _BOUNDS = {
     **dict.fromkeys(("data.seq_len", "data.micro_batch_size", "data.tokenizer_vocab_size",
-                     "train.max_steps", "train.log_every",
+                     "train.max_steps", "train.log_every", "train.eval_batches",
                      "train.activation_checkpointing_every", "optim.lr", "lora.rank",
                      "lora.alpha", "model.dim", "model.n_layers", "model.n_heads",
                      "model.n_kv_heads", "model.vocab_size", "model.ffn_dim",
                      "model.max_seq_len", "model.head_dim", "model.sliding_window",
-                     "model.rotary_dim", "optim.eps"), "> 0"),
+                     "model.rotary_dim", "model.rope_theta", "model.norm_eps", "optim.eps"),
+                    "> 0"),
     **dict.fromkeys(("optim.weight_decay", "optim.grad_clip", "optim.warmup_steps",
                      "train.checkpoint_every", "train.eval_every", "train.keep_last",
-                     "train.threads", "train.loss_chunk_tokens", "data.num_workers",
-                     "data.pad_to_multiple_of"), ">= 0"),
+                     "train.threads", "train.loss_chunk_tokens", "train.sample_tokens",
+                     "data.num_workers", "data.pad_to_multiple_of"), ">= 0"),
     **dict.fromkeys(("train.stop_at_step", "parallel.dp_replicate", "parallel.tp",
                      "parallel.pp", "parallel.pp_virtual_stages", "parallel.microbatches"),
                     ">= 1"),
+    "parallel.dp_shard": "-1 (the rest of the world size) or >= 1",
+    # Seeds offset by the step and the rank must stay below torch's limit, 2^64.
+    "train.seed": "in [0, 2^63)",
     "optim.min_lr_ratio": "in [0, 1]",
     **dict.fromkeys(("optim.beta1", "optim.beta2", "data.eval_fraction", "lora.dropout"),
                     "in [0, 1)"),
 }
 _RANGES = {"> 0": lambda v: v > 0, ">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1,
+           "-1 (the rest of the world size) or >= 1": lambda v: v == -1 or v >= 1,
+           "in [0, 2^63)": lambda v: 0 <= v < 2**63,
            "in [0, 1]": lambda v: 0 <= v <= 1, "in [0, 1)": lambda v: 0 <= v < 1}
 
 
@@ -251,7 +259,7 @@ def validate(cfg: JobConfig, world_size: int = 1, distributed: Optional[bool] = 
         if value not in allowed and not (dotted == "data.template" and "{" in str(value)):
             raise ConfigError(f"{dotted}: {value!r} is not one of "
                               f"{', '.join(map(str, allowed))}")
-    _validate_optim_numbers(cfg.optim)
+    _validate_finite(cfg)
     for dotted, bound in _BOUNDS.items():
         value = _get(cfg, dotted)
         if value is not None and not _RANGES[bound](value):
@@ -282,13 +290,15 @@ def _get(cfg: JobConfig, dotted: str) -> Any:
     return getattr(getattr(cfg, section), key)
 
 
-def _validate_optim_numbers(optim: OptimConfig) -> None:
+def _validate_finite(cfg: JobConfig) -> None:
     # inf passes every "> 0" bound and nan fails them with a puzzling message; either would
-    # only show up as a non-finite loss a step or two into the run.
-    for f in dataclasses.fields(optim):
-        value = getattr(optim, f.name)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"optim.{f.name}: {value} is not a finite number")
+    # only show up as a non-finite loss (or a model of NaNs) a step or two into the run.
+    for section in dataclasses.fields(cfg):
+        values = getattr(cfg, section.name)
+        for f in dataclasses.fields(values):
+            value = getattr(values, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section.name}.{f.name}: {value} is not a finite number")
 
 
 def _validate_batch(cfg: JobConfig, world_size: int) -> None:

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
-
+from lmforge import fsio
+from lmforge.config import read_yaml_file
 from lmforge.perf.records import METRICS_FILE, is_finite_number, iter_numbers, read_metrics
 
 INSTALL_HINT = "pip install -e '.[report]' (or pip install matplotlib)"
@@ -92,8 +92,8 @@ def load_runs(run_dirs: list[str | Path]) -> list[Run]:
         records = read_metrics(p)
         if not records:
             raise ValueError(f"{p / METRICS_FILE}: no records")
-        runs.append(Run(label, p, records, _read_mapping(p / "config.yaml", yaml.safe_load),
-                        _read_mapping(p / "summary.json", json.loads)))
+        runs.append(Run(label, p, records, _read_mapping(p / "config.yaml", read_yaml_file),
+                        _read_mapping(p / "summary.json", _read_json)))
     return runs
 
 
@@ -103,10 +103,14 @@ def _read_mapping(path: Path, parse) -> dict:
     if not path.is_file():
         return {}
     try:
-        data = parse(path.read_text())
-    except (yaml.YAMLError, ValueError):
+        data = parse(path)
+    except ValueError:  # ConfigError (YAML) and JSONDecodeError are ValueErrors
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def _read_json(path: Path) -> Any:
+    return json.loads(path.read_text())
 
 
 def _series(run: Run, x_key: str, y_key: str) -> tuple[list[float], list[float]]:
@@ -301,9 +305,11 @@ def plotting_missing() -> Optional[str]:
 def write_report(run_dirs: list[str | Path], out_dir: Optional[str | Path] = None) -> dict:
     """Plots + summary.md for the runs; returns {"summary": path, "plots": {name: path},
     "missing": reason or None}."""
+    if out_dir is None and run_dirs:
+        out_dir = Path(run_dirs[0]) / "report" if len(run_dirs) == 1 else "lmforge-report"
+    if out_dir is not None:
+        fsio.check_writable(out_dir, "--output", kind="dir")  # before any run is read
     runs = load_runs(run_dirs)
-    if out_dir is None:
-        out_dir = runs[0].path / "report" if len(runs) == 1 else Path("lmforge-report")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     missing = plotting_missing()

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from helpers.tiny_models import tiny_llama_args
 from lmforge.checkpoint import (CheckpointError, capture_rng, latest_checkpoint,
-                                load_checkpoint, read_meta, read_model_state, restore_rng,
-                                save_checkpoint)
+                                load_checkpoint, read_job_config, read_meta, read_model_state,
+                                restore_rng, save_checkpoint)
 from lmforge.config import OptimConfig
 from lmforge.models.llama import LlamaArgs, build_llama, materialize
 from lmforge.train.optim import build_optimizer, build_scheduler
@@ -204,3 +204,18 @@ def test_pipeline_stages_and_whole_model_share_one_layout(tmp_path):
     for p, p3 in zip(parts, parts3):
         for (name, a), b in zip(p.state_dict().items(), p3.state_dict().values()):
             assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("text, message", [
+    ('optim: !!python/object/apply:os.system ["touch F"]\n',
+     r"config.yaml:1: the YAML tag !!python/object/apply:os.system is refused"),
+    ("train: [1,\n", r"config.yaml:2: not valid YAML"),
+    ("- train\n", r"config.yaml: top level must be a mapping of config sections"),
+    ("nosection:\n  x: 1\n", r"config.yaml: nosection: unknown config section"),
+])
+def test_a_checkpoints_config_yaml_is_read_as_plain_data_or_refused_naming_it(
+        tmp_path, text, message):
+    (tmp_path / "config.yaml").write_text(text)
+    with pytest.raises(ValueError, match=rf"^{tmp_path}/{message}"):
+        read_job_config(tmp_path)
+    assert not (tmp_path / "F").exists()

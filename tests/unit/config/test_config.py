@@ -1,7 +1,10 @@
 """Config loading, overrides and validation: bad values are refused with the field named."""
+import dataclasses
+import typing
+
 import pytest
 
-from lmforge.config import ConfigError, JobConfig, load_config
+from lmforge.config import ConfigError, JobConfig, load_config, read_yaml_file, schema
 from lmforge.models.presets import model_args, validate_job
 
 
@@ -53,6 +56,14 @@ def test_bad_override_names_the_field(override, field):
     (["train.max_steps=-5"], "train.max_steps"),
     (["model.init_from=/does/not/exist"], "model.init_from"),
     (["optim.beta2=1.5"], "optim.beta2"),
+    (["train.seed=-1"], "train.seed"),
+    ([f"train.seed={2**63}"], "train.seed"),
+    (["train.eval_batches=0"], "train.eval_batches"),
+    (["train.sample_tokens=-1"], "train.sample_tokens"),
+    (["model.rope_theta=0"], "model.rope_theta"),
+    (["model.norm_eps=-1e-5"], "model.norm_eps"),
+    (["parallel.dp_shard=0"], "parallel.dp_shard"),
+    (["parallel.dp_shard=-2"], "parallel.dp_shard"),
 ])
 def test_validate_refuses_bad_values_naming_the_field(overrides, field):
     cfg = load_config(None, overrides)
@@ -70,9 +81,60 @@ def test_every_optim_float_must_be_finite_and_the_message_names_the_field(overri
         validate_job(cfg)
 
 
+@pytest.mark.parametrize("override", [
+    "model.rope_theta=inf", "model.norm_eps=nan", "lora.alpha=inf", "lora.dropout=nan",
+    "data.eval_fraction=nan"])
+def test_every_float_of_every_section_must_be_finite(override):
+    field, value = override.split("=")
+    with pytest.raises(ConfigError, match=rf"^{field}: {value} is not a finite number$"):
+        validate_job(load_config(None, [override]))
+
+
+def test_every_number_in_the_config_has_a_range_checked_before_any_compute():
+    # A field with no range fails late, or with a message naming no field (train.seed=-1
+    # failed in numpy after the model was built). data.global_batch_size: _validate_batch.
+    checked_apart = {"data.global_batch_size"}
+    unchecked = []
+    cfg = JobConfig()
+    for section in dataclasses.fields(cfg):
+        values = getattr(cfg, section.name)
+        hints = typing.get_type_hints(type(values))
+        for f in dataclasses.fields(values):
+            dotted = f"{section.name}.{f.name}"
+            numeric = {int, float} & set(typing.get_args(hints[f.name]) or [hints[f.name]])
+            if numeric and dotted not in (*schema._BOUNDS, *schema._CHOICES, *checked_apart):
+                unchecked.append(dotted)
+    assert unchecked == []
+
+
 def test_optim_eps_must_be_positive():
     with pytest.raises(ConfigError, match=r"^optim.eps: must be > 0"):
         validate_job(load_config(None, ["optim.eps=0"]))
+
+
+def test_a_python_tag_in_a_yaml_file_is_refused_naming_the_file_and_line(tmp_path):
+    path = tmp_path / "evil.yaml"
+    path.write_text('train:\n  seed: 1\noptim: !!python/object/apply:os.system ["touch F"]\n')
+    with pytest.raises(ConfigError, match=rf"^{path}:3: the YAML tag "
+                                          r"!!python/object/apply:os.system is refused"):
+        read_yaml_file(path)
+    path.write_text("a: !custom x\n")
+    with pytest.raises(ConfigError, match=rf"^{path}:1: the YAML tag !custom is refused"):
+        load_config(path)
+    path.write_text("a: !!binary xx\n")  # a known tag with a bad value (not base64)
+    with pytest.raises(ConfigError, match=rf"^{path}:1: not valid YAML \(failed to decode"):
+        read_yaml_file(path)
+    assert not (tmp_path / "F").exists()
+
+
+def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  seed: 1\n  max_steps: 2\n optim: x\n")
+    with pytest.raises(ConfigError, match=rf"^{path}:4: not valid YAML"):
+        load_config(path)
+    path.write_bytes(b"train:\n  output_dir: \xff\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: not UTF-8 text"):
+        read_yaml_file(path)
 
 
 def test_bad_yaml_file_is_named(tmp_path):
