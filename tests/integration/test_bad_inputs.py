@@ -143,6 +143,9 @@ def shard_index(target: str, link: Optional[str] = None):
             (model / target).symlink_to(assets[link] / "model.safetensors")
         (model / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {}, "weight_map": {"model.embed_tokens.weight": target}}))
+    return setup
+
+
 def fake_checkpoint(config_yaml: str):
     """A setup: ``{tmp}/run/checkpoints/step-0000001``, committed (its marker), holding
     only a config.yaml of the given text."""
