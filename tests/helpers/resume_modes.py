@@ -37,6 +37,9 @@ LORA = ["lora.enabled=true", "lora.rank=4", "lora.targets=all-linear"]
 QLORA = [*LORA, "lora.quantize=nf4"]
 NORMS = ["model.family=qwen2"]  # q/k/v biases to train (with the norms: train_vectors)
 SFT = ["data.kind=sft", "data.template=plain"]
+# bf16 moments with stochastic rounding, the step fused into backward (no accumulation)
+LOW_MEMORY = ["optim.name=adamw_bf16", "optim.in_backward=true", "optim.grad_clip=0",
+              "data.global_batch_size=2"]
 FSDP = ["parallel.dp_shard=2"]
 PP = ["parallel.pp=2"]
 CASES = {  # name -> (processes, overrides); "+norms" in the name: vectors train too
@@ -48,6 +51,7 @@ CASES = {  # name -> (processes, overrides); "+norms" in the name: vectors train
     "sft/lora+norms": (1, SFT + LORA + NORMS),
     "sft/qlora": (1, SFT + QLORA),
     "sft/qlora+norms": (1, SFT + QLORA + NORMS),
+    "text/lora/low_memory": (1, LORA + LOW_MEMORY),
     "text/lora/fsdp_dp2": (2, LORA + FSDP),
     "text/lora+norms/fsdp_dp2": (2, LORA + NORMS + FSDP),
     "sft/lora/fsdp_dp2": (2, SFT + LORA + FSDP),
