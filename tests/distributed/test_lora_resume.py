@@ -1,10 +1,10 @@
 """Every LoRA mode resumes exactly: pretraining text and SFT, LoRA and QLoRA, adapters
 alone and with the norms and biases training beside them (a second, no-decay parameter
 group), in one process (also with the low-memory optimizer: bf16 moments, stochastic
-rounding, the step fused into backward), under FSDP2 (dp_shard=2) and pipelined (pp=2).
-Each case stopped after step 2 and resumed logs the uninterrupted run's losses and
-gradient norms and ends with its weights, bit for bit (deterministic fp32 on the CPU, as
-test_resume demands of full-weight runs).
+rounding, the step fused into backward), under FSDP2 (dp_shard=2; also with bf16
+moments) and pipelined (pp=2). Each case stopped after step 2 and resumed logs the
+uninterrupted run's losses and gradient norms and ends with its weights, bit for bit
+(deterministic fp32 on the CPU, as test_resume demands of full-weight runs).
 
 Not in the matrix because refused before any step: QLoRA with more than one process or
 FSDP2, and LoRA under tensor parallelism (lmforge.config.schema.validate).

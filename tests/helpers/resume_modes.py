@@ -56,6 +56,7 @@ CASES = {  # name -> (processes, overrides); "+norms" in the name: vectors train
     "text/lora+norms/fsdp_dp2": (2, LORA + NORMS + FSDP),
     "sft/lora/fsdp_dp2": (2, SFT + LORA + FSDP),
     "sft/lora+norms/fsdp_dp2": (2, SFT + LORA + NORMS + FSDP),
+    "text/lora/adamw_bf16/fsdp_dp2": (2, LORA + ["optim.name=adamw_bf16"] + FSDP),
     "text/lora/pp2": (2, LORA + PP),
     "text/lora+norms/pp2": (2, LORA + NORMS + PP),
 }

@@ -57,14 +57,14 @@ class AdamWBF16(torch.optim.Optimizer):
         self._place = {id(p): i for i, p in
                        enumerate(p for group in self.param_groups for p in group["params"])}
 
-    def _noise(self, p: torch.Tensor, step: int) -> torch.Tensor:
+    def _generator(self, p: torch.Tensor, step: int) -> torch.Generator:
+        """The generator of ``p``'s rounding noise at ``step``."""
         if p.device not in self._generators:
             self._generators[p.device] = torch.Generator(device=p.device)
         generator = self._generators[p.device]
         # a seed of its own for each (place, step) pair under a million of either
-        generator.manual_seed(((self._seed * 1_000_003 + self._place[id(p)]) * 1_000_033
-                               + step) % 2**63)
-        return rounding_noise(p, generator)
+        return generator.manual_seed(((self._seed * 1_000_003 + self._place[id(p)])
+                                      * 1_000_033 + step) % 2**63)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch casts loaded states to their parameter's dtype: the moments of an fp32
@@ -93,24 +93,32 @@ class AdamWBF16(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         state["step"] += 1
         step = int(state["step"])
-        g = p.grad.float()
-        m = state["exp_avg"].float().lerp_(g, 1 - beta1)
-        v = state["exp_avg_sq"].float().mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        # Under FSDP2 the parameter, its gradient and its moments are DTensors: the update
+        # is elementwise, so each rank updates its own shard.
+        weight, grad, exp_avg, exp_avg_sq = (_local(t) for t in (
+            p, p.grad, state["exp_avg"], state["exp_avg_sq"]))
+        g = grad.float()
+        m = exp_avg.float().lerp_(g, 1 - beta1)
+        v = exp_avg_sq.float().mul_(beta2).addcmul_(g, g, value=1 - beta2)
         del g
         # One draw of noise serves the moments and the weight: each rounding stays
         # unbiased on its own, and random numbers are the costliest part on a CPU.
-        noise = self._noise(p, step)
-        state["exp_avg"].copy_(stochastic_round_to_bf16(m, noise=noise))
-        state["exp_avg_sq"].copy_(stochastic_round_to_bf16(v, noise=noise))
+        noise = rounding_noise(weight, self._generator(p, step))
+        exp_avg.copy_(stochastic_round_to_bf16(m, noise=noise))
+        exp_avg_sq.copy_(stochastic_round_to_bf16(v, noise=noise))
         bias1, bias2 = 1 - beta1 ** step, 1 - beta2 ** step
-        w = p.float() if p.dtype != torch.float32 else p
+        w = weight.float() if weight.dtype != torch.float32 else weight
         if group["weight_decay"]:
             w.mul_(1 - group["lr"] * group["weight_decay"])
         w.addcdiv_(m, v.div_(bias2).sqrt_().add_(group["eps"]), value=-group["lr"] / bias1)
-        if p.dtype == torch.bfloat16:
-            p.copy_(stochastic_round_to_bf16(w, noise=noise))
-        elif w is not p:
-            p.copy_(w)
+        if weight.dtype == torch.bfloat16:
+            weight.copy_(stochastic_round_to_bf16(w, noise=noise))
+        elif w is not weight:
+            weight.copy_(w)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard
 
 
 def fuse_step_into_backward(optimizer: torch.optim.Optimizer) -> None:
