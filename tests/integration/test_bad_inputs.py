@@ -465,6 +465,16 @@ EXPORT_AND_EVAL = [
         r"^{tmp}/run/checkpoints/step-0000001/config\.yaml:3: not valid YAML \(expected "
         r"',' or '\]', but got '<stream end>'; while parsing a flow sequence from line 2\)",
         setup=fake_checkpoint("train:\n  seed: [1\n")),
+    Bad("eval beyond the model's positions", ["eval", "--model", "{model}", "--data",
+                                              "{text}", "--seq-len", "100000"],
+        r"^--seq-len: 100000 is above the model's maximum sequence length \d+"),
+    Bad("export of a directory without checkpoints", ["export", "{tmp}", "{tmp}/out"],
+        r"{tmp}"),
+    Bad("estimate of a negative lr", ["estimate", "optim.lr=-1"], r"^optim\.lr"),
+    Bad("estimate of an unknown preset", ["estimate", "model.preset=gpt5"],
+        r"^model\.preset"),
+    Bad("plan on zero gpus", ["plan", "--gpus", "0"], r"--gpus"),
+    Bad("report of a missing run", ["report", "{tmp}/absent"], r"{tmp}/absent"),
 ]
 
 TABLE = TRAIN + MODEL_DIRS + ADAPTERS + DATA + GENERATE + LAUNCH + EXPORT_AND_EVAL
