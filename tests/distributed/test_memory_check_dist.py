@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from helpers.runs import run_lmforge
+from helpers.runs import has_lmforge_frame, run_lmforge
 
 pytestmark = pytest.mark.slow
 
@@ -20,6 +20,6 @@ def test_under_torchrun_a_run_over_its_memory_is_one_line_from_rank_0(tmp_path):
     assert len(errors) == 1 and "error: memory: the run needs about" in errors[0], \
         proc.stderr[-3000:]
     assert "train.skip_memory_check=true" in errors[0]
-    assert not re.search(r'File ".*lmforge', proc.stderr), proc.stderr[-3000:]
+    assert not has_lmforge_frame(proc.stderr), proc.stderr[-3000:]
     assert re.search(r"Root Cause.*?rank\s*: 0 .*?exitcode\s*: 2 ", proc.stderr, re.S)
     assert not (tmp_path / "run").exists()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import lmforge
 from lmforge.data.tokenizer import train_bpe
 
 from helpers.tiny_models import tiny_model_overrides
@@ -73,6 +74,13 @@ def await_pid(ready: Path, proc, timeout: float = 300) -> int:
         assert time.time() < deadline, f"the trainer never wrote {ready}"
         time.sleep(0.05)
     return int(ready.read_text())
+
+
+def has_lmforge_frame(stderr: str) -> bool:
+    """Whether ``stderr`` holds a traceback frame of lmforge's own code (torchrun's own
+    traceback does not count). Matched by the package's real path: the checkout's folder
+    may well be called lmforge, and so may the virtual environment's."""
+    return f'File "{Path(lmforge.__file__).parent}' in stderr
 
 
 def read_metrics(out) -> list[dict]:
