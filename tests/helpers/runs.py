@@ -80,7 +80,8 @@ def has_lmforge_frame(stderr: str) -> bool:
     """Whether ``stderr`` holds a traceback frame of lmforge's own code (torchrun's own
     traceback does not count). Matched by the package's real path: the checkout's folder
     may well be called lmforge, and so may the virtual environment's."""
-    return f'File "{Path(lmforge.__file__).parent}' in stderr
+    package = Path(os.path.abspath(lmforge.__file__)).parent
+    return any(f'File "{path}{os.sep}' in stderr for path in (package, package.resolve()))
 
 
 def read_metrics(out) -> list[dict]:
