@@ -74,3 +74,21 @@ def test_a_resumed_run_counts_the_positions_of_the_uninterrupted_one(setup):
     run_lmforge(root / "resumed", base + ["train.stop_at_step=2"])
     run_lmforge(root / "resumed", base + ["train.resume=auto"])
     _same_run(read_metrics(root / "resumed"), reference)
+
+
+def test_batches_grouped_by_length_train_alike_on_two_ranks_and_across_a_resume(setup):
+    """data.group_by_length reorders the samples by (seed, epoch, global batch) alone:
+    two ranks (no accumulation) and a resumed run train like one uninterrupted process
+    (accumulating two micro-batches), over fewer positions than ungrouped batches."""
+    root, base, ungrouped = setup
+    grouped = base + ["data.group_by_length=true"]
+    proc = run_lmforge(root / "grouped", grouped)
+    assert "batched together (data.group_by_length)" in proc.stdout
+    reference = read_metrics(root / "grouped")
+    assert reference[-1]["tokens"] < ungrouped[-1]["tokens"]
+    run_lmforge(root / "grouped-dp2", grouped + ["parallel.dp_shard=2"], nproc=2,
+                torchrun=True)
+    _same_run(read_metrics(root / "grouped-dp2"), reference)
+    run_lmforge(root / "grouped-resumed", grouped + ["train.stop_at_step=2"])
+    run_lmforge(root / "grouped-resumed", grouped + ["train.resume=auto"])
+    _same_run(read_metrics(root / "grouped-resumed"), reference)

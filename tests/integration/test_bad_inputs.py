@@ -369,6 +369,11 @@ DATA = [
     Bad("negative pad_to_multiple_of", ["train", "data.pad_to_multiple_of=-8",
                                         "train.output_dir={tmp}/run"],
         r"data\.pad_to_multiple_of: must be >= 0"),
+    Bad("SFT grouped by length and packed",
+        ["train", "model.init_from={model}", "data.kind=sft", "data.path={chat}",
+         "data.pack=true", "data.group_by_length=true", "train.output_dir={tmp}/run"],
+        r"^data\.group_by_length: cannot be combined with data\.pack=true \(packing already "
+        r"removes the padding\)"),
 ]
 
 GENERATE = [

@@ -69,6 +69,10 @@ class DataConfig:
     # SFT without packing: each batch is padded to its longest sample, rounded up to a
     # multiple of this (8; 64 suits GPU kernels best); 0 pads every batch to seq_len.
     pad_to_multiple_of: int = 8
+    # SFT without packing: batch samples of similar length together (each epoch's shuffled
+    # order is cut into spans of 64 optimizer steps, each sorted by length and cut into
+    # steps, and the steps are shuffled), so batches padded to their longest pad less.
+    group_by_length: bool = False
     num_workers: int = 0
 
 
@@ -270,6 +274,7 @@ def validate(cfg: JobConfig, world_size: int = 1, distributed: Optional[bool] = 
         raise ConfigError("train.overwrite: cannot be combined with train.resume (one starts "
                           "over, the other continues)")
     _validate_batch(cfg, world_size)
+    _validate_grouping(cfg.data)
     _validate_in_backward(cfg, world_size, distributed)
     _validate_lora(cfg.lora)
     if cfg.lora.enabled and cfg.parallel.tp > 1:
@@ -311,6 +316,17 @@ def _validate_batch(cfg: JobConfig, world_size: int) -> None:
                           f"micro_batch_size x data-parallel size = {per_step}")
     if cfg.parallel.pp > 1:
         pipeline_microbatches(cfg, dp_size)  # raises when the batch cannot be split
+
+
+def _validate_grouping(data: DataConfig) -> None:
+    if not data.group_by_length:
+        return
+    if data.kind != "sft":
+        raise ConfigError(f"data.group_by_length: only SFT samples vary in length (data.kind "
+                          f"is {data.kind}; its rows are all data.seq_len long)")
+    if data.pack:
+        raise ConfigError("data.group_by_length: cannot be combined with data.pack=true "
+                          "(packing already removes the padding); set one of them")
 
 
 def _validate_in_backward(cfg: JobConfig, world_size: int, distributed: bool) -> None:

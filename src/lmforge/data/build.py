@@ -181,11 +181,26 @@ def _sft_padding(cfg: JobConfig, loader: BatchLoader) -> tuple[str, float]:
     if ds.pad_to_multiple_of:
         how = (f"each batch padded to its longest sample, rounded up to a multiple of "
                f"{ds.pad_to_multiple_of} (data.pad_to_multiple_of)")
-    elif cfg.parallel.pp > 1:
-        how = "every batch padded to data.seq_len: pipeline parallelism needs one shape"
+        if ds.group_size:
+            how += ", samples of similar length batched together (data.group_by_length)"
     else:
-        how = "every batch padded to data.seq_len, data.pad_to_multiple_of=0"
-    return f"{line} ({how}; data.pack=true packs samples instead)", share
+        how = ("every batch padded to data.seq_len: pipeline parallelism needs one shape"
+               if cfg.parallel.pp > 1 else
+               "every batch padded to data.seq_len, data.pad_to_multiple_of=0")
+        if ds.group_size:  # the order is kept, so a resume on another layout reads alike
+            how += ", so data.group_by_length orders the samples but saves nothing"
+    return f"{line} ({how}{_padding_advice(cfg, ds, share)})", share
+
+
+def _padding_advice(cfg: JobConfig, ds, share: float) -> str:
+    """What would remove more padding: grouping by length where batches are padded to
+    their longest and much is padding, packing where pipeline parallelism allows it."""
+    if cfg.parallel.pp > 1:
+        return ""  # pipeline parallelism takes neither packing nor shorter batches
+    if share > 0.15 and ds.pad_to_multiple_of and not ds.group_size:
+        return ("; data.group_by_length=true batches samples of similar length, "
+                "data.pack=true packs them")
+    return "; data.pack=true packs samples instead"
 
 
 def _build_text(cfg, tokenizer, dp_rank, dp_size) -> DataBundle:

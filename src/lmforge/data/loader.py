@@ -30,6 +30,7 @@ from typing import Iterable, Iterator, Optional
 import numpy as np
 import torch
 
+from lmforge.config import samples_per_step
 from lmforge.data.errors import DataError
 from lmforge.data.indexed import IndexedDataset, exists, strip_suffix
 from lmforge.data.pretrain import BlendedDataset, PretrainDataset, make_row
@@ -42,18 +43,21 @@ STATE_VERSION = 1
 
 
 def loader_state(consumed_samples: int, seed: int, micro_batch_size: int, dp_size: int,
-                 data: Iterable[int]) -> dict:
+                 data: Iterable[int], group_size: int = 0) -> dict:
     """The one schema of a training loader's resumable state (``BatchLoader`` and the
     text corpora's ``PackedTokenLoader``): its position, a count of samples all ranks
-    together have consumed, and what ``resume_position`` checks it against."""
+    together have consumed, and what ``resume_position`` checks it against
+    (``group_size``: the samples per step SFT grouped by length, 0 if not)."""
     return {"version": STATE_VERSION, "consumed_samples": int(consumed_samples),
             "seed": int(seed), "micro_batch_size": int(micro_batch_size),
-            "dp_size": int(dp_size), "data": [int(n) for n in data]}
+            "dp_size": int(dp_size), "data": [int(n) for n in data],
+            "group_size": int(group_size)}
 
 
-def resume_position(state: dict, seed: int, data: Iterable[int]) -> int:
+def resume_position(state: dict, seed: int, data: Iterable[int], group_size: int = 0) -> int:
     """``consumed_samples`` of a ``loader_state``, refused when saved with another seed
-    (the sample order would differ); other data (sizes ``data``) only warn."""
+    (the sample order would differ); other data (sizes ``data``), or another grouping by
+    length, only warn."""
     if int(state.get("seed", seed)) != seed:
         raise DataError(f"loader state: saved with train.seed={state['seed']}, this run "
                         f"has {seed}; the sample order would differ")
@@ -61,6 +65,12 @@ def resume_position(state: dict, seed: int, data: Iterable[int]) -> int:
         warnings.warn(f"loader state: the data differ from the checkpoint's (sizes "
                       f"{state['data']} vs {list(data)}); resuming at the same sample "
                       "count anyway", stacklevel=3)
+    if int(state.get("group_size", 0)) != group_size:
+        warnings.warn(f"loader state: saved grouping samples by length in steps of "
+                      f"{state.get('group_size', 0)}, this run {group_size} (0: not "
+                      f"grouped; data.group_by_length, data.global_batch_size); until the "
+                      f"epoch ends some samples are read twice and others not at all",
+                      stacklevel=3)
     return int(state["consumed_samples"])
 
 
@@ -146,10 +156,15 @@ class BatchLoader:
 
     def state_dict(self) -> dict:
         return loader_state(self.consumed_samples, self.seed, self.sampler.micro_batch_size,
-                            self.sampler.dp_size, self.dataset.fingerprint())
+                            self.sampler.dp_size, self.dataset.fingerprint(), self._group_size)
+
+    @property
+    def _group_size(self) -> int:
+        return getattr(self.dataset, "group_size", None) or 0
 
     def load_state_dict(self, state: dict) -> None:
-        consumed = resume_position(state, self.seed, self.dataset.fingerprint())
+        consumed = resume_position(state, self.seed, self.dataset.fingerprint(),
+                                   self._group_size)
         self.close()
         self.sampler.consumed_samples = consumed
 
@@ -247,8 +262,10 @@ def build_dataset_loader(cfg, tokenizer, dp_rank: int, dp_size: int, split: str 
             if len(value) != 1:
                 raise DataError(f"{field}: sft takes one .jsonl file")
             value = value[0]
+        group = samples_per_step(cfg, dp_size) if d.group_by_length and split == "train" \
+            else None  # the held-out passes keep the plain order: the same samples score
         dataset = SFTDataset(value, tokenizer, d.template, d.seq_len, seed, d.pack, cache_dir,
-                             held, sft_pad_multiple(cfg))
+                             held, sft_pad_multiple(cfg), group)
     else:
         raise DataError(f"data.kind: {d.kind!r} is not pretrain or sft")
     return BatchLoader(dataset, d.micro_batch_size, dp_rank, dp_size, seed, d.num_workers)

@@ -24,6 +24,14 @@ batch's samples, so batches stay deterministic and resumable, and trailing paddi
 changes no loss or gradient (attention is causal and padding has no target).
 ``padding_share`` estimates the share of padded positions over an epoch.
 
+Grouping by length (``group_size``, data.group_by_length): padding to the longest still
+pads short samples that share a batch with long ones, so the epoch's shuffled order is
+cut into spans of 64 optimizer steps (``group_size`` samples each), each span sorted by
+length, longest first, and cut into steps, whose order is then shuffled with the epoch's
+seed (``group_by_length``): a step's micro-batches (and the ranks of one micro-step) hold
+samples of similar length. The order stays a function of (seed, epoch, group_size), every
+sample is read once per epoch, and only which samples share a batch changes.
+
 Packing (``data.pack``): samples are placed first-fit into rows of ``seq_len`` positions
 (16 rows open at a time, in the epoch's shuffled order). Each sample keeps its own
 positions from 0, attends only to itself (block-causal mask) and has no target from
@@ -245,27 +253,45 @@ def pack_first_fit(order: np.ndarray, sizes: np.ndarray, capacity: int,
     return offsets, items
 
 
+def group_by_length(order: np.ndarray, sizes: np.ndarray, group_size: int,
+                    rng: np.random.Generator, first: int = 0, span: int = 64) -> np.ndarray:
+    """``order`` regrouped so that each run of ``group_size`` samples (one optimizer
+    step) holds samples of similar ``sizes``: spans of ``span`` steps are sorted by size,
+    longest first, and the whole steps are shuffled with ``rng``. ``first`` samples, the
+    end of a step the previous epoch began, stay first, so later steps start on step
+    boundaries of the stream; a last partial step stays last."""
+    chunk = group_size * span
+    spans = [order[i:i + chunk] for i in range(0, len(order), chunk)]
+    grouped = np.concatenate([s[np.argsort(-sizes[s], kind="stable")] for s in spans])
+    head, body = grouped[:first], grouped[first:]
+    steps = len(body) // group_size
+    whole = body[:steps * group_size].reshape(steps, group_size)[rng.permutation(steps)]
+    return np.concatenate([head, whole.ravel(), body[steps * group_size:]])
+
+
 # -------------------------------------------------------------------------- dataset
 
 class SFTDataset:
     """The never-ending stream of SFT rows: epoch ``e`` shuffles the samples with
     ``(seed, e)`` (and packs them when ``pack``); ``ds[k]`` is global row ``k``, padded
     to ``seq_len``, and ``batch_rows(ks)`` rows ``ks`` padded as one batch.
-    ``holdout``: (part, eval_fraction), only that part's samples; ``pad_to_multiple_of``:
-    see the module doc (ignored when packing: packed rows are ``seq_len`` wide)."""
+    ``holdout``: (part, eval_fraction), only that part's samples; ``pad_to_multiple_of``
+    and ``group_size`` (samples per optimizer step, to group by length): see the module
+    doc (both ignored when packing: packed rows are ``seq_len`` wide)."""
 
-    _ORDER = 3  # rng purpose
+    _ORDER, _GROUPS = 3, 4  # rng purposes
 
     def __init__(self, path: str | Path, tokenizer, template: str, seq_len: int,
                  seed: int = 0, pack: bool = False, cache_dir: Optional[Path] = None,
                  holdout: Optional[tuple[str, float]] = None,
-                 pad_to_multiple_of: Optional[int] = None):
+                 pad_to_multiple_of: Optional[int] = None, group_size: Optional[int] = None):
         self.path = Path(path)
         if not self.path.is_file():
             raise DataError(f"data.path: {self.path}: no such file (SFT data is JSON Lines)")
         self.template = get_template(template, tokenizer)
         self.seq_len, self.seed, self.pack = int(seq_len), int(seed), bool(pack)
         self.pad_to_multiple_of = None if pack else pad_to_multiple_of
+        self.group_size = None if pack else group_size
         self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
         self.end_of_turn_id = self.template.end_of_turn_id(tokenizer)
         params = {"kind": "sft", "version": SFT_CACHE_VERSION,
@@ -346,8 +372,15 @@ class SFTDataset:
             n_rows = int(plan[0])  # stored as [rows, offsets..., sample ids...]
             offsets, items = plan[1:n_rows + 2], plan[n_rows + 2:]
         else:
-            offsets, items = np.arange(len(order) + 1), order
+            offsets, items = np.arange(len(order) + 1), self._grouped(order, epoch)
         return np.asarray(offsets), np.asarray(items)
+
+    def _grouped(self, order: np.ndarray, epoch: int) -> np.ndarray:
+        if not self.group_size:
+            return order
+        into_step = (-epoch * len(self.rows)) % self.group_size  # the epoch's start mid-step
+        return group_by_length(order, self.sizes, self.group_size,
+                               rng_for(self.seed, epoch, self._GROUPS), into_step)
 
     def _packed(self, order: np.ndarray) -> np.ndarray:
         offsets, items = pack_first_fit(order, self.sizes, self.seq_len)
