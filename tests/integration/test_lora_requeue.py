@@ -30,20 +30,22 @@ def uninterrupted(lora_run, tmp_path_factory) -> list[tuple]:
     return [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(out)]
 
 
-@pytest.mark.parametrize("signum, status, resumed_from", [
-    (signal.SIGTERM, PREEMPTED_EXIT_CODE, KILLED_AFTER), (signal.SIGKILL, -9, 2)],
-    ids=["sigterm", "sigkill"])
+# The trainer waits for the signal where it asks whether to stop after step 3, before
+# it logs that step: SIGTERM lets it log step 3 and checkpoint; SIGKILL loses step 3.
+@pytest.mark.parametrize("signum, status, logged, resumed_from", [
+    (signal.SIGTERM, PREEMPTED_EXIT_CODE, [1, 2, 3], KILLED_AFTER),
+    (signal.SIGKILL, -9, [1, 2], 2)], ids=["sigterm", "sigkill"])
 def test_killed_lora_run_requeued_logs_the_uninterrupted_losses(lora_run, uninterrupted,
                                                                 tmp_path, signum, status,
-                                                                resumed_from):
+                                                                logged, resumed_from):
     out, ready = tmp_path / "run", tmp_path / f"at-step-{KILLED_AFTER}"
-    # The trainer waits after step 3 (the step-2 checkpoint committed) for the signal.
+    # The step-2 checkpoint is committed by then.
     proc = run_lmforge(out, lora_run, fault=f"await_stop:{KILLED_AFTER}", background=True,
                        env={"LMFORGE_TEST_SIGNAL": str(ready)})
     os.kill(await_pid(ready, proc), signum)
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == status, stderr[-3000:]
-    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    assert [r["step"] for r in read_metrics(out)] == logged
 
     requeued = run_lmforge(out, lora_run + ["train.resume=auto"])
     assert f"resumed from {out / 'checkpoints' / f'step-{resumed_from:07d}'}" in requeued.stdout
