@@ -80,7 +80,7 @@ def check_writable(path: str | Path, what: str, kind: str = "file") -> None:
                               f"files in {parent}")
     # An existing output directory is filled in place by some writers, so it is tried too.
     for directory in (parent, *([path] if kind == "dir" and path.is_dir() else [])):
-        problem = _cannot_create_in(directory)
+        problem = cannot_create_in(directory)
         if problem:
             raise PermissionError(f"{path}: cannot write {what}: {directory} does not "
                                   f"accept new files ({problem})")
@@ -93,7 +93,7 @@ _REFUSALS = {errno.EROFS: "the file system is read-only",
              errno.EDQUOT: "the disk quota is used up"}
 
 
-def _cannot_create_in(directory: Path) -> Optional[str]:
+def cannot_create_in(directory: Path) -> Optional[str]:
     """Why a file cannot be created in ``directory`` (None: it can): one is created and
     removed at once."""
     probe = directory / f".lmforge-probe{tmp_tag()}-{uuid.uuid4().hex[:8]}"

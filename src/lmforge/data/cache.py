@@ -28,7 +28,7 @@ from typing import Optional
 
 import numpy as np
 
-from lmforge.fsio import atomic_file, atomic_write_bytes, tmp_tag
+from lmforge.fsio import atomic_file, atomic_write_bytes, cannot_create_in
 
 CACHE_ENV = "LMFORGE_CACHE"
 
@@ -53,12 +53,10 @@ def cache_dir_for(data_path: str, kind: str, fallback: Optional[Path] = None) ->
         out = Path(root) / name
         try:
             out.mkdir(parents=True, exist_ok=True)
-            probe = out / f".probe{tmp_tag()}"
-            probe.write_bytes(b"")
-            probe.unlink()
-            return out
         except OSError:
             continue
+        if cannot_create_in(out) is None:
+            return out
     raise OSError(f"no writable cache directory for {data_path} (set {CACHE_ENV})")
 
 
