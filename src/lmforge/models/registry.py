@@ -1,96 +1,49 @@
-"""Model families, chosen by Hugging Face's ``model_type`` (config.json) or by a preset.
+"""Model families, found and chosen by Hugging Face's ``model_type`` (config.json) or by
+a preset.
 
-A family is a folder, ``models/<family>/``: the plain model (``model.py``), its HF
-config and parameter names (``hf.py``), its tensor-parallel plan (``plan.py``) and its
-named sizes (``presets.py``). It is described to the rest of lmforge by one
-``ModelFamily`` here, so nothing outside ``models/`` branches on a family's name: the
+A family is a folder, ``models/<family>/``, whose ``__init__.py`` exports ``FAMILY``
+(``models/family.py`` says what it holds). The folders are found here, so adding a
+family edits no list; nothing outside ``models/`` branches on a family's name: the
 trainer, parallelism, LoRA, export and the performance model ask the family of the
-model's ``args`` (``family_of``).
-
-Every family's model keeps the same top-level layout (``tok_embeddings``, ``layers`` as
-an ``nn.ModuleDict`` keyed by layer id, ``norm``, ``output``; each block with
-``attention_norm``, ``attention`` and ``feed_forward``) and its args the same shape
-fields (``dim``, ``n_layers``, ``n_heads``, ``n_kv_heads``, ``head_dim``, ``vocab_size``,
-``ffn_dim``, ``max_seq_len``, ``tie_embeddings``, ``sliding_window``, ``family``), which is
-what pipeline splitting, checkpoints and the memory model rely on.
+model's ``args`` (``family_of``) and read its ``BlockSpec``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+import importlib
+import pkgutil
+from typing import Any
 
 import torch
 from torch import nn
 
-from lmforge.models import gptj, llama
+import lmforge.models
 from lmforge.models.common import Projections
+from lmforge.models.family import BlockSpec, Fused, ModelFamily
 from lmforge.models.mapping import HFCheckpointError
 
-
-@dataclass(frozen=True)
-class ModelFamily:
-    name: str  # the folder under models/
-    model_types: tuple[str, ...]  # config.json model_type values it loads
-    build: Callable[[Any], nn.Module]  # args -> model, on the current default device
-    args_from_dict: Callable[[dict], Any]  # dataclasses.asdict(args) -> args (meta.json)
-    args_from_hf_config: Callable[[dict, str], Any]
-    hf_config: Callable[..., dict]  # (args, **extra fields) -> config.json dict
-    hf_names: Callable[[Any], dict[str, str]]  # our parameter name -> HF name
-    projections: Projections
-    projection_shapes: Callable[[Any], dict[str, tuple[int, int]]]  # (in, out) per block
-    block_plan: Callable[[bool], dict]  # sequence_parallel -> {module name: style}
-    model_plan: Callable[[bool], dict]
-    presets: Mapping[str, Any]
-    check_args: Callable[[Any], None]  # shapes the model cannot have -> ConfigError
-    as_variant: Callable[[Any, str], Any]  # (args, one of model_types) -> args
-    # Whether attention and MLP read the same normalised input in parallel (GPT-J) rather
-    # than the MLP reading the attention's output (Llama).
-    parallel_block: bool = False
-    # HF checkpoint keys that hold buffers rather than weights (ignored on load).
-    ignored_hf_suffixes: tuple[str, ...] = ()
-    # What the memory estimate (perf/) reads of a block beyond its projections' shapes:
-    # the norm ("rms": RMSNorm, a weight; "layer": LayerNorm, a weight and a bias), the
-    # MLP ("swiglu": the output projection reads silu(gate) * up; "gelu": gelu_tanh(fc_in)),
-    # the features of each head that rotate, the linear layers with a bias (projection
-    # names, "output" for the head), and whether q and k pass an RMSNorm over each head
-    # before the rotation (Qwen3's q_norm, k_norm: one head_dim weight each).
-    norm: str = "rms"
-    mlp_activation: str = "swiglu"
-    rotary_features: Callable[[Any], int] = lambda args: args.head_dim
-    biased_linears: Callable[[Any], tuple[str, ...]] = lambda args: ()
-    head_norms: Callable[[Any], bool] = lambda args: False
+__all__ = ["BlockSpec", "FAMILIES", "Fused", "ModelFamily", "PRESETS", "Projections",
+           "args_from_dict", "args_from_hf_config", "build_model", "family_for_config",
+           "family_of", "hf_config_from_args", "hf_names"]
 
 
-def _from_folder(package, **family) -> ModelFamily:
-    """A family whose folder holds what every family folder does: model.py
-    (PROJECTIONS, projection_shapes), hf.py (args_from_hf_config, hf_config_from_args,
-    hf_names), plan.py (block_plan, model_plan) and presets.py (PRESETS, check_args)."""
-    return ModelFamily(
-        args_from_hf_config=package.hf.args_from_hf_config,
-        hf_config=package.hf.hf_config_from_args, hf_names=package.hf.hf_names,
-        projections=package.model.PROJECTIONS,
-        projection_shapes=package.model.projection_shapes,
-        block_plan=package.plan.block_plan, model_plan=package.plan.model_plan,
-        presets=package.presets.PRESETS, check_args=package.presets.check_args, **family)
+def _find_families() -> tuple[ModelFamily, ...]:
+    """Every subpackage of ``lmforge.models`` that exports ``FAMILY``, by folder name."""
+    found = []
+    for info in sorted(pkgutil.iter_modules(lmforge.models.__path__), key=lambda m: m.name):
+        if info.ispkg:
+            family = getattr(importlib.import_module(f"lmforge.models.{info.name}"),
+                             "FAMILY", None)
+            if family is not None:
+                found.append(family)
+    return tuple(found)
 
 
-LLAMA = _from_folder(
-    llama, name="llama", model_types=("llama", "mistral", "qwen2", "qwen3"),
-    build=llama.model.Llama, args_from_dict=llama.model.LlamaArgs.from_dict,
-    as_variant=llama.hf.as_variant, head_norms=lambda args: args.qk_norm,
-    biased_linears=lambda args: ("q_proj", "k_proj", "v_proj") if args.attention_bias else ())
-
-GPTJ = _from_folder(
-    gptj, name="gptj", model_types=("gptj",),
-    build=gptj.model.GPTJ, args_from_dict=lambda d: gptj.model.GPTJArgs(**d),
-    as_variant=lambda args, model_type: args,
-    parallel_block=True, ignored_hf_suffixes=gptj.hf.IGNORED_SUFFIXES,
-    norm="layer", mlp_activation="gelu", rotary_features=lambda args: args.rotary_features,
-    biased_linears=lambda args: ("fc_in", "fc_out", "output"))
-
-FAMILIES: tuple[ModelFamily, ...] = (LLAMA, GPTJ)
+FAMILIES: tuple[ModelFamily, ...] = _find_families()
 _BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 PRESETS: dict[str, Any] = {name: args for f in FAMILIES for name, args in f.presets.items()}
+_BY_NAME = {f.name: f for f in FAMILIES}
+# TODO(h1): callers still naming these two move to family_of / the BlockSpec.
+LLAMA, GPTJ = _BY_NAME["llama"], _BY_NAME["gptj"]
 
 
 def family_of(args: Any) -> ModelFamily:
@@ -137,7 +90,3 @@ def hf_config_from_args(args: Any, **extra) -> dict:
 def hf_names(args: Any) -> dict[str, str]:
     """Our parameter name -> HF name for every tensor an HF checkpoint holds."""
     return family_of(args).hf_names(args)
-
-
-def preset_family(preset: Optional[str]) -> Optional[ModelFamily]:
-    return family_of(PRESETS[preset]) if preset in PRESETS else None

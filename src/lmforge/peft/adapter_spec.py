@@ -249,7 +249,7 @@ def adapter_linears(args) -> dict[str, Linear]:
     """HF module name -> every projection of every block of a model with ``args`` (the
     modules adapters may name; not the embedding or the head, as lora.targets)."""
     family = family_of(args)
-    shapes = family.projection_shapes(args)
+    shapes = family.block(args).shapes
     out = {}
     for ours, theirs in hf_names(args).items():
         module = ours.removesuffix(".weight")

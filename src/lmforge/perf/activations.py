@@ -36,6 +36,7 @@ class _BlockWalk:
         self.setup, self.args, self.trainable = setup, setup.args, setup.trainable
         self.family = family_of(setup.args)
         self.names = self.family.projections
+        self.block = self.family.block(setup.args)
         self.matmul_bytes = compute_bytes(setup)
         self.residual_bytes = residual_bytes(setup)
         self.autocast = setup.autocast
@@ -58,7 +59,7 @@ class _BlockWalk:
         self.terms = []
         qkv, mlp_inputs = self.names.attention[:3], self.names.mlp_inputs
         normed_needs_grad = self.norm("attention norm", input_needs_grad)
-        if self.family.parallel_block:  # x + attention(norm(x)) + mlp(norm(x))
+        if self.block.parallel:  # x + attention(norm(x)) + mlp(norm(x))
             self._parallel_block_inputs(normed_needs_grad)
             attention_needs_grad = self._attention(normed_needs_grad)
             mlp_needs_grad = self._mlp(normed_needs_grad)
@@ -90,7 +91,7 @@ class _BlockWalk:
 
     def norm(self, label: str, input_needs_grad: bool) -> bool:
         """The norm's saved tensors; whether its output requires grad."""
-        if self.family.norm == "layer":
+        if self.block.norm == "layer":
             return self._layer_norm(label, input_needs_grad)
         return self._rms_norm(label, input_needs_grad, self.args.dim, 1,
                               self.residual_bytes, "seq")
@@ -121,7 +122,7 @@ class _BlockWalk:
     def keeps_block_input(self) -> bool:
         """Whether the block's first norm keeps the block's input itself: LayerNorm keeps
         its input; RMSNorm keeps ``x.float()``, the input itself when it is fp32."""
-        return self.family.norm == "layer" or self.residual_bytes == 4
+        return self.block.norm == "layer" or self.residual_bytes == 4
 
     def linear_inputs(self, label: str, n_in: int, input_needs_grad: bool,
                       consumers: list[str], in_bytes: int, split: str = "none",
@@ -187,7 +188,7 @@ class _BlockWalk:
         """Qwen3's RMSNorm over each q and k head (before RoPE), split with the heads:
         whether q and k require grad after it, and their bytes then (an fp32 weight
         times the normalized y makes them fp32 under autocast)."""
-        if not self.family.head_norms(self.args):
+        if not self.block.head_norms:
             return q_needs_grad, k_needs_grad, self.matmul_bytes
         args, c = self.args, self.matmul_bytes
         q = self._rms_norm("q norm", q_needs_grad, args.n_heads * args.head_dim,
@@ -201,7 +202,7 @@ class _BlockWalk:
         head dim, or GPT-J's first rotary_dim): kept as they are when q and k are fp32
         (``roped_bytes``); in bf16 each rotary call keeps bf16 copies, two per call (q
         and k)."""
-        features = self.family.rotary_features(self.args)
+        features = self.block.rotary_features
         if roped_bytes == 4 and (q_needs_grad or k_needs_grad):
             self.add("rope cos/sin (fp32)", 2 * 4 * features, "none")
         elif roped_bytes != 4:
@@ -228,7 +229,7 @@ class _BlockWalk:
         for name in inputs:
             self.adapter(name)
         needs_grad = [self.needs_grad(name, normed_needs_grad) for name in inputs]
-        if self.family.mlp_activation == "swiglu":
+        if self.block.mlp == "swiglu":
             hidden_needs_grad = self._swiglu(*needs_grad)
         else:
             hidden_needs_grad = self._gelu(*needs_grad)
@@ -330,7 +331,7 @@ def _backward_buffers(setup: Setup, walker: _BlockWalk) -> float:
     last input projection may peak before, at that adapter's sum: the base output, the
     update and the scaled update, three f-sized tensors beside the saved ones."""
     ffn_per_device = setup.args.ffn_dim / setup.tp
-    ffn_tensors = 3 if walker.family.mlp_activation == "swiglu" else 2
+    ffn_tensors = 3 if walker.block.mlp == "swiglu" else 2
     # (selective checkpointing recomputes block 0, so some block is recomputed)
     if setup.checkpointing != "none" and setup.trainable.rank(walker.names.mlp_inputs[-1]):
         ffn_tensors = max(ffn_tensors, 3)

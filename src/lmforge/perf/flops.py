@@ -167,7 +167,7 @@ class Trainability:
 
 def projection_shapes(args: Any) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each projection of one block, in model order."""
-    return family_of(args).projection_shapes(args)
+    return dict(family_of(args).block(args).shapes)
 
 
 def matmul_params(args: Any) -> int:
@@ -254,7 +254,7 @@ def flops_breakdown(args: Any, seq_len: int, trainable: Optional[Trainability] =
         fl.attention_forward += 2 * per_product
         fl.attention_backward += per_product * ((q or k) + v + q + k)  # dP, dV, dQ, dK
         o = linear(names.attention_output, q or k or v)
-        if family.parallel_block:  # the MLP reads the attention's input norm (GPT-J)
+        if family.block(args).parallel:  # the MLP reads the attention's input norm (GPT-J)
             n2 = n1
         else:  # the MLP's norm reads the stream after attention (Llama)
             n2 = rg or o or tr.norms

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lmforge.models.registry import ModelFamily, family_of
+from lmforge.models.registry import BlockSpec, family_of
 from lmforge.parallel import pipeline
 from lmforge.perf.estimate_setup import DTYPE_BYTES, Setup, frozen_weight_dtype
 from lmforge.perf.flops import projection_shapes
@@ -129,9 +129,9 @@ def stage_weights(setup: Setup, stage: int) -> Weights:
     return w
 
 
-def norm_params(family: ModelFamily, dim: int) -> int:
+def norm_params(block: BlockSpec, dim: int) -> int:
     """Parameters of one norm: RMSNorm's weight, or LayerNorm's weight and bias."""
-    return 2 * dim if family.norm == "layer" else dim
+    return 2 * dim if block.norm == "layer" else dim
 
 
 def bias_per_device(setup: Setup, name: str, n_out: int) -> float:
@@ -149,7 +149,7 @@ def _add_block(tally: _Tally, setup: Setup) -> None:
     the block's totals for the FSDP transients."""
     w, trainable, tp = tally.weights, setup.trainable, setup.tp
     family = family_of(setup.args)
-    biased = family.biased_linears(setup.args)
+    biased = family.block(setup.args).biased
     quantize = setup.lora.quantize if setup.lora is not None else None
     trainable_before = w.trainable_params
     total_before = w.trainable_params + w.frozen_params
@@ -169,11 +169,11 @@ def _add_block(tally: _Tally, setup: Setup) -> None:
             tally.add(bias, trains, matmul=False)
         if name == family.projections.mlp_output:
             _add_mlp_output_terms(tally, setup, trains, rank, (n_in, n_out), bias)
-    norms = 1 if family.parallel_block else 2
+    norms = len(family.block(setup.args).norms)
     # Qwen3's q and k norms: one head_dim weight each, shared by the heads (replicated
     # under tensor parallelism)
-    head_norms = 2 * setup.args.head_dim if family.head_norms(setup.args) else 0
-    tally.add(norms * norm_params(family, setup.args.dim) + head_norms, trainable.norms,
+    head_norms = 2 * setup.args.head_dim if family.block(setup.args).head_norms else 0
+    tally.add(norms * norm_params(family.block(setup.args), setup.args.dim) + head_norms, trainable.norms,
               matmul=False)
     w.block_trainable = w.trainable_params - trainable_before
     w.block_total = w.trainable_params + w.frozen_params - total_before
@@ -201,11 +201,11 @@ def _add_final_norm_and_head(tally: _Tally, setup: Setup) -> None:
     w, args, trainable = tally.weights, setup.args, setup.trainable
     family = family_of(args)
     block_copies = (w.matmul_trainable_fp32, w.matmul_frozen_fp32)
-    tally.add(norm_params(family, args.dim), trainable.norms, matmul=False)
+    tally.add(norm_params(family.block(args), args.dim), trainable.norms, matmul=False)
     tied = args.tie_embeddings and setup.pp == 1
     if not tied:  # (tied: the embedding's storage, already counted)
         tally.add(args.vocab_size * args.dim / setup.tp, trainable.head, matmul=True)
-    if "output" in family.biased_linears(args):
+    if "output" in family.block(args).biased:
         tally.add(bias_per_device(setup, "output", args.vocab_size), trainable.head,
                   matmul=False)
     if trainable.head or tally.frozen_projection_bytes == 4 or tied:

@@ -1,5 +1,10 @@
 """The GPT-J family (EleutherAI's GPT-J 6B and models of its shape)."""
-from lmforge.models.gptj import hf, plan, presets  # the family's parts
+from lmforge.models.family import from_folder
+from lmforge.models.gptj import hf, model, plan, presets  # the family's parts
 from lmforge.models.gptj.model import GPTJ, GPTJArgs
 
-__all__ = ["hf", "plan", "presets", "GPTJ", "GPTJArgs"]
+FAMILY = from_folder(model, hf, plan, presets, name="gptj", model_types=("gptj",), build=GPTJ,
+                     args_from_dict=lambda recorded: GPTJArgs(**recorded),
+                     ignored_hf_suffixes=hf.IGNORED_SUFFIXES)
+
+__all__ = ["FAMILY", "hf", "plan", "presets", "GPTJ", "GPTJArgs"]

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmforge.models.common import DecoderStack, KVCache, Projections, causal_mask
+from lmforge.models.family import BlockSpec
 
 # Hugging Face's names for the block's linear layers, and the names users also give them.
 PROJECTIONS = Projections(
@@ -176,3 +177,12 @@ def projection_shapes(args: GPTJArgs) -> dict[str, tuple[int, int]]:
     d = args.dim
     return {"q_proj": (d, d), "k_proj": (d, d), "v_proj": (d, d), "out_proj": (d, d),
             "fc_in": (d, args.ffn_dim), "fc_out": (args.ffn_dim, d)}
+
+
+def block_spec(args: GPTJArgs) -> BlockSpec:
+    """One block as parallelism, LoRA and the performance model see it: one LayerNorm read
+    by attention and MLP in parallel, a GELU MLP with biases, partial rotary."""
+    return BlockSpec(
+        shapes=projection_shapes(args), norm="layer", norms=("attention_norm",), mlp="gelu",
+        parallel=True, biased=("fc_in", "fc_out", "output"),
+        rotary_features=args.rotary_features, attention=("global",) * args.n_layers)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmforge.models.common import DecoderStack, KVCache, Projections, causal_mask
+from lmforge.models.family import BlockSpec
 
 # Hugging Face's names for the block's linear layers, and the names users also give them.
 PROJECTIONS = Projections(
@@ -272,3 +273,13 @@ def projection_shapes(args: LlamaArgs) -> dict[str, tuple[int, int]]:
             "v_proj": (d, args.n_kv_heads * hd), "o_proj": (args.n_heads * hd, d),
             "gate_proj": (d, args.ffn_dim), "up_proj": (d, args.ffn_dim),
             "down_proj": (args.ffn_dim, d)}
+
+
+def block_spec(args: LlamaArgs) -> BlockSpec:
+    """One block as parallelism, LoRA and the performance model see it."""
+    window = args.sliding_window
+    return BlockSpec(
+        shapes=projection_shapes(args), rotary_features=args.head_dim,
+        head_norms=args.qk_norm,
+        biased=("q_proj", "k_proj", "v_proj") if args.attention_bias else (),
+        attention=("sliding" if window else "global",) * args.n_layers, sliding_window=window)
