@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections import OrderedDict
 from pathlib import Path
 from typing import Optional
 
@@ -120,3 +121,24 @@ def load_or_build(path: Path, build) -> np.ndarray:
     except OSError:
         pass  # caching is an optimisation; a full disk must not stop training
     return array
+
+
+class RecentCache:
+    """The ``size`` most recently used values by key (an epoch's index or packing plan, a
+    blend block), in memory. Pickled empty: a loader worker rebuilds only what it reads."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._items: OrderedDict = OrderedDict()
+
+    def get(self, key, build):
+        if key in self._items:
+            self._items.move_to_end(key)
+        else:
+            self._items[key] = build()
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+        return self._items[key]
+
+    def __getstate__(self) -> dict:
+        return {"size": self.size, "_items": OrderedDict()}
