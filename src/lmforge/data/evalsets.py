@@ -18,7 +18,8 @@ import numpy as np
 
 from lmforge.data.dataset import RowDataset
 from lmforge.data.errors import DataError
-from lmforge.data.indexed import IndexedDataset, exists, strip_suffix
+from lmforge.data.indexed import IndexedDataset
+from lmforge.data.indexed_files import exists, strip_suffix
 from lmforge.data.sft import iter_jsonl, record_messages
 from lmforge.data.sft_rows import sft_row
 from lmforge.data.templates import get_template

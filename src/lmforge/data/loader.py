@@ -37,7 +37,7 @@ from lmforge import IGNORE_INDEX
 from lmforge.config import samples_per_step
 from lmforge.data.dataset import Dataset
 from lmforge.data.errors import DataError
-from lmforge.data.indexed import exists, strip_suffix
+from lmforge.data.indexed_files import exists, strip_suffix
 from lmforge.data.pretrain import BlendedDataset, PretrainDataset
 from lmforge.data.sampler import MicroBatchSampler
 from lmforge.data.sft import SFTDataset

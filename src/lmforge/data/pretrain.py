@@ -41,7 +41,8 @@ from lmforge.data.cache import (RecentCache, cache_dir_for, content_fingerprint,
                                 load_or_build)
 from lmforge.data.dataset import RowDataset, make_row, rng_for, split_documents
 from lmforge.data.errors import DataError
-from lmforge.data.indexed import IndexedDataset, idx_path, strip_suffix
+from lmforge.data.indexed import IndexedDataset
+from lmforge.data.indexed_files import idx_path, strip_suffix
 
 INDEX_VERSION = 1
 

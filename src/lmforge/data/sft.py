@@ -45,7 +45,8 @@ from lmforge.data.cache import (RecentCache, cache_dir_for, content_fingerprint,
 from lmforge.data.dataset import (RowDataset, collate, held_out_documents, rng_for,
                                   split_documents)
 from lmforge.data.errors import DataError
-from lmforge.data.indexed import IndexedDataset, IndexedDatasetWriter, exists, token_dtype
+from lmforge.data.indexed import IndexedDataset, IndexedDatasetWriter, token_dtype
+from lmforge.data.indexed_files import exists
 from lmforge.data.sft_rows import group_by_length, pack_first_fit, sft_row
 from lmforge.data.templates import get_template
 
