@@ -14,6 +14,9 @@ Every file is written under a temporary name and renamed, by every rank that nee
 (the bytes are identical), so ranks need no coordination and the cache works on a
 node-local disk as on a shared one. When the cache directory cannot be written, the run's
 own cache directory (``RUN_DIR/cache``) is used, else the system temporary directory.
+
+In memory, ``RecentCache`` keeps the few most recently used of those indexes and plans (an
+epoch's, a blend block's, a window order) so a stream does not reload them per sample.
 """
 from __future__ import annotations
 
