@@ -18,8 +18,9 @@ differ in length; the loss is normalised by the step's valid tokens, see train/s
 
 ``build_dataset_loader`` builds the loader of ``data.kind`` pretrain or sft (the text
 corpora's is built in ``build``). Rank ``r``'s rows are a pure function of (data, seed,
-dp_rank, dp_size, consumed samples) (see ``sampler.py``), and ``state_dict()`` is ``loader_state``: ``consumed_samples`` plus
-checks, so a resumed run reads exactly the rows an uninterrupted one would (a batch's
+dp_rank, dp_size, consumed samples) (see ``sampler.py``), and ``state_dict()`` is
+``loader_state``: ``consumed_samples`` plus checks (and the dataset's own state, if it
+has one), so a resumed run reads exactly the rows an uninterrupted one would (a batch's
 length is a function of its rows). With ``data.num_workers > 0`` batches are built ahead
 in worker processes; the state counts only the batches handed out.
 """
