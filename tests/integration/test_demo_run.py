@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from lmforge.data.loader import iter_text_eval_batches
+from lmforge.data.evalsets import text_eval_dataset
+from lmforge.data.loader import BatchLoader
 from lmforge.data.text import split_files, stdlib_files
 from lmforge.data.tokenizer import load_tokenizer
 
@@ -69,7 +70,8 @@ def test_export_loss_in_transformers_equals_lmforge_eval(demo_run, tmp_path):
     tokenizer = load_tokenizer(out / "hf")
     total, count = 0.0, 0
     with torch.no_grad():
-        for batch in iter_text_eval_batches([held_out[0]], tokenizer, 128, 8):
+        for batch in BatchLoader(text_eval_dataset([held_out[0]], tokenizer, 128),
+                                 8).held_out_batches():
             logits = hf(input_ids=batch["input_ids"]).logits
             labels = batch["labels"].flatten()
             total += torch.nn.functional.cross_entropy(

@@ -1,28 +1,24 @@
 """One entry point from the data config to the loaders the trainer pulls batches from."""
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Optional
-
-import torch
 
 from lmforge.config import JobConfig
 from lmforge.data.errors import DataError
 from lmforge.data.indexed import IndexedDataset
 from lmforge.data.loader import BatchLoader, build_dataset_loader, pretrain_sources
-from lmforge.data.pretrain import IGNORE_INDEX
 from lmforge.data.sft import check_some_answer
-from lmforge.data.text import (PackedTokenLoader, check_corpus, corpus_documents,
-                               corpus_files, split_tokens, tokenize_files)
+from lmforge.data.text import (check_corpus, corpus_documents, corpus_files, split_tokens,
+                               tokenize_files)
 from lmforge.data.tokenizer import Tokenizer, train_bpe
+from lmforge.data.windows import TokenWindows
 
 
 @dataclass
 class DataBundle:
-    # has next_batch(), consumed_samples, state_dict() / load_state_dict() (loader_state)
-    train: object
+    train: BatchLoader  # next_batch(), consumed_samples, state_dict() / load_state_dict()
     eval_batches: Optional[Callable[[], Iterator[dict]]]  # a fresh pass over held-out data
     description: str
     # What the held-out data is ("3 files (990 tokens)"), or why there is none.
@@ -89,21 +85,9 @@ def build_data(cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int = 0, dp_size: 
 
 
 def _passes(loader: BatchLoader, n: int) -> Callable[[], Iterator[dict]]:
-    """Fresh passes over this rank's first ``n`` batches of ``loader`` (the same ones each
-    time), at most one epoch of the held-out samples: a row past it would score a sample
-    twice, so it keeps no targets (every rank still runs the same number of batches)."""
-    distinct = loader.dataset.distinct_samples
-    per_batch = loader.sampler.micro_batch_size * loader.sampler.dp_size
-    n = min(n, -(-distinct // per_batch))
-
-    def one_pass():
-        loader.load_state_dict(loader.state_dict() | {"consumed_samples": 0})
-        for batch in _limited(loader, n):
-            repeated = batch["sample_ids"] >= distinct
-            if repeated.any():
-                batch["labels"] = batch["labels"].masked_fill(repeated[:, None], IGNORE_INDEX)
-            yield batch
-    return one_pass
+    """Fresh passes over this rank's share of the first ``n`` batches of held-out samples
+    per rank (the same ones each time; see ``BatchLoader.held_out_batches``)."""
+    return lambda: loader.held_out_batches(n)
 
 
 def _dataset_loaders(cfg, tokenizer, dp_rank, dp_size, cache_dir
@@ -216,39 +200,19 @@ def _build_text(cfg, tokenizer, dp_rank, dp_size) -> DataBundle:
         train_tokens, eval_tokens = split_tokens(train_tokens, d.eval_fraction, d.seq_len,
                                                  d.micro_batch_size * dp_size)
         held = f"the last {len(eval_tokens):,} tokens"
-    train = PackedTokenLoader(train_tokens, d.seq_len, d.micro_batch_size, cfg.train.seed,
-                              dp_rank, dp_size)
+    seed, per_step = cfg.train.seed, d.micro_batch_size * dp_size
+    train = BatchLoader(TokenWindows([train_tokens], d.seq_len, seed, per_step),
+                        d.micro_batch_size, dp_rank, dp_size, seed)
     eval_batches = None
     if (len(eval_tokens) - 1) // d.seq_len >= 1:
-        eval_batches = _text_passes(eval_tokens, d.seq_len, d.micro_batch_size,
-                                    cfg.train.eval_batches, dp_rank, dp_size)
+        held_out = BatchLoader(TokenWindows([eval_tokens], d.seq_len), d.micro_batch_size,
+                               dp_rank, dp_size)
+        eval_batches = _passes(held_out, cfg.train.eval_batches)
     where = "the Python standard library" if d.kind == "stdlib" else str(d.path)
     desc = (f"{len(train_files)} files from {where}: {len(train_tokens):,} training tokens, "
             f"{held} held out")
     return DataBundle(train, eval_batches, desc,
                       _text_eval_note(d, held, len(eval_tokens), eval_batches is not None))
-
-
-def _text_passes(tokens, seq_len: int, micro_batch_size: int, n: int, dp_rank: int = 0,
-                 dp_size: int = 1) -> Callable[[], Iterator[dict]]:
-    """Passes over this data-parallel rank's share of the first ``n`` batches per rank of
-    every window of ``tokens``, in order: batch ``k`` of the held-out windows goes to rank
-    ``k % dp_size``, and a rank left short is given a batch with no targets, so every rank
-    runs the same number of forward passes (FSDP's gathers are collective)."""
-    def one_pass():
-        loader = PackedTokenLoader(tokens, seq_len, 1, 0, shuffle=False)
-        loader.micro_batch_size = micro_batch_size
-        batches = _limited_iter(loader.iter_once(), n * dp_size)
-        mine = itertools.islice(batches, dp_rank, None, dp_size)
-        count = min(n, -(-loader.num_samples // (micro_batch_size * dp_size)))
-        for _, batch in itertools.zip_longest(range(count), mine):
-            yield batch if batch is not None else _no_targets(micro_batch_size, seq_len)
-    return one_pass
-
-
-def _no_targets(rows: int, seq_len: int) -> dict:
-    return {"input_ids": torch.zeros(rows, seq_len, dtype=torch.int64),
-            "labels": torch.full((rows, seq_len), IGNORE_INDEX, dtype=torch.int64)}
 
 
 def _text_eval_note(d, held: str, eval_tokens: int, usable: bool) -> str:
@@ -262,15 +226,3 @@ def _text_eval_note(d, held: str, eval_tokens: int, usable: bool) -> str:
     return (f"the corpus is too small to hold out data.eval_fraction={d.eval_fraction} of "
             f"it (a window of data.seq_len + 1 = {d.seq_len + 1} tokens at least) and keep "
             f"a batch to train on; set data.eval_path")
-
-
-def _limited_iter(it, n):
-    for i, batch in enumerate(it):
-        if i >= n:
-            return
-        yield batch
-
-
-def _limited(loader, n):
-    for _ in range(n):
-        yield loader.next_batch()

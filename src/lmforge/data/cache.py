@@ -14,6 +14,9 @@ Every file is written under a temporary name and renamed, by every rank that nee
 (the bytes are identical), so ranks need no coordination and the cache works on a
 node-local disk as on a shared one. When the cache directory cannot be written, the run's
 own cache directory (``RUN_DIR/cache``) is used, else the system temporary directory.
+
+In memory, ``RecentCache`` keeps the few most recently used of those indexes and plans (an
+epoch's, a blend block's, a window order) so a stream does not reload them per sample.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections import OrderedDict
 from pathlib import Path
 from typing import Optional
 
@@ -120,3 +124,24 @@ def load_or_build(path: Path, build) -> np.ndarray:
     except OSError:
         pass  # caching is an optimisation; a full disk must not stop training
     return array
+
+
+class RecentCache:
+    """The ``size`` most recently used values by key (an epoch's index or packing plan, a
+    blend block), in memory. Pickled empty: a loader worker rebuilds only what it reads."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._items: OrderedDict = OrderedDict()
+
+    def get(self, key, build):
+        if key in self._items:
+            self._items.move_to_end(key)
+        else:
+            self._items[key] = build()
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+        return self._items[key]
+
+    def __getstate__(self) -> dict:
+        return {"size": self.size, "_items": OrderedDict()}

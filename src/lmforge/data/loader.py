@@ -1,7 +1,10 @@
-"""Batches for the trainer (``data.kind`` pretrain | sft) and for ``lmforge eval``.
+"""The one loader: batches of any ``Dataset`` (``lmforge.data.dataset``; every
+``data.kind``) for the trainer, its held-out evaluation and ``lmforge eval``.
 
-``build_dataset_loader`` returns a ``BatchLoader`` whose ``next_batch()`` gives this
-rank's next micro-batch, forever (epochs roll over with a new shuffle)::
+``BatchLoader.next_batch()`` gives this rank's next micro-batch, forever (epochs roll over
+with a new shuffle); ``held_out_batches(n)`` one pass over this rank's share of the first
+``n`` micro-steps of the dataset's distinct samples (the same each time). A batch is the
+dataset's collate (``ds.batch``) of the rows the sampler deals this rank, e.g.::
 
     input_ids  LongTensor (micro_batch, seq)
     labels     LongTensor (micro_batch, seq), -100 where there is no target
@@ -13,9 +16,11 @@ rank's next micro-batch, forever (epochs roll over with a new shuffle)::
 longest sample rounded up to ``sft_pad_multiple(cfg)`` (so ranks and micro-batches may
 differ in length; the loss is normalised by the step's valid tokens, see train/step.py).
 
-Rank ``r``'s rows are a pure function of (data, seed, dp_rank, dp_size, consumed samples)
-(see ``sampler.py``), and ``state_dict()`` is ``loader_state``: ``consumed_samples`` plus
-checks, so a resumed run reads exactly the rows an uninterrupted one would (a batch's
+``build_dataset_loader`` builds the loader of ``data.kind`` pretrain or sft (the text
+corpora's is built in ``build``). Rank ``r``'s rows are a pure function of (data, seed,
+dp_rank, dp_size, consumed samples) (see ``sampler.py``), and ``state_dict()`` is
+``loader_state``: ``consumed_samples`` plus checks (and the dataset's own state, if it
+has one), so a resumed run reads exactly the rows an uninterrupted one would (a batch's
 length is a function of its rows). With ``data.num_workers > 0`` batches are built ahead
 in worker processes; the state counts only the batches handed out.
 """
@@ -27,25 +32,23 @@ import warnings
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
-import numpy as np
 import torch
 
+from lmforge import IGNORE_INDEX
 from lmforge.config import samples_per_step
+from lmforge.data.dataset import Dataset
 from lmforge.data.errors import DataError
-from lmforge.data.indexed import IndexedDataset, exists, strip_suffix
-from lmforge.data.pretrain import BlendedDataset, PretrainDataset, make_row
+from lmforge.data.indexed_files import exists, strip_suffix
+from lmforge.data.pretrain import BlendedDataset, PretrainDataset
 from lmforge.data.sampler import MicroBatchSampler
-from lmforge.data.sft import SFTDataset, iter_jsonl, record_messages, sft_row
-from lmforge.data.templates import get_template
-from lmforge.data.tokenizer import read_text
+from lmforge.data.sft import SFTDataset
 
 STATE_VERSION = 1
 
 
 def loader_state(consumed_samples: int, seed: int, micro_batch_size: int, dp_size: int,
                  data: Iterable[int], group_size: int = 0) -> dict:
-    """The one schema of a training loader's resumable state (``BatchLoader`` and the
-    text corpora's ``PackedTokenLoader``): its position, a count of samples all ranks
+    """The one schema of the loader's resumable state: its position, a count of samples all ranks
     together have consumed, and what ``resume_position`` checks it against
     (``group_size``: the samples per step SFT grouped by length, 0 if not)."""
     return {"version": STATE_VERSION, "consumed_samples": int(consumed_samples),
@@ -74,28 +77,6 @@ def resume_position(state: dict, seed: int, data: Iterable[int], group_size: int
     return int(state["consumed_samples"])
 
 
-# --------------------------------------------------------------------------- collate
-
-def block_causal_mask(segments: torch.Tensor) -> torch.Tensor:
-    """(batch, seq) segment ids -> (batch, 1, seq, seq) bool: causal and same segment."""
-    seq = segments.shape[-1]
-    same = segments[:, :, None] == segments[:, None, :]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=segments.device).tril()
-    return (same & causal)[:, None]
-
-
-def collate(rows: list[dict], sample_ids: Iterable[int]) -> dict:
-    """Row dicts of numpy arrays -> the batch dict of tensors."""
-    batch = {"input_ids": torch.from_numpy(np.stack([r["input_ids"] for r in rows])),
-             "labels": torch.from_numpy(np.stack([r["labels"] for r in rows]))}
-    if "segments" in rows[0]:
-        batch["positions"] = torch.from_numpy(np.stack([r["positions"] for r in rows]))
-        batch["mask"] = block_causal_mask(torch.from_numpy(np.stack([r["segments"]
-                                                                     for r in rows])))
-    batch["sample_ids"] = torch.tensor(list(sample_ids), dtype=torch.long)
-    return batch
-
-
 # ---------------------------------------------------------------------------- loader
 
 class _MicroBatches(torch.utils.data.Dataset):
@@ -105,9 +86,7 @@ class _MicroBatches(torch.utils.data.Dataset):
         self.dataset, self.sampler = dataset, sampler
 
     def __getitem__(self, micro_step: int) -> dict:
-        ids = self.sampler.indices(micro_step)
-        batch_rows = getattr(self.dataset, "batch_rows", None)  # SFT: padded per batch
-        return collate(batch_rows(ids) if batch_rows else [self.dataset[k] for k in ids], ids)
+        return self.dataset.batch(self.sampler.indices(micro_step))
 
 
 class _CountFrom:
@@ -119,9 +98,10 @@ class _CountFrom:
 
 
 class BatchLoader:
-    """This rank's never-ending micro-batches over a sample stream."""
+    """This rank's micro-batches of ``dataset``: never-ending for training, one pass over
+    the distinct samples for evaluation."""
 
-    def __init__(self, dataset, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
+    def __init__(self, dataset: Dataset, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
                  seed: int = 0, num_workers: int = 0):
         self.dataset = dataset
         self.sampler = MicroBatchSampler(micro_batch_size, dp_rank, dp_size)
@@ -154,23 +134,46 @@ class BatchLoader:
         while True:
             yield self.next_batch()
 
-    def state_dict(self) -> dict:
-        return loader_state(self.consumed_samples, self.seed, self.sampler.micro_batch_size,
-                            self.sampler.dp_size, self.dataset.fingerprint(), self._group_size)
+    def held_out_batches(self, max_batches: Optional[int] = None) -> Iterator[dict]:
+        """This rank's batches of the first ``max_batches`` micro-steps (None: all) over
+        the dataset's distinct samples, in stream order, each sample at most once; the
+        training position is untouched. A row past the distinct samples is left out (it
+        would score a sample twice); a rank left with none still gets a batch, with no
+        targets, so every rank runs the same number of forward passes (FSDP's gathers
+        are collective)."""
+        distinct = self.dataset.distinct_samples
+        steps = -(-distinct // self.sampler.samples_per_micro_step)
+        if max_batches is not None:
+            steps = min(steps, max_batches)
+        for step in range(steps):
+            ids = self.sampler.indices(step)
+            kept = [k for k in ids if k < distinct]
+            yield self.dataset.batch(kept) if kept else no_targets(self.dataset.batch(ids))
 
-    @property
-    def _group_size(self) -> int:
-        return getattr(self.dataset, "group_size", None) or 0
+    def state_dict(self) -> dict:
+        state = loader_state(self.consumed_samples, self.seed, self.sampler.micro_batch_size,
+                             self.sampler.dp_size, self.dataset.fingerprint(),
+                             self.dataset.group_size)
+        own = self.dataset.state_dict()
+        return state | {"dataset": own} if own else state
 
     def load_state_dict(self, state: dict) -> None:
         consumed = resume_position(state, self.seed, self.dataset.fingerprint(),
-                                   self._group_size)
+                                   self.dataset.group_size)
         self.close()
         self.sampler.consumed_samples = consumed
+        if "dataset" in state:
+            self.dataset.load_state_dict(state["dataset"])
 
     def close(self) -> None:
         """Stops prefetching workers (they restart on the next ``next_batch``)."""
         self._iter = None
+
+
+def no_targets(batch: dict) -> dict:
+    """``batch`` with every target dropped (each ``*labels`` tensor all IGNORE_INDEX)."""
+    return {k: v.masked_fill(torch.ones_like(v, dtype=torch.bool), IGNORE_INDEX)
+            if k.endswith("labels") else v for k, v in batch.items()}
 
 
 # ---------------------------------------------------------------------------- builders
@@ -281,110 +284,3 @@ def sft_pad_multiple(cfg) -> Optional[int]:
     if d.pack or not d.pad_to_multiple_of or p.pp > 1:
         return None
     return math.lcm(d.pad_to_multiple_of, p.tp)
-
-
-# ------------------------------------------------------------------------------ eval
-
-def iter_eval_batches(cfg, tokenizer, path, seq_len: int, batch_size: int,
-                      json_key: Optional[str] = None) -> Iterator[dict]:
-    """Every token of ``path`` once, in order, as batch dicts (the last ones may be
-    smaller and padded). ``path``: a Megatron prefix (or its .bin/.idx), a .txt file (one
-    document, see ``text_documents``), or a .jsonl file of ``{json_key: text}`` records
-    (documents, windows of ``seq_len + 1`` over their concatenation with EOD) or of SFT
-    samples (one padded row each, only the assistant tokens scored). ``json_key``: the
-    records' text field (default: data.json_key, else "text")."""
-    d = cfg.data if cfg is not None else None
-    document_mask = bool(d and d.document_mask)
-    pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
-    text = str(path)
-    if exists(strip_suffix(text)):
-        ds = IndexedDataset(strip_suffix(text))
-        rows = windows((ds.document(i) for i in range(ds.num_documents)), seq_len,
-                       document_mask, pad_id)
-    elif text.endswith((".jsonl", ".jsonl.gz")):
-        key = json_key or (cfg.data.json_key if cfg is not None else "text")
-        rows = _jsonl_rows(Path(text), cfg, tokenizer, key, seq_len, document_mask, pad_id)
-    elif text.endswith(".txt") and Path(text).is_file():
-        rows = windows(text_documents([Path(text)], tokenizer), seq_len, document_mask, pad_id)
-    else:
-        raise DataError(f"{path}: not a PREFIX.bin/.idx pair, a .jsonl or a .txt file")
-    yield from _batches(rows, batch_size)
-
-
-def iter_text_eval_batches(files: list[Path], tokenizer, seq_len: int, batch_size: int
-                           ) -> Iterator[dict]:
-    """Every token of the text ``files`` once, in order (see ``text_documents``)."""
-    pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
-    yield from _batches(windows(text_documents(files, tokenizer), seq_len, False, pad_id),
-                        batch_size)
-
-
-def text_documents(files: Iterable[Path], tokenizer) -> Iterator[np.ndarray]:
-    """Each file as its tokenizer encodes it (with the special tokens it adds), an EOD
-    between files and none after the last: one file scores as transformers scores its
-    text."""
-    for n, path in enumerate(files):
-        between = tokenizer.eos_ids if n else []
-        yield np.asarray(between + tokenizer.encode(read_text(path)), dtype=np.int64)
-
-
-def _batches(rows: Iterator[dict], batch_size: int) -> Iterator[dict]:
-    ids = itertools.count()
-    while True:
-        chunk = list(itertools.islice(rows, batch_size))
-        if not chunk:
-            return
-        yield collate(chunk, itertools.islice(ids, len(chunk)))
-
-
-def windows(docs: Iterable[np.ndarray], seq_len: int, document_mask: bool, pad_id: int
-            ) -> Iterator[dict]:
-    """Rows of ``seq_len + 1`` tokens over the concatenated documents, consecutive rows
-    sharing one token (as in training); the last row is padded."""
-    pieces: list[np.ndarray] = []
-    filled = 0
-    for doc in docs:
-        doc = np.asarray(doc)
-        offset, first = 0, True
-        while offset < len(doc):
-            take = min(len(doc) - offset, seq_len + 1 - filled)
-            part = doc[offset:offset + take]
-            if first or not pieces:
-                pieces.append(part)
-            else:  # the same document continues after a window break
-                pieces[-1] = np.concatenate([pieces[-1], part])
-            first = False
-            filled += take
-            offset += take
-            if filled == seq_len + 1:
-                yield make_row(pieces, seq_len, document_mask, pad_id)
-                pieces, filled = [pieces[-1][-1:]], 1
-    if filled > 1:
-        yield make_row(pieces, seq_len, document_mask, pad_id)
-
-
-def _jsonl_rows(path: Path, cfg, tokenizer, key: str, seq_len: int, document_mask: bool,
-                pad_id: int) -> Iterator[dict]:
-    records = iter_jsonl(path)
-    first = next(records, None)
-    if first is None:
-        raise DataError(f"{path}: no records")
-    records = itertools.chain([first], records)
-    if isinstance(first[1], dict) and key not in first[1] and \
-            ("messages" in first[1] or "prompt" in first[1]):
-        template = get_template(cfg.data.template if cfg is not None else "auto", tokenizer)
-        for n, obj in records:
-            where = f"{path}:{n}"
-            ids, trained = template.encode(record_messages(obj, where), tokenizer, where)
-            if trained[1:seq_len + 1].any():
-                yield sft_row([(ids, trained)], seq_len, pad_id, packed=False)
-        return
-
-    def docs():
-        for n, obj in records:
-            if not isinstance(obj, dict) or not isinstance(obj.get(key), str):
-                raise DataError(f"{path}:{n}: no string key {key!r}")
-            if obj[key].strip():
-                yield np.asarray(tokenizer.encode(obj[key]) + tokenizer.eos_ids)
-
-    yield from windows(docs(), seq_len, document_mask, pad_id)

@@ -32,128 +32,24 @@ then exactly those of its document pieces run separately, weighted by their toke
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
 
-from lmforge.data.cache import cache_dir_for, content_fingerprint, keyed_dir, load_or_build
+from lmforge.data.cache import (RecentCache, cache_dir_for, content_fingerprint, keyed_dir,
+                                load_or_build)
+from lmforge.data.dataset import RowDataset, make_row, rng_for, split_documents
 from lmforge.data.errors import DataError
-from lmforge.data.indexed import IndexedDataset, idx_path, strip_suffix
+from lmforge.data.indexed import IndexedDataset
+from lmforge.data.indexed_files import idx_path, strip_suffix
 
-IGNORE_INDEX = -100
 INDEX_VERSION = 1
-
-
-# ------------------------------------------------------------------------------ rows
-
-def make_row(pieces: Sequence[np.ndarray], seq_len: int, document_mask: bool = False,
-             pad_id: int = 0) -> dict:
-    """One training row from consecutive token pieces (at most ``seq_len + 1`` tokens).
-
-    Returns numpy ``input_ids`` and ``labels`` (seq_len,), and with ``document_mask``
-    ``positions`` and ``segments`` (a segment id per position; the loader turns it into a
-    block-causal mask). Missing tokens at the end are padding: label -100, a segment of
-    their own.
-    """
-    tokens = np.concatenate([np.asarray(p, dtype=np.int64) for p in pieces]) if pieces \
-        else np.empty(0, dtype=np.int64)
-    n = len(tokens)
-    if n > seq_len + 1:
-        raise ValueError(f"{n} tokens do not fit a row of seq_len + 1 = {seq_len + 1}")
-    input_ids = np.full(seq_len, pad_id, dtype=np.int64)
-    labels = np.full(seq_len, IGNORE_INDEX, dtype=np.int64)
-    real = min(n, seq_len)  # positions holding a real token
-    input_ids[:real] = tokens[:real]
-    labels[:max(n - 1, 0)] = tokens[1:n]  # a short row's last token has no target
-    row = {"input_ids": input_ids, "labels": labels}
-    if not document_mask:
-        return row
-    lengths = np.array([len(p) for p in pieces if len(p)], dtype=np.int64)
-    seg = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)  # per token
-    segments = np.full(seq_len, len(lengths), dtype=np.int64)  # padding: its own segment
-    segments[:real] = seg[:real]
-    # A target belongs to the document of its input; one from the next document is dropped.
-    if n > 1:
-        crossing = np.zeros(seq_len, dtype=bool)
-        crossing[:n - 1] = seg[1:n] != seg[:n - 1]
-        labels[crossing] = IGNORE_INDEX
-    row["positions"] = positions_from_segments(segments)
-    row["segments"] = segments
-    return row
-
-
-def positions_from_segments(segments: np.ndarray) -> np.ndarray:
-    """0, 1, 2, ... restarting wherever the segment id changes."""
-    n = len(segments)
-    starts = np.flatnonzero(np.r_[True, segments[1:] != segments[:-1]])
-    run_lengths = np.diff(np.r_[starts, n])
-    return np.arange(n, dtype=np.int64) - np.repeat(starts, run_lengths)
-
-
-# --------------------------------------------------------------------------- holdout
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser: a fixed, well-spread hash of each uint64 (wrapping)."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
-def held_out_documents(n_documents: int, eval_fraction: float) -> np.ndarray:
-    """The sorted indices of the documents held out for evaluation: ``eval_fraction`` of
-    them (rounded, at least one), those whose index hashes lowest. Empty when
-    ``eval_fraction`` is 0 or holding out would leave no document to train on."""
-    k = max(1, round(n_documents * eval_fraction))
-    if eval_fraction <= 0 or k >= n_documents:
-        return np.empty(0, dtype=np.int64)
-    keys = _mix(np.arange(n_documents, dtype=np.uint64) + np.uint64(1))
-    return np.sort(np.argpartition(keys, k - 1)[:k]).astype(np.int64)
-
-
-def split_documents(n_documents: int, eval_fraction: float, part: str) -> np.ndarray:
-    """The documents of ``part``: "train" (all but the held-out ones) or "eval"."""
-    held = held_out_documents(n_documents, eval_fraction)
-    if part == "eval":
-        return held
-    if part != "train":
-        raise ValueError(f"part: {part!r} is not train or eval")
-    keep = np.ones(n_documents, dtype=bool)
-    keep[held] = False
-    return np.flatnonzero(keep)
-
-
-# ----------------------------------------------------------------------------- cache
-
-class RecentCache:
-    """The ``size`` most recently used values by key (an epoch's index, a blend block).
-    Pickled empty: a loader worker rebuilds only what it reads."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self._items: OrderedDict = OrderedDict()
-
-    def get(self, key, build):
-        if key in self._items:
-            self._items.move_to_end(key)
-        else:
-            self._items[key] = build()
-            while len(self._items) > self.size:
-                self._items.popitem(last=False)
-        return self._items[key]
-
-    def __getstate__(self) -> dict:
-        return {"size": self.size, "_items": OrderedDict()}
-
-
-def rng_for(seed: int, epoch: int, purpose: int) -> np.random.Generator:
-    return np.random.default_rng([seed, epoch, purpose])
 
 
 # ---------------------------------------------------------------------------- dataset
 
-class PretrainDataset:
+class PretrainDataset(RowDataset):
     """The never-ending sample stream of one indexed dataset; ``ds[k]`` is a row dict."""
 
     _DOCS, _SAMPLES = 1, 2  # rng purposes
@@ -206,6 +102,9 @@ class PretrainDataset:
     @property
     def num_tokens(self) -> int:
         return self._num_tokens
+
+    def __len__(self) -> int:
+        return self.samples_per_epoch
 
     @property
     def distinct_samples(self) -> int:
@@ -276,7 +175,7 @@ class PretrainDataset:
                         self.document_mask, self.pad_id)
 
 
-class BlendedDataset:
+class BlendedDataset(RowDataset):
     """Several sample streams mixed by weight, deterministically.
 
     The stream is cut into blocks of ``block`` samples. After ``b`` blocks dataset ``d``
@@ -296,6 +195,9 @@ class BlendedDataset:
 
     def fingerprint(self) -> list:
         return [x for d in self.datasets for x in d.fingerprint()]
+
+    def __len__(self) -> int:
+        return sum(len(d) for d in self.datasets)
 
     @property
     def distinct_samples(self) -> int:

@@ -16,26 +16,7 @@ left with no trained target is dropped, and the count is reported. A record with
 (or blank) assistant answer would teach only the end-of-turn token: it is skipped and
 counted (``empty_answers``, printed and recorded too); a file of nothing else is refused.
 
-Padding (label -100, ``pad_to_multiple_of``): a batch is padded to its longest sample,
-rounded up to a multiple of ``pad_to_multiple_of`` (data.pad_to_multiple_of; a few
-shapes, so compiled blocks are not recompiled for every length) and at most ``seq_len``;
-``None`` pads every row to ``seq_len`` (fixed shapes). The padding is a function of the
-batch's samples, so batches stay deterministic and resumable, and trailing padding
-changes no loss or gradient (attention is causal and padding has no target).
-``padding_share`` estimates the share of padded positions over an epoch.
-
-Grouping by length (``group_size``, data.group_by_length): padding to the longest still
-pads short samples that share a batch with long ones, so the epoch's shuffled order is
-cut into spans of 64 optimizer steps (``group_size`` samples each), each span sorted by
-length, longest first, and cut into steps, whose order is then shuffled with the epoch's
-seed (``group_by_length``): a step's micro-batches (and the ranks of one micro-step) hold
-samples of similar length. The order stays a function of (seed, epoch, group_size), every
-sample is read once per epoch, and only which samples share a batch changes.
-
-Packing (``data.pack``): samples are placed first-fit into rows of ``seq_len`` positions
-(16 rows open at a time, in the epoch's shuffled order). Each sample keeps its own
-positions from 0, attends only to itself (block-causal mask) and has no target from
-another sample, so a packed row gives the same loss and gradients as its samples alone.
+Padding, grouping by length and packing: ``lmforge.data.sft_rows``.
 
 Held-out samples (``holdout = (part, eval_fraction)``, when there is no data.eval_path):
 ``held_out_documents`` picks ``eval_fraction`` of the records by a fixed hash of their
@@ -59,12 +40,14 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from lmforge.data.cache import (cache_dir_for, content_fingerprint, keyed_dir, load_or_build,
-                                save_npy)
+from lmforge.data.cache import (RecentCache, cache_dir_for, content_fingerprint, keyed_dir,
+                                load_or_build, save_npy)
+from lmforge.data.dataset import (RowDataset, collate, held_out_documents, rng_for,
+                                  split_documents)
 from lmforge.data.errors import DataError
-from lmforge.data.indexed import IndexedDataset, IndexedDatasetWriter, exists, token_dtype
-from lmforge.data.pretrain import (IGNORE_INDEX, RecentCache, held_out_documents,
-                                   positions_from_segments, rng_for, split_documents)
+from lmforge.data.indexed import IndexedDataset, IndexedDatasetWriter, token_dtype
+from lmforge.data.indexed_files import exists
+from lmforge.data.sft_rows import group_by_length, pack_first_fit, sft_row
 from lmforge.data.templates import get_template
 
 ROLES = ("system", "user", "assistant")
@@ -196,82 +179,9 @@ def held_out_records(path: Path, eval_fraction: float) -> Iterator[tuple[int, ob
     return (record for i, record in enumerate(iter_jsonl(path)) if i in held)
 
 
-# -------------------------------------------------------------------------- rows
-
-def sft_row(samples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int,
-            packed: bool, width: Optional[int] = None) -> dict:
-    """A row from one sample (cut to ``seq_len + 1`` tokens), or several packed ones
-    (with segments/positions), padded to ``width`` positions (default ``seq_len``)."""
-    width = seq_len if width is None else width
-    inputs, labels, lengths = [], [], []
-    for ids, trained in samples:
-        ids = np.asarray(ids[:seq_len + 1], dtype=np.int64)  # stored as uint16/int32
-        trained = np.asarray(trained[:seq_len + 1], dtype=bool)
-        inputs.append(ids[:-1])
-        labels.append(np.where(trained[1:], ids[1:], IGNORE_INDEX))
-        lengths.append(len(ids) - 1)
-    n = sum(lengths)
-    if n > width:
-        raise ValueError(f"{n} positions do not fit a row of {width}")
-    input_ids = np.full(width, pad_id, dtype=np.int64)
-    label_row = np.full(width, IGNORE_INDEX, dtype=np.int64)
-    if n:
-        input_ids[:n] = np.concatenate(inputs)
-        label_row[:n] = np.concatenate(labels)
-    row = {"input_ids": input_ids, "labels": label_row}
-    if packed:
-        segments = np.full(width, len(samples), dtype=np.int64)  # padding: own segment
-        segments[:n] = np.repeat(np.arange(len(samples)), lengths)
-        row["segments"] = segments
-        row["positions"] = positions_from_segments(segments)
-    return row
-
-
-def pack_first_fit(order: np.ndarray, sizes: np.ndarray, capacity: int,
-                   open_rows: int = 16) -> tuple[np.ndarray, np.ndarray]:
-    """Places samples (in ``order``) first-fit into rows of ``capacity`` positions,
-    keeping ``open_rows`` rows open. Returns (row offsets (rows + 1,), sample ids)."""
-    rows: list[list[int]] = []
-    used: list[int] = []
-    open_ids: list[int] = []
-    for i in order.tolist():
-        size = int(sizes[i])
-        for r in open_ids:
-            if used[r] + size <= capacity:
-                rows[r].append(i)
-                used[r] += size
-                break
-        else:
-            rows.append([i])
-            used.append(size)
-            open_ids.append(len(rows) - 1)
-            if len(open_ids) > open_rows:
-                open_ids.pop(0)
-    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-    np.cumsum([len(r) for r in rows], out=offsets[1:])
-    items = np.fromiter((i for r in rows for i in r), dtype=np.int64, count=int(offsets[-1]))
-    return offsets, items
-
-
-def group_by_length(order: np.ndarray, sizes: np.ndarray, group_size: int,
-                    rng: np.random.Generator, first: int = 0, span: int = 64) -> np.ndarray:
-    """``order`` regrouped so that each run of ``group_size`` samples (one optimizer
-    step) holds samples of similar ``sizes``: spans of ``span`` steps are sorted by size,
-    longest first, and the whole steps are shuffled with ``rng``. ``first`` samples, the
-    end of a step the previous epoch began, stay first, so later steps start on step
-    boundaries of the stream; a last partial step stays last."""
-    chunk = group_size * span
-    spans = [order[i:i + chunk] for i in range(0, len(order), chunk)]
-    grouped = np.concatenate([s[np.argsort(-sizes[s], kind="stable")] for s in spans])
-    head, body = grouped[:first], grouped[first:]
-    steps = len(body) // group_size
-    whole = body[:steps * group_size].reshape(steps, group_size)[rng.permutation(steps)]
-    return np.concatenate([head, whole.ravel(), body[steps * group_size:]])
-
-
 # -------------------------------------------------------------------------- dataset
 
-class SFTDataset:
+class SFTDataset(RowDataset):
     """The never-ending stream of SFT rows: epoch ``e`` shuffles the samples with
     ``(seed, e)`` (and packs them when ``pack``); ``ds[k]`` is global row ``k``, padded
     to ``seq_len``, and ``batch_rows(ks)`` rows ``ks`` padded as one batch.
@@ -291,7 +201,7 @@ class SFTDataset:
         self.template = get_template(template, tokenizer)
         self.seq_len, self.seed, self.pack = int(seq_len), int(seed), bool(pack)
         self.pad_to_multiple_of = None if pack else pad_to_multiple_of
-        self.group_size = None if pack else group_size
+        self.group_size = 0 if pack else int(group_size or 0)
         self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
         self.end_of_turn_id = self.template.end_of_turn_id(tokenizer)
         params = {"kind": "sft", "version": SFT_CACHE_VERSION,
@@ -345,6 +255,9 @@ class SFTDataset:
 
     @property
     def num_samples(self) -> int:
+        return len(self.rows)
+
+    def __len__(self) -> int:
         return len(self.rows)
 
     @property
@@ -423,6 +336,9 @@ class SFTDataset:
         longest = max(int(self.sizes[self.samples_of(k)].sum()) for k in ks)
         width = int(self._widths(np.int64(longest)))
         return [self._row(k, width) for k in ks]
+
+    def batch(self, ks: list[int]) -> dict:
+        return collate(self.batch_rows(ks), ks)
 
     def _widths(self, longest: np.ndarray) -> np.ndarray:
         """The row width of batches whose longest rows fill ``longest`` positions."""

@@ -7,7 +7,8 @@ text under ``data.json_key`` of each record (a bad record is refused with ``file
 any other file its whole text (bytes that are not UTF-8 are refused with the file, line and
 byte offset). Blank documents are left out; a corpus of none but blank ones is refused.
 
-For corpora larger than memory, preprocess them into an indexed dataset instead
+Their batches are ``windows.TokenWindows`` under the one loader (see ``build``). For
+corpora larger than memory, preprocess them into an indexed dataset instead
 (``lmforge preprocess``, ``data.kind: pretrain``).
 """
 from __future__ import annotations
@@ -18,9 +19,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
-import torch
 
-from lmforge.data.loader import loader_state, resume_position
 from lmforge.data.errors import DataError
 from lmforge.data.tokenizer import CORPUS_SUFFIXES, Tokenizer, iter_text_files, training_texts
 
@@ -121,63 +120,3 @@ def tokenize_files(files: Iterable[Path], tokenizer: Tokenizer, json_key: str = 
     pieces = [np.asarray(ids + tokenizer.eos_ids, dtype=np.int32)
               for ids in tokenizer.encode_batch(texts)]
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
-
-
-class PackedTokenLoader:
-    """Windows of ``seq_len + 1`` tokens over one token stream, served in a seeded
-    shuffled order, split across data-parallel ranks without overlap, resumable.
-
-    Sample ``i`` covers tokens ``[i * seq_len, (i + 1) * seq_len + 1)``; inputs are its
-    first ``seq_len`` tokens and labels its last ``seq_len``.
-    """
-
-    def __init__(self, tokens: np.ndarray, seq_len: int, micro_batch_size: int, seed: int,
-                 dp_rank: int = 0, dp_size: int = 1, shuffle: bool = True):
-        self.tokens, self.seq_len, self.micro_batch_size = tokens, seq_len, micro_batch_size
-        self.seed, self.dp_rank, self.dp_size, self.shuffle = seed, dp_rank, dp_size, shuffle
-        self.num_samples = max(len(tokens) - 1, 0) // seq_len
-        batch = micro_batch_size * dp_size
-        if self.num_samples < batch:
-            raise ValueError(f"data: {len(tokens)} tokens make {self.num_samples} windows of "
-                             f"data.seq_len={seq_len}, fewer than one batch of {batch} "
-                             f"(needs {batch * seq_len + 1} tokens: add text, or lower "
-                             f"data.seq_len or data.micro_batch_size)")
-        self.consumed_samples = 0  # by all ranks together
-
-    def _order(self, epoch: int) -> np.ndarray:
-        if getattr(self, "_cached_epoch", None) != epoch:
-            self._cached_order = np.random.default_rng([self.seed, epoch]).permutation(
-                self.num_samples)
-            self._cached_epoch = epoch
-        return self._cached_order
-
-    def next_batch(self) -> dict:
-        global_batch = self.micro_batch_size * self.dp_size
-        per_epoch = self.num_samples - self.num_samples % global_batch
-        ids = []
-        for j in range(self.micro_batch_size):
-            position = self.consumed_samples + self.dp_rank * self.micro_batch_size + j
-            epoch, offset = divmod(position, per_epoch)
-            ids.append(int(self._order(epoch)[offset]) if self.shuffle else offset)
-        self.consumed_samples += global_batch
-        return self.batch_for(ids)
-
-    def batch_for(self, sample_ids: list[int]) -> dict:
-        windows = np.stack([self.tokens[i * self.seq_len:(i + 1) * self.seq_len + 1]
-                            for i in sample_ids]).astype(np.int64)
-        window = torch.from_numpy(windows)
-        return {"input_ids": window[:, :-1], "labels": window[:, 1:].clone(),
-                "sample_ids": torch.tensor(sample_ids)}
-
-    def iter_once(self):
-        """Every window once, in order (evaluation)."""
-        for start in range(0, self.num_samples, self.micro_batch_size):
-            yield self.batch_for(list(range(start, min(start + self.micro_batch_size,
-                                                         self.num_samples))))
-
-    def state_dict(self) -> dict:
-        return loader_state(self.consumed_samples, self.seed, self.micro_batch_size,
-                            self.dp_size, [self.num_samples])
-
-    def load_state_dict(self, state: dict) -> None:
-        self.consumed_samples = resume_position(state, self.seed, [self.num_samples])

@@ -11,9 +11,11 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 from torch import nn
 
-from lmforge.data.loader import iter_eval_batches, iter_text_eval_batches
+from lmforge import IGNORE_INDEX
+from lmforge.data.evalsets import eval_dataset, text_eval_dataset
+from lmforge.data.loader import BatchLoader
 from lmforge.data.tokenizer import Tokenizer, iter_text_files
-from lmforge.models.loss import IGNORE_INDEX, micro_batch_loss_sum
+from lmforge.models.loss import micro_batch_loss_sum
 from lmforge.parallel import full_value
 
 
@@ -79,13 +81,16 @@ def eval_batches_for(paths: list[str], tokenizer: Tokenizer, seq_len: int, batch
                      json_key: str = "text") -> Iterator[dict]:
     """Text files or directories are tokenized here (each as the tokenizer encodes it, an
     EOD between files); JSONL files and preprocessed ``PREFIX`` (.bin/.idx) datasets go
-    through the data pipeline."""
+    through the data pipeline; either way every token is a target once, in batches of
+    ``batch_size`` windows (the last one smaller)."""
     if len(paths) == 1 and _is_structured(paths[0]):
-        return iter_eval_batches(None, tokenizer, paths[0], seq_len, batch_size, json_key)
-    files = list(iter_text_files(paths))
-    if not files:
-        raise FileNotFoundError(f"{', '.join(paths)}: no text files to evaluate on")
-    return iter_text_eval_batches(files, tokenizer, seq_len, batch_size)
+        dataset = eval_dataset(paths[0], tokenizer, seq_len, json_key=json_key)
+    else:
+        files = list(iter_text_files(paths))
+        if not files:
+            raise FileNotFoundError(f"{', '.join(paths)}: no text files to evaluate on")
+        dataset = text_eval_dataset(files, tokenizer, seq_len)
+    return BatchLoader(dataset, batch_size).held_out_batches()
 
 
 def _is_structured(path: str) -> bool:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-IGNORE_INDEX = -100  # a label with no target (as torch's cross_entropy default)
+from lmforge import IGNORE_INDEX
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -6,10 +6,10 @@ import struct
 import numpy as np
 import pytest
 
-from lmforge.data import indexed
+from lmforge.data import indexed_files
 from lmforge.data.errors import DataError
-from lmforge.data.indexed import (IndexedDataset, IndexedDatasetWriter, bin_path, idx_path,
-                                  token_dtype)
+from lmforge.data.indexed import IndexedDataset, IndexedDatasetWriter, token_dtype
+from lmforge.data.indexed_files import bin_path, idx_path
 
 
 def _random_docs(n, vocab, seed=0):
@@ -155,7 +155,7 @@ _POINTERS, _DOCS = _LENGTHS + 4 * _S, _LENGTHS + 12 * _S
 ])
 def test_an_index_whose_lengths_pointers_or_documents_disagree_is_refused_naming_the_place(
         tmp_path, monkeypatch, offset, fmt, value, message):
-    monkeypatch.setattr(indexed, "_CHECK_BLOCK", 3)  # the checks cross block boundaries
+    monkeypatch.setattr(indexed_files, "_CHECK_BLOCK", 3)  # the checks cross block boundaries
     prefix = _ten_documents(tmp_path)
     IndexedDataset(prefix)  # consistent as written
     _patch_idx(prefix, offset, fmt, value)
@@ -204,8 +204,8 @@ def test_the_pair_record_samples_large_files_and_changes_with_any_sampled_block(
     path = tmp_path / "big"
     data = bytearray(np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8))
     path.write_bytes(data)
-    first = indexed.file_fingerprint(str(path))
+    first = indexed_files.file_fingerprint(str(path))
     data[-1] ^= 1  # the last block is sampled
     path.write_bytes(data)
-    assert indexed.file_fingerprint(str(path)) != first
+    assert indexed_files.file_fingerprint(str(path)) != first
     assert first["bytes"] == 1 << 20

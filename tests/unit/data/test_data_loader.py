@@ -10,7 +10,8 @@ import torch
 from lmforge.config import JobConfig
 from lmforge.data.errors import DataError
 from lmforge.data.indexed import IndexedDataset
-from lmforge.data.loader import build_dataset_loader, iter_eval_batches
+from lmforge.data.evalsets import eval_dataset
+from lmforge.data.loader import BatchLoader, build_dataset_loader
 from lmforge.data.preprocess import preprocess
 from lmforge.data.sampler import MicroBatchSampler
 
@@ -195,3 +196,8 @@ def test_eval_batches_read_sft_and_text_files_and_refuse_other_suffixes(data, to
     assert labels[labels != -100].tolist() == tokenizer.encode("one two three four " * 20)[1:]
     with pytest.raises(DataError, match="not a PREFIX"):
         list(iter_eval_batches(None, tokenizer, tmp_path / "x.csv", SEQ, 8))
+
+
+def iter_eval_batches(cfg, tokenizer, path, seq_len, batch_size):
+    """Every token of ``path`` once, as ``lmforge eval`` reads it."""
+    return BatchLoader(eval_dataset(path, tokenizer, seq_len, cfg), batch_size).held_out_batches()

@@ -9,8 +9,9 @@ import torch.nn.functional as F
 
 from lmforge.data.errors import DataError
 from lmforge.data.indexed import IndexedDataset
-from lmforge.data.loader import build_pretrain_dataset, collate, pretrain_sources
-from lmforge.data.pretrain import BlendedDataset, PretrainDataset, make_row
+from lmforge.data.dataset import collate, make_row
+from lmforge.data.loader import build_pretrain_dataset, pretrain_sources
+from lmforge.data.pretrain import BlendedDataset, PretrainDataset
 from lmforge.data.preprocess import preprocess
 
 from .conftest import fp64_llama, make_docs, write_jsonl

@@ -13,8 +13,9 @@ from lmforge.config import load_config
 from lmforge.data import sft as sft_mod
 from lmforge.data.build import build_data, check_data
 from lmforge.data.errors import DataError
-from lmforge.data.loader import collate
-from lmforge.data.sft import SFTDataset, record_messages, sft_row
+from lmforge.data.dataset import collate
+from lmforge.data.sft import SFTDataset, record_messages
+from lmforge.data.sft_rows import sft_row
 from lmforge.data.templates import ChatTemplate
 from lmforge.data.tokenizer import train_bpe
 

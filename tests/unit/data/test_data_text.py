@@ -11,7 +11,8 @@ import pytest
 from lmforge.config import load_config
 from lmforge.data.build import build_data, check_data, corpus_texts_for_tokenizer
 from lmforge.data.errors import DataError
-from lmforge.data.text import PackedTokenLoader, split_files, tokenize_files
+from lmforge.data.text import split_files, tokenize_files
+from lmforge.data.windows import TokenWindows
 
 from .conftest import make_docs, write_jsonl
 
@@ -31,8 +32,8 @@ def test_a_single_file_corpus_trains_on_its_head_and_holds_out_its_tail(tmp_path
     assert list(corpus_texts_for_tokenizer(cfg)) == [corpus.read_text()]
     bundle = build_data(cfg, tokenizer)
     everything = tokenize_files([corpus], tokenizer)
-    train = bundle.train.tokens
-    assert bundle.train.num_samples >= 2 and bundle.eval_batches is not None
+    train = bundle.train.dataset.tokens
+    assert bundle.train.dataset.num_samples >= 2 and bundle.eval_batches is not None
     held = next(iter(bundle.eval_batches()))["input_ids"]
     assert len(train) < len(everything) and np.array_equal(train, everything[:len(train)])
     tail = everything[len(train):]
@@ -48,13 +49,13 @@ def test_a_corpus_with_just_one_batch_trains_on_all_of_it(tmp_path, tokenizer):
     cfg = load_config(None, ["data.kind=text", f"data.path={corpus}", "data.micro_batch_size=2",
                              f"data.seq_len={(tokens - 1) // 2}"])  # exactly two windows
     bundle = build_data(cfg, tokenizer)
-    assert len(bundle.train.tokens) == tokens and bundle.eval_batches is None
+    assert len(bundle.train.dataset.tokens) == tokens and bundle.eval_batches is None
 
 
 def test_too_few_tokens_for_one_batch_are_refused_with_what_to_change():
     with pytest.raises(ValueError, match=r"^data: 0 tokens make 0 windows of data.seq_len=256"
                                          r", fewer than one batch of 8 .*data.seq_len"):
-        PackedTokenLoader(np.zeros(0, np.int32), 256, 8, seed=0)
+        TokenWindows([np.zeros(0, np.int32)], 256, seed=0, epoch_multiple=8)
 
 
 def test_data_parallel_ranks_share_the_held_out_windows_in_equal_numbers_of_batches(
@@ -91,7 +92,7 @@ def test_a_jsonl_corpus_trains_on_its_records_texts_and_leaves_out_empty_ones(
                              "data.eval_fraction=0"])
     kept = [d for i, d in enumerate(docs) if i not in (3, 9)]
     expected = np.concatenate([tokenizer.encode(d) + tokenizer.eos_ids for d in kept])
-    assert np.array_equal(build_data(cfg, tokenizer).train.tokens, expected)
+    assert np.array_equal(build_data(cfg, tokenizer).train.dataset.tokens, expected)
     assert list(corpus_texts_for_tokenizer(cfg)) == kept
 
 

@@ -1,16 +1,17 @@
-"""Both training loaders (indexed/SFT data and in-memory text) save one state schema."""
+"""The loader saves one state schema, whatever the dataset (here in-memory text)."""
 import warnings
 
 import numpy as np
 import pytest
 
 from lmforge.data.errors import DataError
-from lmforge.data.loader import STATE_VERSION, loader_state, resume_position
-from lmforge.data.text import PackedTokenLoader
+from lmforge.data.loader import STATE_VERSION, BatchLoader, loader_state, resume_position
+from lmforge.data.windows import TokenWindows
 
 
 def _text_loader(dp_rank=0, dp_size=1, seed=3, n_tokens=401):
-    return PackedTokenLoader(np.arange(n_tokens, dtype=np.int32), 10, 2, seed, dp_rank, dp_size)
+    windows = TokenWindows([np.arange(n_tokens, dtype=np.int32)], 10, seed, 2 * dp_size)
+    return BatchLoader(windows, 2, dp_rank, dp_size, seed)
 
 
 def test_text_loader_state_is_the_loader_state_schema():

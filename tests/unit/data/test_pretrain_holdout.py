@@ -12,7 +12,8 @@ from lmforge.config import JobConfig
 from lmforge.data.build import build_data
 from lmforge.data.indexed import IndexedDataset
 from lmforge.data.loader import build_dataset_loader
-from lmforge.data.pretrain import BlendedDataset, held_out_documents, split_documents
+from lmforge.data.dataset import held_out_documents, split_documents
+from lmforge.data.pretrain import BlendedDataset
 from lmforge.data.preprocess import preprocess
 from lmforge.data.tokenizer import load_tokenizer
 

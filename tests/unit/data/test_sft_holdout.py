@@ -11,8 +11,9 @@ import torch
 from lmforge.config import load_config
 from lmforge.data.build import build_data
 from lmforge.data.loader import build_dataset_loader
-from lmforge.data.pretrain import held_out_documents
-from lmforge.data.sft import SFTDataset, iter_jsonl, record_messages, sft_row
+from lmforge.data.dataset import held_out_documents
+from lmforge.data.sft import SFTDataset, iter_jsonl, record_messages
+from lmforge.data.sft_rows import sft_row
 
 from .conftest import make_docs, trained_runs, write_jsonl
 

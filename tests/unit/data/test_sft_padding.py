@@ -11,7 +11,8 @@ import torch
 
 from lmforge.config import load_config
 from lmforge.data.build import build_data
-from lmforge.data.loader import build_dataset_loader, collate, sft_pad_multiple
+from lmforge.data.dataset import collate
+from lmforge.data.loader import build_dataset_loader, sft_pad_multiple
 from lmforge.data.sft import SFTDataset
 from lmforge.train.step import accumulate_gradients
 

@@ -7,7 +7,7 @@ import pytest
 
 from lmforge.config import load_config
 from lmforge.data.build import build_data
-from lmforge.data.pretrain import held_out_documents
+from lmforge.data.dataset import held_out_documents
 from lmforge.data.templates import get_template
 from lmforge.data.tokenizer import load_tokenizer, train_bpe
 from lmforge.train.sample import PREFIX_TOKENS, SamplePrompt, choose_sample_prompt
