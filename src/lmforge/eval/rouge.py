@@ -20,7 +20,7 @@ import torch
 from lmforge.data.templates import get_template
 from lmforge.eval.evaluate import evaluate
 from lmforge.models.generate import generate
-from lmforge.models.loss import IGNORE_INDEX
+from lmforge import IGNORE_INDEX
 
 _WORD = re.compile(r"[a-z0-9]+")
 
