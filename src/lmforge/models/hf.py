@@ -48,7 +48,7 @@ def from_hf_state_dict(sd: dict, args, source: str = "HF state dict") -> dict:
     check_finite(sd, source)  # after the names: sd now holds exactly the model's tensors
     if args.tie_embeddings:
         out["output.weight"] = out["tok_embeddings.weight"]
-    return out
+    return _permute_fused(out, args, to_hf=False)
 
 
 def to_hf_state_dict(sd: dict, args, source: str = "lmforge state dict") -> dict:
@@ -57,7 +57,31 @@ def to_hf_state_dict(sd: dict, args, source: str = "lmforge state dict") -> dict
     shapes = param_shapes(args)
     sd = drop_tied_head(sd, "output.weight", "tok_embeddings.weight", args.tie_embeddings,
                         source)
-    return remap_state_dict(sd, names, {ours: shapes[ours] for ours in names}, source)
+    return remap_state_dict(_permute_fused(sd, args, to_hf=True), names,
+                            {ours: shapes[ours] for ours in names}, source)
+
+
+def fused_rows(args, name: str, to_hf: bool) -> Optional[torch.Tensor]:
+    """The row order that turns the output rows of module ``name`` (its weight, bias or
+    LoRA B) from our grouped layout to HF's (``to_hf``) or back; None
+    when ``name`` is not a fused projection (``models.family.Fused``)."""
+    fused = family_of(args).block(args).fused.get(name.rsplit(".", 1)[-1])
+    if fused is None:
+        return None
+    rows = fused.rows_from_hf()
+    return torch.argsort(rows) if to_hf else rows
+
+
+def _permute_fused(sd: dict, args, to_hf: bool) -> dict:
+    """Rows of each fused projection's weight and bias between HF's order (parts one
+    after another) and ours (grouped, so a tensor-parallel shard holds every part)."""
+    if not family_of(args).block(args).fused:
+        return sd
+    out = {}
+    for name, tensor in sd.items():
+        rows = fused_rows(args, name.rsplit(".", 1)[0], to_hf)
+        out[name] = tensor if rows is None else tensor[rows.to(tensor.device)]
+    return out
 
 
 def _untied_hint(args) -> str:

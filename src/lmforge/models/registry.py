@@ -79,12 +79,11 @@ def args_from_hf_config(cfg: dict, source: str = "config.json") -> Any:
 
 def hf_config_from_args(args: Any, **extra) -> dict:
     """config.json for ``args``; ``extra`` adds or overrides fields (``torch_dtype``,
-    ``bos_token_id``, ...); None ids are left out."""
-    cfg = family_of(args).hf_config(args) | extra
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        if name in cfg and cfg[name] is None:
-            del cfg[name]
-    return cfg
+    ``bos_token_id``, ...). Special-token ids are always written, null where the
+    tokenizer has none: left out, transformers would take its config class's default
+    (Phi-3's 32000), which may lie outside a small vocabulary."""
+    ids = dict.fromkeys(("bos_token_id", "eos_token_id", "pad_token_id"))
+    return ids | family_of(args).hf_config(args) | extra
 
 
 def hf_names(args: Any) -> dict[str, str]:

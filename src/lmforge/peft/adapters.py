@@ -27,7 +27,7 @@ from torch import nn
 
 from lmforge import fsio
 from lmforge.config import LoraConfig
-from lmforge.models.hf import hf_names, save_hf_model
+from lmforge.models.hf import fused_rows, hf_names, save_hf_model
 from lmforge.models.registry import build_model
 from lmforge.parallel import full_value
 from lmforge.peft.adapter_spec import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX,
@@ -62,7 +62,9 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             raise AdapterError(f"save_adapter: {ours} is merged; unmerge_lora(model) first")
         theirs = PEFT_PREFIX + names[ours]
         sd[f"{theirs}.lora_A.weight"] = full_value(layer.lora_a).cpu().contiguous()
-        sd[f"{theirs}.lora_B.weight"] = full_value(layer.lora_b).cpu().contiguous()
+        lora_b = full_value(layer.lora_b).cpu()
+        rows = fused_rows(model.args, ours, to_hf=True)  # a fused projection's: HF's order
+        sd[f"{theirs}.lora_B.weight"] = (lora_b if rows is None else lora_b[rows]).contiguous()
     return sd
 
 
@@ -209,8 +211,9 @@ def _load_pair(model: nn.Module, ours: str, config: AdapterConfig, hf_module: st
         apply_lora(model, settings, module_names=[ours])
         layer = model.get_submodule(ours)
     layer.alpha, layer.rslora, layer.dropout = alpha, config.use_rslora, config.lora_dropout
+    rows = fused_rows(model.args, ours, to_hf=False)  # a fused projection's: our order
     _copy_into(layer.lora_a, a)
-    _copy_into(layer.lora_b, b)
+    _copy_into(layer.lora_b, b if rows is None else b[rows])
 
 
 @torch.no_grad()
