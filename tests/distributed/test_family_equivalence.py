@@ -1,5 +1,6 @@
 """Every model family (Mistral with a window shorter than the sequence, Qwen2 with tied
-embeddings, Qwen3, GPT-J) trains in each parallel layout exactly like one process: the
+embeddings, Qwen3, GPT-J, Phi-3 with fused projections and LongRoPE, Gemma 3 with sliding
+and global layers and four norms per block) trains in each parallel layout exactly like one process: the
 same per-step loss and gradient norm (1e-5 relative) and final weights (1e-4), fp32 on
 CPU with gloo. Pipelined, a tied embedding's copies on the first and the last stage stay
 bit-equal.
@@ -7,7 +8,7 @@ bit-equal.
 The matrix runs through the trainer's own step (tests/helpers/family_training.py) in two
 launches, each with its one-process references: 2 processes (FSDP2, tp=2 with sequence
 parallelism, pp=2, LoRA under FSDP2) and 4 (pp=2 x tp=2 with sequence parallelism,
-pp=2 x FSDP2 dp_shard=2). About 45 s on an idle 2-core CPU."""
+pp=2 x FSDP2 dp_shard=2). About 80 s on an idle 2-core CPU."""
 import json
 import os
 import subprocess

@@ -25,9 +25,11 @@ import torch
 import torch.distributed as dist
 
 from lmforge.config import JobConfig, check_parallel_fits
+from lmforge.models.gemma3.model import Gemma3Args
 from lmforge.models.gptj.model import GPTJArgs
 from lmforge.models.llama.model import LlamaArgs
 from lmforge.models.loss import IGNORE_INDEX
+from lmforge.models.phi3.model import LongRope, Phi3Args
 from lmforge.models.presets import check_model_args
 from lmforge.parallel.mesh import (ParallelDims, build_parallel_dims, init_distributed,
                                    read_dist_env)
@@ -51,6 +53,14 @@ FAMILIES = {
                        explicit_head_dim=16),
     # rotary on 4 of 8 head features; no grouped-query attention in GPT-J
     "gptj": GPTJArgs(**_SHAPE, n_kv_heads=4, rotary_dim=4),
+    # fused qkv_proj / gate_up_proj split over tp=2 by kv head; rotary on 4 of 8 features;
+    # LongRoPE past its original 16 positions (the long factors are in play)
+    "phi3": Phi3Args(**_SHAPE, n_kv_heads=2, partial_rotary_factor=0.5, rope_scaling=LongRope(
+        short_factor=(1.0, 1.5), long_factor=(2.0, 4.0), original_max_position_embeddings=16,
+        attention_factor=1.2)),
+    # layer 0 slides over 8 keys, layer 1 is global; four norms per block; tied
+    "gemma3": Gemma3Args(**_SHAPE, n_kv_heads=2, explicit_head_dim=16, sliding_window=8,
+                         sliding_pattern=2, query_pre_attn_scalar=12.0),
 }
 LORA = {"lora.enabled": True, "lora.targets": "all-linear", "lora.rank": 4}
 LAYOUTS = {  # name -> (processes, config fields)
