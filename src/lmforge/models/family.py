@@ -64,11 +64,27 @@ class BlockSpec:
     # order (a fused layer's out_features is the sum of its parts').
     shapes: Mapping[str, tuple[int, int]]
     fused: Mapping[str, Fused] = field(default_factory=dict)
-    norm: str = "rms"  # "rms": a weight per norm; "layer": LayerNorm, a weight and a bias
+    # "rms": weight * normalized(x).to(x's dtype); "rms_one_plus": (normalized(x) *
+    # (1 + weight)).to(x's dtype), in fp32 (Gemma); "layer": LayerNorm, a weight and a bias
+    norm: str = "rms"
     norms: tuple[str, ...] = ("attention_norm", "ffn_norm")  # the block's norms over dim
+    # Each branch's output is normalised too before it joins the residual stream (Gemma 3:
+    # the second and fourth of ``norms``).
+    post_norms: bool = False
     # "swiglu": out(silu(gate) * up); "geglu": out(gelu_tanh(gate) * up);
     # "gelu": out(gelu_tanh(fc_in))
     mlp: str = "swiglu"
+
+    @property
+    def gated(self) -> bool:
+        """The MLP multiplies an activated gate by an up projection."""
+        return self.mlp in ("swiglu", "geglu")
+
+    def sources(self, projections: tuple[str, ...]) -> tuple[str, ...]:
+        """The projection that computes each part of ``projections``' outputs, in order:
+        a fused projection once per part (qkv_proj -> q, k, v all from qkv_proj)."""
+        return tuple(name for name in projections
+                     for _ in (self.fused[name].parts if name in self.fused else (name,)))
     # Attention and MLP read the same normalised input in parallel (GPT-J) rather than
     # the MLP reading the attention's output (Llama).
     parallel: bool = False

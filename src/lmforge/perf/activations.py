@@ -57,7 +57,7 @@ class _BlockWalk:
     def walk(self, input_needs_grad: bool) -> tuple[list[Term], bool]:
         """The terms one block saves, and whether its output requires grad."""
         self.terms = []
-        qkv, mlp_inputs = self.names.attention[:3], self.names.mlp_inputs
+        qkv, mlp_inputs = self.names.attention[:-1], self.names.mlp_inputs
         normed_needs_grad = self.norm("attention norm", input_needs_grad)
         if self.block.parallel:  # x + attention(norm(x)) + mlp(norm(x))
             self._parallel_block_inputs(normed_needs_grad)
@@ -65,18 +65,27 @@ class _BlockWalk:
             mlp_needs_grad = self._mlp(normed_needs_grad)
             return list(self.terms), input_needs_grad or attention_needs_grad or mlp_needs_grad
         self.block_inputs(qkv, normed_needs_grad)
-        attention_needs_grad = self._attention(normed_needs_grad)
+        attention_needs_grad = self._post_norm("post-attention norm",
+                                               self._attention(normed_needs_grad))
         hidden_needs_grad = input_needs_grad or attention_needs_grad  # h = x + attention
         ffn_normed_needs_grad = self.norm("ffn norm", hidden_needs_grad)
         self.block_inputs(mlp_inputs, ffn_normed_needs_grad)
-        mlp_needs_grad = self._mlp(ffn_normed_needs_grad)
+        mlp_needs_grad = self._post_norm("post-MLP norm", self._mlp(ffn_normed_needs_grad))
         return list(self.terms), hidden_needs_grad or mlp_needs_grad
+
+    def _post_norm(self, label: str, branch_needs_grad: bool) -> bool:
+        """A branch output's own norm before the residual add (Gemma 3), over the output
+        projection's result; whether its output requires grad."""
+        if not self.block.post_norms:
+            return branch_needs_grad
+        return self._rms_norm(label, branch_needs_grad, self.args.dim, 1, self.matmul_bytes,
+                              "seq")
 
     def _parallel_block_inputs(self, normed_needs_grad: bool) -> None:
         """One norm output read by q/k/v and by the MLP's input projection(s): one copy
         kept for all, unless sequence parallelism gathers it for each branch apart (the
         tensor-parallel plan prepares each branch's input)."""
-        qkv, mlp_inputs = self.names.attention[:3], self.names.mlp_inputs
+        qkv, mlp_inputs = self.names.attention[:-1], self.names.mlp_inputs
         if self.setup.sequence_parallel and self.setup.tp > 1:
             self.block_inputs(qkv, normed_needs_grad)
             self.block_inputs(mlp_inputs, normed_needs_grad)
@@ -104,8 +113,10 @@ class _BlockWalk:
         if input_needs_grad:  # x.float() (the input itself when fp32), rsqrt: kept by pow, mul
             self.add(f"{label} input (fp32)", 4 * width, split)
             self.add(f"{label} rsqrt", 4 * rows, split)
-        if self.trainable.norms:  # weight * y keeps y (the input's dtype) for its gradient
-            self.add(f"{label} normalized", in_bytes * width, split)
+        if self.trainable.norms:  # weight * y keeps y for the weight's gradient: in the
+            # input's dtype, or fp32 where y * (1 + weight) is computed in fp32 (Gemma)
+            y_bytes = 4 if self.block.norm == "rms_one_plus" else in_bytes
+            self.add(f"{label} normalized", y_bytes * width, split)
         return input_needs_grad or self.trainable.norms
 
     def _layer_norm(self, label: str, input_needs_grad: bool) -> bool:
@@ -166,10 +177,12 @@ class _BlockWalk:
         projection; whether its output requires grad."""
         args = self.args
         q_dim = args.n_heads * args.head_dim
-        qkv, out = self.names.attention[:3], self.names.attention_output
-        for name in qkv:
+        inputs, out = self.names.attention[:-1], self.names.attention_output
+        for name in inputs:
             self.adapter(name)
-        q, k, v = (self.needs_grad(name, normed_needs_grad) for name in qkv)
+        # q, k and v, each from its projection or all three from a fused one
+        q, k, v = (self.needs_grad(name, normed_needs_grad)
+                   for name in self.block.sources(inputs))
         q, k, roped_bytes = self._head_norms(q, k)
         self._rope(q, k, roped_bytes)
         scores_need_grad = q or k or v
@@ -185,9 +198,10 @@ class _BlockWalk:
         return self.needs_grad(out, scores_need_grad)
 
     def _head_norms(self, q_needs_grad: bool, k_needs_grad: bool) -> tuple[bool, bool, int]:
-        """Qwen3's RMSNorm over each q and k head (before RoPE), split with the heads:
-        whether q and k require grad after it, and their bytes then (an fp32 weight
-        times the normalized y makes them fp32 under autocast)."""
+        """Qwen3's and Gemma 3's RMSNorm over each q and k head (before RoPE), split with
+        the heads: whether q and k require grad after it, and their bytes then (Qwen3's
+        fp32 weight times the normalized y makes them fp32 under autocast; Gemma's norm
+        casts back to the input's dtype)."""
         if not self.block.head_norms:
             return q_needs_grad, k_needs_grad, self.matmul_bytes
         args, c = self.args, self.matmul_bytes
@@ -195,7 +209,7 @@ class _BlockWalk:
                            args.n_heads, c, "heads")
         k = self._rms_norm("k norm", k_needs_grad, args.n_kv_heads * args.head_dim,
                            args.n_kv_heads, c, "heads")
-        return q, k, 4 if self.autocast else c
+        return q, k, 4 if self.autocast and self.block.norm == "rms" else c
 
     def _rope(self, q_needs_grad: bool, k_needs_grad: bool, roped_bytes: int) -> None:
         """Each attention computes fp32 cos/sin tables (batch, seq, rotary features: the
@@ -228,9 +242,11 @@ class _BlockWalk:
         inputs, out = self.names.mlp_inputs, self.names.mlp_output
         for name in inputs:
             self.adapter(name)
-        needs_grad = [self.needs_grad(name, normed_needs_grad) for name in inputs]
-        if self.block.mlp == "swiglu":
-            hidden_needs_grad = self._swiglu(*needs_grad)
+        # gate and up, each from its projection or both from a fused one; or fc_in
+        needs_grad = [self.needs_grad(name, normed_needs_grad)
+                      for name in self.block.sources(inputs)]
+        if self.block.gated:
+            hidden_needs_grad = self._gated(*needs_grad)
         else:
             hidden_needs_grad = self._gelu(*needs_grad)
         self.linear_inputs(f"{out} input", self.args.ffn_dim, hidden_needs_grad, [out],
@@ -238,9 +254,9 @@ class _BlockWalk:
         self.adapter(out)
         return self.needs_grad(out, hidden_needs_grad)
 
-    def _swiglu(self, gate: bool, up: bool) -> bool:
-        """silu(gate) * up: silu keeps its input, the product each factor for the other's
-        gradient."""
+    def _gated(self, gate: bool, up: bool) -> bool:
+        """act(gate) * up (silu or gelu_tanh): the activation keeps its input, the product
+        each factor for the other's gradient."""
         ffn_bytes = self.matmul_bytes * self.args.ffn_dim
         if gate:
             self.add("gate output (silu input)", ffn_bytes)
@@ -330,13 +346,14 @@ def _backward_buffers(setup: Setup, walker: _BlockWalk) -> float:
     input just freed. A checkpointed block recomputed with a LoRA adapter on the MLP's
     last input projection may peak before, at that adapter's sum: the base output, the
     update and the scaled update, three f-sized tensors beside the saved ones."""
-    ffn_per_device = setup.args.ffn_dim / setup.tp
-    ffn_tensors = 3 if walker.block.mlp == "swiglu" else 2
+    hidden = (3 if walker.block.gated else 2) * setup.args.ffn_dim
+    last_input = walker.names.mlp_inputs[-1]
     # (selective checkpointing recomputes block 0, so some block is recomputed)
-    if setup.checkpointing != "none" and setup.trainable.rank(walker.names.mlp_inputs[-1]):
-        ffn_tensors = max(ffn_tensors, 3)
+    if setup.checkpointing != "none" and setup.trainable.rank(last_input):
+        # the adapter's sum spans the projection's whole output (a fused gate_up: 2 f)
+        hidden = max(hidden, 3 * walker.block.shapes[last_input][1])
     return (walker.residual_bytes * _dim_per_device(setup)
-            + ffn_tensors * walker.matmul_bytes * ffn_per_device)
+            + walker.matmul_bytes * hidden / setup.tp)
 
 
 def _dim_per_device(setup: Setup) -> float:

@@ -239,26 +239,33 @@ def flops_breakdown(args: Any, seq_len: int, trainable: Optional[Trainability] =
     full S x S products, which is what torch's FlopCounterMode reports."""
     tr = trainable or Trainability.full()
     family = family_of(args)
-    names, shapes = family.projections, projection_shapes(args)
+    names, block = family.projections, family.block(args)
     fl = FlopsBreakdown()
-    keys = mean_keys_per_query(seq_len, args.sliding_window) if causal else seq_len
-    per_product = 2 * keys * args.n_heads * args.head_dim  # one of Q K^T, P V, per token
 
     def linear(name: str, rg_in: bool) -> bool:
-        return _linear(fl, shapes[name], rg_in, tr.trains(name), tr.rank(name))
+        return _linear(fl, block.shapes[name], rg_in, tr.trains(name), tr.rank(name))
+
+    def outputs(projections: tuple[str, ...], rg_in: bool) -> list[bool]:
+        """Whether each part (q, k, v; gate, up) requires grad; a fused projection is one
+        matmul whose parts share the answer."""
+        done = {name: linear(name, rg_in) for name in projections}
+        return [done[name] for name in block.sources(projections)]
 
     rg = tr.embedding  # the residual stream
-    for _ in range(args.n_layers):
+    for kind in block.attention or ("global",) * args.n_layers:
+        window = block.sliding_window if kind == "sliding" else None
+        keys = mean_keys_per_query(seq_len, window) if causal else seq_len
+        per_product = 2 * keys * args.n_heads * args.head_dim  # one of Q K^T, P V, per token
         n1 = rg or tr.norms
-        q, k, v = (linear(p, n1) for p in names.attention[:3])
+        q, k, v = outputs(names.attention[:-1], n1)
         fl.attention_forward += 2 * per_product
         fl.attention_backward += per_product * ((q or k) + v + q + k)  # dP, dV, dQ, dK
         o = linear(names.attention_output, q or k or v)
-        if family.block(args).parallel:  # the MLP reads the attention's input norm (GPT-J)
+        if block.parallel:  # the MLP reads the attention's input norm (GPT-J)
             n2 = n1
         else:  # the MLP's norm reads the stream after attention (Llama)
             n2 = rg or o or tr.norms
-        hidden = any([linear(p, n2) for p in names.mlp_inputs])
+        hidden = any(outputs(names.mlp_inputs, n2))
         mlp_out = linear(names.mlp_output, hidden)
         rg = rg or o or mlp_out
     _linear(fl, (args.dim, args.vocab_size), rg or tr.norms, tr.head, 0)

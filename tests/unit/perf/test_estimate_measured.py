@@ -18,6 +18,8 @@ import torch
 from helpers.tiny_models import tiny_llama_args
 from lmforge.config import JobConfig
 from lmforge.models.common import materialize
+from lmforge.models.gemma3.model import Gemma3Args
+from lmforge.models.phi3.model import Phi3Args
 from lmforge.models.registry import PRESETS, build_model
 from lmforge.parallel.parallelize import checkpoint_forward, checkpointed_block
 from lmforge.peft.lora import after_materialize, prepare_model_for_lora
@@ -39,6 +41,13 @@ TINY = {"llama": ARGS, "gptj": dataclasses.replace(PRESETS["gptj-tiny"], n_layer
                                                      vocab_size=256, max_seq_len=128),
         "qwen3": dataclasses.replace(ARGS, family="qwen3", qk_norm=True, explicit_head_dim=24)}
 TINY["qwen3 without q/k norms"] = dataclasses.replace(TINY["qwen3"], qk_norm=False)
+# Phi-3: fused qkv_proj and gate_up_proj, rotary on half of each head (Phi-4-mini's shape)
+TINY["phi3"] = Phi3Args(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256,
+                        ffn_dim=176, max_seq_len=128, partial_rotary_factor=0.5)
+# Gemma 3: four norms per block, q/k norms, GeGLU, a sliding layer and a global one
+TINY["gemma3"] = Gemma3Args(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256,
+                            ffn_dim=176, explicit_head_dim=24, max_seq_len=128,
+                            sliding_window=16, sliding_pattern=2)
 SEQ = 64
 
 
@@ -151,7 +160,16 @@ QWEN3 = [dict(family="qwen3", lora=False, ckpt=False, micro_batch=4),
          dict(family="qwen3", lora=True, ckpt=True, micro_batch=4)]
 
 
-@pytest.mark.parametrize("case", MATRIX + EXTRA + GPTJ + SELECTIVE + QWEN3,
+# The families added in their own folders: the estimate reads only their BlockSpec
+NEW_FAMILIES = [dict(family=family, lora=lora, ckpt=ckpt, micro_batch=4, bf16=bf16,
+                     targets=("qkv_proj", "gate_up_proj") if family == "phi3" else
+                     ("q_proj", "v_proj"))
+                for family in ("phi3", "gemma3")
+                for lora, ckpt, bf16 in ((False, False, False), (False, False, True),
+                                         (True, True, False))]
+
+
+@pytest.mark.parametrize("case", MATRIX + EXTRA + GPTJ + SELECTIVE + QWEN3 + NEW_FAMILIES,
                          ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_estimate_within_15_percent_of_measured_peak(case):
     measured, setup = measure_step(**case)

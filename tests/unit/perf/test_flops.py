@@ -20,7 +20,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from lmforge.config import LoraConfig
+from lmforge.models.gemma3.model import Gemma3Args
 from lmforge.models.llama import build_llama, materialize
+from lmforge.models.phi3.model import Phi3Args
 from lmforge.models.presets import PRESETS
 from lmforge.models.registry import build_model
 from lmforge.peft.lora import prepare_model_for_lora
@@ -165,3 +167,29 @@ def test_sliding_window_shortens_the_causal_attention_count():
     args = PRESETS["mistral-7b"]
     assert F.flops_per_token(args, 32768) < F.flops_per_token(
         dataclasses.replace(args, sliding_window=None), 32768)
+
+
+@pytest.mark.parametrize("targets", [None, "all-linear"])
+@pytest.mark.parametrize("family", ["phi3", "gemma3"])
+def test_families_from_their_own_folders_count_exactly(family, targets):
+    """Phi-3's fused qkv_proj and gate_up_proj, Gemma 3's GeGLU, four norms, q/k norms and
+    sliding layers: counted from the BlockSpec alone, as FlopCounterMode counts them."""
+    args = {"phi3": Phi3Args(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256,
+                             ffn_dim=96, partial_rotary_factor=0.5),
+            "gemma3": Gemma3Args(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256,
+                                 ffn_dim=96, explicit_head_dim=24, sliding_window=8,
+                                 sliding_pattern=2)}[family]
+    torch.manual_seed(0)
+    model = build_model(args)
+    if targets:
+        prepare_model_for_lora(model, LoraConfig(enabled=True, rank=4, targets=targets))
+    materialize(model, "cpu")
+    trainable = F.Trainability.from_model(model)
+    ours = F.flops_breakdown(model.args, SEQ, trainable, causal=False).total * BATCH * SEQ
+    assert ours == counted_training_flops(model)
+
+
+def test_gemma3_sliding_layers_cost_less_than_global_ones_at_long_sequences():
+    args = PRESETS["gemma3-1b"]
+    all_global = dataclasses.replace(args, layer_types=("global",) * args.n_layers)
+    assert F.flops_per_token(args, 32768) < F.flops_per_token(all_global, 32768)

@@ -211,5 +211,6 @@ def block_spec(args: Gemma3Args) -> BlockSpec:
                 "v_proj": (d, args.n_kv_heads * hd), "o_proj": (args.n_heads * hd, d),
                 "gate_proj": (d, args.ffn_dim), "up_proj": (d, args.ffn_dim),
                 "down_proj": (args.ffn_dim, d)},
-        norms=Gemma3Block.NORMS, mlp="geglu", head_norms=True, rotary_features=hd,
+        norm="rms_one_plus", norms=Gemma3Block.NORMS, post_norms=True, mlp="geglu",
+        head_norms=True, rotary_features=hd,
         attention=args.attention_kinds, sliding_window=args.sliding_window)
