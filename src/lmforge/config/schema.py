@@ -181,8 +181,9 @@ class LoraConfig:
     alpha: float = 16.0
     dropout: float = 0.0
     # Projection names, aliases or groups, read by lmforge.peft.targets.resolve_targets
-    # (typed Any so a plain string is accepted on the command line).
-    targets: Any = field(default_factory=lambda: ["q_proj", "v_proj"])
+    # (typed Any so a plain string is accepted on the command line); None: the family's
+    # default, as peft's (q_proj, v_proj; Phi-3's fused qkv_proj).
+    targets: Any = None
     rslora: bool = False  # scale by alpha / sqrt(rank) instead of alpha / rank
     quantize: Optional[str] = None  # frozen base weights: nf4 (QLoRA) | int8
     adapter_from: Optional[str] = None  # a PEFT adapter directory to start from

@@ -18,6 +18,8 @@ class Projections:
     mlp: tuple[str, ...]  # the MLP's input projection(s), then its output
     # Other names users write for a projection (Meta's wq, w1, ...; short q, k, v, ...).
     aliases: Mapping[str, str] = field(default_factory=dict)
+    # What LoRA adapts when ``lora.targets`` is not set: peft's default for the family.
+    lora_default: tuple[str, ...] = ()
 
     @property
     def all(self) -> tuple[str, ...]:

@@ -41,9 +41,6 @@ def _find_families() -> tuple[ModelFamily, ...]:
 FAMILIES: tuple[ModelFamily, ...] = _find_families()
 _BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 PRESETS: dict[str, Any] = {name: args for f in FAMILIES for name, args in f.presets.items()}
-_BY_NAME = {f.name: f for f in FAMILIES}
-# TODO(h1): callers still naming these two move to family_of / the BlockSpec.
-LLAMA, GPTJ = _BY_NAME["llama"], _BY_NAME["gptj"]
 
 
 def family_of(args: Any) -> ModelFamily:

@@ -28,10 +28,10 @@ from lmforge.peft.lora import (LoraError, LoraLinear, after_materialize, apply_l
                                unmerge_lora)
 from lmforge.peft.quant import (QuantizationError, QuantizedLinear,
                                 dequantize_base, is_quantized, quantize_base)
-from lmforge.peft.targets import PROJECTIONS, LoraSpec, lora_spec, resolve_targets
+from lmforge.peft.targets import LoraSpec, lora_spec, resolve_targets
 
 __all__ = [
-    "AdapterError", "LoraError", "LoraLinear", "LoraSpec", "PROJECTIONS",
+    "AdapterError", "LoraError", "LoraLinear", "LoraSpec",
     "QuantizationError", "QuantizedLinear", "adapter_state_dict", "after_materialize",
     "apply_lora", "count_trainable", "dequantize_base",
     "export_merged", "freeze_base", "init_lora_weights", "is_quantized", "load_adapter",

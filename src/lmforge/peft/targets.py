@@ -3,11 +3,14 @@ model family's projections (``models.common.Projections``). The trainer's LoRA s
 QLoRA's quantization, adapter save/load (peft's ``target_modules``), the FLOPs count and
 the memory estimate all resolve targets here.
 
-The rule, for each entry of ``lora.targets`` (a list, or one string), case and
+Unset (None), ``lora.targets`` is the family's default, as peft's: ``q_proj v_proj``
+(Phi-3: ``qkv_proj``). The rule, for each entry of ``lora.targets`` (a list, or one string), case and
 surrounding spaces ignored:
 
-- a projection name of the family: Llama's ``q_proj k_proj v_proj o_proj gate_proj
-  up_proj down_proj``, GPT-J's ``q_proj k_proj v_proj out_proj fc_in fc_out``;
+- a projection name of the family: Llama's and Gemma 3's ``q_proj k_proj v_proj o_proj
+  gate_proj up_proj down_proj``, GPT-J's ``q_proj k_proj v_proj out_proj fc_in fc_out``,
+  Phi-3's ``qkv_proj o_proj gate_up_proj down_proj`` (fused: a part of one, ``q_proj``,
+  is not a layer of its own and is refused);
 - another name the family gives one: ``q k v o``; for Llama ``gate up down`` and Meta's
   ``wq wk wv wo w1`` (gate) ``w3`` (up) ``w2`` (down); for GPT-J ``out`` and ``o_proj``;
 - a module path ending in one of those (``attention.q_proj``, ``self_attn.q_proj``,
@@ -27,10 +30,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
-from lmforge.config import QUANTIZE_FORMATS, ConfigError, LoraConfig
-from lmforge.models.registry import LLAMA, Projections, family_of
-
-PROJECTIONS = LLAMA.projections.all  # the Llama family's, the default
+from lmforge.config import QUANTIZE_FORMATS, ConfigError
+from lmforge.models.registry import FAMILIES, Projections, family_of
 
 _GROUPS = {
     "all-linear": "all", "all_linear": "all",
@@ -39,10 +40,11 @@ _GROUPS = {
 }
 
 
-def resolve_targets(targets: Any, projections: Projections = LLAMA.projections
-                    ) -> tuple[str, ...]:
+def resolve_targets(targets: Any, projections: Projections) -> tuple[str, ...]:
     """``lora.targets`` -> the family's projection names in model order (see the module
-    docstring)."""
+    docstring); None -> the family's default (``Projections.lora_default``)."""
+    if targets is None:
+        targets = list(projections.lora_default)
     items = [targets] if isinstance(targets, str) else targets
     if not isinstance(items, (list, tuple)) or not items:
         raise ConfigError(f"lora.targets: expected a list of module names or 'all-linear', "
@@ -70,12 +72,18 @@ def _resolve_one(item: Any, projections: Projections) -> tuple[str, ...]:
     return (leaf,)
 
 
+# Every family's projection names: what a bare module (a block, in tests) may hold.
+ANY_FAMILY = Projections(
+    attention=tuple(dict.fromkeys(p for f in FAMILIES for p in f.projections.attention)),
+    mlp=tuple(dict.fromkeys(p for f in FAMILIES for p in f.projections.mlp)),
+    lora_default=("q_proj", "v_proj"))
+
+
 def model_projections(model: Any) -> Projections:
     """The projections of ``model``'s family (a whole model or a pipeline stage); a bare
-    module without ``args`` (a block or a layer of one, in tests) takes the default
-    family's, Llama's."""
+    module without ``args`` (a block, in tests) is matched against every family's names."""
     args = getattr(model, "args", None)
-    return LLAMA.projections if args is None else family_of(args).projections
+    return ANY_FAMILY if args is None else family_of(args).projections
 
 
 def target_modules(module_names: Iterable[str]) -> list[str]:
@@ -85,20 +93,17 @@ def target_modules(module_names: Iterable[str]) -> list[str]:
     return sorted({name.rsplit(".", 1)[-1] for name in module_names})
 
 
-DEFAULT_TARGETS = resolve_targets(LoraConfig().targets)  # config's default: q_proj, v_proj
-
-
 @dataclass(frozen=True)
 class LoraSpec:
     """What the memory estimate and the FLOPs count need to know about LoRA/QLoRA."""
+    targets: tuple[str, ...]  # projection names (``resolve_targets``)
     rank: int = 8
-    targets: tuple[str, ...] = DEFAULT_TARGETS
     quantize: Optional[str] = None  # None | "nf4" | "int8"
     dropout: float = 0.0
     base_dtype: Optional[str] = None  # storage of unquantized frozen weights; None: auto
 
 
-def lora_spec(cfg: Any, projections: Projections = LLAMA.projections) -> Optional[LoraSpec]:
+def lora_spec(cfg: Any, projections: Projections) -> Optional[LoraSpec]:
     """The ``lora`` section of a JobConfig as a LoraSpec for a model with ``projections``;
     None when absent or disabled. ``lora.targets`` is resolved even when LoRA is off, so a
     bad name is refused either way. Read defensively: the section's fields are optional
@@ -106,8 +111,7 @@ def lora_spec(cfg: Any, projections: Projections = LLAMA.projections) -> Optiona
     section = getattr(cfg, "lora", None)
     if section is None:
         return None
-    targets = resolve_targets(getattr(section, "targets", None) or list(DEFAULT_TARGETS),
-                              projections)
+    targets = resolve_targets(getattr(section, "targets", None), projections)
     if not getattr(section, "enabled", True):
         return None
     rank = getattr(section, "rank", None) or getattr(section, "r", None) or 8

@@ -36,7 +36,7 @@ from lmforge.parallel.mesh import (DistEnv, ParallelDims, build_parallel_dims,
                                    init_distributed, read_dist_env, runs_distributed)
 from lmforge.parallel.offload import offload_summary
 from lmforge.peft.lora import trainable_summary
-from lmforge.peft.targets import resolve_targets
+from lmforge.peft.targets import model_projections, resolve_targets
 from lmforge.perf.budget import require_fit
 from lmforge.perf.flops import device_peak_flops, model_flops_per_token
 from lmforge.train import metrics as M
@@ -128,7 +128,8 @@ def _run_in(cfg: JobConfig, rt: Runtime, out_dir: Path) -> dict:
     for note in device_notes(compute_dtype(cfg, rt.device.type), rt.device.type):
         _say(rt, note)
     if cfg.lora.enabled:
-        _say(rt, f"LoRA rank {cfg.lora.rank} on {cfg.lora.targets}"
+        targets = resolve_targets(cfg.lora.targets, model_projections(model.parts[0]))
+        _say(rt, f"LoRA rank {cfg.lora.rank} on {', '.join(targets)}"
                  f"{', ' + cfg.lora.quantize + ' base' if cfg.lora.quantize else ''}: "
                  f"{trainable_summary(model.parts[0])}"
                  f"{' (stage 0)' if len(model.parts) > 1 or rt.dims.pp > 1 else ''}")

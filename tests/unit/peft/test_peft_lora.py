@@ -13,7 +13,7 @@ from lmforge.models.presets import PRESETS
 from lmforge.peft import (LoraError, LoraLinear, after_materialize, apply_lora,
                           count_trainable, lora_layers, merge_lora, prepare_model_for_lora,
                           trainable_summary, unmerge_lora)
-from lmforge.peft.targets import resolve_targets
+from lmforge.peft.targets import model_projections, resolve_targets
 from lmforge.train.optim import build_optimizer
 
 
@@ -154,5 +154,5 @@ def test_config_section_and_validation_name_the_field(tmp_path):
     # (tests/unit/peft/test_targets.py)
     cfg = load_config(None, ["lora.enabled=true", "lora.targets=[q_proj,lm_head]"])
     with pytest.raises(ConfigError, match="lora.targets: unknown module 'lm_head'"):
-        resolve_targets(cfg.validate().lora.targets)
+        resolve_targets(cfg.validate().lora.targets, model_projections(build_llama(PRESETS["debug"])))
     assert JobConfig().lora.enabled is False

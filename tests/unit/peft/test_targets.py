@@ -5,8 +5,11 @@ import pytest
 
 from lmforge.config import ConfigError, JobConfig, load_config
 from lmforge.peft import apply_lora, lora_layers, quantize_base
-from lmforge.peft.targets import (DEFAULT_TARGETS, PROJECTIONS, LoraSpec, lora_spec,
-                                  resolve_targets, target_modules)
+from lmforge.models.registry import PRESETS, family_of
+from lmforge.peft.targets import LoraSpec, lora_spec, resolve_targets, target_modules
+
+LLAMA = family_of(PRESETS["debug"]).projections  # the tests' family: Llama's names
+PROJECTIONS = LLAMA.all
 from lmforge.train.loop import train
 
 
@@ -20,7 +23,7 @@ from lmforge.train.loop import train
     ([" Q_PROJ ", "All-Linear"], PROJECTIONS),  # case and spaces ignored
 ])
 def test_aliases_and_paths_resolve_to_projection_names_in_model_order(targets, expected):
-    assert resolve_targets(targets) == expected
+    assert resolve_targets(targets, LLAMA) == expected
 
 
 @pytest.mark.parametrize("group, expected", [
@@ -33,8 +36,8 @@ def test_aliases_and_paths_resolve_to_projection_names_in_model_order(targets, e
     ("feed_forward", ("gate_proj", "up_proj", "down_proj")),
 ])
 def test_groups_resolve_to_their_projections(group, expected):
-    assert resolve_targets(group) == expected
-    assert resolve_targets([group, "q_proj"]) == tuple(p for p in PROJECTIONS
+    assert resolve_targets(group, LLAMA) == expected
+    assert resolve_targets([group, "q_proj"], LLAMA) == tuple(p for p in PROJECTIONS
                                                         if p in expected or p == "q_proj")
 
 
@@ -48,29 +51,32 @@ def test_groups_resolve_to_their_projections(group, expected):
 ])
 def test_anything_else_is_refused_naming_lora_targets(targets, message):
     with pytest.raises(ConfigError, match=message):
-        resolve_targets(targets)
+        resolve_targets(targets, LLAMA)
 
 
-def test_the_default_targets_are_the_configs_default():
-    assert DEFAULT_TARGETS == ("q_proj", "v_proj") == LoraSpec().targets
-    assert resolve_targets(JobConfig().lora.targets) == DEFAULT_TARGETS
+def test_unset_targets_are_the_familys_default_as_peft_s():
+    assert JobConfig().lora.targets is None
+    assert resolve_targets(None, LLAMA) == ("q_proj", "v_proj")
+    for preset, default in (("gptj-tiny", ("q_proj", "v_proj")), ("phi4-mini", ("qkv_proj",)),
+                            ("gemma3-1b", ("q_proj", "v_proj"))):
+        assert resolve_targets(None, family_of(PRESETS[preset]).projections) == default
 
 
 def test_lora_spec_reads_the_config_section():
     cfg = JobConfig()
-    assert lora_spec(cfg) is None  # present but disabled
+    assert lora_spec(cfg, LLAMA) is None  # present but disabled
     cfg.lora.enabled, cfg.lora.rank, cfg.lora.targets = True, 16, "all-linear"
     cfg.lora.quantize = "nf4"
-    spec = lora_spec(cfg)
+    spec = lora_spec(cfg, LLAMA)
     assert spec.rank == 16 and spec.targets == PROJECTIONS and spec.quantize == "nf4"
     cfg.lora.targets = ["wq", "attention.v_proj"]
-    assert lora_spec(cfg).targets == ("q_proj", "v_proj")
+    assert lora_spec(cfg, LLAMA).targets == ("q_proj", "v_proj")
     cfg.lora.targets = ["lm_head"]
     with pytest.raises(ValueError, match="lora.targets"):
-        lora_spec(cfg)
+        lora_spec(cfg, LLAMA)
     cfg.lora.enabled = False  # refused even when LoRA is off, as config validation did
     with pytest.raises(ConfigError, match="lora.targets"):
-        lora_spec(cfg)
+        lora_spec(cfg, LLAMA)
 
 
 def test_the_lora_swap_and_quantization_accept_the_same_aliases(lib):

@@ -180,8 +180,8 @@ def test_lora_base_storage_defaults_to_what_the_trainer_keeps():
 
 
 def test_largest_micro_batch_that_fits_is_the_last_one_under_the_budget():
-    s = setup_7b(lora=LoraSpec(quantize="nf4"),
-                 trainable=Trainability.lora(LoraSpec()), seq_len=512)
+    s = setup_7b(lora=LoraSpec(targets=("q_proj", "v_proj"), quantize="nf4"),
+                 trainable=Trainability.lora(LoraSpec(targets=("q_proj", "v_proj"))), seq_len=512)
     fit = max_micro_batch(s, 40)
     assert fit >= 1
     assert estimate_memory(dataclasses.replace(s, micro_batch=fit)).total_bytes <= 40 * GiB

@@ -24,7 +24,8 @@ PROJECTIONS = Projections(
     attention=("q_proj", "k_proj", "v_proj", "o_proj"),
     mlp=("gate_proj", "up_proj", "down_proj"),
     aliases={"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
-             "gate": "gate_proj", "up": "up_proj", "down": "down_proj"})
+             "gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
+    lora_default=("q_proj", "v_proj"))
 
 SLIDING, GLOBAL = "sliding", "global"
 

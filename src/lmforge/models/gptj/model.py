@@ -24,7 +24,8 @@ from lmforge.models.family import BlockSpec
 PROJECTIONS = Projections(
     attention=("q_proj", "k_proj", "v_proj", "out_proj"), mlp=("fc_in", "fc_out"),
     aliases={"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "out_proj", "out": "out_proj",
-             "o_proj": "out_proj"})
+             "o_proj": "out_proj"},
+    lora_default=("q_proj", "v_proj"))
 
 
 @dataclass(frozen=True)

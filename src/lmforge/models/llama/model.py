@@ -25,7 +25,8 @@ PROJECTIONS = Projections(
     aliases={"q": "q_proj", "wq": "q_proj", "k": "k_proj", "wk": "k_proj",
              "v": "v_proj", "wv": "v_proj", "o": "o_proj", "wo": "o_proj",
              "gate": "gate_proj", "w1": "gate_proj", "up": "up_proj", "w3": "up_proj",
-             "down": "down_proj", "w2": "down_proj"})
+             "down": "down_proj", "w2": "down_proj"},
+    lora_default=("q_proj", "v_proj"))
 
 
 @dataclass(frozen=True)

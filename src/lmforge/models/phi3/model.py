@@ -25,7 +25,8 @@ from lmforge.models.llama.model import RMSNorm, rotate_half, sliding_window_mask
 PROJECTIONS = Projections(
     attention=("qkv_proj", "o_proj"), mlp=("gate_up_proj", "down_proj"),
     aliases={"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj",
-             "down": "down_proj"})
+             "down": "down_proj"},
+    lora_default=("qkv_proj",))
 
 
 @dataclass(frozen=True)
