@@ -28,8 +28,6 @@ from torch import nn
 
 from lmforge.config import ConfigError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-
 
 def stage_layers(n_layers: int, n_stages: int) -> list[list[int]]:
     if n_layers % n_stages:

@@ -191,11 +191,6 @@ class QuantizedLinear(nn.Module):
             linear.bias = nn.Parameter(self.bias.detach().to(dtype), requires_grad=False)
         return linear
 
-    def logical_numel(self) -> int:
-        """Weights this layer stands for (not the bytes it stores)."""
-        return self.in_features * self.out_features + (
-            self.bias.numel() if self.bias is not None else 0)
-
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"fmt={self.fmt}")

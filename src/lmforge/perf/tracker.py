@@ -30,9 +30,6 @@ class TensorMemoryTracker(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self._register(t)
 
-    def reset_peak(self) -> None:
-        self.peak = self.live
-
     def _register(self, t: torch.Tensor) -> None:
         if t.device.type == "meta":
             return
