@@ -11,7 +11,8 @@ from lmforge.config import ConfigError, JobConfig, check_parallel_fits
 from lmforge.models.hf import read_hf_config
 from lmforge.models.registry import PRESETS, ModelFamily, family_for_config, family_of
 
-__all__ = ["PRESETS", "check_model_args", "job_family", "model_args", "validate_job"]
+__all__ = ["PRESETS", "check_layout_fits", "check_model_args", "job_family", "model_args",
+           "validate_job"]
 
 
 def check_model_args(args, seq_len: Optional[int] = None) -> None:
@@ -101,4 +102,18 @@ def _validate_model(cfg: JobConfig) -> None:
         return
     args = model_args(cfg)
     check_model_args(args, cfg.data.seq_len)
+    check_layout_fits(cfg, args)
+
+
+def check_layout_fits(cfg: JobConfig, args) -> None:
+    """The layout checks that need the model (``config.check_parallel_fits``), and that
+    tensor parallelism splits each fused projection into whole groups (``Fused``), so
+    every rank holds matching slices of its parts."""
     check_parallel_fits(cfg, args)
+    tp = cfg.parallel.tp
+    for name, fused in family_of(args).block(args).fused.items():
+        if fused.groups % tp:
+            parts = ", ".join(part for part, _ in fused.parts)
+            raise ConfigError(f"parallel.tp: {tp} must divide the {fused.groups} groups of "
+                              f"the fused {name} ({parts}), so that each rank holds whole "
+                              f"groups")

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from lmforge import fsio
 from lmforge.checkpoint import (CheckpointError, checkpoint_step, is_complete,
                                 list_checkpoints, resolve_resume, resume_is_auto)
-from lmforge.config import (ConfigError, JobConfig, check_parallel_fits, compute_dtype,
+from lmforge.config import (ConfigError, JobConfig, compute_dtype,
                             grad_accumulation_steps, resolve_device,
                             save_config, warmup_warning)
 from lmforge.data.build import DataBundle, build_data, check_data, train_corpus_tokenizer
@@ -30,7 +30,8 @@ from lmforge.data.tokenizer import Tokenizer, load_tokenizer
 from lmforge.export import export_trained, trained_model
 from lmforge.models.common import count_parameters
 from lmforge.models.hf import read_model_args
-from lmforge.models.presets import check_model_args, job_family, model_args, validate_job
+from lmforge.models.presets import (check_layout_fits, check_model_args, job_family,
+                                    model_args, validate_job)
 from lmforge.models.registry import build_model
 from lmforge.parallel.mesh import (DistEnv, ParallelDims, build_parallel_dims,
                                    init_distributed, read_dist_env, runs_distributed)
@@ -285,7 +286,7 @@ def resolve_model_args(cfg: JobConfig, tokenizer: Tokenizer):
         if cfg.model.vocab_size is None:  # a from-scratch model takes the tokenizer's size
             args = type(args)(**{**args.__dict__, "vocab_size": tokenizer.vocab_size})
     check_model_args(args, cfg.data.seq_len)
-    check_parallel_fits(cfg, args)
+    check_layout_fits(cfg, args)
     if tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(f"model.vocab_size: {args.vocab_size} is smaller than the "
                           f"tokenizer's {tokenizer.vocab_size} tokens")

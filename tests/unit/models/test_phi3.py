@@ -176,3 +176,20 @@ def test_a_partial_rotary_factor_rotating_an_odd_count_is_refused_naming_the_fie
     import dataclasses
     with pytest.raises(ConfigError, match="model.partial_rotary_factor"):
         check_model_args(dataclasses.replace(PRESETS["phi4-mini"], partial_rotary_factor=0.7))
+
+
+def test_a_tp_degree_splitting_a_fused_group_is_refused_naming_parallel_tp():
+    """gate_up's groups are the hidden units: tp=4 cannot split 6 of them into whole pairs
+    (kv heads, 4, would allow it)."""
+    import dataclasses
+    from lmforge.config import JobConfig
+    from lmforge.models.presets import check_layout_fits
+
+    args = dataclasses.replace(PRESETS["phi4-mini"], ffn_dim=6, n_heads=8, n_kv_heads=4)
+    cfg = JobConfig()
+    cfg.parallel.tp = 4
+    with pytest.raises(ConfigError, match="parallel.tp: 4 must divide the 6 groups of the "
+                                          "fused gate_up_proj"):
+        check_layout_fits(cfg, args)
+    cfg.parallel.tp = 2
+    check_layout_fits(cfg, args)
