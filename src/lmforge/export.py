@@ -25,8 +25,8 @@ from lmforge.config import JobConfig
 from lmforge.data.templates import get_template
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
 from lmforge.models.common import materialize
-from lmforge.models.hf import read_model_args, save_hf_model
-from lmforge.models.presets import model_args
+from lmforge.models.hf import save_hf_model
+from lmforge.models.presets import job_model_args
 from lmforge.models.registry import args_from_dict, build_model
 from lmforge.peft.adapters import export_merged, save_adapter
 from lmforge.peft.lora import apply_lora, is_lora_param, prepare_model_for_lora
@@ -134,13 +134,11 @@ def checkpoint_model_args(ckpt_dir: str | Path, model_sd: Optional[dict] = None)
     if recorded:
         return args_from_dict(recorded)
     cfg = read_job_config(path)
-    base = None
-    if cfg.model.init_from and Path(cfg.model.init_from, "config.json").is_file():
-        base = read_model_args(cfg.model.init_from)
-    args = model_args(cfg, base=base)
+    vocab = None  # the embedding's rows, where the weights are at hand
     if model_sd is not None and "tok_embeddings.weight" in model_sd:
-        args = dataclasses.replace(args, vocab_size=model_sd["tok_embeddings.weight"].shape[0])
-    return args
+        vocab = model_sd["tok_embeddings.weight"].shape[0]
+    args = job_model_args(cfg, vocab)
+    return args if vocab is None else dataclasses.replace(args, vocab_size=vocab)
 
 
 def _tokenizer_source(ckpt_dir: Path, tokenizer_dir, cfg) -> Optional[Path]:

@@ -7,14 +7,13 @@ import time
 
 from lmforge.cli.common import add_config_arguments, config_and_overrides
 from lmforge.config import ConfigError, config_yaml, load_config
-from lmforge.data.tokenizer import load_tokenizer
 from lmforge.models.registry import build_model
 from lmforge.parallel.mesh import DistEnv, read_dist_env
 from lmforge.peft.lora import prepare_model_for_lora, trainable_summary
 from lmforge.perf.budget import check_memory, refusal
 from lmforge.perf.estimate import estimate_memory, format_table
 from lmforge.perf.estimate_setup import setup_from_config
-from lmforge.train.loop import check_job, resolve_model_args, train
+from lmforge.train.loop import check_job, train
 from lmforge.train.preempt import PREEMPTED_EXIT_CODE
 
 
@@ -72,7 +71,7 @@ def _look_before_running(args) -> int:
     env = read_dist_env() if args.world_size is None else DistEnv(0, args.world_size, 0)
     check_job(cfg, env)
     setup = setup_from_config(cfg, world_size=env.world_size)
-    model = build_model(_model_args(cfg, setup))  # meta device: nothing allocated
+    model = build_model(setup.args)  # meta device: nothing allocated
     if cfg.lora.enabled:
         prepare_model_for_lora(model, cfg.lora)
     estimate = estimate_memory(setup)
@@ -86,14 +85,6 @@ def _look_before_running(args) -> int:
     if env.rank == 0:
         print("dry run: the config is valid; nothing was computed or written")
     return 0
-
-
-def _model_args(cfg, setup):
-    """The model's shape as the run resolves it, with its refusals (shapes that differ
-    from model.init_from's, a vocabulary smaller than the tokenizer's). A run that trains
-    its tokenizer on the corpus has none yet: the estimate's shape stands for it."""
-    source = cfg.model.tokenizer or cfg.model.init_from
-    return resolve_model_args(cfg, load_tokenizer(source)) if source else setup.args
 
 
 def _leave_without_teardown(code: int) -> None:

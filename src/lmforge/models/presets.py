@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lmforge.config import ConfigError, JobConfig, check_parallel_fits
-from lmforge.models.hf import read_hf_config
+from lmforge.models.hf import read_hf_config, read_model_args
 from lmforge.models.registry import PRESETS, ModelFamily, family_for_config, family_of
 
-__all__ = ["PRESETS", "check_layout_fits", "check_model_args", "job_family", "model_args",
-           "validate_job"]
+__all__ = ["PRESETS", "check_layout_fits", "check_model_args", "job_family", "job_model_args",
+           "model_args", "resolve_model_args", "validate_job"]
 
 
 def check_model_args(args, seq_len: Optional[int] = None) -> None:
@@ -46,6 +46,42 @@ def model_args(cfg: JobConfig, base: Optional[Any] = None) -> Any:
     if "n_heads" in changes and "n_kv_heads" not in changes and args.n_kv_heads == args.n_heads:
         changes["n_kv_heads"] = changes["n_heads"]
     return dataclasses.replace(args, **changes)
+
+
+def resolve_model_args(cfg: JobConfig, tokenizer_vocab: Optional[int] = None):
+    """The model a job trains (``job_model_args``), with every check of it: a shape the
+    model cannot have, a sequence or a layout it cannot take, a vocabulary smaller than
+    the tokenizer's. Train, ``--dry-run``, estimate and plan call it."""
+    args = job_model_args(cfg, tokenizer_vocab)
+    check_model_args(args, cfg.data.seq_len)
+    check_layout_fits(cfg, args)
+    if tokenizer_vocab is not None and tokenizer_vocab > args.vocab_size:
+        raise ConfigError(f"model.vocab_size: {args.vocab_size} is smaller than the "
+                          f"tokenizer's {tokenizer_vocab} tokens")
+    return args
+
+
+def job_model_args(cfg: JobConfig, tokenizer_vocab: Optional[int] = None):
+    """The one place a job's model args are worked out (``resolve_model_args`` adds the
+    checks; export reads a finished run's through here unchecked): model.init_from's
+    config.json (a ``model.*`` shape field may only repeat it), or the preset with
+    ``model.*`` on top, whose vocabulary is the tokenizer's (``tokenizer_vocab``) unless
+    model.vocab_size sets it."""
+    if cfg.model.init_from:
+        base = read_model_args(cfg.model.init_from)
+        for name in ("family", "dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size",
+                     "ffn_dim", "head_dim", "tie_embeddings"):
+            value = getattr(cfg.model, name)
+            if value is not None and value != getattr(base, name):
+                raise ConfigError(f"model.{name}: {value} differs from {getattr(base, name)} "
+                                  f"in {cfg.model.init_from}/config.json (shapes come from "
+                                  "the checkpoint)")
+        args = model_args(cfg, base=base)
+    else:
+        args = model_args(cfg)
+        if cfg.model.vocab_size is None and tokenizer_vocab is not None:
+            args = dataclasses.replace(args, vocab_size=tokenizer_vocab)
+    return args
 
 
 def _as_variant(args, model_type: str):

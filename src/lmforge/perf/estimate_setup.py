@@ -4,6 +4,7 @@ storage dtypes that follow from it (docs/estimate.md: R, C and the weights' stor
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -11,8 +12,7 @@ from typing import Any, Optional
 from lmforge.config import (ConfigError, compute_dtype, grad_accumulation_steps,
                             pipeline_microbatches, resolve_device, resolve_layout)
 from lmforge.data.tokenizer import load_tokenizer
-from lmforge.models.hf import read_model_args
-from lmforge.models.presets import model_args, validate_job
+from lmforge.models.presets import resolve_model_args, validate_job
 from lmforge.models.registry import family_of
 from lmforge.parallel.parallelize import checkpointed_block
 from lmforge.perf.flops import Trainability
@@ -134,11 +134,7 @@ def setup_from_config(cfg, device: Optional[str] = None, world_size: Optional[in
     dp_shard = resolve_layout(layout, devices)["dp_shard"]
     validate_job(cfg, world_size=devices)
     notes: list[str] = []
-    args = _model_args(cfg, notes)
-    for name, heads in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads)):
-        if heads % layout.tp:
-            raise ConfigError(f"parallel.tp: {layout.tp} does not divide model.{name} "
-                              f"({heads})")
+    args = resolve_model_args(cfg, _tokenizer_vocab(cfg, notes))
     device = device or cfg.train.device
     if device == "auto":  # this machine's (an explicit cuda is estimated even without one)
         device = resolve_device("auto").type
@@ -164,21 +160,18 @@ def setup_from_config(cfg, device: Optional[str] = None, world_size: Optional[in
                  notes=notes)
 
 
-def _model_args(cfg, notes: list[str]):
-    """The model's shape as the trainer builds it: from model.init_from's config.json, or
-    the preset with the vocabulary of the run's tokenizer when model.vocab_size is unset."""
-    if cfg.model.init_from:
-        return model_args(cfg, base=read_model_args(cfg.model.init_from))
-    args = model_args(cfg)
-    if cfg.model.vocab_size is not None:
-        return args
-    if cfg.model.tokenizer:
-        vocab = load_tokenizer(cfg.model.tokenizer).vocab_size
-    else:
-        vocab = cfg.data.tokenizer_vocab_size
-        notes.append(f"vocab {vocab}: the tokenizer the run trains on its corpus "
-                     f"(data.tokenizer_vocab_size); set model.vocab_size to change")
-    return dataclasses.replace(args, vocab_size=vocab)
+def _tokenizer_vocab(cfg, notes: list[str]) -> Optional[int]:
+    """The size of the run's tokenizer: model.tokenizer's or model.init_from's (where the
+    directory has one: an estimate may come from a config.json alone), or the one the
+    run trains on its corpus where model.vocab_size does not size the model."""
+    source = cfg.model.tokenizer or cfg.model.init_from
+    if source and (cfg.model.tokenizer or Path(source, "tokenizer.json").is_file()):
+        return load_tokenizer(source).vocab_size
+    if cfg.model.init_from or cfg.model.vocab_size is not None:
+        return None
+    notes.append(f"vocab {cfg.data.tokenizer_vocab_size}: the tokenizer the run trains on "
+                 f"its corpus (data.tokenizer_vocab_size); set model.vocab_size to change")
+    return cfg.data.tokenizer_vocab_size
 
 
 def _lora(cfg, args, base_dtype: Optional[str]) -> Optional[LoraSpec]:

@@ -29,9 +29,7 @@ from lmforge.data.build import DataBundle, build_data, check_data, train_corpus_
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
 from lmforge.export import export_trained, trained_model
 from lmforge.models.common import count_parameters
-from lmforge.models.hf import read_model_args
-from lmforge.models.presets import (check_layout_fits, check_model_args, job_family,
-                                    model_args, validate_job)
+from lmforge.models.presets import job_family, resolve_model_args, validate_job
 from lmforge.models.registry import build_model
 from lmforge.parallel.mesh import (DistEnv, ParallelDims, build_parallel_dims,
                                    init_distributed, read_dist_env, runs_distributed)
@@ -114,7 +112,7 @@ def _run(cfg: JobConfig, rt: Runtime) -> dict:
 
 def _run_in(cfg: JobConfig, rt: Runtime, out_dir: Path) -> dict:
     tokenizer = prepare_tokenizer(cfg, out_dir, rt)
-    args = resolve_model_args(cfg, tokenizer)
+    args = resolve_model_args(cfg, tokenizer.vocab_size)
     _say(rt, f"data: reading and tokenizing {_data_source(cfg)}")
     data = build_data(cfg, tokenizer, rt.dp_rank, rt.dp_size, cache_dir=out_dir / "cache")
     _say(rt, "model: building" + (f", loading {cfg.model.init_from}"
@@ -268,29 +266,6 @@ def _from_rank0(rt: Runtime, value):
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def resolve_model_args(cfg: JobConfig, tokenizer: Tokenizer):
-    if cfg.model.init_from:
-        base = read_model_args(cfg.model.init_from)
-        for name in ("family", "dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size",
-                     "ffn_dim", "head_dim", "tie_embeddings"):
-            value = getattr(cfg.model, name)
-            if value is not None and value != getattr(base, name):
-                raise ConfigError(f"model.{name}: {value} differs from {getattr(base, name)} "
-                                  f"in {cfg.model.init_from}/config.json (shapes come from "
-                                  "the checkpoint)")
-        args = model_args(cfg, base=base)
-    else:
-        args = model_args(cfg)
-        if cfg.model.vocab_size is None:  # a from-scratch model takes the tokenizer's size
-            args = type(args)(**{**args.__dict__, "vocab_size": tokenizer.vocab_size})
-    check_model_args(args, cfg.data.seq_len)
-    check_layout_fits(cfg, args)
-    if tokenizer.vocab_size > args.vocab_size:
-        raise ConfigError(f"model.vocab_size: {args.vocab_size} is smaller than the "
-                          f"tokenizer's {tokenizer.vocab_size} tokens")
-    return args
 
 
 # ------------------------------------------------------------------------------ loop
