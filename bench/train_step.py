@@ -29,13 +29,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from lmforge.config import resolve_device  # noqa: E402
-from lmforge.models.llama import LlamaArgs, build_llama, materialize  # noqa: E402
+from lmforge.models.llama import FAMILY, LlamaArgs, build_llama, materialize  # noqa: E402
 from lmforge.models.presets import PRESETS  # noqa: E402
-from lmforge.peft.targets import PROJECTIONS  # noqa: E402
 from lmforge.perf.flops import device_peak_flops, flops_per_token  # noqa: E402
 from lmforge.train import metrics as M  # noqa: E402
 
-LORA_TARGETS = list(PROJECTIONS)  # all seven, on both sides of the comparison
+LORA_TARGETS = list(FAMILY.projections.all)  # all seven, on both sides of the comparison
 
 
 def parse_args(argv=None):
