@@ -122,7 +122,7 @@ def test_a_lock_whose_file_its_holder_removes_meanwhile_is_taken_on_the_new_file
     path = tmp_path / "x.lock"
     a = fsio.FileLock(path, remove=True)
     a.acquire()
-    flock, calls = fsio._flock, []
+    flock, calls = fsio.locks._flock, []
 
     def a_releases_first(fd):
         if not calls:
@@ -130,7 +130,7 @@ def test_a_lock_whose_file_its_holder_removes_meanwhile_is_taken_on_the_new_file
         calls.append(fd)
         return flock(fd)
 
-    monkeypatch.setattr(fsio, "_flock", a_releases_first)
+    monkeypatch.setattr(fsio.locks, "_flock", a_releases_first)
     b = fsio.FileLock(path, remove=True)
     b.acquire()
     assert len(calls) == 2, "B locked the deleted file and kept it"

@@ -1,16 +1,17 @@
 """Typed job configuration: one dataclass per section (``schema``), YAML and
-``section.key=value`` overrides (``loading``), ``validate()`` and the facts derived from a
-config, and the defaults that depend on the run (``defaults``). Everything is importable
+``section.key=value`` overrides (``loading``), ``validate()``, the facts derived from a
+config (``derived``), and the defaults that depend on the run (``defaults``). Everything is importable
 from ``lmforge.config``."""
 from lmforge.config.defaults import apply_run_defaults, fine_tuning_defaults, warmup_warning
 from lmforge.config.loading import (apply_dict, apply_override, config_yaml, load_config,
                                     read_yaml_file, save_config, set_field)
-from lmforge.config.schema import (CHAT_TEMPLATES, ConfigError, DataConfig, JobConfig,
-                                   LoraConfig, ModelConfig, OptimConfig, ParallelConfig,
-                                   QUANTIZE_FORMATS, TrainConfig, check_parallel_fits,
-                                   compute_dtype, grad_accumulation_steps,
-                                   pipeline_microbatches, resolve_device, resolve_layout,
-                                   samples_per_step, validate)
+from lmforge.config.derived import (check_parallel_fits, compute_dtype,
+                                    grad_accumulation_steps, pipeline_microbatches,
+                                    resolve_device, resolve_layout, samples_per_step)
+from lmforge.config.errors import ConfigError
+from lmforge.config.schema import (CHAT_TEMPLATES, DataConfig, JobConfig, LoraConfig,
+                                   ModelConfig, OptimConfig, ParallelConfig,
+                                   QUANTIZE_FORMATS, TrainConfig, validate)
 
 __all__ = ["CHAT_TEMPLATES", "ConfigError", "DataConfig", "JobConfig", "LoraConfig",
            "ModelConfig", "OptimConfig", "ParallelConfig", "QUANTIZE_FORMATS", "TrainConfig",

@@ -13,7 +13,8 @@ from typing import Any, Optional, Union
 import yaml
 
 from lmforge.config.defaults import apply_run_defaults
-from lmforge.config.schema import ConfigError, JobConfig
+from lmforge.config.errors import ConfigError
+from lmforge.config.schema import JobConfig
 
 
 def load_config(path: Optional[str | Path] = None, overrides: list[str] = ()) -> JobConfig:

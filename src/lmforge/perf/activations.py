@@ -9,269 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lmforge.models.registry import family_of
 from lmforge.parallel.offload import MIN_OFFLOAD_BYTES
-from lmforge.perf.estimate_setup import Setup, adapter_bytes, compute_bytes, residual_bytes
+from lmforge.perf.block_walk import Term, BlockWalk
+from lmforge.perf.estimate_setup import Setup, compute_bytes
 from lmforge.perf.weights import stage_layer_ids
 
 BATCH_BYTES_PER_TOKEN = 16.0  # the batch's input ids and labels (int64)
-
-
-@dataclass
-class Term:
-    """Bytes per token of one tensor kept for backward. ``split``: how tensor parallelism
-    divides it: "heads" (always by tp), "seq" (by tp with sequence parallelism), "none"."""
-    name: str
-    bytes: float
-    split: str = "heads"
-
-
-class _BlockWalk:
-    """Walks one block the way autograd sees it, collecting the terms it saves.
-
-    ``residual_bytes`` is R and ``matmul_bytes`` C of docs/estimate.md; ``cast``: autocast
-    copies fp32 activations to bf16 at every matmul."""
-
-    def __init__(self, setup: Setup):
-        self.setup, self.args, self.trainable = setup, setup.args, setup.trainable
-        self.family = family_of(setup.args)
-        self.names = self.family.projections
-        self.block = self.family.block(setup.args)
-        self.matmul_bytes = compute_bytes(setup)
-        self.residual_bytes = residual_bytes(setup)
-        self.autocast = setup.autocast
-        self.cast = self.autocast and self.residual_bytes == 4
-        self.adapter_bytes = adapter_bytes(setup)
-        self.dropout = setup.lora is not None and setup.lora.dropout > 0
-        self.terms: list[Term] = []
-
-    def add(self, name: str, nbytes: float, split: str = "heads") -> None:
-        if nbytes:
-            self.terms.append(Term(name, nbytes, split))
-
-    def needs_grad(self, projection: str, input_needs_grad: bool) -> bool:
-        """Whether a projection's output requires grad."""
-        return (input_needs_grad or self.trainable.trains(projection)
-                or self.trainable.rank(projection) > 0)
-
-    def walk(self, input_needs_grad: bool) -> tuple[list[Term], bool]:
-        """The terms one block saves, and whether its output requires grad."""
-        self.terms = []
-        qkv, mlp_inputs = self.names.attention[:-1], self.names.mlp_inputs
-        normed_needs_grad = self.norm("attention norm", input_needs_grad)
-        if self.block.parallel:  # x + attention(norm(x)) + mlp(norm(x))
-            self._parallel_block_inputs(normed_needs_grad)
-            attention_needs_grad = self._attention(normed_needs_grad)
-            mlp_needs_grad = self._mlp(normed_needs_grad)
-            return list(self.terms), input_needs_grad or attention_needs_grad or mlp_needs_grad
-        self.block_inputs(qkv, normed_needs_grad)
-        attention_needs_grad = self._post_norm("post-attention norm",
-                                               self._attention(normed_needs_grad))
-        hidden_needs_grad = input_needs_grad or attention_needs_grad  # h = x + attention
-        ffn_normed_needs_grad = self.norm("ffn norm", hidden_needs_grad)
-        self.block_inputs(mlp_inputs, ffn_normed_needs_grad)
-        mlp_needs_grad = self._post_norm("post-MLP norm", self._mlp(ffn_normed_needs_grad))
-        return list(self.terms), hidden_needs_grad or mlp_needs_grad
-
-    def _post_norm(self, label: str, branch_needs_grad: bool) -> bool:
-        """A branch output's own norm before the residual add (Gemma 3), over the output
-        projection's result; whether its output requires grad."""
-        if not self.block.post_norms:
-            return branch_needs_grad
-        return self._rms_norm(label, branch_needs_grad, self.args.dim, 1, self.matmul_bytes,
-                              "seq")
-
-    def _parallel_block_inputs(self, normed_needs_grad: bool) -> None:
-        """One norm output read by q/k/v and by the MLP's input projection(s): one copy
-        kept for all, unless sequence parallelism gathers it for each branch apart (the
-        tensor-parallel plan prepares each branch's input)."""
-        qkv, mlp_inputs = self.names.attention[:-1], self.names.mlp_inputs
-        if self.setup.sequence_parallel and self.setup.tp > 1:
-            self.block_inputs(qkv, normed_needs_grad)
-            self.block_inputs(mlp_inputs, normed_needs_grad)
-        else:
-            self.block_inputs(qkv + mlp_inputs, normed_needs_grad)
-
-    def block_inputs(self, consumers: tuple[str, ...], input_needs_grad: bool) -> None:
-        """The copies kept of a norm's output by the projections that read it."""
-        label = "/".join(name.removesuffix("_proj") for name in consumers) + " input"
-        self.linear_inputs(label, self.args.dim, input_needs_grad, list(consumers),
-                           self.residual_bytes)
-
-    def norm(self, label: str, input_needs_grad: bool) -> bool:
-        """The norm's saved tensors; whether its output requires grad."""
-        if self.block.norm == "layer":
-            return self._layer_norm(label, input_needs_grad)
-        return self._rms_norm(label, input_needs_grad, self.args.dim, 1,
-                              self.residual_bytes, "seq")
-
-    def _rms_norm(self, label: str, input_needs_grad: bool, width: int, rows: int,
-                  in_bytes: int, split: str) -> bool:
-        """RMSNorm over ``width`` features per token in ``rows`` groups (one, or one per
-        head), of an input of ``in_bytes``: its saved tensors; whether its output
-        requires grad."""
-        if input_needs_grad:  # x.float() (the input itself when fp32), rsqrt: kept by pow, mul
-            self.add(f"{label} input (fp32)", 4 * width, split)
-            self.add(f"{label} rsqrt", 4 * rows, split)
-        if self.trainable.norms:  # weight * y keeps y for the weight's gradient: in the
-            # input's dtype, or fp32 where y * (1 + weight) is computed in fp32 (Gemma)
-            y_bytes = 4 if self.block.norm == "rms_one_plus" else in_bytes
-            self.add(f"{label} normalized", y_bytes * width, split)
-        return input_needs_grad or self.trainable.norms
-
-    def _layer_norm(self, label: str, input_needs_grad: bool) -> bool:
-        """native_layer_norm keeps its input and each token's mean and rstd, for the
-        input's gradient and the weight's and bias's alike; the statistics are fp32 on
-        CUDA, in the input's dtype on the CPU."""
-        output_needs_grad = input_needs_grad or self.trainable.norms
-        if output_needs_grad:
-            stat_bytes = 4 if self.setup.device == "cuda" else self.residual_bytes
-            self.add(f"{label} input", self.residual_bytes * self.args.dim, "seq")
-            self.add(f"{label} mean, rstd", 2 * stat_bytes, "seq")
-        return output_needs_grad
-
-    def keeps_block_input(self) -> bool:
-        """Whether the block's first norm keeps the block's input itself: LayerNorm keeps
-        its input; RMSNorm keeps ``x.float()``, the input itself when it is fp32."""
-        return self.block.norm == "layer" or self.residual_bytes == 4
-
-    def linear_inputs(self, label: str, n_in: int, input_needs_grad: bool,
-                      consumers: list[str], in_bytes: int, split: str = "none",
-                      counted: bool = False) -> None:
-        """Copies of one activation kept by the matmuls that read it (``consumers``).
-        A trained weight's matmul keeps its input (a private bf16 copy under autocast when
-        the input is fp32); a LoRA adapter keeps ``dropout(x).to(adapter dtype)``, which
-        autocast casts again (a private bf16 copy). ``counted``: the activation is already
-        kept by another op, so sharing it costs nothing more."""
-        trained = [n for n in consumers if self.trainable.trains(n)]
-        adapted = [n for n in consumers if self.trainable.rank(n)]
-        private_copies, shared, masks = 0.0, False, 0
-        if trained:
-            if self.autocast and in_bytes == 4:
-                private_copies += 2 * len(trained)
-            else:
-                shared = True
-        # the dropout mask: bool from the fused CUDA kernel, the input's dtype on CPU
-        mask_bytes = 1 if self.setup.device == "cuda" else in_bytes
-        for _ in adapted:
-            if self.dropout and input_needs_grad:
-                masks += mask_bytes
-            if self.autocast:
-                private_copies += 2
-            elif self.dropout or in_bytes != self.adapter_bytes:
-                private_copies += self.adapter_bytes
-            else:
-                shared = True
-        self.add(f"{label} dropout masks", masks * n_in, split)
-        self.add(f"{label} copies", private_copies * n_in, split)
-        if shared and not counted:
-            self.add(label, in_bytes * n_in, split)
-
-    def adapter(self, name: str) -> None:
-        rank = self.trainable.rank(name)
-        if rank:
-            self.add(f"{name} lora_a output", self.matmul_bytes * rank, "heads")
-
-    def _attention(self, normed_needs_grad: bool) -> bool:
-        """q/k/v (their input kept by ``block_inputs``) -> RoPE -> SDPA -> the output
-        projection; whether its output requires grad."""
-        args = self.args
-        q_dim = args.n_heads * args.head_dim
-        inputs, out = self.names.attention[:-1], self.names.attention_output
-        for name in inputs:
-            self.adapter(name)
-        # q, k and v, each from its projection or all three from a fused one
-        q, k, v = (self.needs_grad(name, normed_needs_grad)
-                   for name in self.block.sources(inputs))
-        q, k, roped_bytes = self._head_norms(q, k)
-        self._rope(q, k, roped_bytes)
-        scores_need_grad = q or k or v
-        if scores_need_grad:
-            self._sdpa()
-        # The output projection's input: a view of the SDPA output, which the
-        # flash/efficient kernels (CUDA and CPU) write as (batch, seq, heads, head_dim);
-        # a copy in eager.
-        is_view = scores_need_grad and self.setup.attention != "eager"
-        self.linear_inputs(f"{out} input", q_dim, scores_need_grad, [out],
-                           self.matmul_bytes, "heads", counted=is_view)
-        self.adapter(out)
-        return self.needs_grad(out, scores_need_grad)
-
-    def _head_norms(self, q_needs_grad: bool, k_needs_grad: bool) -> tuple[bool, bool, int]:
-        """Qwen3's and Gemma 3's RMSNorm over each q and k head (before RoPE), split with
-        the heads: whether q and k require grad after it, and their bytes then (Qwen3's
-        fp32 weight times the normalized y makes them fp32 under autocast; Gemma's norm
-        casts back to the input's dtype)."""
-        if not self.block.head_norms:
-            return q_needs_grad, k_needs_grad, self.matmul_bytes
-        args, c = self.args, self.matmul_bytes
-        q = self._rms_norm("q norm", q_needs_grad, args.n_heads * args.head_dim,
-                           args.n_heads, c, "heads")
-        k = self._rms_norm("k norm", k_needs_grad, args.n_kv_heads * args.head_dim,
-                           args.n_kv_heads, c, "heads")
-        return q, k, 4 if self.autocast and self.block.norm == "rms" else c
-
-    def _rope(self, q_needs_grad: bool, k_needs_grad: bool, roped_bytes: int) -> None:
-        """Each attention computes fp32 cos/sin tables (batch, seq, rotary features: the
-        head dim, or GPT-J's first rotary_dim): kept as they are when q and k are fp32
-        (``roped_bytes``); in bf16 each rotary call keeps bf16 copies, two per call (q
-        and k)."""
-        features = self.block.rotary_features
-        if roped_bytes == 4 and (q_needs_grad or k_needs_grad):
-            self.add("rope cos/sin (fp32)", 2 * 4 * features, "none")
-        elif roped_bytes != 4:
-            calls = q_needs_grad + k_needs_grad
-            self.add("rope cos/sin copies", calls * 2 * roped_bytes * features, "none")
-
-    def _sdpa(self) -> None:
-        args, out_bytes = self.args, self.matmul_bytes
-        q_dim, kv_dim = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-        if self.setup.attention == "eager":  # HF eager: k/v repeated, S x S kept twice
-            self.add("q (roped)", out_bytes * q_dim)
-            self.add("k, v repeated to all heads", 2 * out_bytes * q_dim)
-            self.add("attention softmax (fp32)", 4 * args.n_heads * self.setup.seq_len)
-            self.add("attention probs", out_bytes * args.n_heads * self.setup.seq_len)
-        else:  # flash/efficient SDPA keeps q, k, v, the output and the log-sum-exp
-            self.add("q, k (roped), v", out_bytes * (q_dim + 2 * kv_dim))
-            self.add("attention output", out_bytes * q_dim)
-            self.add("attention logsumexp (fp32)", 4 * args.n_heads)
-
-    def _mlp(self, normed_needs_grad: bool) -> bool:
-        """The input projection(s) (their input kept by ``block_inputs``) -> the activation
-        -> the output projection; whether its output requires grad."""
-        inputs, out = self.names.mlp_inputs, self.names.mlp_output
-        for name in inputs:
-            self.adapter(name)
-        # gate and up, each from its projection or both from a fused one; or fc_in
-        needs_grad = [self.needs_grad(name, normed_needs_grad)
-                      for name in self.block.sources(inputs)]
-        if self.block.gated:
-            hidden_needs_grad = self._gated(*needs_grad)
-        else:
-            hidden_needs_grad = self._gelu(*needs_grad)
-        self.linear_inputs(f"{out} input", self.args.ffn_dim, hidden_needs_grad, [out],
-                           self.matmul_bytes, "heads")
-        self.adapter(out)
-        return self.needs_grad(out, hidden_needs_grad)
-
-    def _gated(self, gate: bool, up: bool) -> bool:
-        """act(gate) * up (silu or gelu_tanh): the activation keeps its input, the product
-        each factor for the other's gradient."""
-        ffn_bytes = self.matmul_bytes * self.args.ffn_dim
-        if gate:
-            self.add("gate output (silu input)", ffn_bytes)
-        if up:
-            self.add("silu output", ffn_bytes)
-        if gate:
-            self.add("up output", ffn_bytes)
-        return gate or up
-
-    def _gelu(self, fc_in: bool) -> bool:
-        """gelu_tanh(fc_in(x)) keeps its input (the bias added: addmm's output)."""
-        if fc_in:
-            self.add("gelu input", self.matmul_bytes * self.args.ffn_dim)
-        return fc_in
-
 
 def per_device(terms: list[Term], setup: Setup) -> float:
     """Bytes per token on one device: tensor parallelism divides the head-split terms,
@@ -306,7 +49,7 @@ class Activations:
 def activation_model(setup: Setup) -> Activations:
     """Walks the first block (its input requires grad only if the embedding trains), a
     later one, and the final norm and head; then the loss head and the backward buffers."""
-    args, walker = setup.args, _BlockWalk(setup)
+    args, walker = setup.args, BlockWalk(setup)
     first_terms, output_needs_grad = walker.walk(setup.trainable.embedding)
     other_terms = walker.walk(True)[0] if args.n_layers > 1 else first_terms
     if args.n_layers > 1:
@@ -331,7 +74,7 @@ def activation_model(setup: Setup) -> Activations:
 def _head_terms(setup: Setup, input_needs_grad: bool) -> list[Term]:
     """The final norm, and the output layer's input when the head trains (a bf16 copy
     under autocast)."""
-    head = _BlockWalk(setup)
+    head = BlockWalk(setup)
     head.norm("final norm", input_needs_grad)
     if setup.trainable.head:
         nbytes = (2 if head.cast else head.residual_bytes) * setup.args.dim
@@ -339,7 +82,7 @@ def _head_terms(setup: Setup, input_needs_grad: bool) -> list[Term]:
     return head.terms
 
 
-def _backward_buffers(setup: Setup, walker: _BlockWalk) -> float:
+def _backward_buffers(setup: Setup, walker: BlockWalk) -> float:
     """The peak inside a block's backward, beside the incoming residual gradient: at the
     MLP's activation, with its hidden gradients alive (SwiGLU's silu(g) * u: d(m),
     d(silu(g)) and d(u); GELU: d(gelu(h)) and d(h)) and the output projection's saved
