@@ -1,78 +1,45 @@
 """The training entry point: config in, trained model and run directory out.
 
 ``train(cfg)`` reads top to bottom as the run happens: runtime, output directory,
-tokenizer, data, model, optimizer, resume, the loop (with checkpoints), then evaluation,
-export and a sample.
+tokenizer (``train.setup``), data, model, optimizer, resume, the loop (with checkpoints:
+``train.checkpoints``), then evaluation, export and a sample (``train.finish``).
 """
 from __future__ import annotations
 
 import functools
 import gc
-import json
-import os
 import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 
-from lmforge import fsio
-from lmforge.checkpoint import (CheckpointError, checkpoint_step, is_complete,
-                                list_checkpoints, resolve_resume, resume_is_auto)
-from lmforge.config import (ConfigError, JobConfig, compute_dtype,
-                            grad_accumulation_steps, resolve_device,
-                            save_config, warmup_warning)
-from lmforge.data.build import DataBundle, build_data, check_data, train_corpus_tokenizer
-from lmforge.data.tokenizer import Tokenizer, load_tokenizer
-from lmforge.export import export_trained, trained_model
+from lmforge.config import JobConfig, compute_dtype, grad_accumulation_steps, warmup_warning
+from lmforge.data.build import DataBundle, build_data, check_data
 from lmforge.models.common import count_parameters
 from lmforge.models.presets import job_family, resolve_model_args, validate_job
 from lmforge.models.registry import build_model
-from lmforge.parallel.mesh import (DistEnv, ParallelDims, build_parallel_dims,
-                                   init_distributed, read_dist_env, runs_distributed)
+from lmforge.parallel.mesh import DistEnv, read_dist_env, runs_distributed
 from lmforge.parallel.offload import offload_summary
 from lmforge.peft.lora import trainable_summary
 from lmforge.peft.targets import model_projections, resolve_targets
 from lmforge.perf.budget import require_fit
 from lmforge.perf.flops import device_peak_flops, model_flops_per_token
 from lmforge.train import metrics as M
-from lmforge.train.checkpoints import Checkpoints, seed_everything
-from lmforge.train.model_setup import (TrainModel, build_train_model, clip_grad_norm,
-                                       gather_full_state_dict)
+from lmforge.train.checkpoints import Checkpoints
+from lmforge.train.finish import finish
+from lmforge.train.model_setup import TrainModel, build_train_model, clip_grad_norm
 from lmforge.train.optim import Optimizers
-from lmforge.train.precision import LossScaler, device_notes, mixed_precision
+from lmforge.train.precision import LossScaler, device_notes
 from lmforge.train.preempt import StopSignals
 from lmforge.train.progress import Progress, evaluation_plan, summary_lines
-from lmforge.train.run_dir import CHECKPOINTS, RunLock, claim_run_dir
-from lmforge.train.sample import write_sample
+from lmforge.train.run_dir import CHECKPOINTS
+from lmforge.train.setup import (Runtime, check_resume_path, data_source, init_runtime,
+                                 prepare_output_dir, prepare_tokenizer, say)
 from lmforge.train.step import (StepResult, check_finite, global_step_loss, sample_ids,
                                 step_counts)
 
-
-@dataclass
-class Runtime:
-    device: torch.device
-    autocast: object  # a context-manager factory
-    rank: int = 0
-    world_size: int = 1
-    dims: ParallelDims = ParallelDims()  # the layout (and its DeviceMesh when distributed)
-    param_dtype: Optional[torch.dtype] = None  # FSDP's compute dtype for parameters
-    started: float = field(default_factory=time.perf_counter)  # for the summary's wall time
-
-    @property
-    def is_logging_rank(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def dp_rank(self) -> int:
-        return self.dims.dp_rank
-
-    @property
-    def dp_size(self) -> int:
-        return self.dims.dp
+__all__ = ["Runtime", "check_job", "prepare_output_dir", "run_loop", "train", "train_step"]
 
 
 def train(cfg: JobConfig) -> dict:
@@ -113,28 +80,28 @@ def _run(cfg: JobConfig, rt: Runtime) -> dict:
 def _run_in(cfg: JobConfig, rt: Runtime, out_dir: Path) -> dict:
     tokenizer = prepare_tokenizer(cfg, out_dir, rt)
     args = resolve_model_args(cfg, tokenizer.vocab_size)
-    _say(rt, f"data: reading and tokenizing {_data_source(cfg)}")
+    say(rt, f"data: reading and tokenizing {data_source(cfg)}")
     data = build_data(cfg, tokenizer, rt.dp_rank, rt.dp_size, cache_dir=out_dir / "cache")
-    _say(rt, "model: building" + (f", loading {cfg.model.init_from}"
+    say(rt, "model: building" + (f", loading {cfg.model.init_from}"
                                   if cfg.model.init_from else ""))
     model = build_train_model(cfg, args, rt.device, rt.dims, rt.param_dtype)
     optimizers = Optimizers(model.parts, cfg.optim, cfg.train.max_steps,
                             LossScaler.for_job(cfg, rt.device, rt.is_logging_rank))
-    _say(rt, f"model: {count_parameters(build_model(args)):,} parameters ({_describe(args)}) "
+    say(rt, f"model: {count_parameters(build_model(args)):,} parameters ({_describe(args)}) "
              f"on {rt.world_size} x {rt.device.type} ({_layout(rt)}); data: {data.description}")
     for note in data.notes:
-        _say(rt, note)
+        say(rt, note)
     for note in device_notes(compute_dtype(cfg, rt.device.type), rt.device.type):
-        _say(rt, note)
+        say(rt, note)
     if cfg.lora.enabled:
         targets = resolve_targets(cfg.lora.targets, model_projections(model.parts[0]))
-        _say(rt, f"LoRA rank {cfg.lora.rank} on {', '.join(targets)}"
+        say(rt, f"LoRA rank {cfg.lora.rank} on {', '.join(targets)}"
                  f"{', ' + cfg.lora.quantize + ' base' if cfg.lora.quantize else ''}: "
                  f"{trainable_summary(model.parts[0])}"
                  f"{' (stage 0)' if len(model.parts) > 1 or rt.dims.pp > 1 else ''}")
     if cfg.train.activation_offload:
-        _say(rt, offload_summary(rt.device, cfg.train.activation_checkpointing))
-    _say(rt, evaluation_plan(cfg, data))
+        say(rt, offload_summary(rt.device, cfg.train.activation_checkpointing))
+    say(rt, evaluation_plan(cfg, data))
     checkpoints = Checkpoints(cfg, rt, out_dir)
     start_step = checkpoints.resume(model, optimizers, data)
     end_step = min(cfg.train.max_steps, cfg.train.stop_at_step or cfg.train.max_steps)
@@ -144,23 +111,15 @@ def _run_in(cfg: JobConfig, rt: Runtime, out_dir: Path) -> dict:
         history = run_loop(cfg, rt, model, optimizers, data, out_dir, checkpoints,
                            start_step, end_step, progress, stop)
     if stop.stopped_at is not None:
-        _say(rt, f"preempted at step {stop.stopped_at}: checkpoint written, exiting; "
+        say(rt, f"preempted at step {stop.stopped_at}: checkpoint written, exiting; "
                  f"requeue resumes (train.resume=auto)")
         return {"preempted_at": stop.stopped_at, "history": history}
     if end_step < cfg.train.max_steps:
-        _say(rt, "\n".join(summary_lines(progress.summary(out_dir, history, rt.device, data))))
-        _say(rt, f"stopped after step {end_step} of {cfg.train.max_steps} "
+        say(rt, "\n".join(summary_lines(progress.summary(out_dir, history, rt.device, data))))
+        say(rt, f"stopped after step {end_step} of {cfg.train.max_steps} "
                  f"(train.stop_at_step); continue with train.resume=auto")
         return {"stopped_at": end_step, "history": history}
     return finish(cfg, rt, model, tokenizer, data, out_dir, history, progress)
-
-
-def _data_source(cfg: JobConfig) -> str:
-    d = cfg.data
-    if d.kind == "stdlib":
-        return "the Python standard library (data.kind=stdlib)"
-    where = d.blend if d.kind == "pretrain" and d.blend else d.path
-    return f"{where} (data.kind={d.kind})"
 
 
 def _shutdown() -> None:
@@ -173,99 +132,6 @@ def _shutdown() -> None:
         dist.barrier()
         dist.destroy_process_group()
         gc.collect()
-
-
-# ---------------------------------------------------------------------------- set-up
-
-def init_runtime(cfg: JobConfig, env: DistEnv, distributed: bool = False) -> Runtime:
-    t = cfg.train
-    device = resolve_device(t.device, "train.device", env.local_rank)
-    device_type = device.type
-    if t.threads:
-        torch.set_num_threads(t.threads)
-    seed_everything(t.seed)
-    if t.deterministic:
-        torch.use_deterministic_algorithms(True)
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    init_distributed(env, device_type, distributed)
-    dims = (build_parallel_dims(cfg.parallel, env.world_size, device_type) if distributed
-            else ParallelDims())
-    autocast, param_dtype = mixed_precision(compute_dtype(cfg, device_type), device_type,
-                                            dims.uses_fsdp)
-    return Runtime(device=device, autocast=autocast, rank=env.rank,
-                   world_size=env.world_size, dims=dims, param_dtype=param_dtype)
-
-
-def prepare_output_dir(cfg: JobConfig, rt: Runtime) -> tuple[Path, Optional[RunLock]]:
-    """Rank 0 claims ``train.output_dir`` (its lock and the fresh-run rule, see
-    ``run_dir``) and writes the config there; every rank raises the same one-line error
-    when that fails. Returns the directory and, on rank 0, the held lock."""
-    out = Path(cfg.train.output_dir)
-    lock, error = None, None
-    if rt.is_logging_rank:
-        try:
-            lock = claim_run_dir(cfg, out)
-            save_config(cfg, out / "config.yaml")
-        except ConfigError as e:
-            error = str(e)
-        except OSError as e:
-            error = f"train.output_dir: cannot write to {out} ({e.strerror or e})"
-        if error and lock is not None:
-            lock.release()
-    error = _from_rank0(rt, error)
-    if error:
-        raise ConfigError(error)
-    return out, lock
-
-
-def check_resume_path(resume: Optional[str], root: Path) -> None:
-    """An explicit ``train.resume`` path is checked before any set-up (``auto`` is
-    resolved once the run directory is claimed): it must be a complete checkpoint, and
-    none of a later step may sit in this run's ``root``. Continuing from step N beside
-    later ones (a rewind, or another run's) would leave those to the next ``auto``."""
-    if not resume or resume_is_auto(resume):
-        return
-    if not is_complete(resume):
-        try:
-            resolve_resume(resume, Path(resume))  # raises, saying what the path is instead
-        except CheckpointError as e:
-            raise ConfigError(str(e)) from None
-    step = checkpoint_step(resume)
-    later = [p.name for p in list_checkpoints(root) if checkpoint_step(p) > step]
-    if later:
-        raise ConfigError(
-            f"train.resume: {resume} is older than {later[-1]} in {root}; a later "
-            f"train.resume=auto would continue that one. Move the later checkpoints "
-            f"away, or resume into another train.output_dir")
-
-
-def prepare_tokenizer(cfg: JobConfig, out_dir: Path, rt: Runtime) -> Tokenizer:
-    """The model's tokenizer, or one trained on the corpus (and saved in the run dir)."""
-    source = cfg.model.tokenizer or cfg.model.init_from
-    if source:
-        return load_tokenizer(source)
-    saved = out_dir / "tokenizer"
-    reuse = (saved / "tokenizer.json").is_file() and cfg.train.resume
-    if rt.is_logging_rank and not reuse:  # one rank trains it, all load the same file
-        _say(rt, f"tokenizer: training a {cfg.data.tokenizer_vocab_size}-token BPE "
-                 f"tokenizer on {_data_source(cfg)}, saved in {saved}")
-        train_corpus_tokenizer(cfg).save(saved)
-    _barrier(rt)
-    return load_tokenizer(saved)
-
-
-def _barrier(rt: Runtime) -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _from_rank0(rt: Runtime, value):
-    """``value`` as rank 0 has it, on every rank (also a barrier)."""
-    if not dist.is_initialized():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 # ------------------------------------------------------------------------------ loop
@@ -362,51 +228,6 @@ def evaluate_held_out(rt: Runtime, model: TrainModel, data: DataBundle) -> dict:
     """``eval_loss`` and ``eval_tokens`` of the held-out data, on any layout."""
     loss, tokens = model.evaluate(data.eval_batches(), rt.device, rt.autocast)
     return {"eval_loss": loss, "eval_tokens": tokens}
-
-
-# ------------------------------------------------------------------------- finishing
-
-def finish(cfg: JobConfig, rt: Runtime, model: TrainModel, tokenizer: Tokenizer,
-           data: DataBundle, out_dir: Path, history: list[dict],
-           progress: Optional[Progress] = None) -> dict:
-    """Export and sample (``train.save``), then the summary block and ``summary.json``.
-    The held-out loss is the last step's evaluation (``run_loop``)."""
-    progress = progress or Progress(cfg, rt.is_logging_rank, started=rt.started)
-    sample = (export_and_sample(cfg, rt, model, tokenizer, data, out_dir) if cfg.train.save
-              else None)
-    # the wall time includes export
-    summary = {**progress.summary(out_dir, history, rt.device, data), **data.stats}
-    if sample is not None:
-        summary["sample"] = sample
-    if rt.is_logging_rank:
-        fsio.atomic_write_bytes(out_dir / "summary.json", json.dumps(
-            {k: v for k, v in summary.items() if k != "sample"}, indent=2).encode())
-        print("\n".join(summary_lines(summary)), flush=True)
-    return summary
-
-
-def export_and_sample(cfg: JobConfig, rt: Runtime, model: TrainModel, tokenizer: Tokenizer,
-                      data: DataBundle, out_dir: Path) -> Optional[str]:
-    """``hf/`` (and ``adapter/``) from the trained weights, then a short sample; returns
-    the sample on the logging rank. Collective (the weights are gathered to rank 0)."""
-    if model.mesh is not None:
-        _say(rt, "export: gathering the full weights on rank 0")
-    full_sd = gather_full_state_dict(model)
-    if not rt.is_logging_rank:
-        return None
-    # A single-device model holding the trained weights, for export and sampling.
-    trained = model.parts[0] if model.mesh is None else trained_model(
-        model.args, full_sd, cfg.lora)
-    _say(rt, f"export: writing {out_dir / 'hf'}"
-             + (f" and {out_dir / 'adapter'}" if cfg.lora.enabled else ""))
-    export_trained(cfg, trained, tokenizer, out_dir)
-    print(f"\nHugging Face export: {out_dir / 'hf'}")
-    return write_sample(cfg, trained, tokenizer, data, rt.autocast)
-
-
-def _say(rt: Runtime, message: str) -> None:
-    if rt.is_logging_rank:
-        print(message, flush=True)
 
 
 def _layout(rt: Runtime) -> str:
