@@ -22,7 +22,7 @@ from lmforge.config import (JobConfig, compute_dtype, grad_accumulation_steps,
 from lmforge.eval.evaluate import loss_sums, mean_loss
 from lmforge.models.common import count_parameters, materialize
 from lmforge.models.hf import from_hf_state_dict, read_hf_state_dict
-from lmforge.models.loss import IGNORE_INDEX, token_loss_sum
+from lmforge.models.loss import IGNORE_INDEX
 from lmforge.models.registry import build_model
 from lmforge.parallel import full_value
 from lmforge.parallel.mesh import ParallelDims
@@ -32,6 +32,7 @@ from lmforge.parallel.pipeline import (TiedEmbedding, build_schedule, has_first_
                                        has_last_stage, split_model, step_options)
 from lmforge.peft.adapters import load_adapter
 from lmforge.peft.lora import after_materialize, is_lora_param, prepare_model_for_lora
+from lmforge.train.objectives import NEXT_TOKEN, NextToken, objective_for
 from lmforge.train.step import accumulate_gradients, normalize_loss
 
 LAYOUT_INDEPENDENT_INIT_BYTES = 4 * 2**30
@@ -49,6 +50,7 @@ class TrainModel:
     offload: Optional[ActivationOffloader] = None  # train.activation_offload
     tied: Optional[TiedEmbedding] = None  # a tied model's embedding on two pipeline stages
     step_rows: int = 0  # rows of a step's local batch (the pipeline schedule's input shape)
+    objective: NextToken = NEXT_TOKEN  # what a step minimises (train.objectives)
     _n_valid: int = 1  # the current step's, for pipeline_loss
     _loss_scale: float = 1.0
     _summing: bool = False  # evaluating: pipeline_loss returns plain token-loss sums
@@ -88,7 +90,7 @@ class TrainModel:
             if self.schedule is None:
                 return accumulate_gradients(self.parts[0], micro_batches, device, autocast,
                                             n_valid, self.dims.dp, self.loss_chunk_tokens,
-                                            loss_scale)
+                                            loss_scale, self.objective)
             return self._pipeline_step(micro_batches, n_valid, device, autocast, loss_scale)
 
     def _pipeline_step(self, micro_batches, n_valid, device, autocast, loss_scale
@@ -120,9 +122,10 @@ class TrainModel:
         """The schedule's loss function, called per pipeline microbatch on the last stage
         (and by the schedule's set-up): what it returns is back-propagated, so it carries
         the loss scale."""
+        loss_sum = self.objective.stage_loss_sum(output, target)
         if self._summing:
-            return token_loss_sum(output, target)
-        loss = normalize_loss(token_loss_sum(output, target), self._n_valid, self.dims.dp)
+            return loss_sum
+        loss = normalize_loss(loss_sum, self._n_valid, self.dims.dp)
         return loss * self._loss_scale
 
     def evaluate(self, batches, device, autocast) -> tuple[float, int]:
@@ -205,7 +208,8 @@ def build_train_model(cfg: JobConfig, args, device: torch.device,
         stages = [(0, model)]
     tm = TrainModel([part for _, part in stages], args, dims,
                     stage_ids=[i for i, _ in stages],
-                    loss_chunk_tokens=cfg.train.loss_chunk_tokens)
+                    loss_chunk_tokens=cfg.train.loss_chunk_tokens,
+                    objective=objective_for(cfg))
     for part in tm.parts:
         if cfg.lora.enabled:  # module swap on the meta model, before any sharding
             prepare_model_for_lora(part, cfg.lora)

@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lmforge.models.loss import IGNORE_INDEX, micro_batch_loss_sum
+from lmforge.models.loss import IGNORE_INDEX
 from lmforge.parallel import full_value
 from lmforge.parallel.mesh import ParallelDims
+from lmforge.train.objectives import NEXT_TOKEN
 
 
 def normalize_loss(loss_sum: torch.Tensor, n_valid: int, dp: int = 1) -> torch.Tensor:
@@ -91,18 +92,19 @@ def global_step_loss(local: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
 def accumulate_gradients(model: nn.Module, micro_batches: list[dict], device: torch.device,
                          autocast=contextlib.nullcontext, n_valid: int | None = None,
                          dp: int = 1, loss_chunk_tokens: int = 0,
-                         loss_scale: float = 1.0) -> torch.Tensor:
+                         loss_scale: float = 1.0, objective=NEXT_TOKEN) -> torch.Tensor:
     """Forward/backward over the micro-batches of one step; returns this rank's share of
     the step loss. ``n_valid``, ``dp``: see ``normalize_loss`` (default: this rank's own
     valid tokens, one process). ``loss_chunk_tokens``: see ``chunked_loss_sum`` (0: the
     whole micro-batch's logits at once). ``loss_scale``: what each micro-batch's
     back-propagated loss is multiplied by (fp16: ``precision.LossScaler``).
+    ``objective``: what each micro-batch's loss sum is (``train.objectives``).
     """
     if n_valid is None:
         n_valid = count_valid_tokens(micro_batches)
     loss_sum = torch.zeros((), device=device)
     for batch in micro_batches:
-        micro_loss = micro_batch_loss_sum(model, batch, device, autocast, loss_chunk_tokens)
+        micro_loss = objective.loss_sum(model, batch, device, autocast, loss_chunk_tokens)
         (normalize_loss(micro_loss, n_valid, dp) * loss_scale).backward()
         loss_sum += full_value(micro_loss)  # (a replicated DTensor under loss parallel)
     return normalize_loss(loss_sum, n_valid)
