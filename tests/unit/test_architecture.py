@@ -247,7 +247,7 @@ def flow_problems(modules: dict[str, Module], imports: list[Import],
             rank[package] = None
             problems.append(Problem("flow", f"{module.shown}:1", f"package {package!r} is "
                                     "not in the layer table (LAYERS in tests/unit/"
-                                    "test_layout.py)"))
+                                    "test_architecture.py)"))
     for imp in imports:
         where = f"{modules[imp.source].shown}:{imp.line}"
         source, target = package_of(imp.source), package_of(imp.target)
@@ -418,7 +418,7 @@ def test_checker_allows_downward_and_own_package_imports(tmp_path):
 def test_checker_refuses_a_package_missing_from_the_layer_table(tmp_path):
     found = _problems(tmp_path, {"misc/util.py": "from lmforge.config import x\n"}, "flow")
     assert found == ["src/lmforge/misc/__init__.py:1: package 'misc' is not in the layer "
-                     "table (LAYERS in tests/unit/test_layout.py)"]
+                     "table (LAYERS in tests/unit/test_architecture.py)"]
 
 
 def test_checker_refuses_an_unexplained_lmforge_import_inside_a_function(tmp_path):
