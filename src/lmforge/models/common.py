@@ -20,6 +20,9 @@ class Projections:
     aliases: Mapping[str, str] = field(default_factory=dict)
     # What LoRA adapts when ``lora.targets`` is not set: peft's default for the family.
     lora_default: tuple[str, ...] = ()
+    # A part's usual name -> the fused projection that computes it (Phi-3's q_proj ->
+    # qkv_proj): not a layer of its own, so a target naming it is refused with the hint.
+    fused_parts: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def all(self) -> tuple[str, ...]:

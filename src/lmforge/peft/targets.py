@@ -64,6 +64,10 @@ def _resolve_one(item: Any, projections: Projections) -> tuple[str, ...]:
         raise ConfigError(f"lora.targets: {item!r} names one layer; targets apply to every "
                           f"layer (write {path[-1]!r})")
     leaf = projections.aliases.get(path[-1], path[-1])
+    if leaf in projections.fused_parts:
+        fused = projections.fused_parts[leaf]
+        raise ConfigError(f"lora.targets: {item!r} is computed inside {fused} in this model "
+                          f"(a fused projection, as peft names it): target {fused!r}")
     if leaf not in projections.all:
         raise ConfigError(f"lora.targets: unknown module {item!r} (known: "
                           f"{', '.join(projections.all)}, other names for them "
