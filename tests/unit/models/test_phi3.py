@@ -136,8 +136,11 @@ def test_lora_targets_are_the_fused_names_and_a_part_is_refused():
         "qkv_proj", "o_proj", "gate_up_proj", "down_proj")
     assert resolve_targets(["qkv", "mlp.gate_up_proj"], projections) == (
         "qkv_proj", "gate_up_proj")
-    with pytest.raises(ConfigError, match="lora.targets"):
+    with pytest.raises(ConfigError, match="lora.targets: 'q_proj' is computed inside "
+                                          "qkv_proj .* target 'qkv_proj'"):
         resolve_targets(["q_proj"], projections)
+    with pytest.raises(ConfigError, match="inside gate_up_proj"):
+        resolve_targets(["mlp.up_proj"], projections)
 
 
 def test_bad_long_rope_factors_are_refused_naming_the_field(tmp_path):

@@ -26,7 +26,9 @@ PROJECTIONS = Projections(
     attention=("qkv_proj", "o_proj"), mlp=("gate_up_proj", "down_proj"),
     aliases={"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj",
              "down": "down_proj"},
-    lora_default=("qkv_proj",))
+    lora_default=("qkv_proj",),
+    fused_parts={"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+                 "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"})
 
 
 @dataclass(frozen=True)
