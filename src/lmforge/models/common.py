@@ -102,6 +102,25 @@ class DecoderStack(nn.Module):
             return h
         return self.output(h)  # (batch, seq, vocab)
 
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Random initialisation, called after ``to_empty`` on the target device: the
+        embedding N(0, std), each block by its own ``reset_parameters(std, n_layers)``,
+        the norm to identity, an untied head truncated N(0, std) and its bias to zero.
+        (Llama's differs on a first pipeline stage, and overrides it.)"""
+        std = self.args.init_std
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight, std=std)
+        for layer in self.layers.values():
+            layer.reset_parameters(std, self.args.n_layers)
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None:
+            if not self.args.tie_embeddings:
+                nn.init.trunc_normal_(self.output.weight, std=std, a=-3 * std, b=3 * std)
+            if self.output.bias is not None:
+                nn.init.zeros_(self.output.bias)
+
 
 def new_caches(model: nn.Module, batch: int, max_len: int) -> list[KVCache]:
     """An empty cache per layer of ``model``, in its parameters' device and dtype."""

@@ -157,21 +157,6 @@ class GPTJ(DecoderStack):
         super().__init__(args, TransformerBlock, nn.LayerNorm(args.dim, eps=args.norm_eps),
                          output_bias=True)
 
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """Random initialisation, called after ``to_empty`` on the target device."""
-        std = self.args.init_std
-        if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight, std=std)
-        for layer in self.layers.values():
-            layer.reset_parameters(std, self.args.n_layers)
-        if self.norm is not None:
-            self.norm.reset_parameters()
-        if self.output is not None:
-            if not self.args.tie_embeddings:
-                nn.init.trunc_normal_(self.output.weight, std=std, a=-3 * std, b=3 * std)
-            nn.init.zeros_(self.output.bias)
-
 
 def projection_shapes(args: GPTJArgs) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each projection of one block."""

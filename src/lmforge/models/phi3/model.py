@@ -192,19 +192,6 @@ class Phi3(DecoderStack):
     def __init__(self, args: Phi3Args):
         super().__init__(args, Phi3Block, RMSNorm(args.dim, args.norm_eps), output_bias=False)
 
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """Random initialisation, called after ``to_empty`` on the target device."""
-        std = self.args.init_std
-        if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight, std=std)
-        for layer in self.layers.values():
-            layer.reset_parameters(std, self.args.n_layers)
-        if self.norm is not None:
-            self.norm.reset_parameters()
-        if self.output is not None and not self.args.tie_embeddings:
-            nn.init.trunc_normal_(self.output.weight, std=std, a=-3 * std, b=3 * std)
-
 
 def block_spec(args: Phi3Args) -> BlockSpec:
     """One block as parallelism, LoRA and the performance model see it."""
