@@ -5,7 +5,7 @@ models: which tensors each op saves for backward, given which inputs require gra
 which weights train, in the dtypes the run uses. It is the Korthikanti et al. (2022)
 activation analysis written out for these blocks (Llama's RMSNorm, SwiGLU, RoPE, GQA;
 GPT-J's LayerNorm, parallel attention and GELU MLP, partial rotary; SDPA/flash attention),
-as the model's family describes them (``models.registry.ModelFamily``), and evaluated at
+as the model's family describes them (``models.family.BlockSpec``), and evaluated at
 the points of a step where memory peaks: the end of the forward, the loss, the last and
 the first block of the backward, and the optimizer step.
 
