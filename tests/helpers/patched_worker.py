@@ -62,18 +62,18 @@ elif kind == "inf_grad":
     LossScaler.unscale, LossScaler.step = overflowing_unscale, reporting_step
 
 elif kind == "hang_commit":
-    from lmforge.checkpoint import layout
+    from lmforge.checkpoint import directory
 
     hang_step = int(params[0])
-    original_commit = layout.commit
+    original_commit = directory.commit
 
     def stalled_commit(tmp, final):
-        if layout.checkpoint_step(final) == hang_step:
+        if directory.checkpoint_step(final) == hang_step:
             open(os.environ["LMFORGE_TEST_SIGNAL"], "w").close()
             time.sleep(600)
         return original_commit(tmp, final)
 
-    layout.commit = stalled_commit
+    directory.commit = stalled_commit
 
 elif kind == "await_stop":
     import signal

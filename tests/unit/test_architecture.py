@@ -409,7 +409,7 @@ def test_checker_refuses_an_import_against_the_flow(tmp_path, source, files, lin
 def test_checker_allows_downward_and_own_package_imports(tmp_path):
     assert _problems(tmp_path, {
         "checkpoint/state.py": "from lmforge.parallel import mesh\nfrom . import layout\n"
-                               "from lmforge.checkpoint.layout import names\n",
+                               "from lmforge.checkpoint.directory import names\n",
         "export.py": "from lmforge.checkpoint import state\nfrom lmforge.peft import lora\n",
         "eval/rouge.py": "from lmforge.models import generate\nimport lmforge.fsio\n",
     }, "flow") == []

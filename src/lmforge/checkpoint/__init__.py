@@ -1,7 +1,7 @@
 """Distributed checkpoints of a training run: ``ROOT/step-NNNNNNN/`` directories that are
 written atomically and load on any parallel layout.
 
-- ``layout``: names, the ``COMPLETE`` marker, discovery, the atomic commit, retention;
+- ``directory``: names, the ``COMPLETE`` marker, discovery, the atomic commit, retention;
 - ``state``: what is saved and loaded through torch.distributed.checkpoint (model,
   optimizer, RNG, side files), and reading a checkpoint offline;
 - ``async_writer``: saves that run in the background while training goes on;
@@ -14,7 +14,7 @@ Exporting a checkpoint to Hugging Face / PEFT formats lives in ``lmforge.export`
 from lmforge.checkpoint.async_writer import AsyncCheckpointer
 from lmforge.checkpoint.collective import CheckpointError
 from lmforge.checkpoint.integrity import MANIFEST_NAME, verify_checkpoint
-from lmforge.checkpoint.layout import (CONFIG_NAME, EXTRA_NAME, MARKER, META_NAME,
+from lmforge.checkpoint.directory import (CONFIG_NAME, EXTRA_NAME, MARKER, META_NAME,
                                        checkpoint_dir, checkpoint_step, clean_stale_tmp,
                                        find_checkpoint, is_complete, latest_checkpoint,
                                        list_checkpoints, prune_checkpoints, resolve_resume,

@@ -11,7 +11,7 @@ from typing import Optional
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from lmforge.checkpoint import layout
+from lmforge.checkpoint import directory
 from lmforge.checkpoint.collective import (CAUGHT, QuietSingleProcess, agree, describe,
                                            distributed, group_rank, write_error)
 from lmforge.checkpoint.state import (ModelParts, dcp_writer, persist_and_commit,
@@ -41,7 +41,7 @@ class AsyncCheckpointer:
 
     @property
     def pending_step(self) -> Optional[int]:
-        return layout.checkpoint_step(self._pending[2]) if self._pending else None
+        return directory.checkpoint_step(self._pending[2]) if self._pending else None
 
     def save(self, step: int, model: ModelParts, optimizers, extra: dict,
              rank_state: Optional[dict], config_dict: Optional[dict]) -> Optional[Path]:
@@ -101,7 +101,7 @@ class AsyncCheckpointer:
             if error:
                 shutil.rmtree(tmp, ignore_errors=True)
             else:
-                error = layout.commit_and_prune(tmp, final, self.keep_last)
+                error = directory.commit_and_prune(tmp, final, self.keep_last)
         if error:
             self._error = self._error or error
             return None

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 
 from lmforge import fsio
-from lmforge.checkpoint import layout
+from lmforge.checkpoint import directory
 from lmforge.checkpoint.collective import (CAUGHT, CheckpointError, QuietSingleProcess, agree,
                                            describe, distributed, global_rank, group_rank,
                                            raised_checkpoint_error, world_size, write_error)
@@ -171,8 +171,8 @@ def _model_args(model: ModelParts) -> Optional[dict]:
 def _begin(root: Path, step: int, pg) -> tuple[Path, Path]:
     """Rank 0 creates a fresh ``step-N.tmp/`` (a stale one from a crashed attempt at the
     same step is replaced); every rank learns whether that worked."""
-    final = layout.checkpoint_dir(root, step)
-    tmp = layout.tmp_dir(final)
+    final = directory.checkpoint_dir(root, step)
+    tmp = directory.tmp_dir(final)
     error = None
     if group_rank(pg) == 0:
         try:
@@ -193,13 +193,13 @@ def write_side_files(tmp: Path, extra: dict, rank_state: Optional[dict],
     error line instead of raising so the ranks can agree."""
     try:
         if rank_state is not None:
-            fsio.write_file(layout.rank_file(tmp, global_rank()),
+            fsio.write_file(directory.rank_file(tmp, global_rank()),
                             _rank_state_bytes(rank_state))
         if group_rank(pg) == 0:
-            fsio.write_file(tmp / layout.EXTRA_NAME, _json_bytes(extra or {}, "extra"))
-            fsio.write_file(tmp / layout.META_NAME, _json_bytes(meta, "meta"))
+            fsio.write_file(tmp / directory.EXTRA_NAME, _json_bytes(extra or {}, "extra"))
+            fsio.write_file(tmp / directory.META_NAME, _json_bytes(meta, "meta"))
             if config_dict is not None:
-                fsio.write_file(tmp / layout.CONFIG_NAME,
+                fsio.write_file(tmp / directory.CONFIG_NAME,
                                 yaml.safe_dump(config_dict, sort_keys=False).encode())
     except CheckpointError as e:
         return str(e)
@@ -216,7 +216,7 @@ def _meta(step: int, model: ModelParts, has_optimizer: bool) -> dict:
 
 def dcp_writer(tmp: Path):
     """DCP's writer, also recording checksums (this rank hashes its own files)."""
-    own = [layout.rank_file(tmp, global_rank()).name]
+    own = [directory.rank_file(tmp, global_rank()).name]
     return HashingWriter(tmp, own_files=own, sync_files=True)
 
 
@@ -258,7 +258,7 @@ def persist_and_commit(state: dict, tmp: Path, final: Path, pg, keep_last: int) 
     except CAUGHT as e:
         error = write_error(tmp, e)
     agree(error, pg, tmp)  # also the barrier: every rank's files are on disk
-    error = layout.commit_and_prune(tmp, final, keep_last) if group_rank(pg) == 0 else None
+    error = directory.commit_and_prune(tmp, final, keep_last) if group_rank(pg) == 0 else None
     agree(error, pg)
     return final
 
@@ -266,7 +266,7 @@ def persist_and_commit(state: dict, tmp: Path, final: Path, pg, keep_last: int) 
 # --------------------------------------------------------------------------- loading
 
 def read_meta(path: str | Path) -> dict:
-    return _read_json(Path(path) / layout.META_NAME)
+    return _read_json(Path(path) / directory.META_NAME)
 
 
 def _read_json(path: Path) -> dict:
@@ -306,8 +306,8 @@ def load_checkpoint(path: str | Path, model: ModelParts, optimizers, *,
     reshards); collective. Returns ``(extra, rank_state)``; ``rank_state`` is None when
     the saving run had no file for this rank (the caller reseeds)."""
     path = Path(path)
-    if not layout.is_complete(path):
-        raise CheckpointError(f"{path}: not a complete checkpoint (no {layout.MARKER} marker)")
+    if not directory.is_complete(path):
+        raise CheckpointError(f"{path}: not a complete checkpoint (no {directory.MARKER} marker)")
     meta = read_meta(path)
     state, per_part = collect_state(model, optimizers)
     if "optimizer" in state and not meta.get("has_optimizer", True):
@@ -323,7 +323,7 @@ def load_checkpoint(path: str | Path, model: ModelParts, optimizers, *,
     if "optimizer" in state:
         state["optimizer"].update(request["optimizer"])
     _hand_to_parts(state, per_part, model, optimizers)
-    return _read_json(path / layout.EXTRA_NAME), _read_rank_state(path)
+    return _read_json(path / directory.EXTRA_NAME), _read_rank_state(path)
 
 
 def _hand_to_parts(state: dict, per_part: list, model: ModelParts, optimizers) -> None:
@@ -340,7 +340,7 @@ def _hand_to_parts(state: dict, per_part: list, model: ModelParts, optimizers) -
 
 
 def _read_rank_state(path: Path) -> Optional[dict]:
-    rank_path = layout.rank_file(path, global_rank())
+    rank_path = directory.rank_file(path, global_rank())
     if not rank_path.is_file():
         return None
     try:
@@ -378,7 +378,7 @@ def read_model_state(ckpt_dir: str | Path, *, verify: bool = True
 
 
 def read_job_config(ckpt_dir: str | Path) -> JobConfig:
-    path = Path(ckpt_dir) / layout.CONFIG_NAME
+    path = Path(ckpt_dir) / directory.CONFIG_NAME
     if not path.is_file():
         raise CheckpointError(f"{path}: not found (the checkpoint has no config)")
     raw = read_yaml_file(path) or {}
