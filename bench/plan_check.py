@@ -24,7 +24,7 @@ from lmforge.config import load_config  # noqa: E402
 from lmforge.perf.calibrate import (fit_columns, fit_constants, fitted_device,  # noqa
                                     measure, prior_constants, spearman)
 from lmforge.perf.estimate import estimate_memory  # noqa: E402
-from lmforge.perf.plan import evaluate  # noqa: E402
+from lmforge.perf.layout_search import evaluate  # noqa: E402
 from lmforge.perf.timing import DEVICES, step_time  # noqa: E402
 
 # Untied, so that every layout (pipelines included) runs the same model.

@@ -15,7 +15,7 @@ from lmforge.perf.calibrate import (fit_columns, fit_constants, fitted_device,
                                     load_calibration, measure, prior_constants,
                                     save_calibration, spearman)
 from lmforge.perf.estimate_setup import setup_from_config
-from lmforge.perf.plan import MEMORY_MARGIN, fixes, no_fit_message, plan, with_keys
+from lmforge.perf.layout_search import MEMORY_MARGIN, fixes, no_fit_message, plan, with_keys
 from lmforge.perf.report import write_report
 from lmforge.perf.timing import DEVICES, known_device, step_time
 

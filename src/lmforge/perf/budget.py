@@ -25,7 +25,7 @@ import torch
 from lmforge.config import ConfigError, JobConfig, resolve_device
 from lmforge.perf.estimate import GiB, estimate_memory
 from lmforge.perf.estimate_setup import setup_from_config
-from lmforge.perf.plan import peak_gib
+from lmforge.perf.layout_search import peak_gib
 
 ESTIMATE_ERROR = 0.05  # docs/estimate.md: the estimate's error, as a share of the peak
 MEMINFO = Path("/proc/meminfo")

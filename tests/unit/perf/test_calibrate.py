@@ -9,7 +9,7 @@ from lmforge.config import load_config
 from lmforge.perf.calibrate import (fit_columns, fit_constants, fitted_device,
                                     load_calibration, prior_constants, save_calibration,
                                     spearman, step_seconds)
-from lmforge.perf.plan import evaluate
+from lmforge.perf.layout_search import evaluate
 from lmforge.perf.timing import DEVICES
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from lmforge.config import load_config
 from lmforge.perf.estimate_setup import setup_from_config
-from lmforge.perf.plan import budget_gib, meshes, plan
+from lmforge.perf.layout_search import budget_gib, meshes, plan
 from lmforge.perf.timing import DEVICES, Device, Link, ring, step_time, tp_seconds
 
 SMALL = ["model.preset=small", "model.vocab_size=32000", "data.seq_len=512",
