@@ -50,11 +50,13 @@ class Fused:
 
     def rows_from_hf(self) -> torch.Tensor:
         """Index of HF rows in our order: ``ours = hf[index]``; ``hf = ours[argsort]``."""
-        starts = torch.tensor([0] + [rows for _, rows in self.parts[:-1]]).cumsum(0)
-        per_group = [rows // self.groups for _, rows in self.parts]
-        return torch.cat([start + g * n + torch.arange(n)
-                          for g in range(self.groups)
-                          for start, n in zip(starts.tolist(), per_group)])
+        group = torch.arange(self.groups)[:, None]
+        columns, start = [], 0
+        for _, rows in self.parts:  # (groups, rows / groups): this part's rows per group
+            n = rows // self.groups
+            columns.append(start + group * n + torch.arange(n))
+            start += rows
+        return torch.cat(columns, dim=1).flatten()
 
 
 @dataclass(frozen=True)

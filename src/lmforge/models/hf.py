@@ -75,11 +75,14 @@ def fused_rows(args, name: str, to_hf: bool) -> Optional[torch.Tensor]:
 def _permute_fused(sd: dict, args, to_hf: bool) -> dict:
     """Rows of each fused projection's weight and bias between HF's order (parts one
     after another) and ours (grouped, so a tensor-parallel shard holds every part)."""
-    if not family_of(args).block(args).fused:
+    fused = family_of(args).block(args).fused
+    if not fused:
         return sd
+    # one row order per fused projection, not per layer's tensor
+    orders = {leaf: fused_rows(args, leaf, to_hf) for leaf in fused}
     out = {}
     for name, tensor in sd.items():
-        rows = fused_rows(args, name.rsplit(".", 1)[0], to_hf)
+        rows = orders.get(name.rsplit(".", 1)[0].rsplit(".", 1)[-1])
         out[name] = tensor if rows is None else tensor[rows.to(tensor.device)]
     return out
 
