@@ -14,6 +14,7 @@ import torch
 
 from lmforge.config import JobConfig
 from lmforge.models.llama import LlamaArgs
+from lmforge.job import resolve
 from lmforge.train.model_setup import build_train_model
 
 pytestmark = [pytest.mark.gpu,
@@ -34,9 +35,10 @@ def peak_step_memory(activation_offload: bool, checkpointing: str
     cuda = torch.device("cuda")
     cfg = JobConfig()
     cfg.train.device, cfg.train.activation_checkpointing = "cuda", checkpointing
+    cfg.data.seq_len = SEQ
     cfg.train.activation_offload = activation_offload
     torch.manual_seed(0)
-    model = build_train_model(cfg.validate(), ARGS, cuda)
+    model = build_train_model(resolve(cfg, args=ARGS), cuda)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, ARGS.vocab_size, (ROWS, SEQ + 1), generator=g)
     batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
@@ -75,9 +77,10 @@ def test_two_offloaded_steps_in_a_row_give_the_losses_of_plain_steps():
     for offload in (False, True):
         cfg = JobConfig()
         cfg.train.device, cfg.train.activation_checkpointing = "cuda", "full"
+        cfg.data.seq_len = SEQ
         cfg.train.activation_offload = offload
         torch.manual_seed(0)
-        model = build_train_model(cfg.validate(), ARGS, cuda)
+        model = build_train_model(resolve(cfg, args=ARGS), cuda)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
         g = torch.Generator().manual_seed(2)
         run = []

@@ -24,16 +24,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lmforge.config import JobConfig, check_parallel_fits
+from lmforge.config import JobConfig
 from lmforge.models.gemma3.model import Gemma3Args
 from lmforge.models.gptj.model import GPTJArgs
 from lmforge.models.llama.model import LlamaArgs
 from lmforge.models.loss import IGNORE_INDEX
 from lmforge.models.phi3.model import LongRope, Phi3Args
-from lmforge.models.presets import check_model_args
 from lmforge.parallel.mesh import (ParallelDims, build_parallel_dims, init_distributed,
                                    read_dist_env)
 from lmforge.train.loop import Runtime, train_step
+from lmforge.job import resolve
 from lmforge.train.model_setup import TrainModel, build_train_model, gather_full_state_dict
 from lmforge.train.optim import Optimizers
 
@@ -121,11 +121,11 @@ def runtime(dims: ParallelDims) -> Runtime:
 def train_family(args, cfg: JobConfig, dims: ParallelDims) -> tuple[dict, dict]:
     """run_loop's step, STEPS times: {"history": per-step (loss, grad norm),
     "tied_copies_equal": ``tied_copies_equal``} and the final weights."""
-    check_model_args(args, cfg.data.seq_len)
-    check_parallel_fits(cfg, args)
+    world_size = dist.get_world_size() if dims.mesh is not None else 1
+    job = resolve(cfg, world_size, distributed=dims.mesh is not None, args=args)
     rt = runtime(dims)
     torch.manual_seed(cfg.train.seed)  # as init_runtime's seed_everything
-    model = build_train_model(cfg, args, rt.device, dims)
+    model = build_train_model(job, rt.device, dims)
     optimizers = Optimizers(model.parts, cfg.optim, cfg.train.max_steps)
     history = []
     for step, sample in enumerate(step_samples(args.vocab_size), 1):

@@ -25,6 +25,7 @@ from helpers import family_training as ft
 from lmforge.parallel.mesh import build_parallel_dims, init_distributed, read_dist_env
 from lmforge.parallel import offload
 from lmforge.train.loop import train_step
+from lmforge.job import resolve
 from lmforge.train.model_setup import build_train_model
 from lmforge.train.optim import Optimizers
 
@@ -45,7 +46,7 @@ def train(fields: dict, world_size: int) -> tuple[list, list, object]:
     dims = build_parallel_dims(cfg.parallel, world_size, "cpu")
     rt = ft.runtime(dims)
     torch.manual_seed(cfg.train.seed)
-    model = build_train_model(cfg, ARGS, rt.device, dims)
+    model = build_train_model(resolve(cfg, world_size, args=ARGS), rt.device, dims)
     optimizers = Optimizers(model.parts, cfg.optim, cfg.train.max_steps)
     losses, grads = [], []
     for optimizer in optimizers.optimizers:

@@ -344,7 +344,7 @@ DATA = [
         setup=write("held.txt", "\n\n")),
     Bad("SFT file of empty answers only",
         ["train", "model.init_from={model}", "data.kind=sft", "data.path={tmp}/chat.jsonl",
-         "train.output_dir={tmp}/run"],
+         "data.seq_len=64", "train.output_dir={tmp}/run"],
         r"^data\.path: {tmp}/chat\.jsonl: every record's assistant answer is empty",
         setup=write("chat.jsonl", '{"prompt": "hi", "response": ""}\n' * 3)),
     Bad("preprocess of an empty file",

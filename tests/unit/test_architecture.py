@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-# The flow, lowest layer first: cli -> train -> {parallel, peft, checkpoint, export, perf,
-# eval} -> {models, data} -> {config, fsio}. A module may import its own package and any
+# The flow, from the top: cli -> train -> export -> {perf, eval} -> job ->
+# {peft, checkpoint} -> parallel -> {models, data} -> {config, fsio}. A module may import its own package and any
 # package of a LOWER rank; packages of one rank never import each other. A top-level
 # module (lmforge/launch.py) counts as its own package.
 LAYERS: list[tuple[str, ...]] = [
@@ -31,6 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("models", "data"),
     ("parallel",),
     ("peft", "checkpoint"),
+    ("job",),  # lmforge/job.py: a config resolved into a run's facts
     ("perf", "eval"),
     ("export",),
     ("train", "launch"),  # launch: sbatch scripts for `lmforge launch`; imports below cli

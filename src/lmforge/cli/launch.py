@@ -11,7 +11,7 @@ from lmforge import fsio
 from lmforge.checkpoint import resume_is_auto
 from lmforge.cli.common import config_and_overrides
 from lmforge.config import load_config
-from lmforge.models.presets import validate_job
+from lmforge.job import resolve
 from lmforge.launch import render_slurm_script
 
 LOG_DIR = "slurm-logs"  # the jobs' logs, relative to the directory sbatch is run from
@@ -76,7 +76,7 @@ def _slurm(args) -> int:
                          "newest checkpoint in train.output_dir); copy that checkpoint "
                          "into <train.output_dir>/checkpoints/ instead")
     # Refuse a layout that cannot run on this many processes before writing anything.
-    validate_job(cfg, world_size=args.nodes * args.gpus_per_node)
+    resolve(cfg, args.nodes * args.gpus_per_node, device="cuda")
     log_dir.mkdir(exist_ok=True)  # sbatch does not create the directory of #SBATCH --output
     out.write_text(script)
     out.chmod(0o755)

@@ -75,7 +75,7 @@ def _estimate(ns) -> int:
         print(format_table(est, ns.device_memory_gib, fit))
     if ns.device_memory_gib is None or est.total_bytes <= ns.device_memory_gib * GiB:
         return 0
-    changes = fixes(cfg, setup.world_size, ns.device_memory_gib)
+    changes = fixes(cfg, setup.layout.world_size, ns.device_memory_gib)
     print(f"lmforge estimate: does not fit {ns.device_memory_gib:g} GiB; changes that make "
           f"it fit: {'; '.join(changes) or 'none of one step (see lmforge plan)'}",
           file=sys.stderr)

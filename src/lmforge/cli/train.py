@@ -7,12 +7,13 @@ import time
 
 from lmforge.cli.common import add_config_arguments, config_and_overrides
 from lmforge.config import ConfigError, config_yaml, load_config
+from lmforge.job import resolve
 from lmforge.models.registry import build_model
 from lmforge.parallel.mesh import DistEnv, read_dist_env
 from lmforge.peft.lora import prepare_model_for_lora, trainable_summary
 from lmforge.perf.budget import check_memory, refusal
 from lmforge.perf.estimate import estimate_memory, format_table
-from lmforge.perf.estimate_setup import setup_from_config
+from lmforge.perf.estimate_setup import Setup
 from lmforge.train.loop import check_job, train
 from lmforge.train.preempt import PREEMPTED_EXIT_CODE
 
@@ -65,23 +66,22 @@ def _look_before_running(args) -> int:
     if args.world_size is not None and not (args.dry_run and args.world_size >= 1):
         raise ValueError("--world-size: only with --dry-run, and >= 1")
     cfg = load_config(*config_and_overrides(args.config, args.overrides))
-    if args.print_config:
-        print(config_yaml(cfg), end="")
-        return 0
     env = read_dist_env() if args.world_size is None else DistEnv(0, args.world_size, 0)
-    check_job(cfg, env)
-    setup = setup_from_config(cfg, world_size=env.world_size)
-    model = build_model(setup.args)  # meta device: nothing allocated
+    if args.print_config:  # as the run resolves it: a config it would refuse is refused
+        print(config_yaml(resolve(cfg, env.world_size).config), end="")
+        return 0
+    job = check_job(cfg, env)
+    model = build_model(job.args)  # meta device: nothing allocated
     if cfg.lora.enabled:
         prepare_model_for_lora(model, cfg.lora)
-    estimate = estimate_memory(setup)
-    memory = check_memory(cfg, env.world_size, env.local_rank, estimate.total_bytes)
+    estimate = estimate_memory(Setup(job))
+    memory = check_memory(job, env.local_rank, estimate.total_bytes)
     if env.rank == 0:
         print(f"parameters: {trainable_summary(model)}")
         print(format_table(estimate))
         print(memory.describe(), flush=True)
     if not memory.fits:  # refused as the run would be: exit 2, one line
-        raise ConfigError(refusal(cfg, memory, env.world_size))
+        raise ConfigError(refusal(job, memory))
     if env.rank == 0:
         print("dry run: the config is valid; nothing was computed or written")
     return 0

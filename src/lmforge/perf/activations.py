@@ -21,8 +21,9 @@ def per_device(terms: list[Term], setup: Setup) -> float:
     and the sequence-split ones with sequence parallelism."""
     total = 0.0
     for term in terms:
-        if term.split == "heads" or (term.split == "seq" and setup.sequence_parallel):
-            total += term.bytes / setup.tp
+        sequence_split = term.split == "seq" and setup.cfg.parallel.sequence_parallel
+        if term.split == "heads" or sequence_split:
+            total += term.bytes / setup.layout.tp
         else:
             total += term.bytes
     return total
@@ -63,8 +64,8 @@ def activation_model(setup: Setup) -> Activations:
                        layer_input=walker.residual_bytes * _dim_per_device(setup),
                        head_inputs=per_device(_head_terms(setup, output_needs_grad), setup),
                        # loss parallel: the logits are split over the vocabulary
-                       logits=walker.matmul_bytes * args.vocab_size / setup.tp,
-                       log_softmax=4 * args.vocab_size / setup.tp,
+                       logits=walker.matmul_bytes * args.vocab_size / setup.layout.tp,
+                       log_softmax=4 * args.vocab_size / setup.layout.tp,
                        batch_inputs=BATCH_BYTES_PER_TOKEN,
                        backward_buffers=_backward_buffers(setup, walker),
                        freed_mlp_out_input=per_device(mlp_out_input, setup),
@@ -92,29 +93,30 @@ def _backward_buffers(setup: Setup, walker: BlockWalk) -> float:
     hidden = (3 if walker.block.gated else 2) * setup.args.ffn_dim
     last_input = walker.names.mlp_inputs[-1]
     # (selective checkpointing recomputes block 0, so some block is recomputed)
-    if setup.checkpointing != "none" and setup.trainable.rank(last_input):
+    if setup.cfg.train.activation_checkpointing != "none" and setup.trainable.rank(last_input):
         # the adapter's sum spans the projection's whole output (a fused gate_up: 2 f)
         hidden = max(hidden, 3 * walker.block.shapes[last_input][1])
     return (walker.residual_bytes * _dim_per_device(setup)
-            + walker.matmul_bytes * hidden / setup.tp)
+            + walker.matmul_bytes * hidden / setup.layout.tp)
 
 
 def _dim_per_device(setup: Setup) -> float:
     """The residual stream's width on one device: sequence parallelism splits it over tp."""
-    return setup.args.dim / (setup.tp if setup.sequence_parallel else 1)
+    return setup.args.dim / (setup.layout.tp if setup.cfg.parallel.sequence_parallel else 1)
 
 
 def in_flight(setup: Setup, stage: int) -> float:
     """Micro-batches whose activations stage ``stage`` holds at once (Korthikanti et al.
     sec. 4.2: 1F1B keeps p - stage on stage ``stage``; interleaving adds (p-1)/(p v))."""
-    stages, microbatches = setup.pp, max(setup.microbatches, 1)
+    stages, microbatches = setup.layout.pp, max(setup.batch.microbatches, 1)
     if stages == 1:
         return 1.0
-    if setup.pp_schedule == "gpipe":
+    if setup.cfg.parallel.pp_schedule == "gpipe":
         return float(microbatches)
     held = min(stages - stage, microbatches)
-    if setup.pp_schedule == "interleaved_1f1b" and setup.pp_virtual_stages > 1:
-        held *= 1 + (stages - 1) / (stages * setup.pp_virtual_stages)
+    p = setup.cfg.parallel
+    if p.pp_schedule == "interleaved_1f1b" and p.pp_virtual_stages > 1:
+        held *= 1 + (stages - 1) / (stages * p.pp_virtual_stages)
     return float(held)
 
 
@@ -162,12 +164,12 @@ def stage_activations(setup: Setup, act: Activations, stage: int) -> StageActiva
     parallelism multiplies a stage's blocks by the micro-batches in flight
     (``in_flight``): when one reaches its first block in backward, the others still hold
     theirs."""
-    ids, first, last = stage_layer_ids(setup, stage), stage == 0, stage == setup.pp - 1
+    ids, first, last = stage_layer_ids(setup, stage), stage == 0, stage == setup.layout.pp - 1
     held = in_flight(setup, stage)
     kept = [kept_by_block(setup, act, i) for i in ids]
     blocks, blocks_at_first_block = held * sum(kept), kept[0] + (held - 1) * sum(kept)
     host = 0.0
-    if setup.activation_offload:
+    if setup.cfg.train.activation_offload:
         # On the device: the block whose tensors are being copied out (forward) or back
         # ahead of use (backward), and the one computing; the others wait on the host.
         moved = sum(offloaded_per_layer(setup, act, setup.checkpointed(i)) for i in ids[:-2])
@@ -185,7 +187,7 @@ def stage_activations(setup: Setup, act: Activations, stage: int) -> StageActiva
         stage_input=act.batch_inputs * held if first else held * act.layer_input,
         head=act.head_inputs if last else 0.0, logits=act.logits if last else 0.0,
         log_softmax=act.log_softmax if last else 0.0,
-        fp32_logits=4 * setup.args.vocab_size / setup.tp if bf16_logits and last else 0,
+        fp32_logits=4 * setup.args.vocab_size / setup.layout.tp if bf16_logits and last else 0,
         backward_buffers=act.backward_buffers, freed_mlp_out_input=act.freed_mlp_out_input)
 
 
@@ -211,7 +213,7 @@ def offloaded_per_layer(setup: Setup, act: Activations, checkpointed: bool) -> f
     checkpointed block the input it keeps, of another every saved tensor of at least
     ``MIN_OFFLOAD_BYTES`` for a micro-batch (``parallel/offload.py``'s rule; smaller ones
     stay, as do weights, which are not activations here)."""
-    tokens = setup.micro_batch * setup.seq_len
+    tokens = setup.micro_batch * setup.batch.seq_len
     sizes = ([act.layer_input] if checkpointed
              else [per_device([t], setup) for t in act.other_terms])
     return sum(b for b in sizes if b * tokens >= MIN_OFFLOAD_BYTES)
@@ -220,5 +222,6 @@ def offloaded_per_layer(setup: Setup, act: Activations, checkpointed: bool) -> f
 def loss_chunk_tokens(setup: Setup) -> int:
     """Tokens whose logits exist at once: train.loss_chunk_tokens makes (and recomputes
     in backward) one chunk's logits at a time; else the whole micro-batch's."""
-    tokens = setup.micro_batch * setup.seq_len
-    return min(setup.loss_chunk_tokens, tokens) if setup.loss_chunk_tokens else tokens
+    tokens = setup.micro_batch * setup.batch.seq_len
+    chunk = setup.cfg.train.loss_chunk_tokens
+    return min(chunk, tokens) if chunk else tokens

@@ -79,7 +79,7 @@ class BlockWalk:
         kept for all, unless sequence parallelism gathers it for each branch apart (the
         tensor-parallel plan prepares each branch's input)."""
         qkv, mlp_inputs = self.names.attention[:-1], self.names.mlp_inputs
-        if self.setup.sequence_parallel and self.setup.tp > 1:
+        if self.setup.cfg.parallel.sequence_parallel and self.setup.layout.tp > 1:
             self.block_inputs(qkv, normed_needs_grad)
             self.block_inputs(mlp_inputs, normed_needs_grad)
         else:
@@ -222,8 +222,8 @@ class BlockWalk:
         if self.setup.attention == "eager":  # HF eager: k/v repeated, S x S kept twice
             self.add("q (roped)", out_bytes * q_dim)
             self.add("k, v repeated to all heads", 2 * out_bytes * q_dim)
-            self.add("attention softmax (fp32)", 4 * args.n_heads * self.setup.seq_len)
-            self.add("attention probs", out_bytes * args.n_heads * self.setup.seq_len)
+            self.add("attention softmax (fp32)", 4 * args.n_heads * self.setup.batch.seq_len)
+            self.add("attention probs", out_bytes * args.n_heads * self.setup.batch.seq_len)
         else:  # flash/efficient SDPA keeps q, k, v, the output and the log-sum-exp
             self.add("q, k (roped), v", out_bytes * (q_dim + 2 * kv_dim))
             self.add("attention output", out_bytes * q_dim)

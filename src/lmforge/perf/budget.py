@@ -23,8 +23,9 @@ from typing import Optional
 import torch
 
 from lmforge.config import ConfigError, JobConfig, resolve_device
+from lmforge.job import Job
 from lmforge.perf.estimate import GiB, estimate_memory
-from lmforge.perf.estimate_setup import setup_from_config
+from lmforge.perf.estimate_setup import Setup
 from lmforge.perf.layout_search import peak_gib
 
 ESTIMATE_ERROR = 0.05  # docs/estimate.md: the estimate's error, as a share of the peak
@@ -65,35 +66,34 @@ class MemoryCheck:
                 f"{self.budget.bytes / GiB:.1f} GiB ({self.budget.source})")
 
 
-def check_memory(cfg: JobConfig, world_size: int, local_rank: int = 0,
+def check_memory(job: Job, local_rank: int = 0,
                  estimate_bytes: Optional[float] = None) -> MemoryCheck:
     """The run's estimate (``estimate_bytes`` when already made) against the budget of
     the device its process ``local_rank`` will use."""
-    setup = setup_from_config(cfg, world_size=world_size)
     if estimate_bytes is None:
-        estimate_bytes = estimate_memory(setup).total_bytes
-    if cfg.train.skip_memory_check:
-        return MemoryCheck(estimate_bytes, setup.device, None, "train.skip_memory_check=true")
-    if cfg.train.device == "cuda" and not torch.cuda.is_available():  # a dry run elsewhere
-        return MemoryCheck(estimate_bytes, setup.device, None,
+        estimate_bytes = estimate_memory(Setup(job)).total_bytes
+    if job.config.train.skip_memory_check:
+        return MemoryCheck(estimate_bytes, job.device, None, "train.skip_memory_check=true")
+    if job.device == "cuda" and not torch.cuda.is_available():  # a dry run elsewhere
+        return MemoryCheck(estimate_bytes, job.device, None,
                            "train.device=cuda and no GPU is visible here")
-    budget = device_budget(resolve_device(cfg.train.device, "train.device", local_rank))
-    return MemoryCheck(estimate_bytes, setup.device, budget,
+    budget = device_budget(resolve_device(job.device, "train.device", local_rank))
+    return MemoryCheck(estimate_bytes, job.device, budget,
                        "" if budget else "this host's available memory is unknown")
 
 
-def require_fit(cfg: JobConfig, world_size: int, local_rank: int = 0) -> None:
+def require_fit(job: Job, local_rank: int = 0) -> None:
     """Raises ``ConfigError`` (one line: the estimate, the budget, what to change) when
     the run cannot fit its device; ``lmforge train`` calls it before any set-up."""
-    check = check_memory(cfg, world_size, local_rank)
+    check = check_memory(job, local_rank)
     if not check.fits:
-        raise ConfigError(refusal(cfg, check, world_size))
+        raise ConfigError(refusal(job, check))
 
 
-def refusal(cfg: JobConfig, check: MemoryCheck, world_size: int) -> str:
+def refusal(job: Job, check: MemoryCheck) -> str:
     budget = check.budget
-    options = changes(cfg, world_size, check.device, check.estimate_bytes / GiB,
-                      budget.bytes / GiB)
+    options = changes(job.config, job.world_size, check.device,
+                      check.estimate_bytes / GiB, budget.bytes / GiB)
     return (f"memory: the run needs about {check.estimate_bytes / GiB:.1f} GiB per device "
             f"(lmforge estimate) but {budget.source} is {budget.bytes / GiB:.1f} GiB; try "
             f"{''.join(o + ', ' for o in options)}or a device with more memory; or set "

@@ -41,17 +41,17 @@ class Gradients:
 
 
 def stage_gradients(setup: Setup, weights: Weights, stage: int) -> Gradients:
-    grad_bytes, shard = DTYPE_BYTES[setup.param_dtype], setup.dp_shard
+    grad_bytes, shard = DTYPE_BYTES[setup.cfg.train.param_dtype], setup.layout.dp_shard
     every = grad_bytes * weights.trainable_params / shard
     per_block = grad_bytes * weights.block_trainable / shard
     before_blocks = every - stage_layers(setup, stage) * per_block
-    args, tied = setup.args, setup.args.tie_embeddings and setup.pp == 1
+    args, tied = setup.args, setup.args.tie_embeddings and setup.layout.pp == 1
     if setup.trainable.embedding and stage == 0 and not tied:  # the embedding's comes last
-        before_blocks -= grad_bytes * args.vocab_size * args.dim / setup.tp / shard
+        before_blocks -= grad_bytes * args.vocab_size * args.dim / setup.layout.tp / shard
     before_blocks = max(before_blocks, 0.0)
-    accumulates = (setup.microbatches > 1 and not setup.in_backward
-                   and (setup.pp == 1 or setup.pp_schedule != "gpipe"
-                        and setup.microbatches > in_flight(setup, stage)))
+    accumulates = (setup.batch.microbatches > 1 and not setup.cfg.optim.in_backward
+                   and (setup.layout.pp == 1 or setup.cfg.parallel.pp_schedule != "gpipe"
+                        and setup.batch.microbatches > in_flight(setup, stage)))
     return Gradients(total=every, per_block=per_block,
                      mlp_out=grad_bytes * weights.mlp_out_trainable / shard,
                      before_blocks=before_blocks,
@@ -105,7 +105,7 @@ def autocast_copies(setup: Setup, weights: Weights, stage: int) -> AutocastCopie
         kept_for_backward=kept_share * (cache + frozen),
         one_layer=(cache + frozen) / layers,
         mlp_out=weights.mlp_out_copy, head=weights.head_copy,
-        head_in_forward=0.0 if setup.loss_chunk_tokens else weights.head_copy,
+        head_in_forward=0.0 if setup.cfg.train.loss_chunk_tokens else weights.head_copy,
         last_block_recomputed=bool(ids) and setup.checkpointed(ids[-1]))
 
 
@@ -129,8 +129,8 @@ def fsdp_buffers(setup: Setup, weights: Weights, grads: Gradients, stage: int) -
     layers, param_bytes = stage_layers(setup, stage), compute_bytes(setup)
     block = weights.block_total
     root = weights.trainable_params + weights.frozen_params - layers * block
-    kept = layers if setup.zero < 3 else 0
-    in_block_grads = grads.mlp_out * (setup.dp_shard - 1)  # beyond the sharded mlp_out
+    kept = layers if setup.cfg.parallel.zero < 3 else 0
+    in_block_grads = grads.mlp_out * (setup.layout.dp_shard - 1)  # beyond the sharded mlp_out
     reduce_input = 4 * weights.block_trainable
     return FsdpBuffers(
         params_outside_blocks=param_bytes * (root + kept * block),
@@ -151,11 +151,11 @@ def optimizer_temporaries(setup: Setup, weights: Weights) -> float:
     """Fused AdamW (the CUDA default): none; foreach AdamW: a sqrt(v) temporary for every
     parameter at once; per-tensor AdamW (CPU): sqrt(v) and its quotient, two of the
     largest parameter."""
-    fused = setup.fused_optimizer
+    fused = setup.cfg.optim.fused
     if fused is None:
         fused = setup.device == "cuda"
-    if fused or setup.optimizer not in ("adamw", "adam"):
+    if fused or setup.cfg.optim.name not in ("adamw", "adam"):
         return 0.0
     if setup.device == "cuda":
-        return 4 * weights.trainable_params / setup.dp_shard
+        return 4 * weights.trainable_params / setup.layout.dp_shard
     return 2 * 4 * weights.largest_trainable

@@ -54,7 +54,7 @@ CPU_PROCESS_GIB = 0.3  # Python, torch, lmforge (0.22 GiB measured after import)
 def static_terms(setup: Setup, weights: Weights) -> dict[str, float]:
     """What every phase holds (the steady state, from step 2 on). FSDP2 (zero 2 and 3
     alike) shards parameters and optimizer state over dp_shard."""
-    shard = setup.dp_shard
+    shard = setup.layout.dp_shard
     return {"weights (trainable)": weights.trainable_bytes / shard,
             "weights (frozen base)": weights.frozen_bytes / shard,
             "optimizer states": optimizer_state_bytes(setup, weights)}
@@ -63,12 +63,12 @@ def static_terms(setup: Setup, weights: Weights) -> dict[str, float]:
 def optimizer_state_bytes(setup: Setup, weights: Weights) -> float:
     """AdamW: exp_avg and exp_avg_sq per trainable parameter (fp32; bf16 for
     adamw_bf16); SGD with momentum and Lion: one state."""
-    n_states = OPTIMIZER_STATES.get(setup.optimizer)
+    n_states = OPTIMIZER_STATES.get(setup.cfg.optim.name)
     if n_states is None:
-        raise ValueError(f"optim.name: no memory model for {setup.optimizer!r} "
+        raise ValueError(f"optim.name: no memory model for {setup.cfg.optim.name!r} "
                          f"(known: {', '.join(OPTIMIZER_STATES)})")
-    state_bytes = STATE_BYTES.get(setup.optimizer, 4)
-    return state_bytes * n_states * weights.trainable_params / setup.dp_shard
+    state_bytes = STATE_BYTES.get(setup.cfg.optim.name, 4)
+    return state_bytes * n_states * weights.trainable_params / setup.layout.dp_shard
 
 
 # ------------------------------------------------------------------------------ phases
@@ -90,7 +90,7 @@ class StageTerms:
 def stage_terms(setup: Setup, weights: Weights, act: Activations, stage: int) -> StageTerms:
     grads = stage_gradients(setup, weights, stage)
     return StageTerms(
-        layers=stage_layers(setup, stage), tokens=setup.micro_batch * setup.seq_len,
+        layers=stage_layers(setup, stage), tokens=setup.micro_batch * setup.batch.seq_len,
         loss_tokens=loss_chunk_tokens(setup),
         activations=stage_activations(setup, act, stage),
         gradients=grads,
@@ -148,13 +148,15 @@ def step_in_backward_phases(setup: Setup, phases: dict[str, dict[str, float]]) -
     parameter's gradient and step temporaries at a time: a block's largest projection in
     the block phases, the output layer's right after the loss, the embedding's at the end
     (a tied embedding's gradient waits there from the output layer on)."""
-    step_bytes = IN_BACKWARD_STEP_BYTES.get(setup.optimizer, IN_BACKWARD_STEP_BYTES_DEFAULT)
-    grad_bytes, trainable, args = DTYPE_BYTES[setup.param_dtype], setup.trainable, setup.args
-    largest_projection = max((n_in * n_out / setup.tp for name, (n_in, n_out)
+    step_bytes = IN_BACKWARD_STEP_BYTES.get(setup.cfg.optim.name,
+                                            IN_BACKWARD_STEP_BYTES_DEFAULT)
+    grad_bytes = DTYPE_BYTES[setup.cfg.train.param_dtype]
+    trainable, args = setup.trainable, setup.args
+    largest_projection = max((n_in * n_out / setup.layout.tp for name, (n_in, n_out)
                               in projection_shapes(args).items() if trainable.trains(name)),
                              default=0.0)
-    table = args.vocab_size * args.dim / setup.tp  # the embedding's, or the head's
-    tied = args.tie_embeddings and setup.pp == 1
+    table = args.vocab_size * args.dim / setup.layout.tp  # the embedding's, or the head's
+    tied = args.tie_embeddings and setup.layout.pp == 1
     waiting = grad_bytes * table if tied and trainable.embedding else 0.0
     del phases["optimizer step"]
     for name in ("backward: last block", "backward: first block"):
@@ -175,7 +177,7 @@ def framework_overhead(setup: Setup, peak: float) -> dict[str, float]:
     if setup.device == "cuda":
         out = {"CUDA context and workspaces": CUDA_CONTEXT_GIB * GiB,
                "caching-allocator slack (10%)": CUDA_ALLOCATOR_SLACK * peak}
-        if setup.world_size > 1:
+        if setup.layout.world_size > 1:
             out["NCCL buffers"] = NCCL_BUFFERS_GIB * GiB
         return out
     return {"Python process (interpreter, libraries)": CPU_PROCESS_GIB * GiB}
@@ -208,17 +210,20 @@ class MemoryEstimate:
 
     def as_dict(self) -> dict:
         s = self.setup
+        t, p, layout = s.cfg.train, s.cfg.parallel, s.layout
         return {
             "model": describe_model(s.args),
             "parameters": model_parameters(s.args),
-            "setup": {"seq_len": s.seq_len, "micro_batch": s.micro_batch, "device": s.device,
-                      "compute": s.compute, "checkpointing": s.checkpointing,
-                      "checkpoint_every": s.checkpoint_every,
-                      "optimizer": s.optimizer, "lora": dataclasses.asdict(s.lora)
-                      if s.lora else None, "tp": s.tp, "pp": s.pp, "dp_shard": s.dp_shard,
-                      "dp_replicate": s.dp_replicate, "zero": s.zero,
-                      "sequence_parallel": s.sequence_parallel, "attention": s.attention,
-                      "microbatches": s.microbatches},
+            "setup": {"seq_len": s.batch.seq_len, "micro_batch": s.micro_batch,
+                      "device": s.device, "compute": s.compute,
+                      "checkpointing": t.activation_checkpointing,
+                      "checkpoint_every": t.activation_checkpointing_every,
+                      "optimizer": s.cfg.optim.name,
+                      "lora": dataclasses.asdict(s.lora) if s.lora else None,
+                      "tp": layout.tp, "pp": layout.pp, "dp_shard": layout.dp_shard,
+                      "dp_replicate": layout.dp_replicate, "zero": p.zero,
+                      "sequence_parallel": p.sequence_parallel, "attention": s.attention,
+                      "microbatches": s.batch.microbatches},
             "notes": list(s.notes),
             "pipeline_stage": self.stage,
             "peak_phase": self.phase,
@@ -245,7 +250,7 @@ def estimate_stage(setup: Setup, stage: int) -> MemoryEstimate:
     act = activation_model(setup)
     terms = stage_terms(setup, weights, act, stage)
     phases = step_phases(terms)
-    if setup.in_backward:
+    if setup.cfg.optim.in_backward:
         step_in_backward_phases(setup, phases)
     totals = {name: sum(static.values()) + sum(parts.values()) for name, parts in phases.items()}
     peak_phase = max(totals, key=totals.get)
@@ -259,7 +264,7 @@ def estimate_stage(setup: Setup, stage: int) -> MemoryEstimate:
 def estimate_memory(setup: Setup) -> MemoryEstimate:
     """The peak over pipeline stages (the first holds the most activations, the last the
     loss head); with pp=1 the one stage."""
-    stages = {0, setup.pp - 1}
+    stages = {0, setup.layout.pp - 1}
     return max((estimate_stage(setup, st) for st in sorted(stages)),
                key=lambda e: e.total_bytes)
 
@@ -270,7 +275,8 @@ def max_micro_batch(setup: Setup, device_memory_gib: float, limit: int = 1 << 16
     budget = device_memory_gib * GiB
 
     def fits(b: int) -> bool:
-        return estimate_memory(dataclasses.replace(setup, micro_batch=b)).total_bytes <= budget
+        trial = dataclasses.replace(setup, micro_batch_override=b)
+        return estimate_memory(trial).total_bytes <= budget
 
     if not fits(1):
         return 0
@@ -291,15 +297,18 @@ def format_table(est: MemoryEstimate, device_memory_gib: Optional[float] = None,
     if s.lora is not None:
         lora = (f"LoRA r{s.lora.rank} on {','.join(s.lora.targets)}, base "
                 f"{s.lora.quantize or frozen_weight_dtype(s)}")
+    t, layout = s.cfg.train, s.layout
+    every = t.activation_checkpointing_every
     lines = [
         f"model: {describe_model(s.args)}",
-        f"run: seq {s.seq_len} x micro-batch {s.micro_batch}, {s.compute} compute, {lora}, "
-        f"{s.optimizer}, checkpointing {s.checkpointing}"
-        + (f" (every {s.checkpoint_every})" if s.checkpointing == "selective" else "")
+        f"run: seq {s.batch.seq_len} x micro-batch {s.micro_batch}, {s.compute} compute, "
+        f"{lora}, {s.cfg.optim.name}, checkpointing {t.activation_checkpointing}"
+        + (f" (every {every})" if t.activation_checkpointing == "selective" else "")
         + f", attention {s.attention}",
-        f"layout: {s.world_size} device(s) on {s.device}: dp_replicate {s.dp_replicate} x "
-        f"dp_shard {s.dp_shard} x tp {s.tp} x pp {s.pp}, zero {s.zero}"
-        + (f"; pipeline stage {est.stage}" if s.pp > 1 else ""),
+        f"layout: {layout.world_size} device(s) on {s.device}: dp_replicate "
+        f"{layout.dp_replicate} x dp_shard {layout.dp_shard} x tp {layout.tp} x pp "
+        f"{layout.pp}, zero {s.cfg.parallel.zero}"
+        + (f"; pipeline stage {est.stage}" if layout.pp > 1 else ""),
         "",
         f"{'per device':46s}{'GiB':>10s}",
     ]
@@ -309,7 +318,7 @@ def format_table(est: MemoryEstimate, device_memory_gib: Optional[float] = None,
     for name, value in est.overhead.items():
         lines.append(f"  {name:44s}{value / GiB:10.3f}")
     lines.append(f"  {'total':44s}{est.total_bytes / GiB:10.3f}")
-    if s.activation_offload:
+    if t.activation_offload:
         lines.append(f"host (pinned): offloaded activations {est.host_bytes / GiB:.3f} GiB")
     for note in s.notes:
         lines.append(f"note: {note}")

@@ -116,11 +116,6 @@ class Trainability:
                    adapters=tuple((t, spec.rank) for t in spec.targets))
 
     @classmethod
-    def from_config(cls, cfg: Any, args: Any) -> "Trainability":
-        spec = lora_spec(cfg, family_of(args).projections)
-        return cls.full() if spec is None else cls.lora(spec)
-
-    @classmethod
     def from_model(cls, model: Any) -> "Trainability":
         """Read from a built model (a ``Llama``, a pipeline stage of one, or the trainer's
         ``TrainModel`` holding ``parts``): ``requires_grad`` of each weight, and LoRA

@@ -30,13 +30,13 @@ class Candidate:
 
     def describe(self) -> str:
         s, k = self.setup, self.keys
-        text = f"dp{s.dp_replicate}x{s.dp_shard} tp{s.tp} pp{s.pp}"
-        if s.pp > 1:
-            text += f" {s.pp_schedule}" + (f"/v{s.pp_virtual_stages}"
-                                           if s.pp_virtual_stages > 1 else "")
-        text += f" mb{s.micro_batch} ac={s.checkpointing}"
-        if s.dp_shard > 1:
-            text += f" zero{s.zero}"
+        text = f"dp{s.layout.dp_replicate}x{s.layout.dp_shard} tp{s.layout.tp} pp{s.layout.pp}"
+        if s.layout.pp > 1:
+            text += f" {s.cfg.parallel.pp_schedule}" + (f"/v{s.cfg.parallel.pp_virtual_stages}"
+                                           if s.cfg.parallel.pp_virtual_stages > 1 else "")
+        text += f" mb{s.micro_batch} ac={s.cfg.train.activation_checkpointing}"
+        if s.layout.dp_shard > 1:
+            text += f" zero{s.cfg.parallel.zero}"
         if k.get("train.loss_chunk_tokens"):
             text += " chunked-loss"
         return text

@@ -144,11 +144,11 @@ def recompute_fraction(setup: Setup) -> float:
 def flops_per_token(setup: Setup) -> tuple[float, float]:
     """(model FLOPs, recomputed FLOPs) per token. Recomputed: the fraction of the blocks'
     forward checkpointing repeats, plus the head's forward under a chunked loss."""
-    fl = flops_breakdown(setup.args, setup.seq_len, setup.trainable)
+    fl = flops_breakdown(setup.args, setup.batch.seq_len, setup.trainable)
     head = 2 * setup.args.dim * setup.args.vocab_size
     blocks_forward = fl.forward + fl.attention_forward - head
     extra = recompute_fraction(setup) * blocks_forward
-    if setup.loss_chunk_tokens:
+    if setup.cfg.train.loss_chunk_tokens:
         extra += head
     return fl.total, extra
 
@@ -160,13 +160,14 @@ def param_count(args) -> float:
 
 def step_time(setup: Setup, device: Device, gpus_per_node: int) -> StepTime:
     """Predicted seconds of one optimizer step of ``setup`` on ``device``."""
-    m = setup.microbatches
-    seq_tokens = setup.micro_batch * setup.seq_len * m  # per data-parallel replica
+    m = setup.batch.microbatches
+    seq_tokens = setup.micro_batch * setup.batch.seq_len * m  # per data-parallel replica
     model, extra = flops_per_token(setup)
-    split = setup.tp * setup.pp
+    split = setup.layout.tp * setup.layout.pp
     rate = device.peak_flops * device.efficiency
     compute, recompute = model * seq_tokens / split / rate, extra * seq_tokens / split / rate
-    bubble = (compute + recompute) * (setup.pp - 1) / (m * setup.pp_virtual_stages)
+    virtual = setup.cfg.parallel.pp_virtual_stages
+    bubble = (compute + recompute) * (setup.layout.pp - 1) / (m * virtual)
     tp = tp_seconds(setup, device, gpus_per_node)
     dp = dp_seconds(setup, device, gpus_per_node, compute + recompute)
     pp = pp_seconds(setup, device, gpus_per_node)
@@ -179,31 +180,31 @@ def step_time(setup: Setup, device: Device, gpus_per_node: int) -> StepTime:
 def block_passes(setup: Setup) -> float:
     """Block passes one device runs per step: each of its blocks, for each micro-batch,
     forward, backward and the recomputed share of the forward."""
-    blocks = setup.args.n_layers / setup.pp
-    return setup.microbatches * blocks * (2 + recompute_fraction(setup))
+    blocks = setup.args.n_layers / setup.layout.pp
+    return setup.batch.microbatches * blocks * (2 + recompute_fraction(setup))
 
 
 def activation_bytes(setup: Setup) -> float:
     """One micro-batch's residual stream, unsharded: b x s x dim x C."""
-    return setup.micro_batch * setup.seq_len * setup.args.dim * compute_bytes(setup)
+    return setup.micro_batch * setup.batch.seq_len * setup.args.dim * compute_bytes(setup)
 
 
 def tp_seconds(setup: Setup, device: Device, gpus_per_node: int) -> float:
     """Tensor parallelism, all exposed: per block forward, attention and MLP each gather
     their input and reduce-scatter their output (sequence parallel) or all-reduce it (not);
     backward does the same again, and recomputation repeats the forward's."""
-    if setup.tp == 1:
+    if setup.layout.tp == 1:
         return 0.0
-    link = group_link(device, setup.tp, gpus_per_node)
+    link = group_link(device, setup.layout.tp, gpus_per_node)
     act = activation_bytes(setup)
-    if setup.sequence_parallel:
-        pair = ring("all_gather", act, setup.tp, link) + ring("reduce_scatter", act, setup.tp,
-                                                              link)
+    tp = setup.layout.tp
+    if setup.cfg.parallel.sequence_parallel:
+        pair = ring("all_gather", act, tp, link) + ring("reduce_scatter", act, tp, link)
     else:
-        pair = ring("all_reduce", act, setup.tp, link)
+        pair = ring("all_reduce", act, tp, link)
     passes = 2 + recompute_fraction(setup)  # forward, backward, recomputed forward
-    blocks = setup.args.n_layers / setup.pp
-    return 2 * pair * passes * blocks * setup.microbatches
+    blocks = setup.args.n_layers / setup.layout.pp
+    return 2 * pair * passes * blocks * setup.batch.microbatches
 
 
 def dp_seconds(setup: Setup, device: Device, gpus_per_node: int, compute: float) -> float:
@@ -213,22 +214,23 @@ def dp_seconds(setup: Setup, device: Device, gpus_per_node: int, compute: float)
     All of it overlaps compute except each micro-batch's first block all-gather and last
     block reduce (nothing to hide behind), and whatever exceeds the compute time; on a
     device that does not overlap communication, all of it is exposed."""
-    if setup.dp_shard * setup.dp_replicate == 1:
+    if setup.layout.dp_shard * setup.layout.dp_replicate == 1:
         return 0.0
-    params = param_count(setup.args) / (setup.tp * setup.pp)
+    params = param_count(setup.args) / (setup.layout.tp * setup.layout.pp)
     trains = 0.0 if setup.lora is not None else params  # adapters are negligible
-    shard_link = group_link(device, setup.tp * setup.dp_shard, gpus_per_node)
-    rep_link = group_link(device, setup.tp * setup.dp_shard * setup.dp_replicate,
+    layout = setup.layout
+    shard_link = group_link(device, layout.tp * layout.dp_shard, gpus_per_node)
+    rep_link = group_link(device, layout.tp * layout.dp_shard * layout.dp_replicate,
                           gpus_per_node)
-    gathers = 2 if setup.zero == 3 else 1
-    gather = ring("all_gather", params * compute_bytes(setup), setup.dp_shard, shard_link)
-    reduce = ring("reduce_scatter", trains * GRAD_REDUCE_BYTES, setup.dp_shard, shard_link)
-    replicate = ring("all_reduce", trains * GRAD_REDUCE_BYTES / setup.dp_shard,
-                     setup.dp_replicate, rep_link)
+    gathers = 2 if setup.cfg.parallel.zero == 3 else 1
+    gather = ring("all_gather", params * compute_bytes(setup), setup.layout.dp_shard, shard_link)
+    reduce = ring("reduce_scatter", trains * GRAD_REDUCE_BYTES, layout.dp_shard, shard_link)
+    replicate = ring("all_reduce", trains * GRAD_REDUCE_BYTES / setup.layout.dp_shard,
+                     setup.layout.dp_replicate, rep_link)
     per_micro = gathers * gather + reduce + replicate
-    blocks = setup.args.n_layers / setup.pp
+    blocks = setup.args.n_layers / setup.layout.pp
     unhidden = (gather + reduce + replicate) / blocks  # the first gather, the last reduce
-    m = setup.microbatches
+    m = setup.batch.microbatches
     if not device.overlaps_communication:
         return m * per_micro
     return max(0.0, m * per_micro - compute) + m * unhidden
@@ -238,11 +240,12 @@ def pp_seconds(setup: Setup, device: Device, gpus_per_node: int) -> float:
     """Pipeline sends, exposed: each micro-batch crosses every stage boundary of this rank
     once forward (activations) and once backward (their gradients); with sequence
     parallelism each TP rank sends its 1/tp slice."""
-    if setup.pp == 1:
+    if setup.layout.pp == 1:
         return 0.0
-    link = device.inter if setup.world_size > gpus_per_node else device.intra
-    per_send = activation_bytes(setup) / (setup.tp if setup.sequence_parallel else 1)
-    return 2 * setup.microbatches * setup.pp_virtual_stages * link.seconds(per_send)
+    link = device.inter if setup.layout.world_size > gpus_per_node else device.intra
+    p = setup.cfg.parallel
+    per_send = activation_bytes(setup) / (setup.layout.tp if p.sequence_parallel else 1)
+    return 2 * setup.batch.microbatches * p.pp_virtual_stages * link.seconds(per_send)
 
 
 def known_device(name: str) -> Device:

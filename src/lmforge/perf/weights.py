@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from lmforge.config import JobConfig
+from lmforge.job import resolve
 from lmforge.models.registry import BlockSpec, family_of
 from lmforge.parallel import pipeline
 from lmforge.perf.estimate_setup import DTYPE_BYTES, Setup, frozen_weight_dtype
@@ -43,16 +45,19 @@ class Weights:
 def model_parameters(args) -> int:
     """The whole model's parameters (a tied embedding once, no LoRA adapters), as the
     estimate counts them."""
-    return stage_weights(Setup(args=args, seq_len=1, micro_batch=1), 0).trainable_params
+    one_device = JobConfig()
+    one_device.data.seq_len, one_device.train.device = 1, "cpu"
+    setup = Setup(resolve(one_device, args=args))
+    return stage_weights(setup, 0).trainable_params
 
 
 def stage_layer_ids(setup: Setup, stage: int) -> list[int]:
     """The model's ids of the blocks on pipeline rank ``stage``, as the trainer splits it
     (``parallel/pipeline.py``): pp x pp_virtual_stages even stages, rank r holding stages
     r, r + pp, ... Which of them activation checkpointing recomputes depends on the ids."""
-    virtual = setup.pp_virtual_stages
-    stages = pipeline.stage_layers(setup.args.n_layers, setup.pp * virtual)
-    return [i for s in pipeline.stage_ids_for_rank(stage, setup.pp, virtual)
+    virtual = setup.cfg.parallel.pp_virtual_stages
+    stages = pipeline.stage_layers(setup.args.n_layers, setup.layout.pp * virtual)
+    return [i for s in pipeline.stage_ids_for_rank(stage, setup.layout.pp, virtual)
             for i in stages[s]]
 
 
@@ -79,7 +84,7 @@ class _Tally:
 
     def __init__(self, setup: Setup):
         self.weights = Weights()
-        self.param_bytes = DTYPE_BYTES[setup.param_dtype]
+        self.param_bytes = DTYPE_BYTES[setup.cfg.train.param_dtype]
         self.frozen_projection_bytes = DTYPE_BYTES[frozen_weight_dtype(setup)]
 
     def add(self, n: float, trains: bool, matmul: bool) -> None:
@@ -113,13 +118,13 @@ def stage_weights(setup: Setup, stage: int) -> Weights:
     """Parameter storage of pipeline stage ``stage`` on one of its devices, after tensor
     parallelism (the estimate divides by dp_shard for FSDP): its blocks, the embedding on
     the first stage, the final norm and the head on the last."""
-    args, tp = setup.args, setup.tp
+    args, tp = setup.args, setup.layout.tp
     tally = _Tally(setup)
     for _ in range(stage_layers(setup, stage)):
         _add_block(tally, setup)
     if stage == 0:
         tally.add(args.vocab_size * args.dim / tp, setup.trainable.embedding, matmul=False)
-    if stage == setup.pp - 1:
+    if stage == setup.layout.pp - 1:
         _add_final_norm_and_head(tally, setup)
     w = tally.weights
     if not setup.autocast:
@@ -140,14 +145,14 @@ def bias_per_device(setup: Setup, name: str, n_out: int) -> float:
     row-parallel ones (the attention's and the MLP's output projections) reduce."""
     projections = family_of(setup.args).projections
     row_parallel = name in (projections.attention_output, projections.mlp_output)
-    return n_out if row_parallel else n_out / setup.tp
+    return n_out if row_parallel else n_out / setup.layout.tp
 
 
 def _add_block(tally: _Tally, setup: Setup) -> None:
     """One transformer block: its projections (quantized when frozen under QLoRA, with
     their adapters and biases), its norms (one in a parallel block, else two); records
     the block's totals for the FSDP transients."""
-    w, trainable, tp = tally.weights, setup.trainable, setup.tp
+    w, trainable, tp = tally.weights, setup.trainable, setup.layout.tp
     family = family_of(setup.args)
     biased = family.block(setup.args).biased
     quantize = setup.lora.quantize if setup.lora is not None else None
@@ -173,8 +178,8 @@ def _add_block(tally: _Tally, setup: Setup) -> None:
     # Qwen3's q and k norms: one head_dim weight each, shared by the heads (replicated
     # under tensor parallelism)
     head_norms = 2 * setup.args.head_dim if family.block(setup.args).head_norms else 0
-    tally.add(norms * norm_params(family.block(setup.args), setup.args.dim) + head_norms, trainable.norms,
-              matmul=False)
+    tally.add(norms * norm_params(family.block(setup.args), setup.args.dim) + head_norms,
+              trainable.norms, matmul=False)
     w.block_trainable = w.trainable_params - trainable_before
     w.block_total = w.trainable_params + w.frozen_params - total_before
 
@@ -187,10 +192,10 @@ def _add_mlp_output_terms(tally: _Tally, setup: Setup, trains: bool, rank: int,
     adapter's."""
     n_in, n_out = shape
     w, quantize = tally.weights, setup.lora.quantize if setup.lora is not None else None
-    w.mlp_out_trainable = ((trains * n_in * n_out + rank * (n_in + n_out)) // setup.tp
+    w.mlp_out_trainable = ((trains * n_in * n_out + rank * (n_in + n_out)) // setup.layout.tp
                            + int(trains * bias))
     fp32_base = trains or (not quantize and tally.frozen_projection_bytes == 4)
-    copied = ((n_in * n_out if fp32_base else 0) + rank * (n_in + n_out)) / setup.tp
+    copied = ((n_in * n_out if fp32_base else 0) + rank * (n_in + n_out)) / setup.layout.tp
     w.mlp_out_copy = 2.0 * copied if setup.autocast else 0.0
 
 
@@ -202,12 +207,13 @@ def _add_final_norm_and_head(tally: _Tally, setup: Setup) -> None:
     family = family_of(args)
     block_copies = (w.matmul_trainable_fp32, w.matmul_frozen_fp32)
     tally.add(norm_params(family.block(args), args.dim), trainable.norms, matmul=False)
-    tied = args.tie_embeddings and setup.pp == 1
+    tied = args.tie_embeddings and setup.layout.pp == 1
     if not tied:  # (tied: the embedding's storage, already counted)
-        tally.add(args.vocab_size * args.dim / setup.tp, trainable.head, matmul=True)
+        tally.add(args.vocab_size * args.dim / setup.layout.tp, trainable.head, matmul=True)
     if "output" in family.block(args).biased:
         tally.add(bias_per_device(setup, "output", args.vocab_size), trainable.head,
                   matmul=False)
     if trainable.head or tally.frozen_projection_bytes == 4 or tied:
-        w.head_copy = 2.0 * args.vocab_size * args.dim / setup.tp  # (tied: fp32 embedding)
+        # (tied: the fp32 embedding)
+        w.head_copy = 2.0 * args.vocab_size * args.dim / setup.layout.tp
     w.matmul_trainable_fp32, w.matmul_frozen_fp32 = block_copies

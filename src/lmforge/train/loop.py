@@ -14,10 +14,10 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from lmforge.config import JobConfig, compute_dtype, grad_accumulation_steps, warmup_warning
+from lmforge.config import JobConfig, warmup_warning
 from lmforge.data.build import DataBundle, build_data, check_data
+from lmforge.job import Job, resolve
 from lmforge.models.common import count_parameters
-from lmforge.models.presets import job_family, resolve_model_args, validate_job
 from lmforge.models.registry import build_model
 from lmforge.parallel.mesh import DistEnv, read_dist_env, runs_distributed
 from lmforge.parallel.offload import offload_summary
@@ -45,53 +45,53 @@ __all__ = ["Runtime", "check_job", "prepare_output_dir", "run_loop", "train", "t
 def train(cfg: JobConfig) -> dict:
     """Runs the job described by ``cfg``; returns a summary of what happened."""
     env = read_dist_env()
-    distributed = check_job(cfg, env)
-    require_fit(cfg, env.world_size, env.local_rank)  # before any allocation or write
+    job = check_job(cfg, env)
+    require_fit(job, env.local_rank)  # before any allocation or write
     if env.rank == 0 and (warning := warmup_warning(cfg)):
         print(warning, file=sys.stderr, flush=True)
-    summary = _run(cfg, init_runtime(cfg, env, distributed))
+    summary = _run(job, init_runtime(job, env))
     # The model, optimizers and mesh died with _run's frame: only now can the process
     # groups they held be destroyed for good (see _shutdown).
     _shutdown()
     return summary
 
 
-def check_job(cfg: JobConfig, env: DistEnv) -> bool:
+def check_job(cfg: JobConfig, env: DistEnv) -> Job:
     """What ``train`` refuses before any set-up (also ``train --dry-run``'s check), for
-    ``env``'s processes; returns whether the run is distributed (``runs_distributed``)."""
-    distributed = runs_distributed(cfg.parallel, env.world_size, env.torchrun)
-    validate_job(cfg, world_size=env.world_size, distributed=distributed)
-    # lora.targets by peft's one rule, against the model family's names, before any compute
-    resolve_targets(cfg.lora.targets, job_family(cfg).projections)
+    ``env``'s processes: the resolved job (``job.resolve``), the resume path, the data."""
+    job = resolve(cfg, env.world_size,
+                  distributed=runs_distributed(cfg.parallel, env.world_size, env.torchrun))
     check_resume_path(cfg.train.resume, Path(cfg.train.output_dir) / CHECKPOINTS)
     check_data(cfg)  # last: it may read a whole text corpus
-    return distributed
+    return job
 
 
-def _run(cfg: JobConfig, rt: Runtime) -> dict:
-    out_dir, lock = prepare_output_dir(cfg, rt)
+def _run(job: Job, rt: Runtime) -> dict:
+    out_dir, lock = prepare_output_dir(job.config, rt)
     try:
-        return _run_in(cfg, rt, out_dir)
+        return _run_in(job, rt, out_dir)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _run_in(cfg: JobConfig, rt: Runtime, out_dir: Path) -> dict:
+def _run_in(job: Job, rt: Runtime, out_dir: Path) -> dict:
+    cfg = job.config
     tokenizer = prepare_tokenizer(cfg, out_dir, rt)
-    args = resolve_model_args(cfg, tokenizer.vocab_size)
+    job = job.with_tokenizer(tokenizer.vocab_size)
+    args = job.args
     say(rt, f"data: reading and tokenizing {data_source(cfg)}")
     data = build_data(cfg, tokenizer, rt.dp_rank, rt.dp_size, cache_dir=out_dir / "cache")
     say(rt, "model: building" + (f", loading {cfg.model.init_from}"
                                   if cfg.model.init_from else ""))
-    model = build_train_model(cfg, args, rt.device, rt.dims, rt.param_dtype)
+    model = build_train_model(job, rt.device, rt.dims, rt.param_dtype)
     optimizers = Optimizers(model.parts, cfg.optim, cfg.train.max_steps,
-                            LossScaler.for_job(cfg, rt.device, rt.is_logging_rank))
+                            LossScaler.for_job(job, rt.device, rt.is_logging_rank))
     say(rt, f"model: {count_parameters(build_model(args)):,} parameters ({_describe(args)}) "
              f"on {rt.world_size} x {rt.device.type} ({_layout(rt)}); data: {data.description}")
     for note in data.notes:
         say(rt, note)
-    for note in device_notes(compute_dtype(cfg, rt.device.type), rt.device.type):
+    for note in device_notes(job.compute, rt.device.type):
         say(rt, note)
     if cfg.lora.enabled:
         targets = resolve_targets(cfg.lora.targets, model_projections(model.parts[0]))
@@ -108,7 +108,7 @@ def _run_in(cfg: JobConfig, rt: Runtime, out_dir: Path) -> dict:
     progress = Progress(cfg, rt.is_logging_rank, start_step, end_step, rt.started)
     # SIGUSR1/SIGTERM: checkpoint this step, leave (rank 0 says so when the signal comes)
     with StopSignals(rt.device, announce=rt.is_logging_rank) as stop:
-        history = run_loop(cfg, rt, model, optimizers, data, out_dir, checkpoints,
+        history = run_loop(job, rt, model, optimizers, data, out_dir, checkpoints,
                            start_step, end_step, progress, stop)
     if stop.stopped_at is not None:
         say(rt, f"preempted at step {stop.stopped_at}: checkpoint written, exiting; "
@@ -136,13 +136,13 @@ def _shutdown() -> None:
 
 # ------------------------------------------------------------------------------ loop
 
-def run_loop(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optimizers,
+def run_loop(job: Job, rt: Runtime, model: TrainModel, optimizers: Optimizers,
              data: DataBundle, out_dir: Path, checkpoints: "Checkpoints",
              start_step: int = 0, end_step: Optional[int] = None,
              progress: Optional[Progress] = None,
              stop: Optional[StopSignals] = None) -> list[dict]:
-    t = cfg.train
-    accum = grad_accumulation_steps(cfg, rt.dp_size)
+    cfg, t = job.config, job.config.train
+    accum = job.batch.accumulation
     # by sequence length: SFT batches are as long as their longest sample
     flops_per_token = functools.lru_cache()(functools.partial(model_flops_per_token, model))
     throughput = M.Throughput(flops_per_token(cfg.data.seq_len), device_peak_flops(rt.device),

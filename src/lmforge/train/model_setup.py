@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lmforge.config import (JobConfig, compute_dtype, grad_accumulation_steps,
-                            pipeline_microbatches)
+from lmforge.config import JobConfig
 from lmforge.eval.evaluate import loss_sums, mean_loss
+from lmforge.job import Job
 from lmforge.models.common import count_parameters, materialize
 from lmforge.models.hf import from_hf_state_dict, read_hf_state_dict
 from lmforge.models.loss import IGNORE_INDEX
@@ -196,11 +196,11 @@ def step_shaped(batches, rows: int):
                                                           IGNORE_INDEX)]))
 
 
-def build_train_model(cfg: JobConfig, args, device: torch.device,
-                      dims: ParallelDims = ParallelDims(),
+def build_train_model(job: Job, device: torch.device, dims: ParallelDims = ParallelDims(),
                       param_dtype: Optional[torch.dtype] = None) -> TrainModel:
-    """This rank's model for the layout ``dims`` (default: one plain process);
+    """This rank's model of ``job`` for the layout ``dims`` (default: one plain process);
     ``param_dtype``: FSDP's compute dtype for parameters."""
+    cfg, args = job.config, job.args
     model = build_model(args)  # meta: nothing allocated yet
     if dims.pp > 1:
         stages = split_model(model, dims.pp_rank, dims.pp, cfg.parallel.pp_virtual_stages)
@@ -209,7 +209,7 @@ def build_train_model(cfg: JobConfig, args, device: torch.device,
     tm = TrainModel([part for _, part in stages], args, dims,
                     stage_ids=[i for i, _ in stages],
                     loss_chunk_tokens=cfg.train.loss_chunk_tokens,
-                    objective=objective_for(cfg))
+                    objective=objective_for(job))
     for part in tm.parts:
         if cfg.lora.enabled:  # module swap on the meta model, before any sharding
             prepare_model_for_lora(part, cfg.lora)
@@ -226,7 +226,7 @@ def build_train_model(cfg: JobConfig, args, device: torch.device,
         # over data parallelism: this also handles sizes that do not divide evenly.
         _materialize_all(tm, device)
         load_full_state_dict(tm, full_sd)
-        _finish_lora(tm, cfg)
+        _finish_lora(tm, job)
         _apply_data_parallel_all(tm, cfg, param_dtype)
     else:
         _apply_data_parallel_all(tm, cfg, param_dtype)
@@ -238,31 +238,32 @@ def build_train_model(cfg: JobConfig, args, device: torch.device,
             torch.manual_seed(cfg.train.seed + dims.pp_rank)
             for part in tm.parts:
                 part.init_weights()
-        _finish_lora(tm, cfg)
+        _finish_lora(tm, job)
     if cfg.train.param_dtype == "bf16":  # low-memory training: weights stored in bf16
         for part in tm.parts:
             part.to(torch.bfloat16)
     if dims.pp > 1:
-        _build_pipeline(tm, cfg, device)
+        _build_pipeline(tm, job, device)
     tm.train()
     return tm
 
 
-def _build_pipeline(tm: TrainModel, cfg: JobConfig, device: torch.device) -> None:
+def _build_pipeline(tm: TrainModel, job: Job, device: torch.device) -> None:
     """The schedule over this rank's stages, and a tied embedding's two copies made equal."""
     parts, n_stages = list(zip(tm.stage_ids, tm.parts)), tm.dims.pp * len(tm.parts)
-    tm.step_rows = grad_accumulation_steps(cfg, tm.dims.dp) * cfg.data.micro_batch_size
+    tm.step_rows = job.batch.accumulation * job.batch.micro_batch_size
     if tm.args.tie_embeddings:
         tm.tied = TiedEmbedding.for_stages(parts, n_stages, tm.mesh)
         tm.tied.sync_weights()
-    tm.schedule = build_schedule(parts, n_stages, cfg.parallel.pp_schedule,
-                                 pipeline_microbatches(cfg, tm.dims.dp), tm.pipeline_loss,
+    tm.schedule = build_schedule(parts, n_stages, job.config.parallel.pp_schedule,
+                                 job.batch.pipeline_microbatches, tm.pipeline_loss,
                                  device, tm.dims.group("pp"))
 
 
-def _finish_lora(tm: TrainModel, cfg: JobConfig) -> None:
+def _finish_lora(tm: TrainModel, job: Job) -> None:
     """Adapter init (B = 0, so training starts from the base model exactly), optional
     NF4/int8 quantization of the frozen base, optional adapter load."""
+    cfg = job.config
     if not cfg.lora.enabled:
         return
     torch.manual_seed(cfg.train.seed + 1)
@@ -270,8 +271,7 @@ def _finish_lora(tm: TrainModel, cfg: JobConfig) -> None:
         after_materialize(part, cfg.lora)
         if cfg.lora.adapter_from:
             load_adapter(part, cfg.lora.adapter_from)
-        device_type = next(part.parameters()).device.type
-        if compute_dtype(cfg, device_type) == "bf16" and not cfg.lora.quantize:
+        if job.compute == "bf16" and not cfg.lora.quantize:
             frozen_linears_to_bf16(part)
 
 

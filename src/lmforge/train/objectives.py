@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lmforge.config import JobConfig
+from lmforge.job import Job
 from lmforge.models.loss import micro_batch_loss_sum, token_loss_sum
 
 
@@ -41,6 +41,6 @@ NEXT_TOKEN = NextToken()
 OBJECTIVES = {NEXT_TOKEN.name: NEXT_TOKEN}
 
 
-def objective_for(cfg: JobConfig) -> NextToken:
-    """The objective a job trains."""
-    return NEXT_TOKEN
+def objective_for(job: Job) -> NextToken:
+    """The objective a job trains (``Job.objective`` names it)."""
+    return OBJECTIVES[job.objective]

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lmforge.config import JobConfig, compute_dtype
+from lmforge.job import Job
 
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 INIT_SCALE = 2.0**16  # the first loss scale
@@ -81,8 +81,8 @@ class LossScaler:
         self.step_scale = init_scale  # the scale the latest step's backward used
 
     @classmethod
-    def for_job(cls, cfg: JobConfig, device: torch.device, announce: bool) -> "LossScaler":
-        return cls(compute_dtype(cfg, device.type) == "fp16", INIT_SCALE, GROWTH_INTERVAL,
+    def for_job(cls, job: Job, device: torch.device, announce: bool) -> "LossScaler":
+        return cls(job.compute == "fp16", INIT_SCALE, GROWTH_INTERVAL,
                    device, announce)
 
     @property

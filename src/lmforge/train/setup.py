@@ -15,9 +15,10 @@ import torch.distributed as dist
 
 from lmforge.checkpoint import (CheckpointError, checkpoint_step, is_complete,
                                 list_checkpoints, resolve_resume, resume_is_auto)
-from lmforge.config import ConfigError, JobConfig, compute_dtype, resolve_device, save_config
+from lmforge.config import ConfigError, JobConfig, resolve_device, save_config
 from lmforge.data.build import train_corpus_tokenizer
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
+from lmforge.job import Job
 from lmforge.parallel.mesh import DistEnv, ParallelDims, build_parallel_dims, init_distributed
 from lmforge.train.checkpoints import seed_everything
 from lmforge.train.precision import mixed_precision
@@ -47,9 +48,9 @@ class Runtime:
         return self.dims.dp
 
 
-def init_runtime(cfg: JobConfig, env: DistEnv, distributed: bool = False) -> Runtime:
-    t = cfg.train
-    device = resolve_device(t.device, "train.device", env.local_rank)
+def init_runtime(job: Job, env: DistEnv) -> Runtime:
+    cfg, t = job.config, job.config.train
+    device = resolve_device(job.device, "train.device", env.local_rank)
     device_type = device.type
     if t.threads:
         torch.set_num_threads(t.threads)
@@ -57,11 +58,10 @@ def init_runtime(cfg: JobConfig, env: DistEnv, distributed: bool = False) -> Run
     if t.deterministic:
         torch.use_deterministic_algorithms(True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    init_distributed(env, device_type, distributed)
-    dims = (build_parallel_dims(cfg.parallel, env.world_size, device_type) if distributed
-            else ParallelDims())
-    autocast, param_dtype = mixed_precision(compute_dtype(cfg, device_type), device_type,
-                                            dims.uses_fsdp)
+    init_distributed(env, device_type, job.distributed)
+    dims = (build_parallel_dims(cfg.parallel, env.world_size, device_type)
+            if job.distributed else ParallelDims())
+    autocast, param_dtype = mixed_precision(job.compute, device_type, dims.uses_fsdp)
     return Runtime(device=device, autocast=autocast, rank=env.rank,
                    world_size=env.world_size, dims=dims, param_dtype=param_dtype)
 

@@ -11,6 +11,7 @@ from torch import nn
 from helpers.tiny_models import tiny_llama_args
 from lmforge.config import ConfigError, JobConfig, apply_override
 from lmforge.parallel import offload
+from lmforge.job import resolve
 from lmforge.train.model_setup import build_train_model
 from lmforge.parallel.offload import ActivationOffloader
 
@@ -41,9 +42,10 @@ def _micro_batches():
 def _step(checkpointing: str, activation_offload: bool):
     cfg = JobConfig()
     cfg.train.device, cfg.train.activation_checkpointing = "cpu", checkpointing
+    cfg.data.seq_len = SEQ
     cfg.train.activation_offload = activation_offload
     torch.manual_seed(0)
-    model = build_train_model(cfg.validate(), ARGS, CPU)
+    model = build_train_model(resolve(cfg, args=ARGS), CPU)
     batches = _micro_batches()
     n_valid = sum(int(b["labels"].numel()) for b in batches)
     loss = model.forward_backward(batches, n_valid, CPU, contextlib.nullcontext)

@@ -9,6 +9,7 @@ import torch
 from lmforge.config import load_config
 from lmforge.perf import budget as B
 from lmforge.perf.estimate import GiB
+from lmforge.perf.estimate_setup import setup_from_config
 
 
 def _host(monkeypatch, tmp_path, meminfo_kb=None, cgroup=None):
@@ -72,7 +73,7 @@ def test_on_gpus_the_refusal_names_the_fewest_devices_that_fit():
     cfg = load_config(None, ["model.preset=llama3-8b", "model.vocab_size=128256",
                              "data.seq_len=4096", "data.micro_batch_size=1",
                              "train.device=cuda"])
-    est = B.estimate_memory(B.setup_from_config(cfg, world_size=1)).total_bytes / GiB
+    est = B.estimate_memory(setup_from_config(cfg, world_size=1)).total_bytes / GiB
     options = B.changes(cfg, 1, "cuda", est, budget_gib=80.0)
     assert any(o.startswith("train.activation_checkpointing=full (") for o in options)
     more = [o for o in options if "GPUs with parallel.dp_shard=-1" in o]

@@ -109,16 +109,14 @@ def measure_step(lora: bool, ckpt: bool, micro_batch: int, bf16: bool = False,
     tracker.track(t for state in optimizer.state.values() for t in state.values())
     with tracker:
         step()
-    spec = None
-    if lora:
-        spec = LoraSpec(rank=cfg.lora.rank, targets=tuple(targets), quantize=quantize,
-                        dropout=dropout)
-    setup = Setup(args=args, seq_len=SEQ, loss_chunk_tokens=loss_chunk, micro_batch=micro_batch,
-                  device="cpu", compute="bf16" if bf16 else "fp16" if fp16 else "fp32",
-                  checkpointing=mode, checkpoint_every=every,
-                  trainable=Trainability.from_model(model), lora=spec,
-                  optimizer=cfg.optim.name, param_dtype=cfg.train.param_dtype,
-                  in_backward=cfg.optim.in_backward)
+    t = cfg.train
+    cfg.data.seq_len, cfg.data.micro_batch_size = SEQ, micro_batch
+    t.loss_chunk_tokens, t.dtype = loss_chunk, "bf16" if bf16 else "fp16" if fp16 else "fp32"
+    t.activation_checkpointing, t.activation_checkpointing_every = mode, every
+    if low_memory:  # the step is in backward: nothing to clip
+        cfg.optim.grad_clip = 0.0
+    setup = setup_from_config(cfg, device="cpu", args=args)
+    assert setup.trainable == Trainability.from_model(model)  # the config says what trains
     return tracker.peak, setup
 
 

@@ -5,14 +5,13 @@ import json
 import pytest
 
 from lmforge.cli import build_parser
-from lmforge.config import ConfigError, load_config
+from lmforge.config import ConfigError, JobConfig, load_config, set_field
 from lmforge.models.llama import build_llama, count_parameters
 from lmforge.models.presets import PRESETS
 from lmforge.models.registry import build_model
 from lmforge.perf.activations import activation_model, in_flight
 from lmforge.perf.estimate import estimate_memory, estimate_stage, max_micro_batch
 from lmforge.perf.estimate_setup import Setup, setup_from_config
-from lmforge.perf.flops import Trainability
 from lmforge.parallel.pipeline import split_model
 from lmforge.perf.weights import stage_layer_ids, stage_weights
 from lmforge.peft.targets import LoraSpec
@@ -20,17 +19,50 @@ from lmforge.peft.targets import LoraSpec
 GiB = 2**30
 
 
+# setup_for's keywords -> the config keys they set
+KEYS = {"seq_len": "data.seq_len", "compute": "train.dtype",
+        "checkpointing": "train.activation_checkpointing",
+        "checkpoint_every": "train.activation_checkpointing_every", "tp": "parallel.tp",
+        "pp": "parallel.pp", "dp_shard": "parallel.dp_shard", "zero": "parallel.zero",
+        "sequence_parallel": "parallel.sequence_parallel",
+        "pp_virtual_stages": "parallel.pp_virtual_stages"}
+
+
+def setup_for(args, micro_batch: int = 1, microbatches: int = 1,
+              lora: LoraSpec = None, attention: str = "sdpa", **changes) -> Setup:
+    """The estimate of ``args`` trained on cuda as a config with ``changes`` would run it:
+    ``microbatches`` is the accumulation (pp = 1) or the pipeline's microbatches."""
+    cfg = JobConfig()
+    for key, value in changes.items():
+        set_field(cfg, KEYS[key], value)
+    if cfg.parallel.dp_shard == -1:
+        cfg.parallel.dp_shard = 1
+    pp = cfg.parallel.pp
+    if pp > 1:
+        microbatches = max(microbatches, pp)
+        cfg.data.micro_batch_size = micro_batch * microbatches
+        cfg.parallel.microbatches = microbatches
+        if cfg.parallel.pp_virtual_stages > 1:
+            cfg.parallel.pp_schedule = "interleaved_1f1b"
+    else:
+        cfg.data.micro_batch_size = micro_batch
+        cfg.data.global_batch_size = micro_batch * microbatches * cfg.parallel.dp_shard
+    if lora is not None:
+        cfg.lora.enabled, cfg.lora.rank = True, lora.rank
+        cfg.lora.targets, cfg.lora.quantize = list(lora.targets), lora.quantize
+    return setup_from_config(cfg, device="cuda", args=args, attention=attention,
+                             base_dtype=lora and lora.base_dtype)
+
+
 def setup_7b(**changes) -> Setup:
-    base = Setup(args=PRESETS["llama2-7b"], seq_len=2048, micro_batch=1, device="cuda",
-                 compute="bf16")
-    return dataclasses.replace(base, **changes)
+    return setup_for(PRESETS["llama2-7b"], **{"seq_len": 2048, "compute": "bf16", **changes})
 
 
 def test_weights_count_every_parameter_of_the_model():
     # qwen3: q_norm and k_norm in every block; qwen2.5: biased q/k/v
     for name in ("tiny", "llama2-7b", "llama3-8b", "qwen2.5-0.5b", "qwen3-0.6b", "qwen3-8b"):
         args = PRESETS[name]
-        w = stage_weights(Setup(args=args, seq_len=128, micro_batch=1), 0)
+        w = stage_weights(setup_for(args, seq_len=128), 0)
         assert w.trainable_params == count_parameters(build_llama(args))
         assert w.trainable_bytes == 4 * w.trainable_params
 
@@ -38,10 +70,10 @@ def test_weights_count_every_parameter_of_the_model():
 def test_weights_count_every_gptj_parameter_layernorm_and_linear_biases_included():
     for name in ("gptj-tiny", "gptj-6b"):
         args = PRESETS[name]
-        w = stage_weights(Setup(args=args, seq_len=128, micro_batch=1), 0)
+        w = stage_weights(setup_for(args, seq_len=128), 0)
         assert w.trainable_params == count_parameters(build_model(args))  # (meta device)
     spec = LoraSpec(rank=8, targets=("q_proj", "v_proj"))
-    lora = stage_weights(Setup(args=PRESETS["gptj-6b"], seq_len=128, micro_batch=1,
+    lora = stage_weights(setup_for(PRESETS["gptj-6b"], seq_len=128,
                                lora=spec), 0)
     assert lora.trainable_params == 28 * 2 * 8 * (4096 + 4096)  # the biases stay frozen
     assert lora.frozen_params == 6_050_882_784
@@ -49,16 +81,16 @@ def test_weights_count_every_gptj_parameter_layernorm_and_linear_biases_included
 
 def test_gptj_biases_split_with_column_parallel_outputs_and_replicate_after_row_parallel():
     args, tp = PRESETS["gptj-6b"], 8
-    one = stage_weights(Setup(args=args, seq_len=128, micro_batch=1), 0).trainable_params
-    split = stage_weights(Setup(args=args, seq_len=128, micro_batch=1, tp=tp), 0)
+    one = stage_weights(setup_for(args, seq_len=128), 0).trainable_params
+    split = stage_weights(setup_for(args, seq_len=128, tp=tp), 0)
     replicated = 28 * (2 * 4096 + 4096) + 2 * 4096  # ln_1, fc_out's bias; ln_f
     assert split.trainable_params == (one - replicated) / tp + replicated
 
 
 def test_qwen3_q_k_norms_are_replicated_under_tensor_parallelism():
     args, tp = PRESETS["qwen3-8b"], 8
-    one = stage_weights(Setup(args=args, seq_len=128, micro_batch=1), 0).trainable_params
-    split = stage_weights(Setup(args=args, seq_len=128, micro_batch=1, tp=tp), 0)
+    one = stage_weights(setup_for(args, seq_len=128), 0).trainable_params
+    split = stage_weights(setup_for(args, seq_len=128, tp=tp), 0)
     replicated = 36 * (2 * 4096 + 2 * 128) + 4096  # two norms, q/k norms; the final norm
     assert split.trainable_params == (one - replicated) / tp + replicated
 
@@ -104,12 +136,14 @@ def test_checkpointing_keeps_one_layer_input_per_layer():
 def test_selective_checkpointing_lies_between_none_and_full_and_is_full_at_every_1(
         preset, lora):
     spec = LoraSpec(rank=8, targets=("q_proj", "v_proj")) if lora else None
-    base = setup_7b(args=PRESETS[preset], micro_batch=8, lora=spec)
-    peak = {ac: estimate_memory(dataclasses.replace(base, checkpointing=ac)).peak_bytes
+    def base(**changes):
+        return setup_for(PRESETS[preset], micro_batch=8, lora=spec, seq_len=2048,
+                         compute="bf16", **changes)
+    peak = {ac: estimate_memory(base(checkpointing=ac)).peak_bytes
             for ac in ("none", "selective", "full")}
     assert peak["full"] < peak["selective"] < peak["none"]
-    every_1 = dataclasses.replace(base, checkpointing="selective", checkpoint_every=1)
-    full = dataclasses.replace(base, checkpointing="full")
+    every_1 = base(checkpointing="selective", checkpoint_every=1)
+    full = base(checkpointing="full")
     assert estimate_stage(every_1, 0).phases == estimate_stage(full, 0).phases
 
 
@@ -117,7 +151,7 @@ def test_selective_checkpointing_counts_the_checkpointed_blocks_of_each_stage():
     """Blocks 0, every, 2 every, ... by the model's numbering: with every = 32 of 32
     layers over two stages, only the first stage's first block is checkpointed."""
     s = setup_7b(pp=2, microbatches=4, checkpointing="selective", checkpoint_every=32)
-    none = dataclasses.replace(s, checkpointing="none")
+    none = setup_7b(pp=2, microbatches=4, checkpointing="none")
     assert estimate_stage(s, 1).phases == estimate_stage(none, 1).phases
     saved = estimate_stage(none, 0).phases["forward end"] - estimate_stage(s, 0).phases[
         "forward end"]
@@ -128,7 +162,7 @@ def test_selective_checkpointing_counts_the_checkpointed_blocks_of_each_stage():
 @pytest.mark.parametrize("pp,virtual", [(1, 1), (2, 1), (4, 1), (2, 2), (4, 2)])
 def test_stage_layer_ids_are_the_blocks_the_trainer_gives_each_rank(pp, virtual):
     args = dataclasses.replace(PRESETS["tiny"], n_layers=16)
-    setup = Setup(args=args, seq_len=16, micro_batch=1, pp=pp, pp_virtual_stages=virtual)
+    setup = setup_for(args, seq_len=16, pp=pp, pp_virtual_stages=virtual)
     model = build_llama(args)  # (meta device)
     for rank in range(pp):
         held = [int(i) for _, part in split_model(model, rank, pp, virtual)
@@ -152,13 +186,13 @@ def test_eager_attention_adds_the_quadratic_term():
 
 def test_lora_trains_only_its_adapters_and_a_quantized_base_is_smaller():
     spec = LoraSpec(rank=8, targets=("q_proj", "v_proj"), base_dtype="fp32")
-    lora = setup_7b(lora=spec, trainable=Trainability.lora(spec))
+    lora = setup_7b(lora=spec)
     w = stage_weights(lora, 0)
     assert w.trainable_params == 32 * 2 * 8 * (4096 + 4096)
     int8 = dataclasses.replace(spec, quantize="int8")
     nf4 = dataclasses.replace(spec, quantize="nf4")
     bf16 = dataclasses.replace(spec, base_dtype="bf16")
-    sizes = {name: stage_weights(dataclasses.replace(lora, lora=s), 0).frozen_bytes / GiB
+    sizes = {name: stage_weights(setup_7b(lora=s), 0).frozen_bytes / GiB
              for name, s in (("fp32", spec), ("bf16", bf16), ("int8", int8), ("nf4", nf4))}
     assert sizes["fp32"] > sizes["bf16"] > sizes["int8"] > sizes["nf4"]
     assert 3.3 < sizes["nf4"] < 4.5 and 6.0 < sizes["int8"] < 7.5  # + embedding/head fp32
@@ -168,11 +202,9 @@ def test_lora_base_storage_defaults_to_what_the_trainer_keeps():
     # bf16 compute stores frozen projections in bf16 (frozen_linears_to_bf16); fp32
     # compute, or a quantized base, leaves the rest of the frozen weights in fp32
     spec = LoraSpec(rank=8, targets=("q_proj", "v_proj"))
-    trainable = Trainability.lora(spec)
-    auto_bf16 = stage_weights(setup_7b(lora=spec, trainable=trainable), 0)
-    explicit = stage_weights(setup_7b(lora=dataclasses.replace(spec, base_dtype="bf16"),
-                                      trainable=trainable), 0)
-    fp32 = stage_weights(setup_7b(lora=spec, trainable=trainable, compute="fp32"), 0)
+    auto_bf16 = stage_weights(setup_7b(lora=spec), 0)
+    explicit = stage_weights(setup_7b(lora=dataclasses.replace(spec, base_dtype="bf16")), 0)
+    fp32 = stage_weights(setup_7b(lora=spec, compute="fp32"), 0)
     assert auto_bf16.frozen_bytes == explicit.frozen_bytes
     embedding_and_head = 2 * 32000 * 4096
     assert auto_bf16.frozen_bytes > 2 * auto_bf16.frozen_params + embedding_and_head
@@ -180,12 +212,12 @@ def test_lora_base_storage_defaults_to_what_the_trainer_keeps():
 
 
 def test_largest_micro_batch_that_fits_is_the_last_one_under_the_budget():
-    s = setup_7b(lora=LoraSpec(targets=("q_proj", "v_proj"), quantize="nf4"),
-                 trainable=Trainability.lora(LoraSpec(targets=("q_proj", "v_proj"))), seq_len=512)
+    s = setup_7b(lora=LoraSpec(targets=("q_proj", "v_proj"), quantize="nf4"), seq_len=512)
     fit = max_micro_batch(s, 40)
     assert fit >= 1
-    assert estimate_memory(dataclasses.replace(s, micro_batch=fit)).total_bytes <= 40 * GiB
-    assert estimate_memory(dataclasses.replace(s, micro_batch=fit + 1)).total_bytes > 40 * GiB
+    budget = 40 * GiB
+    assert estimate_memory(dataclasses.replace(s, micro_batch_override=fit)).total_bytes <= budget
+    assert estimate_memory(dataclasses.replace(s, micro_batch_override=fit + 1)).total_bytes > budget
     assert max_micro_batch(setup_7b(), 16) == 0  # full 7B training needs > 100 GiB
 
 

@@ -1,8 +1,6 @@
 """train.activation_offload in the estimate: the blocks' saved tensors of at least
 MIN_OFFLOAD_BYTES leave the device for pinned host memory, except the two blocks in
 flight (one computing, one being copied), and appear as host memory."""
-import dataclasses
-
 import pytest
 
 from lmforge.config import load_config
@@ -21,9 +19,9 @@ def _setup(*overrides):
 @pytest.mark.parametrize("ckpt", ["full", "none", "selective"])
 def test_offload_moves_all_but_two_blocks_to_the_host_and_off_the_device(ckpt):
     base = _setup(f"train.activation_checkpointing={ckpt}")
-    offloaded = dataclasses.replace(base, activation_offload=True)
+    offloaded = _setup(f"train.activation_checkpointing={ckpt}", "train.activation_offload=true")
     before, after = estimate_memory(base), estimate_memory(offloaded)
-    tokens = base.micro_batch * base.seq_len
+    tokens = base.micro_batch * base.batch.seq_len
     # a checkpointed block's input, every large saved tensor of another
     moved = {c: offloaded_per_layer(offloaded, after.activations, c) * tokens
              for c in (True, False)}

@@ -97,11 +97,11 @@ def test_model_flops_reads_lora_from_the_model():
 
 def test_model_flops_read_what_trains_from_the_trainers_model():
     from lmforge.config import load_config
-    from lmforge.models.presets import model_args
+    from lmforge.job import resolve
     from lmforge.train.model_setup import build_train_model
 
     cfg = load_config(None, ["model.preset=debug"])
-    train_model = build_train_model(cfg, model_args(cfg), torch.device("cpu"))
+    train_model = build_train_model(resolve(cfg), torch.device("cpu"))
     assert F.Trainability.from_model(train_model) == F.Trainability.full()
     assert F.model_flops_per_token(train_model, SEQ) == F.flops_per_token(train_model.args, SEQ)
 

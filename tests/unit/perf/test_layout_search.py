@@ -33,14 +33,14 @@ def test_every_candidate_obeys_the_layout_rules():
     assert result.candidates and len(result.candidates) == result.tried
     for c in result.candidates:
         s, k = c.setup, c.keys
-        assert s.world_size == 4 and s.tp <= 2
-        assert s.args.n_heads % s.tp == 0 and s.args.n_kv_heads % s.tp == 0
-        assert s.args.n_layers % (s.pp * s.pp_virtual_stages) == 0
-        assert (8 // (s.dp_replicate * s.dp_shard)) % s.micro_batch == 0
-        assert s.micro_batch * s.microbatches * s.dp_replicate * s.dp_shard == 8
-        assert not k["train.loss_chunk_tokens"] or (s.tp == 1 and s.pp == 1)
-        assert s.pp > 1 or s.pp_schedule == "1f1b"
-    schedules = {c.setup.pp_schedule for c in result.candidates if c.setup.pp == 2}
+        assert s.layout.world_size == 4 and s.layout.tp <= 2
+        assert s.args.n_heads % s.layout.tp == 0 and s.args.n_kv_heads % s.layout.tp == 0
+        assert s.args.n_layers % (s.layout.pp * s.cfg.parallel.pp_virtual_stages) == 0
+        assert (8 // (s.layout.dp_replicate * s.layout.dp_shard)) % s.micro_batch == 0
+        assert s.micro_batch * s.batch.microbatches * s.layout.dp_replicate * s.layout.dp_shard == 8
+        assert not k["train.loss_chunk_tokens"] or (s.layout.tp == 1 and s.layout.pp == 1)
+        assert s.layout.pp > 1 or s.cfg.parallel.pp_schedule == "1f1b"
+    schedules = {c.setup.cfg.parallel.pp_schedule for c in result.candidates if c.setup.layout.pp == 2}
     assert schedules == {"gpipe", "1f1b", "interleaved_1f1b"}
 
 
@@ -58,7 +58,7 @@ def test_pipeline_bubble_is_p_minus_1_over_m_v_of_the_compute(virtual, schedule)
                 "data.global_batch_size=8", f"parallel.pp_schedule={schedule}",
                 f"parallel.pp_virtual_stages={virtual}", "parallel.dp_shard=1"], 4)
     t = step_time(s, DEVICES["h100"], 8)
-    assert s.microbatches == 8
+    assert s.batch.microbatches == 8
     assert t.bubble == pytest.approx((t.compute + t.recompute) * 3 / (8 * virtual))
 
 

@@ -5,13 +5,14 @@ import torch
 from lmforge.config import load_config
 from lmforge.models.presets import PRESETS
 from lmforge.peft import lora_layers, save_adapter
+from lmforge.job import resolve
 from lmforge.train.model_setup import build_train_model
 from lmforge.train.optim import Optimizers
 
 
 def _model(*overrides):
     cfg = load_config(None, ["lora.enabled=true", "lora.targets=all-linear", *overrides])
-    return cfg, build_train_model(cfg, PRESETS["debug"], torch.device("cpu"))
+    return cfg, build_train_model(resolve(cfg, args=PRESETS["debug"]), torch.device("cpu"))
 
 
 def test_only_adapters_train_and_reach_the_optimizer():

@@ -8,6 +8,7 @@ import pytest
 
 from lmforge.cli import main
 from lmforge.config import ConfigError, load_config
+from lmforge.job import resolve
 from lmforge.perf import budget as B
 from lmforge.perf.estimate import GiB
 from lmforge.train import loop
@@ -69,6 +70,6 @@ def test_dry_run_says_whether_the_run_fits_and_exits_2_when_it_does_not(
 
 
 def test_the_demo_fits_this_machine_as_it_is():
-    check = B.check_memory(load_config(None, DEMO), world_size=1)
+    check = B.check_memory(resolve(load_config(None, DEMO)))
     assert check.budget is not None and check.fits
     assert check.estimate_bytes < 1 * GiB

@@ -9,6 +9,7 @@ from helpers.tiny_models import tiny_llama_args
 from lmforge.config import JobConfig
 from lmforge.models.llama import build_llama, materialize
 from lmforge.models.loss import micro_batch_loss_sum
+from lmforge.job import resolve
 from lmforge.train.model_setup import build_train_model
 from lmforge.train.objectives import NEXT_TOKEN, OBJECTIVES, objective_for
 from lmforge.train.step import accumulate_gradients
@@ -40,7 +41,8 @@ class Doubled:
 
 
 def test_next_token_is_every_current_jobs_objective_and_sums_labelled_tokens():
-    assert objective_for(JobConfig()) is NEXT_TOKEN and OBJECTIVES == {"next_token": NEXT_TOKEN}
+    assert objective_for(resolve(JobConfig())) is NEXT_TOKEN
+    assert OBJECTIVES == {"next_token": NEXT_TOKEN}
     model, batch = _model(), _batch()
     with torch.no_grad():
         assert torch.equal(NEXT_TOKEN.loss_sum(model, batch, torch.device("cpu")),
@@ -61,8 +63,10 @@ def test_the_step_calls_the_objective_it_is_given():
 
 def test_the_trainers_model_carries_the_jobs_objective():
     cfg = JobConfig()
-    model = build_train_model(cfg, ARGS, torch.device("cpu"))
-    assert model.objective is objective_for(cfg)
+    cfg.data.seq_len = ARGS.max_seq_len
+    job = resolve(cfg, args=ARGS)
+    model = build_train_model(job, torch.device("cpu"))
+    assert model.objective is objective_for(job)
     model.objective = Doubled()
     batch = _batch()
     n_valid = int(batch["labels"].numel())

@@ -7,6 +7,7 @@ import torch
 from lmforge.checkpoint import load_checkpoint, save_checkpoint
 from lmforge.config import load_config
 from lmforge.models.presets import PRESETS
+from lmforge.job import resolve
 from lmforge.train.model_setup import build_train_model
 from lmforge.train.optim import Optimizers, build_optimizer, build_scheduler
 
@@ -14,7 +15,7 @@ from lmforge.train.optim import Optimizers, build_optimizer, build_scheduler
 def _lora_model(*overrides):
     cfg = load_config(None, ["lora.enabled=true", "lora.targets=all-linear",
                              "optim.weight_decay=0.1", "optim.warmup_steps=0", *overrides])
-    return cfg, build_train_model(cfg, PRESETS["debug"], torch.device("cpu")).parts[0]
+    return cfg, build_train_model(resolve(cfg, args=PRESETS["debug"]), torch.device("cpu")).parts[0]
 
 
 def test_lora_adapters_make_one_group_norms_training_beside_them_a_second():

@@ -7,6 +7,7 @@ from helpers import family_training as ft
 from lmforge.models.loss import IGNORE_INDEX
 from lmforge.parallel.mesh import ParallelDims
 from lmforge.train.loop import train_step
+from lmforge.job import resolve
 from lmforge.train.model_setup import build_train_model
 from lmforge.train.optim import Optimizers
 from lmforge.train.step import NonFiniteError
@@ -17,7 +18,7 @@ ARGS = ft.FAMILIES["qwen2"]
 def _trainer(**fields):
     cfg = ft.job_config({"optim.warmup_steps": 2, **fields}, world_size=1)
     torch.manual_seed(0)
-    model = build_train_model(cfg, ARGS, torch.device("cpu"))
+    model = build_train_model(resolve(cfg, args=ARGS), torch.device("cpu"))
     return cfg, model, Optimizers(model.parts, cfg.optim, cfg.train.max_steps)
 
 
