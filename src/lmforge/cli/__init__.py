@@ -45,7 +45,8 @@ def _fail(error: Exception, code: int) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lmforge",
-        description="Pretrain and fine-tune Llama, Mistral, Qwen2/3 and GPT-J models.")
+        description="Pretrain and fine-tune Llama, Mistral, Qwen2/3, GPT-J, Phi-3 and "
+                    "Gemma 3 models.")
     parser.add_argument("--version", action="version", version=f"lmforge {_version()}")
     sub = parser.add_subparsers(metavar="COMMAND")
     for module in COMMAND_MODULES:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-DEVICES = ("auto", "cpu", "cuda")
+from lmforge.config import DEVICES, JobConfig, describe_keys
 
 
 def config_and_overrides(config: str | None, overrides: list[str]) -> tuple[str | None, list]:
@@ -15,8 +15,13 @@ def config_and_overrides(config: str | None, overrides: list[str]) -> tuple[str 
     return config, list(overrides)
 
 
-def add_config_arguments(p, config_help: str = "YAML recipe (see configs/)") -> None:
+def add_config_arguments(p, config_help: str = "YAML recipe (see configs/)",
+                         list_keys: bool = False) -> None:
+    """CONFIG and key=value overrides; ``list_keys``: ``--help`` ends with every config
+    key, its default, what it may hold and its help (as ``validate`` reads them)."""
     p.add_argument("config", nargs="?", help=config_help)
+    if list_keys:
+        p.epilog = "config keys (section.key=value):\n" + describe_keys(JobConfig())
     p.add_argument("overrides", nargs="*", metavar="section.key=value",
                    help="config overrides, e.g. optim.lr=3e-4 train.max_steps=50")
 
@@ -25,6 +30,11 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
     """``--help`` that shows every option's default: "(default: X)" is appended unless the
     help already says what the default is. A flag (no value) and a default of None have
     nothing to show: their help says what happens without them."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:  # laid out by its author (the config keys' list): as written
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
 
     def _get_help_string(self, action) -> str:
         text = action.help or ""

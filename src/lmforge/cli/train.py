@@ -22,11 +22,11 @@ def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model (no config: the embedded CPU demo)",
                        description="Train a model. Without CONFIG, runs the embedded demo: a "
                        "tiny Llama trained on the CPU on the Python standard library.")
-    add_config_arguments(p)
+    add_config_arguments(p, list_keys=True)
     look = p.add_mutually_exclusive_group()
     look.add_argument("--print-config", action="store_true",
-                      help="print the resolved config (as the run saves it in config.yaml) "
-                      "and exit")
+                      help="check the config as the run would and print it resolved (as "
+                      "the run saves it in config.yaml), then exit")
     look.add_argument("--dry-run", action="store_true",
                       help="check the config as the run would, build the model on the meta "
                       "device, print its parameter counts and the memory estimate, and exit "

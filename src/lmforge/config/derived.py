@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 from lmforge.config.errors import ConfigError
+from lmforge.config.keys import DEVICES
 
 
 def check_parallel_fits(cfg: JobConfig, args) -> None:
@@ -35,8 +36,8 @@ def resolve_device(name: str, field: str = "train.device", local_rank: int = 0):
     when one is visible); ``field`` names the setting in the error when none is."""
     import torch  # config is read by tools that never touch a tensor; torch loads on use
 
-    if name not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"{field}: {name!r} is not one of auto, cpu, cuda")
+    if name not in DEVICES:
+        raise ConfigError(f"{field}: {name!r} is not one of {', '.join(DEVICES)}")
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"{field}: cuda requested but no GPU is visible")
     use_cuda = name == "cuda" or (name == "auto" and torch.cuda.is_available())

@@ -1,10 +1,11 @@
 """Config loading, overrides and validation: bad values are refused with the field named."""
-import dataclasses
 import typing
 
 import pytest
 
-from lmforge.config import ConfigError, JobConfig, load_config, read_yaml_file, schema
+from lmforge.cli import build_parser
+from lmforge.config import ConfigError, JobConfig, config_keys, load_config, read_yaml_file
+from lmforge.config.keys import key
 from lmforge.models.presets import model_args, validate_job
 
 
@@ -96,15 +97,30 @@ def test_every_number_in_the_config_has_a_range_checked_before_any_compute():
     checked_apart = {"data.global_batch_size"}
     unchecked = []
     cfg = JobConfig()
-    for section in dataclasses.fields(cfg):
-        values = getattr(cfg, section.name)
-        hints = typing.get_type_hints(type(values))
-        for f in dataclasses.fields(values):
-            dotted = f"{section.name}.{f.name}"
-            numeric = {int, float} & set(typing.get_args(hints[f.name]) or [hints[f.name]])
-            if numeric and dotted not in (*schema._BOUNDS, *schema._CHOICES, *checked_apart):
-                unchecked.append(dotted)
+    for dotted, f, _ in config_keys(cfg):
+        hint = typing.get_type_hints(type(getattr(cfg, dotted.split(".")[0])))[f.name]
+        numeric = {int, float} & set(typing.get_args(hint) or [hint])
+        meta = f.metadata
+        if numeric and not (meta["bound"] or meta["choices"]) and dotted not in checked_apart:
+            unchecked.append(dotted)
     assert unchecked == []
+
+
+def test_every_key_declares_its_help_beside_it_and_train_help_lists_them_all(capsys):
+    helpless = [dotted for dotted, f, _ in config_keys(JobConfig()) if not f.metadata["help"]]
+    assert helpless == []
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--help"])
+    out = capsys.readouterr().out
+    for dotted, f, value in config_keys(JobConfig()):
+        assert f"  {dotted} (default {value!r}" in out, dotted
+    assert "  train.dtype (default 'auto'; one of auto, fp32, bf16, fp16)" in out
+    assert "  parallel.dp_shard (default -1; -1 (the rest of the world size) or >= 1)" in out
+
+
+def test_a_key_whose_bound_has_no_rule_is_a_schema_error():
+    with pytest.raises(ValueError, match="unknown bound"):
+        key(1, "a key", bound="> 1")
 
 
 def test_optim_eps_must_be_positive():

@@ -1,0 +1,108 @@
+"""``validate()``: a config refused before any model is built or data is read, every
+error naming the field at fault, so a bad config costs a second, not a queued GPU job.
+Each key's own choices and range are declared beside it (``schema.py``, ``keys.key``);
+the rules here are those between keys."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Optional
+
+from lmforge.config.derived import pipeline_microbatches, resolve_layout
+from lmforge.config.errors import ConfigError
+from lmforge.config.keys import allowed, config_keys
+
+
+def validate(cfg: "JobConfig", world_size: int = 1, distributed: Optional[bool] = None) -> None:
+    """Refuse a bad config before any compute; every message names the field.
+    ``distributed``: see ``parallel.mesh.runs_distributed`` (default: several processes)."""
+    distributed = world_size > 1 if distributed is None else distributed
+    for dotted, f, value in config_keys(cfg):
+        if isinstance(value, float) and not math.isfinite(value):
+            # inf passes every "> 0" bound and nan fails them with a puzzling message;
+            # either would only show up as a non-finite loss a step or two into the run
+            raise ConfigError(f"{dotted}: {value} is not a finite number")
+        problem = allowed(f, value)
+        if problem:
+            raise ConfigError(f"{dotted}: {problem}")
+    if cfg.data.kind in ("text", "pretrain", "sft") and not cfg.data.path:
+        raise ConfigError(f"data.path: required when data.kind is {cfg.data.kind}")
+    if cfg.train.overwrite and cfg.train.resume:
+        raise ConfigError("train.overwrite: cannot be combined with train.resume (one starts "
+                          "over, the other continues)")
+    _validate_batch(cfg, world_size)
+    _validate_grouping(cfg.data)
+    _validate_in_backward(cfg, world_size, distributed)
+    _validate_lora(cfg.lora)
+    if cfg.lora.enabled and cfg.parallel.tp > 1:
+        raise ConfigError("parallel.tp: LoRA under tensor parallelism is not supported yet "
+                          "(use data parallelism / FSDP2 for LoRA)")
+    if cfg.lora.quantize and distributed:
+        raise ConfigError("lora.quantize: quantized (QLoRA) bases train in one plain process "
+                          "(no FSDP2)")
+    if cfg.train.loss_chunk_tokens and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
+        # tp: the vocab-parallel loss already splits the logits tp ways; pp: the last
+        # stage's schedule owns the loss
+        raise ConfigError("train.loss_chunk_tokens: supported with data parallelism / FSDP "
+                          "only (set it to 0 with parallel.tp > 1 or parallel.pp > 1)")
+
+
+def _validate_batch(cfg: "JobConfig", world_size: int) -> None:
+    layout = resolve_layout(cfg.parallel, world_size)
+    dp_size = layout["dp_replicate"] * layout["dp_shard"]
+    per_step = cfg.data.micro_batch_size * dp_size
+    gbs = cfg.data.global_batch_size
+    if gbs is not None and (gbs <= 0 or gbs % per_step):
+        raise ConfigError(f"data.global_batch_size: {gbs} must be a positive multiple of "
+                          f"micro_batch_size x data-parallel size = {per_step}")
+    if cfg.parallel.pp > 1:
+        pipeline_microbatches(cfg, dp_size)  # raises when the batch cannot be split
+
+
+def _validate_grouping(data: "DataConfig") -> None:
+    if not data.group_by_length:
+        return
+    if data.kind != "sft":
+        raise ConfigError(f"data.group_by_length: only SFT samples vary in length (data.kind "
+                          f"is {data.kind}; its rows are all data.seq_len long)")
+    if data.pack:
+        raise ConfigError("data.group_by_length: cannot be combined with data.pack=true "
+                          "(packing already removes the padding); set one of them")
+
+
+def _validate_in_backward(cfg: "JobConfig", world_size: int, distributed: bool) -> None:
+    if cfg.train.param_dtype == "bf16" and (distributed or cfg.train.dtype == "fp16"):
+        raise ConfigError("train.param_dtype: bf16 weights are for one process computing in "
+                          "bf16 (FSDP2 keeps fp32 shards, fp16 keeps fp32 master weights)")
+    if not cfg.optim.in_backward:
+        return
+    # The update happens in backward, before the step's total gradient (or fp16 overflow) is known.
+    if cfg.train.dtype == "fp16":
+        raise ConfigError("optim.in_backward: cannot be combined with train.dtype=fp16 (a "
+                          "step whose gradients overflow must be skipped whole)")
+    if cfg.optim.grad_clip:
+        raise ConfigError("optim.grad_clip: must be 0 with optim.in_backward (the total "
+                          "gradient norm is not known when each parameter is updated)")
+    gbs = cfg.data.global_batch_size
+    if gbs is not None and gbs != cfg.data.micro_batch_size * world_size:
+        raise ConfigError("data.global_batch_size: gradient accumulation is impossible "
+                          "with optim.in_backward (each backward updates the weights)")
+    if distributed:
+        raise ConfigError("optim.in_backward: supported in a single plain process only")
+    if cfg.train.on_nonfinite != "stop":
+        raise ConfigError("train.on_nonfinite: skip cannot undo an update made in "
+                          "backward; use stop with optim.in_backward")
+
+
+def _validate_lora(lora: "LoraConfig") -> None:
+    # lora.targets is checked by its one rule, lmforge.peft.targets.resolve_targets, which
+    # the trainer and the estimate call right after validate(), before any compute.
+    if lora.quantize and not lora.enabled:
+        raise ConfigError("lora.quantize: a quantized base trains nothing without adapters "
+                          "(set lora.enabled=true)")
+    if lora.adapter_from is not None:
+        if not lora.enabled:
+            raise ConfigError("lora.adapter_from: set lora.enabled=true to load an adapter")
+        if not (Path(lora.adapter_from) / "adapter_config.json").is_file():
+            raise ConfigError(f"lora.adapter_from: {lora.adapter_from} has no "
+                              f"adapter_config.json (a PEFT adapter directory)")

@@ -1,0 +1,73 @@
+"""How a config key is declared: ``key(default, help, choices=..., bound=...)`` beside the
+field in ``schema.py``, so that its allowed values and its help live in one place, read by
+``validate`` (``checks.py``) and by ``lmforge train --help`` (``describe_keys``)."""
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+from dataclasses import field
+from typing import Any, Callable, Iterator, Optional
+
+DEVICES = ("auto", "cpu", "cuda")  # train.device, and every command's --device
+
+# A numeric key's range, by the words its error and --help show.
+BOUNDS: dict[str, Callable[[Any], bool]] = {
+    "> 0": lambda v: v > 0,
+    ">= 0": lambda v: v >= 0,
+    ">= 1": lambda v: v >= 1,
+    "-1 (the rest of the world size) or >= 1": lambda v: v == -1 or v >= 1,
+    # Seeds offset by the step and the rank must stay below torch's limit, 2^64.
+    "in [0, 2^63)": lambda v: 0 <= v < 2**63,
+    "in [0, 1]": lambda v: 0 <= v <= 1,
+    "in [0, 1)": lambda v: 0 <= v < 1,
+}
+
+
+def key(default: Any, help: str, *, choices: tuple = (), bound: Optional[str] = None,
+        free_form: Optional[str] = None):
+    """A config field: its default, one line of help, and what it may hold: one of
+    ``choices`` (or, with ``free_form``, a value that contains "{": such a format string),
+    or a number in ``bound`` (a key of ``BOUNDS``; None passes)."""
+    if bound is not None and bound not in BOUNDS:
+        raise ValueError(f"unknown bound {bound!r}")  # a schema error, caught by the tests
+    return field(default=default, metadata={"help": help, "choices": tuple(choices),
+                                            "bound": bound, "free_form": free_form})
+
+
+def config_keys(cfg) -> Iterator[tuple[str, dataclasses.Field, Any]]:
+    """(section.key, its field, its value in ``cfg``) for every key of a JobConfig."""
+    for section in dataclasses.fields(cfg):
+        values = getattr(cfg, section.name)
+        for f in dataclasses.fields(values):
+            yield f"{section.name}.{f.name}", f, getattr(values, f.name)
+
+
+def allowed(f: dataclasses.Field, value: Any) -> Optional[str]:
+    """Why ``value`` may not be given to ``f`` (None: it may)."""
+    meta = f.metadata
+    choices = meta.get("choices")
+    if choices and value not in choices:
+        if not (meta.get("free_form") and "{" in str(value)):
+            return f"{value!r} is not one of {', '.join(map(str, choices))}"
+    bound = meta.get("bound")
+    if bound and value is not None and not BOUNDS[bound](value):
+        return f"must be {bound}, got {value}"
+    return None
+
+
+def describe_keys(cfg, width: int = 88) -> str:
+    """Every key with its default, what it may hold and its help: ``--help``'s list."""
+    lines = []
+    for dotted, f, value in config_keys(cfg):
+        meta = f.metadata
+        what = [f"default {value!r}"]
+        if meta.get("choices"):
+            what.append("one of " + ", ".join(map(str, meta["choices"])))
+        if meta.get("free_form"):
+            what.append("or " + meta["free_form"])
+        if meta.get("bound"):
+            what.append(meta["bound"])
+        lines.append(f"  {dotted} ({'; '.join(what)})")
+        lines.extend(textwrap.wrap(meta.get("help", ""), width, initial_indent="      ",
+                                   subsequent_indent="      "))
+    return "\n".join(lines)
