@@ -313,7 +313,7 @@ ADAPTERS = [
         r"adapter_model\.safetensors: tensor base_model\.model\.\S+\.lora_B\.weight holds NaN",
         setup=adapter_with(edit_tensors("adapter/adapter_model.safetensors",
                                         poison("lora_B", float("nan"))))),
-    Bad("lora eval of a bad adapter", ["lora", "eval", "--model", "{model}", "--adapter",
+    Bad("eval-sft of a bad adapter", ["eval-sft", "--model", "{model}", "--adapter",
                                        "{tmp}/adapter", "--data", "{chat}", "--output",
                                        "{tmp}/r.json"],
         r"adapter_config\.json: r: -4", setup=adapter_config(r=-4)),

@@ -1,5 +1,5 @@
 """Evaluation of a model: the mean per-token loss (and perplexity) over local data
 (``evaluate``), and for prompt/response data the response loss plus ROUGE-L of greedy
 generations (``rouge``). Used by the trainer's periodic eval and by ``lmforge eval`` /
-``lmforge lora eval``; nothing here imports the trainer.
+``lmforge eval-sft``; nothing here imports the trainer.
 """

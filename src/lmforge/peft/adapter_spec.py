@@ -10,7 +10,7 @@ lora_B of a linear layer of the base model that takes adapters, named by
 ``target_modules``, with the shape ``r`` (or ``rank_pattern``) and the base layer give
 it, in floating point and finite.
 
-Every path that loads an adapter (``lmforge lora merge``, ``lora eval --adapter``,
+Every path that loads an adapter (``lmforge lora merge``, ``eval-sft --adapter``,
 ``generate --adapter``, ``lora.adapter_from`` in training) reads it through
 ``peft.adapters.load_adapter``, which reads it through here.
 """
