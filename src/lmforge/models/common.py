@@ -1,12 +1,14 @@
 """What every family's model shares: the names of a block's projections, the KV cache of
-incremental decoding, the causal mask with cached positions, and allocating a meta-built
-model (``materialize``)."""
+incremental decoding, the gated MLP, the stack of blocks, the causal mask with cached
+positions, and allocating a meta-built model (``materialize``)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -62,6 +64,31 @@ class KVCache:
         self.v[:, :, self.length:end] = v
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]
+
+
+# A gated MLP's activation by name: SwiGLU's (Llama, Mistral, Qwen, Phi-3) and GeGLU's
+# tanh-approximated GELU (Gemma).
+GATE_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), bias-free: SwiGLU with silu, GeGLU with gelu_tanh."""
+
+    def __init__(self, dim: int, ffn_dim: int, activation: str):
+        super().__init__()
+        self.activation = activation
+        self.gate_proj = nn.Linear(dim, ffn_dim, bias=False)
+        self.up_proj = nn.Linear(dim, ffn_dim, bias=False)
+        self.down_proj = nn.Linear(ffn_dim, dim, bias=False)
+
+    def forward(self, x):
+        gate = GATE_ACTIVATIONS[self.activation](self.gate_proj(x))
+        return self.down_proj(gate * self.up_proj(x))
+
+    def reset_parameters(self, std: float, out_std: float) -> None:
+        """Truncated N(0, std) inputs; the output, which adds to the residual, ``out_std``."""
+        for proj, s in ((self.gate_proj, std), (self.up_proj, std), (self.down_proj, out_std)):
+            nn.init.trunc_normal_(proj.weight, std=s, a=-3 * s, b=3 * s)
 
 
 class DecoderStack(nn.Module):

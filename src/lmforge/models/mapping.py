@@ -152,3 +152,35 @@ def read_json(path: Path, why_needed: str) -> dict:
     if not isinstance(data, dict):
         raise HFCheckpointError(f"{path}: top level must be a JSON object")
     return data
+
+
+# ------------------------------------------------------- what decoder families share
+
+def decoder_config_fields(args, architecture: str, model_type: str) -> dict:
+    """The config.json fields every decoder-only family in transformers' Llama lineage
+    writes alike (Llama, Mistral, Qwen, Phi-3, Gemma 3): names, shape, norm epsilon,
+    RoPE base, tying, initialisation; each family adds its own on top."""
+    return {
+        "architectures": [architecture], "model_type": model_type,
+        "hidden_size": args.dim, "intermediate_size": args.ffn_dim,
+        "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads, "vocab_size": args.vocab_size,
+        "max_position_embeddings": args.max_seq_len, "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta, "tie_word_embeddings": args.tie_embeddings,
+        "initializer_range": args.init_std, "attention_dropout": 0.0, "use_cache": True,
+        "torch_dtype": "float32",
+    }
+
+
+def decoder_hf_names(args, layer_names: dict[str, str]) -> dict[str, str]:
+    """Our parameter name -> HF name for every tensor an HF checkpoint of such a family
+    holds: ``layer_names`` (ours -> theirs, within a block) for each block, under
+    ``model.``; the head as ``lm_head`` unless tied (a tied checkpoint has none)."""
+    names = {"tok_embeddings.weight": "model.embed_tokens.weight",
+             "norm.weight": "model.norm.weight"}
+    for i in range(args.n_layers):
+        for ours, theirs in layer_names.items():
+            names[f"layers.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
+    if not args.tie_embeddings:
+        names["output.weight"] = "lm_head.weight"
+    return names

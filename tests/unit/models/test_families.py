@@ -11,15 +11,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lmforge.models.generate import generate
-from lmforge.models.hf import HFCheckpointError, load_hf_model, save_hf_model
-from lmforge.config import ConfigError, LoraConfig
+from lmforge.models.hf import HFCheckpointError, load_hf_model
+from lmforge.config import ConfigError
 from lmforge.models.common import count_parameters
 from lmforge.models.llama import sliding_window_mask
 from lmforge.models.presets import PRESETS, check_model_args
 from lmforge.models.registry import build_model
-from lmforge.peft import apply_lora, export_merged, lora_layers, save_adapter
-from helpers.hf_models import load_reference, random_hf_causal_lm, random_hf_gptj
+from helpers.hf_models import random_hf_causal_lm, random_hf_gptj
+from helpers.hf_parity import (assert_export_round_trip, assert_greedy_decode_equal,
+                               assert_logits_equal, assert_lora_round_trip, tokens)
 
 SEQ = 24
 FAMILIES = {  # id -> (model_type, config fields beyond the tiny Llama shape)
@@ -52,76 +52,39 @@ def hf_dir(request, tmp_path_factory):
 
 
 def _tokens(vocab: int, seq: int = SEQ) -> torch.Tensor:
-    return torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(0))
+    return tokens(vocab, seq)
 
 
 def test_logits_equal_transformers(hf_dir):
     hf_model, path = hf_dir
-    ours = load_hf_model(path)
-    tokens = _tokens(ours.args.vocab_size)
-    with torch.no_grad():
-        torch.testing.assert_close(ours(tokens), hf_model(tokens).logits, rtol=1e-5, atol=1e-5)
+    assert_logits_equal(hf_model, path, _tokens(hf_model.config.vocab_size))
 
 
 def test_greedy_decode_equals_transformers(hf_dir):
     hf_model, path = hf_dir
     prompt = _tokens(hf_model.config.vocab_size, 6)[0].tolist()
-    ours = generate(load_hf_model(path), prompt, 14, greedy=True)  # 20 tokens > window 8
-    theirs = hf_model.generate(torch.tensor([prompt]), max_new_tokens=14, do_sample=False,
-                               min_new_tokens=14, pad_token_id=0)
-    assert ours == theirs[0, len(prompt):].tolist()
+    assert_greedy_decode_equal(hf_model, path, prompt, 14)  # 20 tokens > window 8
 
 
 def test_export_is_bit_identical_and_loads_in_transformers(hf_dir, tmp_path):
-    import transformers
     hf_model, path = hf_dir
-    save_hf_model(load_hf_model(path), tmp_path / "out")
-    original, exported = load_file(path / "model.safetensors"), load_file(
-        tmp_path / "out" / "model.safetensors")
-    assert original.keys() == exported.keys()
-    assert all(torch.equal(original[k], exported[k]) for k in original)
-    before = json.loads((path / "config.json").read_text())
-    after = json.loads((tmp_path / "out" / "config.json").read_text())
-    for key in ("model_type", "architectures", "tie_word_embeddings",
-                *_SHAPE_KEYS.get(before["model_type"], _LLAMA_SHAPE_KEYS)):
-        assert after.get(key) == before.get(key), key
-    if before["model_type"] != "gptj":
+    model_type = hf_model.config.model_type
+    after = assert_export_round_trip(
+        hf_model, path, tmp_path / "out", _tokens(hf_model.config.vocab_size),
+        keys=("model_type", "architectures", "tie_word_embeddings",
+              *_SHAPE_KEYS.get(model_type, _LLAMA_SHAPE_KEYS)))
+    if model_type != "gptj":
+        before = json.loads((path / "config.json").read_text())
         default_head_dim = before["hidden_size"] // before["num_attention_heads"]
         assert after["head_dim"] == before.get("head_dim", default_head_dim)
-    reloaded = load_reference(tmp_path / "out")
-    # The same implementation on both sides over bit-identical weights: equal logits.
-    assert reloaded.config._attn_implementation == hf_model.config._attn_implementation
-    tokens = _tokens(hf_model.config.vocab_size)
-    with torch.no_grad():
-        assert torch.equal(reloaded(tokens).logits, hf_model(tokens).logits)
 
 
-@torch.no_grad()
 def test_lora_adapter_loads_in_peft_and_the_merged_export_agrees(hf_dir, tmp_path):
     """Adapters on every linear layer (biases and q/k norms stay frozen): peft
     loads ours on transformers' model with our logits, and the merged export, loaded by
     transformers, gives the same logits again."""
-    peft = pytest.importorskip("peft")
-    import transformers
-
     hf_model, path = hf_dir
-    ours = load_hf_model(path).eval()
-    apply_lora(ours, LoraConfig(enabled=True, rank=4, alpha=8.0, targets="all-linear"))
-    g = torch.Generator().manual_seed(2)
-    for layer in lora_layers(ours).values():  # fresh adapters are a no-op (B = 0)
-        layer.lora_a.copy_(torch.randn(layer.lora_a.shape, generator=g) * 0.2)
-        layer.lora_b.copy_(torch.randn(layer.lora_b.shape, generator=g) * 0.2)
-    adapter = save_adapter(ours, tmp_path / "adapter", base_model_path=str(path))
-    merged = export_merged(ours, tmp_path / "merged", dtype=torch.float32)
-    x = _tokens(hf_model.config.vocab_size)
-    base = hf_model(x).logits
-    with_adapter = peft.PeftModel.from_pretrained(hf_model, adapter).eval()
-    reference = with_adapter(x).logits
-    with_adapter.unload()  # give the fixture's model back without adapters
-    assert (reference - base).abs().max() > 1e-3  # the adapter matters
-    torch.testing.assert_close(ours(x), reference, rtol=1e-5, atol=1e-5)
-    reloaded = load_reference(merged)
-    torch.testing.assert_close(reloaded(x).logits, reference, rtol=1e-4, atol=1e-4)
+    assert_lora_round_trip(hf_model, path, tmp_path, _tokens(hf_model.config.vocab_size))
 
 
 def test_unknown_model_type_is_refused_naming_config_json_and_model_type(tmp_path):

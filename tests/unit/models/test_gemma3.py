@@ -8,16 +8,15 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from lmforge.config import ConfigError, LoraConfig
+from lmforge.config import ConfigError
 from lmforge.models.common import count_parameters
-from lmforge.models.generate import generate
-from lmforge.models.hf import HFCheckpointError, load_hf_model, save_hf_model
+from lmforge.models.hf import HFCheckpointError, load_hf_model
 from lmforge.models.presets import PRESETS, check_model_args
 from lmforge.models.registry import build_model
-from lmforge.peft import apply_lora, export_merged, lora_layers, save_adapter
-from helpers.hf_models import load_reference, random_hf_causal_lm
+from helpers.hf_models import random_hf_causal_lm
+from helpers.hf_parity import (assert_export_round_trip, assert_greedy_decode_equal,
+                               assert_logits_equal, assert_lora_round_trip, tokens)
 
 SEQ = 24
 TINY = dict(hidden_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -45,7 +44,7 @@ def hf_dir(request, tmp_path_factory):
 
 
 def _tokens(vocab: int, seq: int = SEQ) -> torch.Tensor:
-    return torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(0))
+    return tokens(vocab, seq)
 
 
 def test_layer_kinds_follow_the_config(hf_dir):
@@ -58,57 +57,25 @@ def test_layer_kinds_follow_the_config(hf_dir):
 
 def test_logits_equal_transformers_past_the_window(hf_dir):
     hf_model, path = hf_dir
-    ours = load_hf_model(path)
-    tokens = _tokens(ours.args.vocab_size)
-    with torch.no_grad():
-        torch.testing.assert_close(ours(tokens), hf_model(tokens).logits, rtol=1e-5, atol=1e-5)
+    assert_logits_equal(hf_model, path, _tokens(hf_model.config.vocab_size))
 
 
 def test_greedy_decode_equals_transformers(hf_dir):
     hf_model, path = hf_dir
     prompt = _tokens(hf_model.config.vocab_size, 5)[0].tolist()
-    ours = generate(load_hf_model(path), prompt, 12, greedy=True)  # 17 tokens > window 6
-    theirs = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                               min_new_tokens=12, pad_token_id=0)
-    assert ours == theirs[0, len(prompt):].tolist()
+    assert_greedy_decode_equal(hf_model, path, prompt, 12)  # 17 tokens > window 6
 
 
 def test_export_is_bit_identical_and_loads_in_transformers(hf_dir, tmp_path):
     hf_model, path = hf_dir
-    save_hf_model(load_hf_model(path), tmp_path / "out")
-    original, exported = load_file(path / "model.safetensors"), load_file(
-        tmp_path / "out" / "model.safetensors")
-    assert original.keys() == exported.keys()
-    assert all(torch.equal(original[k], exported[k]) for k in original)
-    after = json.loads((tmp_path / "out" / "config.json").read_text())
+    after = assert_export_round_trip(hf_model, path, tmp_path / "out",
+                                     _tokens(hf_model.config.vocab_size))
     assert after["layer_types"] == hf_model.config.layer_types
-    reloaded = load_reference(tmp_path / "out")
-    tokens = _tokens(hf_model.config.vocab_size)
-    with torch.no_grad():
-        assert torch.equal(reloaded(tokens).logits, hf_model(tokens).logits)
 
 
-@torch.no_grad()
 def test_lora_adapter_loads_in_peft_and_the_merged_export_agrees(hf_dir, tmp_path):
-    peft = pytest.importorskip("peft")
     hf_model, path = hf_dir
-    ours = load_hf_model(path).eval()
-    apply_lora(ours, LoraConfig(enabled=True, rank=4, alpha=8.0, targets="all-linear"))
-    g = torch.Generator().manual_seed(2)
-    for layer in lora_layers(ours).values():
-        layer.lora_a.copy_(torch.randn(layer.lora_a.shape, generator=g) * 0.2)
-        layer.lora_b.copy_(torch.randn(layer.lora_b.shape, generator=g) * 0.2)
-    adapter = save_adapter(ours, tmp_path / "adapter", base_model_path=str(path))
-    merged = export_merged(ours, tmp_path / "merged", dtype=torch.float32)
-    x = _tokens(hf_model.config.vocab_size)
-    base = hf_model(x).logits
-    with_adapter = peft.PeftModel.from_pretrained(hf_model, adapter).eval()
-    reference = with_adapter(x).logits
-    with_adapter.unload()
-    assert (reference - base).abs().max() > 1e-3
-    torch.testing.assert_close(ours(x), reference, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(load_reference(merged)(x).logits, reference,
-                               rtol=1e-4, atol=1e-4)
+    assert_lora_round_trip(hf_model, path, tmp_path, _tokens(hf_model.config.vocab_size))
 
 
 @pytest.mark.parametrize("field,value", [("final_logit_softcapping", 30.0),

@@ -8,18 +8,17 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from lmforge.config import ConfigError, LoraConfig
+from lmforge.config import ConfigError
 from lmforge.models.common import count_parameters
-from lmforge.models.generate import generate
-from lmforge.models.hf import HFCheckpointError, load_hf_model, save_hf_model
+from lmforge.models.hf import HFCheckpointError, load_hf_model
 from lmforge.models.phi3.model import qkv_fused
 from lmforge.models.presets import PRESETS, check_model_args
 from lmforge.models.registry import build_model, family_of
-from lmforge.peft import apply_lora, export_merged, lora_layers, save_adapter
 from lmforge.peft.targets import resolve_targets
-from helpers.hf_models import load_reference, random_hf_causal_lm
+from helpers.hf_models import random_hf_causal_lm
+from helpers.hf_parity import (assert_export_round_trip, assert_greedy_decode_equal,
+                               assert_logits_equal, assert_lora_round_trip, tokens)
 
 ORIGINAL = 16  # original_max_position_embeddings of the LongRoPE cases
 
@@ -48,16 +47,13 @@ def hf_dir(request, tmp_path_factory):
 
 
 def _tokens(vocab: int, seq: int) -> torch.Tensor:
-    return torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(0))
+    return tokens(vocab, seq)
 
 
 @pytest.mark.parametrize("seq", [ORIGINAL - 4, 2 * ORIGINAL - 8])
 def test_logits_equal_transformers_below_and_past_the_pretraining_length(hf_dir, seq):
     hf_model, path = hf_dir
-    ours = load_hf_model(path)
-    tokens = _tokens(ours.args.vocab_size, seq)
-    with torch.no_grad():
-        torch.testing.assert_close(ours(tokens), hf_model(tokens).logits, rtol=1e-5, atol=1e-5)
+    assert_logits_equal(hf_model, path, _tokens(hf_model.config.vocab_size, seq))
 
 
 @pytest.mark.parametrize("prompt_len,new", [(4, 9), (ORIGINAL + 2, 6)])
@@ -67,55 +63,26 @@ def test_greedy_decode_equals_transformers_on_either_side_of_the_switch(hf_dir, 
     has (the short factors') — see docs/adding-a-family.md."""
     hf_model, path = hf_dir
     prompt = _tokens(hf_model.config.vocab_size, prompt_len)[0].tolist()
-    ours = generate(load_hf_model(path), prompt, new, greedy=True)
-    theirs = hf_model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
-                               min_new_tokens=new, pad_token_id=0)
-    assert ours == theirs[0, len(prompt):].tolist()
+    assert_greedy_decode_equal(hf_model, path, prompt, new)
 
 
 def test_export_is_bit_identical_and_loads_in_transformers(hf_dir, tmp_path):
     hf_model, path = hf_dir
-    save_hf_model(load_hf_model(path), tmp_path / "out")
-    original, exported = load_file(path / "model.safetensors"), load_file(
-        tmp_path / "out" / "model.safetensors")
-    assert original.keys() == exported.keys()
-    assert all(torch.equal(original[k], exported[k]) for k in original)
-    before = json.loads((path / "config.json").read_text())
-    after = json.loads((tmp_path / "out" / "config.json").read_text())
-    for key in ("model_type", "tie_word_embeddings", "num_key_value_heads", "sliding_window"):
-        assert after.get(key) == before.get(key), key
-    reloaded = load_reference(tmp_path / "out")
-    tokens = _tokens(hf_model.config.vocab_size, 2 * ORIGINAL - 8)
-    with torch.no_grad():
-        assert torch.equal(reloaded(tokens).logits, hf_model(tokens).logits)
+    assert_export_round_trip(hf_model, path, tmp_path / "out",
+                             _tokens(hf_model.config.vocab_size, 2 * ORIGINAL - 8),
+                             keys=("model_type", "tie_word_embeddings",
+                                   "num_key_value_heads", "sliding_window"))
 
 
-@torch.no_grad()
 def test_lora_on_the_fused_projections_loads_in_peft_and_merges(hf_dir, tmp_path):
     """Adapters on qkv_proj, o_proj, gate_up_proj and down_proj (peft's names): peft
     loads ours on transformers' model with our logits (so lora_B's rows leave in HF's
     order), and the merged export gives the same logits in transformers."""
-    peft = pytest.importorskip("peft")
     hf_model, path = hf_dir
-    ours = load_hf_model(path).eval()
-    apply_lora(ours, LoraConfig(enabled=True, rank=4, alpha=8.0, targets="all-linear"))
-    assert {n.rsplit(".", 1)[-1] for n in lora_layers(ours)} == {
+    adapted = assert_lora_round_trip(hf_model, path, tmp_path,
+                                     _tokens(hf_model.config.vocab_size, 12))
+    assert {n.rsplit(".", 1)[-1] for n in adapted} == {
         "qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
-    g = torch.Generator().manual_seed(2)
-    for layer in lora_layers(ours).values():
-        layer.lora_a.copy_(torch.randn(layer.lora_a.shape, generator=g) * 0.2)
-        layer.lora_b.copy_(torch.randn(layer.lora_b.shape, generator=g) * 0.2)
-    adapter = save_adapter(ours, tmp_path / "adapter", base_model_path=str(path))
-    merged = export_merged(ours, tmp_path / "merged", dtype=torch.float32)
-    x = _tokens(hf_model.config.vocab_size, 12)
-    base = hf_model(x).logits
-    with_adapter = peft.PeftModel.from_pretrained(hf_model, adapter).eval()
-    reference = with_adapter(x).logits
-    with_adapter.unload()
-    assert (reference - base).abs().max() > 1e-3  # the adapter matters
-    torch.testing.assert_close(ours(x), reference, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(load_reference(merged)(x).logits, reference,
-                               rtol=1e-4, atol=1e-4)
 
 
 def test_fused_rows_are_grouped_per_kv_head_so_a_contiguous_shard_holds_its_q_k_v():

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from lmforge.models.gemma3.model import GLOBAL, SLIDING, Gemma3Args
 from lmforge.models.mapping import (HFCheckpointError, check_multiple, config_bool,
-                                    config_float, config_int)
+                                    config_float, config_int, decoder_config_fields,
+                                    decoder_hf_names)
 
 _LAYER_NAMES = {  # ours -> Hugging Face, inside layers.{i}
     **{f"attention.{p}.weight": f"self_attn.{p}.weight"
@@ -108,20 +109,13 @@ def hf_config_from_args(args: Gemma3Args) -> dict:
     kinds = {SLIDING: "sliding_attention", GLOBAL: "full_attention"}
     scaling = None if args.rope_linear_factor == 1.0 else {
         "rope_type": "linear", "factor": args.rope_linear_factor}
-    return {
-        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
-        "hidden_size": args.dim, "intermediate_size": args.ffn_dim,
-        "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size, "max_position_embeddings": args.max_seq_len,
-        "rope_theta": args.rope_theta, "rope_local_base_freq": args.rope_local_theta,
+    return decoder_config_fields(args, "Gemma3ForCausalLM", "gemma3_text") | {
+        "head_dim": args.head_dim, "rope_local_base_freq": args.rope_local_theta,
         "rope_scaling": scaling, "query_pre_attn_scalar": _whole(args.query_pre_attn_scalar),
         "sliding_window": args.sliding_window, "sliding_window_pattern": args.sliding_pattern,
         "layer_types": [kinds[k] for k in args.attention_kinds],
-        "rms_norm_eps": args.norm_eps, "tie_word_embeddings": args.tie_embeddings,
-        "hidden_activation": "gelu_pytorch_tanh", "initializer_range": args.init_std,
-        "attention_bias": False, "attention_dropout": 0.0, "attn_logit_softcapping": None,
-        "final_logit_softcapping": None, "use_cache": True, "torch_dtype": "float32",
+        "hidden_activation": "gelu_pytorch_tanh", "attention_bias": False,
+        "attn_logit_softcapping": None, "final_logit_softcapping": None,
     }
 
 
@@ -132,11 +126,4 @@ def _whole(value: float):
 
 def hf_names(args: Gemma3Args) -> dict[str, str]:
     """Our parameter name -> HF name for every tensor an HF checkpoint holds."""
-    names = {"tok_embeddings.weight": "model.embed_tokens.weight",
-             "norm.weight": "model.norm.weight"}
-    for i in range(args.n_layers):
-        for ours, theirs in _LAYER_NAMES.items():
-            names[f"layers.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
-    if not args.tie_embeddings:
-        names["output.weight"] = "lm_head.weight"
-    return names
+    return decoder_hf_names(args, _LAYER_NAMES)

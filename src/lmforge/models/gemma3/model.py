@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmforge.models.common import DecoderStack, KVCache, Projections, causal_mask
+from lmforge.models.common import (DecoderStack, GatedMLP, KVCache, Projections,
+                                   causal_mask)
 from lmforge.models.family import BlockSpec
 from lmforge.models.llama.model import apply_rope, sliding_window_mask
 
@@ -143,17 +144,11 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
-class FeedForward(nn.Module):
+class FeedForward(GatedMLP):
     """GeGLU: down(gelu_tanh(gate(x)) * up(x))."""
 
     def __init__(self, args: Gemma3Args):
-        super().__init__()
-        self.gate_proj = nn.Linear(args.dim, args.ffn_dim, bias=False)
-        self.up_proj = nn.Linear(args.dim, args.ffn_dim, bias=False)
-        self.down_proj = nn.Linear(args.ffn_dim, args.dim, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        super().__init__(args.dim, args.ffn_dim, "gelu_tanh")
 
 
 class Gemma3Block(nn.Module):
@@ -177,10 +172,10 @@ class Gemma3Block(nn.Module):
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.reset_parameters()
-        a, f = self.attention, self.feed_forward
-        for proj, s in ((a.q_proj, std), (a.k_proj, std), (a.v_proj, std), (a.o_proj, out_std),
-                        (f.gate_proj, std), (f.up_proj, std), (f.down_proj, out_std)):
+        a = self.attention
+        for proj, s in ((a.q_proj, std), (a.k_proj, std), (a.v_proj, std), (a.o_proj, out_std)):
             nn.init.trunc_normal_(proj.weight, std=s, a=-3 * s, b=3 * s)
+        self.feed_forward.reset_parameters(std, out_std)
 
 
 class Gemma3(DecoderStack):

@@ -9,7 +9,8 @@ from typing import Optional
 
 from lmforge.models.llama.model import LlamaArgs, RopeScaling
 from lmforge.models.mapping import (HFCheckpointError, check_multiple, config_bool,
-                                    config_float, config_int)
+                                    config_float, config_int, decoder_config_fields,
+                                    decoder_hf_names)
 
 
 _LAYER_NAMES = {  # ours -> Hugging Face, inside layers.{i}
@@ -170,18 +171,10 @@ def hf_config_from_args(args: LlamaArgs) -> dict:
         "rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
         "high_freq_factor": s.high_freq_factor,
         "original_max_position_embeddings": s.original_max_position_embeddings}
-    cfg = {
-        "architectures": [VARIANTS[args.family].architecture], "model_type": args.family,
-        "hidden_size": args.dim, "intermediate_size": args.ffn_dim,
-        "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size, "max_position_embeddings": args.max_seq_len,
-        "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta,
-        "rope_scaling": rope_scaling, "tie_word_embeddings": args.tie_embeddings,
-        "hidden_act": "silu", "attention_bias": args.attention_bias,
-        "attention_dropout": 0.0,
-        "mlp_bias": False, "initializer_range": args.init_std, "use_cache": True,
-        "torch_dtype": "float32",
+    architecture = VARIANTS[args.family].architecture
+    cfg = decoder_config_fields(args, architecture, args.family) | {
+        "head_dim": args.head_dim, "rope_scaling": rope_scaling, "hidden_act": "silu",
+        "attention_bias": args.attention_bias, "mlp_bias": False,
     }
     return cfg | _family_fields(args)
 
@@ -197,8 +190,6 @@ def _family_fields(args: LlamaArgs) -> dict:
 
 def hf_names(args: LlamaArgs) -> dict[str, str]:
     """Our parameter name -> HF name for every tensor an HF checkpoint holds."""
-    names = {"tok_embeddings.weight": "model.embed_tokens.weight",
-             "norm.weight": "model.norm.weight"}
     layer_names = dict(_LAYER_NAMES)
     if args.attention_bias:
         layer_names |= {f"attention.{p}.bias": f"self_attn.{p}.bias"
@@ -206,9 +197,4 @@ def hf_names(args: LlamaArgs) -> dict[str, str]:
     if args.qk_norm:
         layer_names |= {f"attention.{n}.weight": f"self_attn.{n}.weight"
                         for n in ("q_norm", "k_norm")}
-    for i in range(args.n_layers):
-        for ours, theirs in layer_names.items():
-            names[f"layers.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
-    if not args.tie_embeddings:  # a tied HF checkpoint has no lm_head
-        names["output.weight"] = "lm_head.weight"
-    return names
+    return decoder_hf_names(args, layer_names)

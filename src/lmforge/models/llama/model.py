@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmforge.models.common import DecoderStack, KVCache, Projections, causal_mask
+from lmforge.models.common import DecoderStack, GatedMLP, KVCache, Projections, causal_mask
 from lmforge.models.family import BlockSpec
 
 # Hugging Face's names for the block's linear layers, and the names users also give them.
@@ -199,21 +199,11 @@ def sliding_window_mask(mask: Optional[torch.Tensor], seq: int, past: int,
     return window_mask if mask is None else mask & window_mask
 
 
-class FeedForward(nn.Module):
+class FeedForward(GatedMLP):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
     def __init__(self, args: LlamaArgs):
-        super().__init__()
-        self.gate_proj = nn.Linear(args.dim, args.ffn_dim, bias=False)
-        self.up_proj = nn.Linear(args.dim, args.ffn_dim, bias=False)
-        self.down_proj = nn.Linear(args.ffn_dim, args.dim, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-    def reset_parameters(self, std: float, out_std: float) -> None:
-        for proj, s in ((self.gate_proj, std), (self.up_proj, std), (self.down_proj, out_std)):
-            nn.init.trunc_normal_(proj.weight, std=s, a=-3 * s, b=3 * s)
+        super().__init__(args.dim, args.ffn_dim, "silu")
 
 
 class TransformerBlock(nn.Module):

@@ -7,7 +7,8 @@ import math
 from typing import Optional
 
 from lmforge.models.mapping import (HFCheckpointError, check_multiple, config_bool,
-                                    config_float, config_int)
+                                    config_float, config_int, decoder_config_fields,
+                                    decoder_hf_names)
 from lmforge.models.phi3.model import LongRope, Phi3Args
 
 _LAYER_NAMES = {  # ours -> Hugging Face, inside layers.{i}
@@ -121,17 +122,10 @@ def _attention_factor(rope: dict, args: Phi3Args, original: int, where: str) -> 
 def hf_config_from_args(args: Phi3Args) -> dict:
     """``Phi3Args`` -> a config.json dict that transformers 4.45+ and 5.x load."""
     rope = args.rope_scaling
-    cfg = {
-        "architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
-        "hidden_size": args.dim, "intermediate_size": args.ffn_dim,
-        "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads, "vocab_size": args.vocab_size,
-        "max_position_embeddings": args.max_seq_len, "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta, "partial_rotary_factor": args.partial_rotary_factor,
-        "rope_scaling": None, "tie_word_embeddings": args.tie_embeddings,
-        "sliding_window": args.sliding_window, "hidden_act": "silu",
-        "initializer_range": args.init_std, "attention_dropout": 0.0, "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0, "use_cache": True, "torch_dtype": "float32",
+    cfg = decoder_config_fields(args, "Phi3ForCausalLM", "phi3") | {
+        "partial_rotary_factor": args.partial_rotary_factor, "rope_scaling": None,
+        "sliding_window": args.sliding_window, "hidden_act": "silu", "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
     }
     if rope is not None:
         cfg["original_max_position_embeddings"] = rope.original_max_position_embeddings
@@ -145,11 +139,4 @@ def hf_config_from_args(args: Phi3Args) -> dict:
 
 def hf_names(args: Phi3Args) -> dict[str, str]:
     """Our parameter name -> HF name for every tensor an HF checkpoint holds."""
-    names = {"tok_embeddings.weight": "model.embed_tokens.weight",
-             "norm.weight": "model.norm.weight"}
-    for i in range(args.n_layers):
-        for ours, theirs in _LAYER_NAMES.items():
-            names[f"layers.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
-    if not args.tie_embeddings:  # a tied HF checkpoint has no lm_head
-        names["output.weight"] = "lm_head.weight"
-    return names
+    return decoder_hf_names(args, _LAYER_NAMES)
