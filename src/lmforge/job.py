@@ -145,8 +145,11 @@ def _device_type(name: str) -> str:
 
 
 def _objective(cfg: JobConfig) -> str:
-    """The objective's name: every data kind trains the next-token loss today."""
-    return "next_token"
+    """The objective's name: train.objective, where auto is dpo for preference pairs and
+    the next-token loss for every other data kind."""
+    if cfg.train.objective != "auto":
+        return cfg.train.objective
+    return "dpo" if cfg.data.kind == "preference" else "next_token"
 
 
 def _tokenizer_vocab(cfg: JobConfig, notes: list[str]) -> Optional[int]:

@@ -9,12 +9,12 @@ from lmforge.config.derived import (check_parallel_fits, compute_dtype,
                                     grad_accumulation_steps, pipeline_microbatches,
                                     resolve_device, resolve_layout, samples_per_step)
 from lmforge.config.errors import ConfigError
-from lmforge.config.keys import DEVICES, config_keys, describe_keys
+from lmforge.config.keys import DEVICES, PREFERENCE_OBJECTIVES, config_keys, describe_keys
 from lmforge.config.schema import (CHAT_TEMPLATES, DataConfig, JobConfig, LoraConfig,
                                    ModelConfig, OptimConfig, ParallelConfig,
                                    QUANTIZE_FORMATS, TrainConfig, validate)
 
-__all__ = ["CHAT_TEMPLATES", "ConfigError", "DEVICES", "config_keys", "describe_keys", "DataConfig", "JobConfig", "LoraConfig",
+__all__ = ["CHAT_TEMPLATES", "ConfigError", "DEVICES", "PREFERENCE_OBJECTIVES", "config_keys", "describe_keys", "DataConfig", "JobConfig", "LoraConfig",
            "ModelConfig", "OptimConfig", "ParallelConfig", "QUANTIZE_FORMATS", "TrainConfig",
            "apply_dict", "apply_override", "apply_run_defaults", "check_parallel_fits",
            "compute_dtype", "config_yaml", "fine_tuning_defaults", "grad_accumulation_steps",

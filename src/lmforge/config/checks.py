@@ -10,7 +10,7 @@ from typing import Optional
 
 from lmforge.config.derived import pipeline_microbatches, resolve_layout
 from lmforge.config.errors import ConfigError
-from lmforge.config.keys import allowed, config_keys
+from lmforge.config.keys import PREFERENCE_OBJECTIVES, allowed, config_keys
 
 
 def validate(cfg: "JobConfig", world_size: int = 1, distributed: Optional[bool] = None) -> None:
@@ -25,13 +25,14 @@ def validate(cfg: "JobConfig", world_size: int = 1, distributed: Optional[bool] 
         problem = allowed(f, value)
         if problem:
             raise ConfigError(f"{dotted}: {problem}")
-    if cfg.data.kind in ("text", "pretrain", "sft") and not cfg.data.path:
+    if cfg.data.kind in ("text", "pretrain", "sft", "preference") and not cfg.data.path:
         raise ConfigError(f"data.path: required when data.kind is {cfg.data.kind}")
     if cfg.train.overwrite and cfg.train.resume:
         raise ConfigError("train.overwrite: cannot be combined with train.resume (one starts "
                           "over, the other continues)")
     _validate_batch(cfg, world_size)
     _validate_grouping(cfg.data)
+    _validate_preference(cfg)
     _validate_in_backward(cfg, world_size, distributed)
     _validate_lora(cfg.lora)
     if cfg.lora.enabled and cfg.parallel.tp > 1:
@@ -106,3 +107,26 @@ def _validate_lora(lora: "LoraConfig") -> None:
         if not (Path(lora.adapter_from) / "adapter_config.json").is_file():
             raise ConfigError(f"lora.adapter_from: {lora.adapter_from} has no "
                               f"adapter_config.json (a PEFT adapter directory)")
+
+
+def _validate_preference(cfg: "JobConfig") -> None:
+    """A preference objective needs pairs, and pairs a preference objective; the
+    layouts it does not run in yet are refused, saying why."""
+    objective, kind = cfg.train.objective, cfg.data.kind
+    pairs = objective in PREFERENCE_OBJECTIVES
+    if pairs and kind != "preference":
+        raise ConfigError(f"train.objective: {objective} compares chosen and rejected "
+                          f"completions; it needs data.kind=preference (data.kind is {kind})")
+    if kind == "preference" and objective == "next_token":
+        raise ConfigError("train.objective: next_token does not train on preference pairs; "
+                          f"use one of {', '.join(PREFERENCE_OBJECTIVES)} (or auto: dpo)")
+    if kind != "preference":
+        return
+    if cfg.parallel.tp > 1 or cfg.parallel.pp > 1:
+        # per-sequence log-probabilities need each row's whole vocabulary on one rank and
+        # the reference pass beside the policy's: not wired through the tp/pp paths yet
+        raise ConfigError("parallel.tp: preference objectives run with data parallelism / "
+                          "FSDP2 (parallel.tp=1 and parallel.pp=1) for now")
+    if cfg.train.loss_chunk_tokens:
+        raise ConfigError("train.loss_chunk_tokens: the preference objectives take each "
+                          "sequence's log-probabilities whole; set it to 0")

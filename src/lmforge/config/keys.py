@@ -9,6 +9,8 @@ from dataclasses import field
 from typing import Any, Callable, Iterator, Optional
 
 DEVICES = ("auto", "cpu", "cuda")  # train.device, and every command's --device
+# train.objective values that compare a chosen and a rejected completion
+PREFERENCE_OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
 
 # A numeric key's range, by the words its error and --help show.
 BOUNDS: dict[str, Callable[[Any], bool]] = {
@@ -20,6 +22,7 @@ BOUNDS: dict[str, Callable[[Any], bool]] = {
     "in [0, 2^63)": lambda v: 0 <= v < 2**63,
     "in [0, 1]": lambda v: 0 <= v <= 1,
     "in [0, 1)": lambda v: 0 <= v < 1,
+    "in [0, 0.5)": lambda v: 0 <= v < 0.5,
 }
 
 

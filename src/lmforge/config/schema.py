@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lmforge.config.checks import validate
-from lmforge.config.keys import DEVICES, key
+from lmforge.config.keys import DEVICES, PREFERENCE_OBJECTIVES, key
 
 CHAT_TEMPLATES = ("auto", "chatml", "plain", "llama2", "llama3")
 QUANTIZE_FORMATS = ("nf4", "int8")  # lora.quantize: storage of a frozen (QLoRA) base
@@ -52,8 +52,9 @@ class DataConfig:
     kind: str = key("stdlib", "stdlib: the Python standard library's sources (the CPU "
                     "demo); text: local files or directories (.jsonl/.json/.parquet by "
                     "data.json_key, other files whole); pretrain: .bin/.idx prefixes "
-                    "(lmforge preprocess); sft: chat or prompt/response records",
-                    choices=("stdlib", "text", "pretrain", "sft"))
+                    "(lmforge preprocess); sft: chat or prompt/response records; "
+                    "preference: prompt, chosen and rejected records (docs/preference.md)",
+                    choices=("stdlib", "text", "pretrain", "sft", "preference"))
     path: Optional[Any] = key(None, "a path or a list of paths (required but for stdlib)")
     eval_path: Optional[Any] = key(None, "held-out data (default: data.eval_fraction of "
                                    "data.path)")
@@ -61,6 +62,9 @@ class DataConfig:
                                "of a text corpus's files (or its last tokens), of a pretrain "
                                "prefix's documents, of an SFT file's samples", bound="in [0, 1)")
     seq_len: int = key(256, "tokens per training sequence", bound="> 0")
+    max_prompt_len: Optional[int] = key(None, "preference: a longer prompt keeps its last "
+                                        "this many tokens (then the sequence is cut to "
+                                        "seq_len + 1)", bound="> 0")
     micro_batch_size: int = key(8, "sequences per rank per forward pass", bound="> 0")
     global_batch_size: Optional[int] = key(None, "sequences per optimizer step over all "
                                            "data-parallel ranks (a multiple of "
@@ -174,6 +178,20 @@ class TrainConfig:
                                        "LMFORGE_WANDB_PROJECT, else off; needs wandb)")
     wandb_run_name: Optional[str] = key(None, "the W&B run's name (default: the output "
                                         "directory's name)")
+    objective: str = key("auto", "what a step minimises: next_token (pretraining, text, "
+                         "SFT's completions) or a preference loss on chosen/rejected pairs; "
+                         "auto: dpo for data.kind=preference, else next_token",
+                         choices=("auto", "next_token", *PREFERENCE_OBJECTIVES))
+    beta: float = key(0.1, "dpo, ipo, simpo: the preference loss's beta (IPO's tau)",
+                      bound="> 0")
+    label_smoothing: float = key(0.0, "dpo, simpo: the share of pairs taken to be "
+                                 "mislabelled (cDPO)", bound="in [0, 0.5)")
+    simpo_gamma: float = key(0.5, "simpo: the target reward margin", bound=">= 0")
+    orpo_lambda: float = key(0.1, "orpo: the weight of the odds-ratio term", bound=">= 0")
+    reference: str = key("live", "dpo, ipo: the reference log-probabilities: live (LoRA: "
+                         "the model with its adapters off; full weights: a frozen copy) | "
+                         "precomputed (one pass before training, stored with the data cache)",
+                         choices=("live", "precomputed"))
     skip_memory_check: bool = key(False, "run even when the memory estimate exceeds the "
                                   "device's memory (refused otherwise, before anything is "
                                   "allocated; perf/budget.py)")

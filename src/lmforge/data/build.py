@@ -9,6 +9,7 @@ from lmforge.config import JobConfig
 from lmforge.data.errors import DataError
 from lmforge.data.indexed import IndexedDataset
 from lmforge.data.loader import BatchLoader, build_dataset_loader, pretrain_sources
+from lmforge.data.preference import check_some_pair
 from lmforge.data.sft import check_some_answer
 from lmforge.data.text import (check_corpus, corpus_documents, corpus_files, split_tokens,
                                tokenize_files)
@@ -25,6 +26,7 @@ class DataBundle:
     eval_note: str = ""
     notes: list[str] = field(default_factory=list)  # lines the run prints at start
     stats: dict = field(default_factory=dict)  # counts the run records in summary.json
+    held_out: Optional[BatchLoader] = None  # the held-out loader of a dataset kind
 
 
 def check_data(cfg: JobConfig) -> None:
@@ -35,7 +37,8 @@ def check_data(cfg: JobConfig) -> None:
     record with an answer; pretraining prefixes are opened (their index checks)."""
     d = cfg.data
     check = {"text": lambda field, path: check_corpus(field, path, d.json_key),
-             "sft": check_some_answer, "pretrain": _open_prefixes}.get(d.kind)
+             "sft": check_some_answer, "pretrain": _open_prefixes,
+             "preference": check_some_pair}.get(d.kind)
     if check is None:
         return
     if d.kind == "pretrain" and d.blend:
@@ -77,11 +80,12 @@ def build_data(cfg: JobConfig, tokenizer: Tokenizer, dp_rank: int = 0, dp_size: 
     if template is not None:  # say which template renders the samples (auto may fall back)
         description += f", chat template {template.name}" + (
             " (the model's own)" if d.template == "auto" and template.source else "")
-    notes, stats = _sft_counts(train.dataset) if d.kind == "sft" else ([], {})
+    notes, stats = (_sft_counts(train.dataset) if d.kind == "sft" else
+                    train.dataset.report() if d.kind == "preference" else ([], {}))
     if d.kind == "sft":
         note, stats["sft_padding_share"] = _sft_padding(cfg, train)
         notes.append(note)
-    return DataBundle(train, eval_batches, description, eval_note, notes, stats)
+    return DataBundle(train, eval_batches, description, eval_note, notes, stats, held_out)
 
 
 def _passes(loader: BatchLoader, n: int) -> Callable[[], Iterator[dict]]:
@@ -117,7 +121,7 @@ def _dataset_loaders(cfg, tokenizer, dp_rank, dp_size, cache_dir
 def _keeps_a_micro_batch(train_dataset, d) -> None:
     """SFT: the training part must fill one micro-batch with distinct samples (a
     pretraining part keeps a window at least, checked by PretrainDataset)."""
-    if d.kind == "sft" and train_dataset.num_samples < d.micro_batch_size:
+    if d.kind in ("sft", "preference") and train_dataset.num_samples < d.micro_batch_size:
         raise DataError(f"{d.path}: {train_dataset.num_samples} training samples would be "
                         f"left by data.eval_fraction={d.eval_fraction}, fewer than "
                         f"data.micro_batch_size={d.micro_batch_size}")
@@ -125,8 +129,9 @@ def _keeps_a_micro_batch(train_dataset, d) -> None:
 
 def _held_out_note(d, dataset) -> str:
     """"12 documents (3,456 tokens) of PATH (data.eval_fraction=0.05)"."""
-    if d.kind == "sft":
-        count, unit, tokens, source = dataset.num_samples, "samples", dataset.num_tokens, d.path
+    if d.kind in ("sft", "preference"):
+        unit = "samples" if d.kind == "sft" else "pairs"
+        count, tokens, source = dataset.num_samples, dataset.num_tokens, d.path
     else:
         parts = getattr(dataset, "datasets", [dataset])  # a blend, or one dataset
         count, unit = sum(len(p.lengths) for p in parts), "documents"

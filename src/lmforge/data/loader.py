@@ -41,6 +41,7 @@ from lmforge.data.errors import DataError
 from lmforge.data.indexed_files import exists, strip_suffix
 from lmforge.data.pretrain import BlendedDataset, PretrainDataset
 from lmforge.data.sampler import MicroBatchSampler
+from lmforge.data.preference import PreferenceDataset
 from lmforge.data.sft import SFTDataset
 
 STATE_VERSION = 1
@@ -261,17 +262,26 @@ def build_dataset_loader(cfg, tokenizer, dp_rank: int, dp_size: int, split: str 
         dataset = build_pretrain_dataset(pretrain_sources(value, field), d.seq_len, seed,
                                          d.document_mask, pad_id, cache_dir, held)
     elif d.kind == "sft":
-        if isinstance(value, (list, tuple)):
-            if len(value) != 1:
-                raise DataError(f"{field}: sft takes one .jsonl file")
-            value = value[0]
+        value = _one_file(value, field, d.kind)
         group = samples_per_step(cfg, dp_size) if d.group_by_length and split == "train" \
             else None  # the held-out passes keep the plain order: the same samples score
         dataset = SFTDataset(value, tokenizer, d.template, d.seq_len, seed, d.pack, cache_dir,
                              held, sft_pad_multiple(cfg), group)
+    elif d.kind == "preference":
+        dataset = PreferenceDataset(_one_file(value, field, d.kind), tokenizer, d.template,
+                                    d.seq_len, d.max_prompt_len, seed, d.pack, cache_dir,
+                                    held, sft_pad_multiple(cfg))
     else:
-        raise DataError(f"data.kind: {d.kind!r} is not pretrain or sft")
+        raise DataError(f"data.kind: {d.kind!r} is not pretrain, sft or preference")
     return BatchLoader(dataset, d.micro_batch_size, dp_rank, dp_size, seed, d.num_workers)
+
+
+def _one_file(value, field: str, kind: str) -> str:
+    if isinstance(value, (list, tuple)):
+        if len(value) != 1:
+            raise DataError(f"{field}: {kind} takes one .jsonl file")
+        value = value[0]
+    return value
 
 
 def sft_pad_multiple(cfg) -> Optional[int]:

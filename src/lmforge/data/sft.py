@@ -40,14 +40,13 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from lmforge.data.cache import (RecentCache, cache_dir_for, content_fingerprint, keyed_dir,
-                                load_or_build, save_npy)
-from lmforge.data.dataset import (RowDataset, collate, held_out_documents, rng_for,
-                                  split_documents)
+from lmforge.data.cache import (cache_dir_for, content_fingerprint, keyed_dir, load_or_build,
+                                save_npy)
+from lmforge.data.dataset import collate, held_out_documents, rng_for, split_documents
 from lmforge.data.errors import DataError
 from lmforge.data.indexed import IndexedDataset, IndexedDatasetWriter, token_dtype
 from lmforge.data.indexed_files import exists
-from lmforge.data.sft_rows import group_by_length, pack_first_fit, sft_row
+from lmforge.data.sft_rows import PlannedRows, group_by_length, pack_first_fit, sft_row
 from lmforge.data.templates import get_template
 
 ROLES = ("system", "user", "assistant")
@@ -181,7 +180,7 @@ def held_out_records(path: Path, eval_fraction: float) -> Iterator[tuple[int, ob
 
 # -------------------------------------------------------------------------- dataset
 
-class SFTDataset(RowDataset):
+class SFTDataset(PlannedRows):
     """The never-ending stream of SFT rows: epoch ``e`` shuffles the samples with
     ``(seed, e)`` (and packs them when ``pack``); ``ds[k]`` is global row ``k``, padded
     to ``seq_len``, and ``batch_rows(ks)`` rows ``ks`` padded as one batch.
@@ -222,8 +221,7 @@ class SFTDataset(RowDataset):
         cut = np.maximum(lengths[self.rows] - (self.seq_len + 1), 0)  # of the kept samples
         self.truncated_samples, self.truncated_tokens = int((cut > 0).sum()), int(cut.sum())
         self.sizes = np.minimum(lengths, self.seq_len + 1) - 1  # positions each sample fills
-        self._epoch_starts = [0]  # global index of each epoch's first row
-        self._epochs = RecentCache(2)
+        self._start_stream()
 
     def _usable_samples(self, first: np.ndarray, holdout: Optional[tuple[str, float]]
                         ) -> tuple[np.ndarray, int, int]:
@@ -271,10 +269,6 @@ class SFTDataset(RowDataset):
     def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         return self.tokens[i].astype(np.int64), self.trained[i].astype(bool)
 
-    def epoch_plan(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """(row offsets, sample ids) of ``epoch``: row r holds ids[offsets[r]:offsets[r+1]]."""
-        return self._epochs.get(epoch, lambda: self._build_epoch_plan(epoch))
-
     def _build_epoch_plan(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         order = self.rows[rng_for(self.seed, epoch, self._ORDER).permutation(len(self.rows))]
         if self.pack:
@@ -298,30 +292,6 @@ class SFTDataset(RowDataset):
     def _packed(self, order: np.ndarray) -> np.ndarray:
         offsets, items = pack_first_fit(order, self.sizes, self.seq_len)
         return np.concatenate([[len(offsets) - 1], offsets, items]).astype(np.int64)
-
-    def rows_in_epoch(self, epoch: int) -> int:
-        return len(self.epoch_plan(epoch)[0]) - 1
-
-    @property
-    def distinct_samples(self) -> int:
-        """Rows the stream gives before a sample repeats: epoch 0's."""
-        return self.rows_in_epoch(0)
-
-    def locate(self, k: int) -> tuple[int, int]:
-        """Global row ``k`` -> (epoch, row in that epoch)."""
-        k = int(k)
-        if not self.pack:
-            return divmod(k, len(self.rows))
-        while self._epoch_starts[-1] <= k:  # packed epochs differ in length
-            e = len(self._epoch_starts) - 1
-            self._epoch_starts.append(self._epoch_starts[-1] + self.rows_in_epoch(e))
-        e = int(np.searchsorted(self._epoch_starts, k, side="right")) - 1
-        return e, k - self._epoch_starts[e]
-
-    def samples_of(self, k: int) -> list[int]:
-        epoch, r = self.locate(k)
-        offsets, items = self.epoch_plan(epoch)
-        return items[offsets[r]:offsets[r + 1]].tolist()
 
     def __getitem__(self, k: int) -> dict:
         return self._row(k, self.seq_len)

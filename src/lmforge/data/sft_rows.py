@@ -29,7 +29,8 @@ from typing import Optional
 import numpy as np
 
 from lmforge import IGNORE_INDEX
-from lmforge.data.dataset import positions_from_segments
+from lmforge.data.cache import RecentCache
+from lmforge.data.dataset import RowDataset, positions_from_segments
 
 
 # -------------------------------------------------------------------------- rows
@@ -103,3 +104,51 @@ def group_by_length(order: np.ndarray, sizes: np.ndarray, group_size: int,
     steps = len(body) // group_size
     whole = body[:steps * group_size].reshape(steps, group_size)[rng.permutation(steps)]
     return np.concatenate([head, whole.ravel(), body[steps * group_size:]])
+
+
+# -------------------------------------------------------------------- planned stream
+
+class PlannedRows(RowDataset):
+    """A never-ending stream of rows, each holding one sample or several packed ones, an
+    epoch at a time: ``_build_epoch_plan(e)`` gives (row offsets, sample ids), row r of
+    the epoch holding ids[offsets[r]:offsets[r + 1]]. Packed epochs differ in their row
+    counts, so global row k is located by the epochs' starts. Subclasses set ``pack``
+    and ``rows`` (the usable samples) and call ``_start_stream()``."""
+
+    pack: bool
+    rows: np.ndarray
+
+    def _start_stream(self) -> None:
+        self._epoch_starts = [0]  # global index of each epoch's first row
+        self._epochs = RecentCache(2)
+
+    def _build_epoch_plan(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        raise NotImplementedError
+
+    def epoch_plan(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(row offsets, sample ids) of ``epoch``: row r holds ids[offsets[r]:offsets[r+1]]."""
+        return self._epochs.get(epoch, lambda: self._build_epoch_plan(epoch))
+
+    def rows_in_epoch(self, epoch: int) -> int:
+        return len(self.epoch_plan(epoch)[0]) - 1
+
+    @property
+    def distinct_samples(self) -> int:
+        """Rows the stream gives before a sample repeats: epoch 0's."""
+        return self.rows_in_epoch(0)
+
+    def locate(self, k: int) -> tuple[int, int]:
+        """Global row ``k`` -> (epoch, row in that epoch)."""
+        k = int(k)
+        if not self.pack:
+            return divmod(k, len(self.rows))
+        while self._epoch_starts[-1] <= k:  # packed epochs differ in length
+            e = len(self._epoch_starts) - 1
+            self._epoch_starts.append(self._epoch_starts[-1] + self.rows_in_epoch(e))
+        e = int(np.searchsorted(self._epoch_starts, k, side="right")) - 1
+        return e, k - self._epoch_starts[e]
+
+    def samples_of(self, k: int) -> list[int]:
+        epoch, r = self.locate(k)
+        offsets, items = self.epoch_plan(epoch)
+        return items[offsets[r]:offsets[r + 1]].tolist()

@@ -22,7 +22,8 @@ imported by the model code.
 from lmforge.peft.adapters import (AdapterError, adapter_state_dict, export_merged,
                                    load_adapter, merged_state_dict, read_adapter,
                                    save_adapter)
-from lmforge.peft.lora import (LoraError, LoraLinear, after_materialize, apply_lora,
+from lmforge.peft.lora import (LoraError, LoraLinear, adapters_disabled, after_materialize,
+                               apply_lora,
                                count_trainable, freeze_base, init_lora_weights, lora_layers,
                                merge_lora, prepare_model_for_lora, trainable_summary,
                                unmerge_lora)
@@ -32,7 +33,8 @@ from lmforge.peft.targets import LoraSpec, lora_spec, resolve_targets
 
 __all__ = [
     "AdapterError", "LoraError", "LoraLinear", "LoraSpec",
-    "QuantizationError", "QuantizedLinear", "adapter_state_dict", "after_materialize",
+    "QuantizationError", "QuantizedLinear", "adapter_state_dict", "adapters_disabled",
+    "after_materialize",
     "apply_lora", "count_trainable", "dequantize_base",
     "export_merged", "freeze_base", "init_lora_weights", "is_quantized", "load_adapter",
     "lora_layers", "lora_spec", "merge_lora", "merged_state_dict", "prepare_model_for_lora",

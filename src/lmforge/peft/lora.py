@@ -26,6 +26,8 @@ the frozen base and the adapters are sharded alike and only the adapters get gra
 """
 from __future__ import annotations
 
+import contextlib
+
 import math
 from typing import Iterable, Optional
 
@@ -58,6 +60,7 @@ class LoraLinear(nn.Linear):
         self.lora_a = nn.Parameter(torch.empty(rank, in_features, device=device, dtype=dtype))
         self.lora_b = nn.Parameter(torch.empty(out_features, rank, device=device, dtype=dtype))
         self.merged = False
+        self.disabled = False  # the base layer alone (``adapters_disabled``)
         self.quantized: Optional[nn.Module] = None
         if not self.lora_a.is_meta:
             self.reset_lora_parameters()
@@ -107,7 +110,7 @@ class LoraLinear(nn.Linear):
                 base = base + self.bias.to(base.dtype)
         else:
             base = F.linear(x, self.weight, self.bias)
-        if self.merged:
+        if self.merged or self.disabled:
             return base
         h = F.dropout(x, self.dropout, self.training) if self.dropout else x
         update = F.linear(F.linear(h.to(self.lora_a.dtype), self.lora_a), self.lora_b)
@@ -231,6 +234,22 @@ def init_lora_weights(model: nn.Module) -> None:
     """A Kaiming-uniform, B zero in every LoRA layer: call after ``to_empty``."""
     for layer in lora_layers(model).values():
         layer.reset_lora_parameters()
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    """The base model inside the block: every LoRA layer computes its base alone (the
+    reference model of DPO and IPO under LoRA, with no second copy in memory)."""
+    layers = list(lora_layers(model).values())
+    if any(layer.merged for layer in layers):
+        raise LoraError("adapters merged into the weights cannot be switched off")
+    for layer in layers:
+        layer.disabled = True
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            layer.disabled = False
 
 
 def merge_lora(model: nn.Module) -> int:

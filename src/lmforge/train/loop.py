@@ -32,6 +32,8 @@ from lmforge.train.model_setup import TrainModel, build_train_model, clip_grad_n
 from lmforge.train.optim import Optimizers
 from lmforge.train.precision import LossScaler, device_notes
 from lmforge.train.preempt import StopSignals
+from lmforge.train.preference import mean_stats
+from lmforge.train.reference import attach_reference_model, precompute_reference
 from lmforge.train.progress import Progress, evaluation_plan, summary_lines
 from lmforge.train.run_dir import CHECKPOINTS
 from lmforge.train.setup import (Runtime, check_resume_path, data_source, init_runtime,
@@ -85,6 +87,7 @@ def _run_in(job: Job, rt: Runtime, out_dir: Path) -> dict:
     say(rt, "model: building" + (f", loading {cfg.model.init_from}"
                                   if cfg.model.init_from else ""))
     model = build_train_model(job, rt.device, rt.dims, rt.param_dtype)
+    attach_reference_model(model, job, rt.device, rt.dims, rt.param_dtype)
     optimizers = Optimizers(model.parts, cfg.optim, cfg.train.max_steps,
                             LossScaler.for_job(job, rt.device, rt.is_logging_rank))
     say(rt, f"model: {count_parameters(build_model(args)):,} parameters ({_describe(args)}) "
@@ -102,6 +105,9 @@ def _run_in(job: Job, rt: Runtime, out_dir: Path) -> dict:
     if cfg.train.activation_offload:
         say(rt, offload_summary(rt.device, cfg.train.activation_checkpointing))
     say(rt, evaluation_plan(cfg, data))
+    # (before a resume loads trained weights: the reference is the starting model)
+    precompute_reference(model, {"train": data.train, "eval": data.held_out}, out_dir,
+                         rt.device, rt.autocast, rt.is_logging_rank)
     checkpoints = Checkpoints(cfg, rt, out_dir)
     start_step = checkpoints.resume(model, optimizers, data)
     end_step = min(cfg.train.max_steps, cfg.train.stop_at_step or cfg.train.max_steps)
@@ -172,9 +178,9 @@ def run_loop(job: Job, rt: Runtime, model: TrainModel, optimizers: Optimizers,
                       else float(result.grad_norm),
                       **throughput.report(), **M.memory_metrics(rt.device),
                       "tokens": tokens,
-                      "valid_tokens": result.n_valid, "nonfinite_steps": nonfinite_steps,
+                      model.objective.unit: result.n_valid, "nonfinite_steps": nonfinite_steps,
                       "consumed_samples": data.train.consumed_samples,
-                      **optimizers.scaler.metrics(),
+                      **optimizers.scaler.metrics(), **result.metrics,
                       **(sample_ids(micro_batches) if t.log_sample_ids else {})}
             if evaluate_now:
                 record.update(evaluate_held_out(rt, model, data))
@@ -200,9 +206,10 @@ def train_step(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optim
     on a non-finite step; the LR schedule advances regardless). ``flops_per_token``: by
     sequence length, for the step's FLOPs (``step_counts``)."""
     scaler = optimizers.scaler  # fp16's loss scale (a no-op otherwise)
-    counts = step_counts(micro_batches, rt.dims, rt.device, flops_per_token)
+    counts = step_counts(micro_batches, rt.dims, rt.device, flops_per_token, model.objective)
+    stats: dict = {}
     local_loss = model.forward_backward(micro_batches, counts.valid, rt.device, rt.autocast,
-                                        scaler.scale)
+                                        scaler.scale, stats)
     loss = global_step_loss(local_loss, rt.dims)
     scaler.unscale(optimizers.optimizers)  # the true gradients, for the norm and clipping
     # With the update fused into backward no gradient outlives its parameter's step.
@@ -212,7 +219,8 @@ def train_step(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optim
     finite = check_finite(rt, step, local_loss, loss, None if scaler.enabled else grad_norm,
                           micro_batches, cfg.train.on_nonfinite)
     optimizers.step(update=finite, step=step)
-    return StepResult(loss, local_loss, grad_norm, counts, lr, finite)
+    return StepResult(loss, local_loss, grad_norm, counts, lr, finite,
+                      mean_stats(stats, rt.dims, counts.valid))
 
 
 def eval_due(cfg: JobConfig, step: int, data: DataBundle) -> bool:
@@ -225,9 +233,8 @@ def eval_due(cfg: JobConfig, step: int, data: DataBundle) -> bool:
 
 
 def evaluate_held_out(rt: Runtime, model: TrainModel, data: DataBundle) -> dict:
-    """``eval_loss`` and ``eval_tokens`` of the held-out data, on any layout."""
-    loss, tokens = model.evaluate(data.eval_batches(), rt.device, rt.autocast)
-    return {"eval_loss": loss, "eval_tokens": tokens}
+    """The objective's held-out metrics (``eval_loss`` first), on any layout."""
+    return model.objective.held_out(model, data.eval_batches(), rt.device, rt.autocast)
 
 
 def _layout(rt: Runtime) -> str:

@@ -74,11 +74,13 @@ class Throughput:
 WANDB_ENV = "LMFORGE_WANDB_PROJECT"
 _TB_GROUPS = {"loss": "loss", "eval_loss": "loss", "lr": "optim", "grad_norm": "optim",
               "tokens_per_s": "perf", "tflops_per_device": "perf", "mfu": "perf",
-              "tokens": "progress", "valid_tokens": "progress"}
+              "tokens": "progress", "valid_tokens": "progress", "pairs": "progress"}
 
 
 def tensorboard_tag(key: str) -> str:
     """``loss/loss``, ``perf/mfu``, ``memory/peak_mem_gib``, ...: grouped in the UI."""
+    if key.startswith("eval_") and "/" in key:  # eval_rewards/chosen: eval/rewards/chosen
+        return f"eval/{key[len('eval_'):]}"
     group = _TB_GROUPS.get(key) or ("memory" if key.endswith("_gib") else "train")
     return f"{group}/{key}"
 

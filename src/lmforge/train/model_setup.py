@@ -82,15 +82,16 @@ class TrainModel:
         return contextlib.nullcontext()
 
     def forward_backward(self, micro_batches: list[dict], n_valid: int,
-                         device: torch.device, autocast, loss_scale: float = 1.0
-                         ) -> torch.Tensor:
-        """This rank's share of the step loss (sum of its token losses / n_valid);
-        backward runs on it times ``loss_scale`` (fp16's, else 1)."""
+                         device: torch.device, autocast, loss_scale: float = 1.0,
+                         stats: Optional[dict] = None) -> torch.Tensor:
+        """This rank's share of the step loss (sum of its units' losses / n_valid);
+        backward runs on it times ``loss_scale`` (fp16's, else 1); ``stats`` gains the
+        objective's metric sums."""
         with self.loss_context():
             if self.schedule is None:
                 return accumulate_gradients(self.parts[0], micro_batches, device, autocast,
                                             n_valid, self.dims.dp, self.loss_chunk_tokens,
-                                            loss_scale, self.objective)
+                                            loss_scale, self.objective, stats)
             return self._pipeline_step(micro_batches, n_valid, device, autocast, loss_scale)
 
     def _pipeline_step(self, micro_batches, n_valid, device, autocast, loss_scale

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import nn
 
+from lmforge import IGNORE_INDEX
 from lmforge.job import Job
 from lmforge.models.loss import micro_batch_loss_sum, token_loss_sum
+from lmforge.models.preference import NEEDS_REFERENCE, PreferenceParams
+from lmforge.train.preference import Preference
 
 
 @dataclass(frozen=True)
@@ -26,21 +30,39 @@ class NextToken:
     every token of pretraining and text corpora; SFT's completion tokens (the prompt's
     labels are ``lmforge.IGNORE_INDEX``). The unit it counts is a labelled token."""
     name: str = "next_token"
+    unit: str = "valid_tokens"  # what it counts, as metrics.jsonl names the count
+
+    def count(self, batch: dict) -> int:
+        return int((batch["labels"] != IGNORE_INDEX).sum())
 
     def loss_sum(self, model: nn.Module, batch: dict, device: torch.device,
-                 autocast=contextlib.nullcontext, loss_chunk_tokens: int = 0) -> torch.Tensor:
+                 autocast=contextlib.nullcontext, loss_chunk_tokens: int = 0,
+                 stats: Optional[dict] = None) -> torch.Tensor:
         return micro_batch_loss_sum(model, batch, device, autocast, loss_chunk_tokens)
 
     def stage_loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return token_loss_sum(logits, labels)
 
+    def held_out(self, tm, batches, device: torch.device, autocast) -> dict:
+        """``eval_loss`` (mean per token) and ``eval_tokens`` on any layout."""
+        loss, tokens = tm.evaluate(batches, device, autocast)
+        return {"eval_loss": loss, "eval_tokens": tokens}
+
 
 NEXT_TOKEN = NextToken()
-# Every data kind (stdlib, text, pretrain, sft) trains the next-token objective today;
-# preference pairs will bring their own, chosen by the data kind and train.objective.
-OBJECTIVES = {NEXT_TOKEN.name: NEXT_TOKEN}
 
 
-def objective_for(job: Job) -> NextToken:
-    """The objective a job trains (``Job.objective`` names it)."""
-    return OBJECTIVES[job.objective]
+def objective_for(job: Job) -> "NextToken | Preference":
+    """The objective a job trains (``Job.objective`` names it): the next-token loss, or a
+    preference loss whose reference is the adapters-off model (LoRA), the pairs' stored
+    log-probabilities (train.reference=precomputed) or a frozen copy, set by the caller
+    (``Preference.reference_model``)."""
+    if job.objective == NEXT_TOKEN.name:
+        return NEXT_TOKEN
+    t = job.config.train
+    params = PreferenceParams(beta=t.beta, label_smoothing=t.label_smoothing,
+                              gamma=t.simpo_gamma, lam=t.orpo_lambda)
+    reference = ("none" if job.objective not in NEEDS_REFERENCE else
+                 "batch" if t.reference == "precomputed" else
+                 "adapters_off" if job.config.lora.enabled else "model")
+    return Preference(job.objective, params, reference)

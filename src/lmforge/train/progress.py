@@ -114,6 +114,7 @@ class Progress:
                 "last_loss": last.get("loss"),
                 "eval_loss": held_out.get("eval_loss"),
                 "eval_tokens": held_out.get("eval_tokens"), "eval_step": held_out.get("step"),
+                **{k: held_out[k] for k in PAIR_KEYS if k in held_out},
                 "eval_note": None if evaluated else no_evaluation(cfg, data,
                                                                   last.get("step", 0)),
                 "steps": cfg.train.max_steps, "step": last.get("step", 0),
@@ -187,9 +188,20 @@ def step_line(step: int, max_steps: int, record: dict, elapsed: float,
             f"elapsed {duration(elapsed)}  ETA {duration(eta)}")
 
 
+# a preference run's held-out counts (its eval_loss is per pair: no perplexity)
+PAIR_KEYS = ("eval_pairs", "eval_rewards/accuracies", "eval_rewards/margins")
+
+
 def eval_text(record: dict) -> str:
-    return (f"eval_loss {record['eval_loss']:.4f} (perplexity "
-            f"{_perplexity(record['eval_loss'])}, {record['eval_tokens']:,} tokens)")
+    return f"eval_loss {record['eval_loss']:.4f} ({_held_out(record)})"
+
+
+def _held_out(s: dict) -> str:
+    if s.get("eval_pairs") is not None:
+        return (f"reward accuracy {s['eval_rewards/accuracies']:.3f}, margin "
+                f"{s['eval_rewards/margins']:.3f}, {s['eval_pairs']:,} held-out pairs")
+    return (f"perplexity {_perplexity(s['eval_loss'])}, {s['eval_tokens']:,} held-out "
+            f"tokens")
 
 
 def _perplexity(loss: float) -> str:
@@ -227,9 +239,7 @@ def summary_lines(summary: dict) -> list[str]:
     if s.get("eval_loss") is not None:
         earlier = s.get("eval_step") not in (None, s["step"])
         at = f", at step {s['eval_step']}" if earlier else ""
-        rows.append(("eval loss", f"{s['eval_loss']:.4f} (perplexity "
-                                  f"{_perplexity(s['eval_loss'])}, "
-                                  f"{s['eval_tokens']:,} held-out tokens{at})"))
+        rows.append(("eval loss", f"{s['eval_loss']:.4f} ({_held_out(s)}{at})"))
     else:
         rows.append(("eval loss", f"none ({s.get('eval_note') or 'no held-out data'})"))
     for key, name in (("checkpoint", "checkpoint"), ("hf_dir", "hf"),

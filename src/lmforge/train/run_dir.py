@@ -24,7 +24,8 @@ LOCK_NAME = "lmforge.lock"
 CHECKPOINTS = "checkpoints"  # the run's checkpoints root, inside the run directory
 # What an earlier run left that a fresh run with train.overwrite=true removes. The data
 # cache stays: its entries are keyed by what they were built from.
-RUN_OUTPUTS = (CHECKPOINTS, "hf", "adapter", "tensorboard", METRICS_FILE, "summary.json")
+RUN_OUTPUTS = (CHECKPOINTS, "hf", "adapter", "tensorboard", METRICS_FILE, "summary.json",
+               "reference")  # reference: a preference run's precomputed log-probabilities
 
 
 class RunLock(fsio.FileLock):

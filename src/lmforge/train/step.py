@@ -12,14 +12,13 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lmforge.models.loss import IGNORE_INDEX
 from lmforge.parallel import full_value
 from lmforge.parallel.mesh import ParallelDims
 from lmforge.train.objectives import NEXT_TOKEN
@@ -48,26 +47,28 @@ def normalize_loss(loss_sum: torch.Tensor, n_valid: int, dp: int = 1) -> torch.T
     return loss_sum * (dp / max(n_valid, 1))
 
 
-def count_valid_tokens(batches: Iterable[dict]) -> int:
-    return int(sum((b["labels"] != IGNORE_INDEX).sum().item() for b in batches))
+def count_valid_tokens(batches: Iterable[dict], objective=NEXT_TOKEN) -> int:
+    """The units ``objective`` normalises by in ``batches``: labelled tokens, or pairs."""
+    return sum(objective.count(b) for b in batches)
 
 
 @dataclass
 class StepCounts:
     """What one step ran over, on all data-parallel ranks together."""
-    valid: int  # tokens with a target: N of ``normalize_loss``
+    valid: int  # tokens with a target, or pairs (the objective's units): N of normalize_loss
     positions: int  # positions the model ran over (rows x length, padding included)
     flops: float  # model FLOPs of those positions (0 without a flops_per_token)
 
 
 def step_counts(micro_batches: list[dict], dims: ParallelDims, device: torch.device,
-                flops_per_token: Optional[Callable[[int], float]] = None) -> StepCounts:
+                flops_per_token: Optional[Callable[[int], float]] = None,
+                objective=NEXT_TOKEN) -> StepCounts:
     """The step's counts summed over all data-parallel ranks (one all-reduce): ranks and
     micro-batches may differ in length (SFT batches are padded to their longest sample),
     and the attention's FLOPs per token grow with it (``flops_per_token(length)``). Every
     tp and pp rank of a data-parallel group loads the same batch, so the world sum counts
     each tp x pp times. float64 holds the counts exactly (below 2**53)."""
-    local = [float(count_valid_tokens(micro_batches)), 0.0, 0.0]
+    local = [float(count_valid_tokens(micro_batches, objective)), 0.0, 0.0]
     for batch in micro_batches:
         rows, length = batch["input_ids"].shape
         local[1] += rows * length
@@ -92,19 +93,22 @@ def global_step_loss(local: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
 def accumulate_gradients(model: nn.Module, micro_batches: list[dict], device: torch.device,
                          autocast=contextlib.nullcontext, n_valid: int | None = None,
                          dp: int = 1, loss_chunk_tokens: int = 0,
-                         loss_scale: float = 1.0, objective=NEXT_TOKEN) -> torch.Tensor:
+                         loss_scale: float = 1.0, objective=NEXT_TOKEN,
+                         stats: Optional[dict] = None) -> torch.Tensor:
     """Forward/backward over the micro-batches of one step; returns this rank's share of
     the step loss. ``n_valid``, ``dp``: see ``normalize_loss`` (default: this rank's own
     valid tokens, one process). ``loss_chunk_tokens``: see ``chunked_loss_sum`` (0: the
     whole micro-batch's logits at once). ``loss_scale``: what each micro-batch's
     back-propagated loss is multiplied by (fp16: ``precision.LossScaler``).
-    ``objective``: what each micro-batch's loss sum is (``train.objectives``).
+    ``objective``: what each micro-batch's loss sum is (``train.objectives``); ``stats``
+    (when given) gains the sums of its metrics over the step's units.
     """
     if n_valid is None:
-        n_valid = count_valid_tokens(micro_batches)
+        n_valid = count_valid_tokens(micro_batches, objective)
     loss_sum = torch.zeros((), device=device)
     for batch in micro_batches:
-        micro_loss = objective.loss_sum(model, batch, device, autocast, loss_chunk_tokens)
+        micro_loss = objective.loss_sum(model, batch, device, autocast, loss_chunk_tokens,
+                                        stats=stats)
         (normalize_loss(micro_loss, n_valid, dp) * loss_scale).backward()
         loss_sum += full_value(micro_loss)  # (a replicated DTensor under loss parallel)
     return normalize_loss(loss_sum, n_valid)
@@ -130,6 +134,7 @@ class StepResult:
     # False: a non-finite loss or grad norm, update skipped (train.on_nonfinite=skip).
     # An fp16 overflow is the loss scaler's to skip (``LossScaler.skipped_steps``).
     finite: bool
+    metrics: dict = field(default_factory=dict)  # the objective's (preference: TRL's)
 
     @property
     def n_valid(self) -> int:

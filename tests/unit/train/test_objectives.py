@@ -11,7 +11,7 @@ from lmforge.models.llama import build_llama, materialize
 from lmforge.models.loss import micro_batch_loss_sum
 from lmforge.job import resolve
 from lmforge.train.model_setup import build_train_model
-from lmforge.train.objectives import NEXT_TOKEN, OBJECTIVES, objective_for
+from lmforge.train.objectives import NEXT_TOKEN, objective_for
 from lmforge.train.step import accumulate_gradients
 
 ARGS = tiny_llama_args(vocab_size=61)
@@ -33,16 +33,18 @@ class Doubled:
     """A stand-in for a new objective: twice the next-token loss."""
     name: str = "doubled"
 
-    def loss_sum(self, model, batch, device, autocast, loss_chunk_tokens=0):
+    def count(self, batch):
+        return NEXT_TOKEN.count(batch)
+
+    def loss_sum(self, model, batch, device, autocast, loss_chunk_tokens=0, stats=None):
         return 2 * NEXT_TOKEN.loss_sum(model, batch, device, autocast, loss_chunk_tokens)
 
     def stage_loss_sum(self, logits, labels):
         return 2 * NEXT_TOKEN.stage_loss_sum(logits, labels)
 
 
-def test_next_token_is_every_current_jobs_objective_and_sums_labelled_tokens():
+def test_next_token_is_every_non_preference_jobs_objective_and_sums_labelled_tokens():
     assert objective_for(resolve(JobConfig())) is NEXT_TOKEN
-    assert OBJECTIVES == {"next_token": NEXT_TOKEN}
     model, batch = _model(), _batch()
     with torch.no_grad():
         assert torch.equal(NEXT_TOKEN.loss_sum(model, batch, torch.device("cpu")),

@@ -36,7 +36,7 @@ def test_without_a_terminal_a_logged_step_is_one_line_with_step_of_total_elapsed
     assert line.count("\n") == 1
     assert line.startswith("step 6/10  loss 2.5000  lr 3.00e-04  grad_norm 0.750  "
                            "tokens/s 1234")
-    assert "eval_loss 2.0000 (perplexity 7.39, 4,096 tokens)" in line
+    assert "eval_loss 2.0000 (perplexity 7.39, 4,096 held-out tokens)" in line
     # 2 steps took 10 s (the first reading started the clock): 4 more take 20 s
     assert line.rstrip().endswith("elapsed 0:00:10  ETA 0:00:20")
 
