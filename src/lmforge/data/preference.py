@@ -34,12 +34,11 @@ from typing import Optional
 import numpy as np
 import torch
 
-from lmforge.data.cache import cache_dir_for, content_fingerprint, keyed_dir, save_npy
+from lmforge.data.cache import save_npy
 from lmforge.data.dataset import collate, rng_for, split_documents
 from lmforge.data.errors import DataError
-from lmforge.data.indexed import IndexedDataset, IndexedDatasetWriter, token_dtype
-from lmforge.data.indexed_files import exists
-from lmforge.data.sft import iter_jsonl, record_messages, tokenizer_fingerprint
+from lmforge.data.indexed import IndexedDatasetWriter, token_dtype
+from lmforge.data.sft import iter_jsonl, record_messages, tokenized
 from lmforge.data.sft_rows import PlannedRows, pack_first_fit, sft_row
 from lmforge.data.templates import get_template
 
@@ -165,16 +164,9 @@ class PreferenceDataset(PlannedRows):
         self.max_prompt_len = max_prompt_len
         self.pad_to_multiple_of = None if pack else pad_to_multiple_of
         self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
-        params = {"kind": "preference", "version": PREFERENCE_CACHE_VERSION,
-                  "template": self.template.fingerprint,
-                  "tokenizer": tokenizer_fingerprint(tokenizer)}
-        root = cache_dir_for(str(self.path), "preference", cache_dir)
-        self.cache = keyed_dir(root, params, content_fingerprint(str(self.path)))
-        if not (exists(self.cache / "tokens") and exists(self.cache / "trained")
-                and (self.cache / "first_trained.npy").is_file()):
-            tokenize_pairs(self.path, self.template, tokenizer, self.cache)
-        self.tokens = IndexedDataset(self.cache / "tokens")
-        self.trained = IndexedDataset(self.cache / "trained")
+        self.cache, self.tokens, self.trained = tokenized(
+            self.path, "preference", PREFERENCE_CACHE_VERSION, self.template, tokenizer,
+            cache_dir, tokenize_pairs)
         self._measure(np.load(self.cache / "first_trained.npy").reshape(-1, 2), holdout)
         self._start_stream()
 

@@ -153,6 +153,22 @@ def tokenize_file(path: Path, template, tok, out_dir: Path, batch: int = 256) ->
     save_npy(out_dir / "first_trained.npy", np.asarray(first, dtype=np.int64))
 
 
+def tokenized(path: Path, kind: str, version: int, template, tok,
+              cache_dir: Optional[Path], tokenize) -> tuple[Path, IndexedDataset,
+                                                             IndexedDataset]:
+    """(cache directory, ``tokens``, ``trained``) of a JSON Lines file rendered with
+    ``template``: ``tokenize(path, template, tok, out_dir)`` writes them (and
+    ``first_trained.npy``) once per file content, template and tokenizer."""
+    params = {"kind": kind, "version": version, "template": template.fingerprint,
+              "tokenizer": tokenizer_fingerprint(tok)}
+    cache = keyed_dir(cache_dir_for(str(path), kind, cache_dir), params,
+                      content_fingerprint(str(path)))
+    if not (exists(cache / "tokens") and exists(cache / "trained")
+            and (cache / "first_trained.npy").is_file()):
+        tokenize(path, template, tok, cache)
+    return cache, IndexedDataset(cache / "tokens"), IndexedDataset(cache / "trained")
+
+
 def _empty_answer(messages: list[dict]) -> bool:
     return any(m["role"] == "assistant" and not m["content"].strip() for m in messages)
 
@@ -203,16 +219,9 @@ class SFTDataset(PlannedRows):
         self.group_size = 0 if pack else int(group_size or 0)
         self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
         self.end_of_turn_id = self.template.end_of_turn_id(tokenizer)
-        params = {"kind": "sft", "version": SFT_CACHE_VERSION,
-                  "template": self.template.fingerprint,
-                  "tokenizer": tokenizer_fingerprint(tokenizer)}
-        root = cache_dir_for(str(self.path), "sft", cache_dir)
-        self.cache = keyed_dir(root, params, content_fingerprint(str(self.path)))
-        if not (exists(self.cache / "tokens") and exists(self.cache / "trained")
-                and (self.cache / "first_trained.npy").is_file()):
-            tokenize_file(self.path, self.template, tokenizer, self.cache)
-        self.tokens = IndexedDataset(self.cache / "tokens")
-        self.trained = IndexedDataset(self.cache / "trained")
+        self.cache, self.tokens, self.trained = tokenized(
+            self.path, "sft", SFT_CACHE_VERSION, self.template, tokenizer, cache_dir,
+            tokenize_file)
         # in the names of packing plans: another part or fraction packs other samples
         self._part_tag = "" if holdout is None else f"-{holdout[0]}{float(holdout[1])}"
         self.rows, self.dropped, self.empty_answers = self._usable_samples(
