@@ -30,9 +30,9 @@ def validate(cfg: "JobConfig", world_size: int = 1, distributed: Optional[bool] 
     if cfg.train.overwrite and cfg.train.resume:
         raise ConfigError("train.overwrite: cannot be combined with train.resume (one starts "
                           "over, the other continues)")
+    _validate_preference(cfg)
     _validate_batch(cfg, world_size)
     _validate_grouping(cfg.data)
-    _validate_preference(cfg)
     _validate_in_backward(cfg, world_size, distributed)
     _validate_lora(cfg.lora)
     if cfg.lora.enabled and cfg.parallel.tp > 1:

@@ -1,0 +1,67 @@
+"""Preference training (DPO) in every layout it runs in equals one process step by step
+(loss, gradient norm and TRL's reward metrics, 1e-5): FSDP2 over two ranks with a full
+weight run's frozen reference copy (sharded like the policy) and with a precomputed
+reference, and LoRA under FSDP2 (the reference: the model with its adapters off). A run
+stopped after step 2 and resumed (train.resume=auto) logs the uninterrupted run's
+losses, in one process and under FSDP2. Tensor and pipeline parallelism are refused in
+one line (test_bad_inputs)."""
+from __future__ import annotations
+
+import pytest
+
+from helpers.preference_data import model_dir, pairs, write_pairs
+from helpers.runs import read_metrics, run_lmforge
+
+pytestmark = pytest.mark.slow
+STEPS = 4
+KEYS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
+        "logps/chosen")
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pref-dist")
+    return model_dir(root), write_pairs(root / "pairs.jsonl", pairs(48))
+
+
+def overrides(inputs, *extra) -> list[str]:
+    model, data = inputs
+    return [f"model.init_from={model}", "data.kind=preference", f"data.path={data}",
+            "data.seq_len=48", "data.micro_batch_size=2", "data.global_batch_size=8",
+            "data.eval_fraction=0", f"train.max_steps={STEPS}", "train.log_every=1",
+            "train.save=false", "optim.lr=1e-3", "optim.warmup_steps=0",
+            "train.device=cpu", "train.sample_tokens=1", "train.deterministic=true", *extra]
+
+
+def _close(got: list[dict], want: list[dict]) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
+    for g, w in zip(got, want):
+        for key in KEYS:
+            assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-6), (g["step"], key)
+
+
+@pytest.mark.parametrize("case,extra", [
+    ("full-live", []),
+    ("full-precomputed", ["train.reference=precomputed"]),
+    ("lora", ["lora.enabled=true", "lora.targets=all-linear", "optim.lr=1e-2"]),
+])
+def test_fsdp2_over_two_ranks_equals_one_process(inputs, tmp_path, case, extra):
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_lmforge(one, overrides(inputs, *extra))
+    run_lmforge(two, overrides(inputs, *extra, "parallel.dp_shard=2"), nproc=2)
+    _close(read_metrics(two), read_metrics(one))
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_preference_run_stopped_and_resumed_logs_the_uninterrupted_losses(inputs, tmp_path,
+                                                                          nproc):
+    layout = ["parallel.dp_shard=2"] if nproc == 2 else []
+    base = overrides(inputs, "train.checkpoint_every=2", "train.save=true",
+                     "train.reference=precomputed", *layout)
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    run_lmforge(straight, base, nproc=nproc)
+    run_lmforge(split, [*base, "train.stop_at_step=2"], nproc=nproc)
+    run_lmforge(split, [*base, "train.resume=auto"], nproc=nproc)
+    got, want = read_metrics(split), read_metrics(straight)
+    assert [(r["loss"], r["grad_norm"]) for r in got] == [(r["loss"], r["grad_norm"])
+                                                          for r in want]
