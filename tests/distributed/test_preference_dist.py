@@ -1,10 +1,11 @@
 """Preference training (DPO) in every layout it runs in equals one process step by step
 (loss, gradient norm and TRL's reward metrics, 1e-5): FSDP2 over two ranks with a full
 weight run's frozen reference copy (sharded like the policy) and with a precomputed
-reference, and LoRA under FSDP2 (the reference: the model with its adapters off). A run
-stopped after step 2 and resumed (train.resume=auto) logs the uninterrupted run's
-losses, in one process and under FSDP2. Tensor and pipeline parallelism are refused in
-one line (test_bad_inputs)."""
+reference, LoRA under FSDP2 (the reference: the model with its adapters off), and tensor
++ sequence parallelism over two ranks (log-probabilities through loss_parallel), packed
+too. A run stopped after step 2 and resumed (train.resume=auto) logs the uninterrupted
+run's losses, in one process and under FSDP2. A pipeline is refused in one line
+(test_bad_inputs): its last stage sees one microbatch's logits at a time."""
 from __future__ import annotations
 
 import pytest
@@ -21,11 +22,12 @@ KEYS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accu
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pref-dist")
-    return model_dir(root), write_pairs(root / "pairs.jsonl", pairs(48))
+    data = write_pairs(root / "pairs.jsonl", pairs(48))
+    return {kind: (model_dir(root, kind), data) for kind in ("chatml", "llama3")}
 
 
-def overrides(inputs, *extra) -> list[str]:
-    model, data = inputs
+def overrides(inputs, *extra, kind: str = "chatml") -> list[str]:
+    model, data = inputs[kind]
     return [f"model.init_from={model}", "data.kind=preference", f"data.path={data}",
             "data.seq_len=48", "data.micro_batch_size=2", "data.global_batch_size=8",
             "data.eval_fraction=0", f"train.max_steps={STEPS}", "train.log_every=1",
@@ -49,6 +51,17 @@ def test_fsdp2_over_two_ranks_equals_one_process(inputs, tmp_path, case, extra):
     one, two = tmp_path / "one", tmp_path / "two"
     run_lmforge(one, overrides(inputs, *extra))
     run_lmforge(two, overrides(inputs, *extra, "parallel.dp_shard=2"), nproc=2)
+    _close(read_metrics(two), read_metrics(one))
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_tensor_and_sequence_parallel_over_two_ranks_equals_one_process(inputs, tmp_path,
+                                                                        pack):
+    extra = [f"data.pack={str(pack).lower()}"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_lmforge(one, overrides(inputs, *extra, kind="llama3"))
+    run_lmforge(two, overrides(inputs, *extra, "parallel.tp=2", "parallel.dp_shard=1",
+                               kind="llama3"), nproc=2)
     _close(read_metrics(two), read_metrics(one))
 
 

@@ -45,6 +45,7 @@ def write_pairs(path: Path, records: list[dict]) -> Path:
     return path
 
 
-def model_dir(root: Path) -> Path:
-    """A tiny random ChatML Llama (transformers-built) with its tokenizer."""
-    return save_model("chatml", root / "model")
+def model_dir(root: Path, kind: str = "chatml") -> Path:
+    """A tiny random Llama (transformers-built) with its tokenizer and chat template:
+    ChatML (tied, one kv head), or llama3 (untied, kv heads that tp=2 divides)."""
+    return save_model(kind, root / f"model-{kind}")

@@ -122,11 +122,11 @@ def _validate_preference(cfg: "JobConfig") -> None:
                           f"use one of {', '.join(PREFERENCE_OBJECTIVES)} (or auto: dpo)")
     if kind != "preference":
         return
-    if cfg.parallel.tp > 1 or cfg.parallel.pp > 1:
-        # per-sequence log-probabilities need each row's whole vocabulary on one rank and
-        # the reference pass beside the policy's: not wired through the tp/pp paths yet
-        raise ConfigError("parallel.tp: preference objectives run with data parallelism / "
-                          "FSDP2 (parallel.tp=1 and parallel.pp=1) for now")
+    if cfg.parallel.pp > 1:
+        # a pipeline's last stage sees one microbatch's logits at a time, while a pair's
+        # loss needs both its sequences and the reference's pass through every stage
+        raise ConfigError("parallel.pp: the preference objectives do not run in a pipeline "
+                          "(use parallel.dp_shard and parallel.tp)")
     if cfg.train.loss_chunk_tokens:
         raise ConfigError("train.loss_chunk_tokens: the preference objectives take each "
                           "sequence's log-probabilities whole; set it to 0")

@@ -83,7 +83,9 @@ def sequence_logps(model: nn.Module, batch: dict, device: torch.device,
     labels = batch["labels"].to(device)
     with autocast():
         logits = model(**model_inputs(batch, device))
-    logps = token_logps(logits, labels)  # (tp > 1 is refused: plain logits here)
+    logps = token_logps(logits, labels)  # (under tp: loss_parallel over the vocabulary)
+    if hasattr(logps, "full_tensor"):  # a DTensor: every tp rank gets every position's
+        logps = logps.full_tensor()
     return pair_logps(logps, labels, batch["slots"].to(device), int(batch["n_pairs"]))
 
 
