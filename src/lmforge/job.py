@@ -54,6 +54,7 @@ class Batch:
     accumulation: int  # data.micro_batch_size micro-batches each rank runs per step
     # pp > 1: the pieces the schedule splits a rank's sequences of a step into (else None)
     pipeline_microbatches: Optional[int] = None
+    sequences_per_sample: int = 1  # a preference pair is two (chosen, rejected)
 
     @property
     def microbatches(self) -> int:
@@ -63,7 +64,7 @@ class Batch:
 
     @property
     def micro_batch(self) -> int:
-        """Sequences in each of those forward passes."""
+        """Samples (pairs) in each of those forward passes."""
         return self.micro_batch_size * self.accumulation // self.microbatches
 
 
@@ -135,7 +136,8 @@ def _batch(cfg: JobConfig, layout: Layout) -> Batch:
     return Batch(seq_len=cfg.data.seq_len, micro_batch_size=cfg.data.micro_batch_size,
                  per_step=samples_per_step(cfg, dp),
                  accumulation=grad_accumulation_steps(cfg, dp),
-                 pipeline_microbatches=pipeline_microbatches(cfg, dp) if layout.pp > 1 else None)
+                 pipeline_microbatches=pipeline_microbatches(cfg, dp) if layout.pp > 1 else None,
+                 sequences_per_sample=2 if cfg.data.kind == "preference" else 1)
 
 
 def _device_type(name: str) -> str:

@@ -7,6 +7,8 @@ import time
 
 from lmforge.cli.common import add_config_arguments, config_and_overrides
 from lmforge.config import ConfigError, config_yaml, load_config
+from lmforge.data.build import build_data
+from lmforge.data.tokenizer import load_tokenizer
 from lmforge.job import resolve
 from lmforge.models.registry import build_model
 from lmforge.parallel.mesh import DistEnv, read_dist_env
@@ -29,8 +31,9 @@ def add_parser(sub) -> None:
                       "the run saves it in config.yaml), then exit")
     look.add_argument("--dry-run", action="store_true",
                       help="check the config as the run would, build the model on the meta "
-                      "device, print its parameter counts and the memory estimate, and exit "
-                      "(nothing is computed or written)")
+                      "device, print its parameter counts, the memory estimate and (SFT, "
+                      "preference) the samples' counts and cuts, and exit (nothing is "
+                      "trained; the run directory is not touched)")
     p.add_argument("--world-size", type=int, default=None, metavar="N",
                    help="with --dry-run: the processes the run will have (default: this "
                    "one's, 1 outside torchrun)")
@@ -80,11 +83,26 @@ def _look_before_running(args) -> int:
         print(f"parameters: {trainable_summary(model)}")
         print(format_table(estimate))
         print(memory.describe(), flush=True)
+        _describe_samples(cfg, env)
     if not memory.fits:  # refused as the run would be: exit 2, one line
         raise ConfigError(refusal(job, memory))
     if env.rank == 0:
-        print("dry run: the config is valid; nothing was computed or written")
+        print("dry run: the config is valid; nothing was trained, the run directory "
+              "was not touched")
     return 0
+
+
+def _describe_samples(cfg, env: DistEnv) -> None:
+    """SFT samples and preference pairs: what the run will train on (counts, cuts and
+    skips), read as the run reads them (the data cache is filled, the run directory is
+    not touched)."""
+    if cfg.data.kind not in ("sft", "preference"):
+        return
+    tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.init_from)
+    data = build_data(cfg, tokenizer, 0, env.world_size)
+    print(f"data: {data.description}; held out: {data.eval_note}")
+    for note in data.notes:
+        print(note)
 
 
 def _leave_without_teardown(code: int) -> None:

@@ -55,9 +55,13 @@ def static_terms(setup: Setup, weights: Weights) -> dict[str, float]:
     """What every phase holds (the steady state, from step 2 on). FSDP2 (zero 2 and 3
     alike) shards parameters and optimizer state over dp_shard."""
     shard = setup.layout.dp_shard
-    return {"weights (trainable)": weights.trainable_bytes / shard,
-            "weights (frozen base)": weights.frozen_bytes / shard,
-            "optimizer states": optimizer_state_bytes(setup, weights)}
+    terms = {"weights (trainable)": weights.trainable_bytes / shard,
+             "weights (frozen base)": weights.frozen_bytes / shard,
+             "optimizer states": optimizer_state_bytes(setup, weights)}
+    if setup.reference == "copy":  # DPO/IPO's frozen reference, stored and sharded alike
+        terms["weights (reference copy)"] = (weights.trainable_bytes
+                                             + weights.frozen_bytes) / shard
+    return terms
 
 
 def optimizer_state_bytes(setup: Setup, weights: Weights) -> float:
@@ -85,6 +89,7 @@ class StageTerms:
     fsdp: FsdpBuffers
     dequantization_scratch: float
     optimizer_temporaries: float
+    reference_pass: bool = False  # a preference run's live reference forward
 
 
 def stage_terms(setup: Setup, weights: Weights, act: Activations, stage: int) -> StageTerms:
@@ -97,18 +102,23 @@ def stage_terms(setup: Setup, weights: Weights, act: Activations, stage: int) ->
         copies=autocast_copies(setup, weights, stage),
         fsdp=fsdp_buffers(setup, weights, grads, stage),
         dequantization_scratch=dequantization_scratch(setup, weights),
-        optimizer_temporaries=optimizer_temporaries(setup, weights))
+        optimizer_temporaries=optimizer_temporaries(setup, weights),
+        reference_pass=bool(setup.reference))
 
 
 def step_phases(t: StageTerms) -> dict[str, dict[str, float]]:
     """Phase -> {term: bytes} at the points of a step where memory peaks (docs/estimate.md,
     "Phases and the peak"); the static terms come on top of each."""
     act, loss_tokens, grads = t.activations, t.loss_tokens, t.gradients
+    head = loss_tokens * (act.logits + act.log_softmax + act.fp32_logits)
     return {
         "forward end": {
             "activations": t.tokens * act.at_forward_end,
+            # DPO/IPO's no-grad reference pass runs after the policy's forward, which by
+            # then keeps only its log-softmax for backward; the pass makes its own logits
             "loss head (logits, log-softmax)":
-                loss_tokens * (act.logits + act.log_softmax + act.fp32_logits),
+                loss_tokens * act.log_softmax if t.reference_pass else head,
+            "reference pass (logits, log-softmax)": head if t.reference_pass else 0.0,
             "autocast weight copies": t.copies.at_forward_end,
             "gradients": grads.accumulated,
             "FSDP unsharded parameters": t.fsdp.params_outside_blocks},
@@ -301,7 +311,9 @@ def format_table(est: MemoryEstimate, device_memory_gib: Optional[float] = None,
     every = t.activation_checkpointing_every
     lines = [
         f"model: {describe_model(s.args)}",
-        f"run: seq {s.batch.seq_len} x micro-batch {s.micro_batch}, {s.compute} compute, "
+        f"run: seq {s.batch.seq_len} x micro-batch {s.micro_batch}"
+        + (f" ({s.micro_batch // 2} pairs)" if s.batch.sequences_per_sample == 2 else "")
+        + f", {s.compute} compute, "
         f"{lora}, {s.cfg.optim.name}, checkpointing {t.activation_checkpointing}"
         + (f" (every {every})" if t.activation_checkpointing == "selective" else "")
         + f", attention {s.attention}",

@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 from lmforge.config import ConfigError
 from lmforge.job import Job, resolve
+from lmforge.models.preference import NEEDS_REFERENCE
 from lmforge.parallel.parallelize import checkpointed_block
 from lmforge.perf.flops import Trainability
 from lmforge.peft.targets import LoraSpec
@@ -56,8 +57,19 @@ class Setup:
 
     @property
     def micro_batch(self) -> int:
-        """Sequences per forward pass (with pp > 1: per pipeline microbatch)."""
-        return self.micro_batch_override or self.job.batch.micro_batch
+        """Sequences per forward pass (with pp > 1: per pipeline microbatch; a preference
+        pair is two, its packed row of 2 x seq_len positions alike)."""
+        samples = self.micro_batch_override or self.job.batch.micro_batch
+        return samples * self.job.batch.sequences_per_sample
+
+    @property
+    def reference(self) -> str:
+        """What a preference run's reference costs: "copy" (a frozen copy of the weights
+        and a no-grad pass), "pass" (LoRA: the same weights, a no-grad pass), or "" (none
+        during training: precomputed, or an objective without one)."""
+        if self.job.objective not in NEEDS_REFERENCE or self.cfg.train.reference != "live":
+            return ""
+        return "pass" if self.lora is not None else "copy"
 
     @property
     def lora(self) -> Optional[LoraSpec]:

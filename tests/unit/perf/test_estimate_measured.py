@@ -9,6 +9,7 @@ and TensorMemoryTracker records the peak of live tensor storage over the second 
 first creates the optimizer state). The estimate of the same quantity (peak allocated,
 without the framework overhead) must fall within +-15% (docs/estimate.md)."""
 import contextlib
+import copy
 import dataclasses
 import functools
 
@@ -16,7 +17,9 @@ import pytest
 import torch
 
 from helpers.tiny_models import tiny_llama_args
+from lmforge import IGNORE_INDEX
 from lmforge.config import JobConfig
+from lmforge.models.preference import PreferenceParams
 from lmforge.models.common import materialize
 from lmforge.models.gemma3.model import Gemma3Args
 from lmforge.models.phi3.model import Phi3Args
@@ -31,6 +34,8 @@ from lmforge.peft.targets import LoraSpec
 from lmforge.train.optim import Optimizers
 from lmforge.train.precision import LossScaler
 from lmforge.train.model_setup import frozen_linears_to_bf16
+from lmforge.train.objectives import NEXT_TOKEN
+from lmforge.train.preference import Preference
 from lmforge.train.step import accumulate_gradients
 
 TOLERANCE = 0.15
@@ -56,13 +61,15 @@ def measure_step(lora: bool, ckpt: bool, micro_batch: int, bf16: bool = False,
                  quantize=None, dropout: float = 0.0, targets=("q_proj", "v_proj"),
                  loss_chunk: int = 0, vocab: int = ARGS.vocab_size, low_memory: bool = False,
                  family: str = "llama", fp16: bool = False, every: int = 2,
-                 layers: int = 2):
+                 layers: int = 2, dpo: bool = False):
     """(measured peak bytes of step 2, the Setup describing the same run). ``ckpt``:
     True (full), False (none) or "selective", which checkpoints blocks 0, ``every``, ...
     as the trainer does; ``low_memory``: bf16 weights, adamw_bf16, the step fused into
     backward (the trainer's low-memory path); ``family``: which tiny model of TINY, with
     ``layers`` blocks; ``fp16``: fp16 autocast with the loss scaler the trainer uses
-    (frozen weights stay fp32)."""
+    (frozen weights stay fp32); ``dpo``: ``micro_batch`` preference pairs (two rows each,
+    labels on their last three quarters) with DPO's live reference, the adapters-off
+    model under LoRA, else a frozen copy of the weights (tracked too)."""
     mode = ckpt if isinstance(ckpt, str) else "full" if ckpt else "none"
     args = dataclasses.replace(TINY[family], vocab_size=vocab, n_layers=layers)
     torch.manual_seed(0)
@@ -90,13 +97,24 @@ def measure_step(lora: bool, ckpt: bool, micro_batch: int, bf16: bool = False,
     half = torch.bfloat16 if bf16 else torch.float16 if fp16 else None
     autocast = (functools.partial(torch.autocast, "cpu", dtype=half) if half
                 else contextlib.nullcontext)
-    ids = torch.randint(0, vocab, (micro_batch, SEQ))
+    ids = torch.randint(0, vocab, (micro_batch * (2 if dpo else 1), SEQ))
     batch = {"input_ids": ids, "labels": ids.clone()}
+    objective, reference = NEXT_TOKEN, []
+    if dpo:
+        cfg.data.kind, cfg.data.path = "preference", "pairs.jsonl"
+        batch["labels"][:, :SEQ // 4] = IGNORE_INDEX  # the prompts
+        batch["slots"] = torch.arange(len(ids))[:, None].expand(-1, SEQ).clone()
+        batch["n_pairs"] = micro_batch
+        copy_ = None if lora else copy.deepcopy(model).requires_grad_(False)
+        reference = [] if lora else list(copy_.parameters())
+        objective = Preference("dpo", PreferenceParams(), "adapters_off" if lora else "model",
+                               copy_)
     params = [p for p in model.parameters() if p.requires_grad]
 
     def step():
         accumulate_gradients(model, [batch], torch.device("cpu"), autocast,
-                             loss_chunk_tokens=loss_chunk, loss_scale=optimizers.scaler.scale)
+                             loss_chunk_tokens=loss_chunk, loss_scale=optimizers.scaler.scale,
+                             objective=objective)
         optimizers.scaler.unscale(optimizers.optimizers)  # (a no-op without fp16)
         if not low_memory:  # (low memory: each parameter was stepped in backward)
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -105,7 +123,7 @@ def measure_step(lora: bool, ckpt: bool, micro_batch: int, bf16: bool = False,
 
     step()  # creates the optimizer state
     tracker = TensorMemoryTracker()
-    tracker.track(list(model.parameters()) + [ids, batch["labels"]])
+    tracker.track(list(model.parameters()) + reference + [ids, batch["labels"]])
     tracker.track(t for state in optimizer.state.values() for t in state.values())
     with tracker:
         step()
@@ -167,7 +185,14 @@ NEW_FAMILIES = [dict(family=family, lora=lora, ckpt=ckpt, micro_batch=4, bf16=bf
                                          (True, True, False))]
 
 
-@pytest.mark.parametrize("case", MATRIX + EXTRA + GPTJ + SELECTIVE + QWEN3 + NEW_FAMILIES,
+# DPO: two rows per pair, and the live reference: a LoRA run's adapters-off pass, or a
+# full-weight run's frozen copy of the weights and its pass
+DPO = [dict(lora=lora, ckpt=ckpt, micro_batch=2, dpo=True, bf16=bf16)
+       for lora, ckpt, bf16 in ((False, False, False), (True, False, False),
+                                (True, True, True), (False, True, False))]
+
+
+@pytest.mark.parametrize("case", MATRIX + EXTRA + GPTJ + SELECTIVE + QWEN3 + NEW_FAMILIES + DPO,
                          ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_estimate_within_15_percent_of_measured_peak(case):
     measured, setup = measure_step(**case)
