@@ -13,10 +13,14 @@ from pathlib import Path
 
 from lmforge import fsio
 from lmforge.cli.common import DEVICES
-from lmforge.config import resolve_device
+from lmforge.config import PREFERENCE_OBJECTIVES, resolve_device
+from lmforge.data.preference import PreferenceDataset
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.eval.evaluate import eval_batches_for, evaluate, limit_tokens
+from lmforge.eval.preference import evaluate_pairs
 from lmforge.models.hf import load_hf_model, read_model_args
+from lmforge.models.preference import NEEDS_REFERENCE, PreferenceParams
+from lmforge.peft.adapters import load_adapter
 
 PROGRESS_EVERY_S = 30.0  # without a terminal: how often a progress line is written
 
@@ -41,6 +45,25 @@ def add_parser(sub) -> None:
                    help="also write the JSON result to this file (default: stdout only)")
     p.add_argument("--device", default="auto", choices=DEVICES,
                    help="where to run (auto: a GPU when there is one)")
+    pairs = p.add_argument_group(
+        "preference pairs", "with --objective, --data is a JSON Lines file of preference "
+        "records (as data.kind=preference reads them) and the result is the objective's mean "
+        "loss and TRL's metrics (rewards/chosen, rewards/margins, rewards/accuracies, ...)")
+    pairs.add_argument("--objective", default=None, choices=PREFERENCE_OBJECTIVES,
+                       help="score pairs with this preference loss")
+    pairs.add_argument("--adapter", default=None,
+                       help="PEFT adapter directory on --model (its base is the reference "
+                       "when no --reference is given)")
+    pairs.add_argument("--reference", default=None,
+                       help="reference model directory (dpo, ipo)")
+    pairs.add_argument("--template", default="auto", help="chat template (data.template)")
+    pairs.add_argument("--max-prompt-len", type=int, default=None,
+                       help="a longer prompt keeps its last tokens (data.max_prompt_len)")
+    pairs.add_argument("--beta", type=float, default=0.1, help="train.beta")
+    pairs.add_argument("--label-smoothing", type=float, default=0.0,
+                       help="train.label_smoothing")
+    pairs.add_argument("--simpo-gamma", type=float, default=0.5, help="train.simpo_gamma")
+    pairs.add_argument("--orpo-lambda", type=float, default=0.1, help="train.orpo_lambda")
     p.set_defaults(func=_eval)
 
 
@@ -54,6 +77,8 @@ def _eval(args) -> int:
         fsio.check_writable(output, "--output")  # before the evaluation, not after it
     seq_len = _seq_len(args.model, args.seq_len)
     device = resolve_device(args.device, "--device")
+    if args.objective:
+        return _eval_pairs(args, seq_len, device, output)
     _status(f"loading {args.model} on {device}")
     model = load_hf_model(args.model, device=device)
     tokenizer = load_tokenizer(args.model)
@@ -67,6 +92,40 @@ def _eval(args) -> int:
     result = {"model": str(args.model), "data": [str(d) for d in args.data],
               "seq_len": seq_len, "tokens": tokens, "loss": loss,
               "perplexity": math.exp(loss)}
+    print(json.dumps(result, indent=2))
+    if output is not None:
+        output.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def _eval_pairs(args, seq_len: int, device, output) -> int:
+    """``--objective``: the preference loss and TRL's metrics of --model (+ --adapter)
+    on the pairs of --data."""
+    if len(args.data) != 1:
+        raise ValueError("--data: preference pairs come in one .jsonl file")
+    if args.beta <= 0 or not 0 <= args.label_smoothing < 0.5:
+        raise ValueError("--beta must be > 0 and --label-smoothing in [0, 0.5)")
+    if args.objective in NEEDS_REFERENCE and not (args.reference or args.adapter):
+        raise ValueError(f"--reference: {args.objective} compares with a reference model: "
+                         f"give one, or an --adapter whose base model is the reference")
+    _status(f"loading {args.model} on {device}")
+    model = load_hf_model(args.model, device=device)
+    if args.adapter:
+        load_adapter(model, args.adapter)
+        model.to(device)
+    reference = load_hf_model(args.reference, device=device) if args.reference else None
+    tokenizer = load_tokenizer(args.model)
+    pairs = PreferenceDataset(args.data[0], tokenizer, args.template, seq_len,
+                              args.max_prompt_len)
+    rows = pairs.rows.tolist()
+    batches = (pairs.pair_batch(rows[i:i + args.batch_size])
+               for i in range(0, len(rows), args.batch_size))
+    params = PreferenceParams(args.beta, args.label_smoothing, args.simpo_gamma,
+                              args.orpo_lambda)
+    _status(f"scoring {len(rows):,} pairs of {args.data[0]} with {args.objective}")
+    result = {"model": str(args.model), "adapter": args.adapter, "reference": args.reference,
+              "data": str(args.data[0]), "objective": args.objective, "seq_len": seq_len,
+              **evaluate_pairs(model, batches, device, args.objective, params, reference)}
     print(json.dumps(result, indent=2))
     if output is not None:
         output.write_text(json.dumps(result, indent=2) + "\n")

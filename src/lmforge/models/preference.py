@@ -14,16 +14,22 @@ token counts, sigma the logistic function.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from lmforge import IGNORE_INDEX
 from lmforge.config import PREFERENCE_OBJECTIVES
+from lmforge.models.loss import model_inputs
 
 NEEDS_REFERENCE = ("dpo", "ipo")  # the objectives that compare with a reference model
+# TRL's metric names (ORPO adds nll_loss)
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
+           "logps/chosen", "logps/rejected")
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,18 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """log p(label) at each position, in fp32 (0 where there is no label)."""
     return -F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(),
                             ignore_index=IGNORE_INDEX, reduction="none").view(labels.shape)
+
+
+def sequence_logps(model: nn.Module, batch: dict, device: torch.device,
+                   autocast=contextlib.nullcontext) -> PairLogps:
+    """The model's summed log-probabilities of each of the batch's 2n completions."""
+    labels = batch["labels"].to(device)
+    with autocast():
+        logits = model(**model_inputs(batch, device))
+    logps = token_logps(logits, labels)  # (under tp: loss_parallel over the vocabulary)
+    if hasattr(logps, "full_tensor"):  # a DTensor: every tp rank gets every position's
+        logps = logps.full_tensor()
+    return pair_logps(logps, labels, batch["slots"].to(device), int(batch["n_pairs"]))
 
 
 def pair_logps(logps: torch.Tensor, labels: torch.Tensor, slots: torch.Tensor,

@@ -22,13 +22,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from lmforge.models.loss import model_inputs
 from lmforge.models.preference import (NEEDS_REFERENCE, PairLogps, PreferenceParams,
-                                       pair_logps, preference_loss, token_logps)
+                                       preference_loss, sequence_logps)
 from lmforge.peft.lora import adapters_disabled
-
-METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
-           "logps/chosen", "logps/rejected")
 
 
 @dataclass(eq=False)
@@ -75,18 +71,6 @@ class Preference:
 
     def held_out(self, tm, batches, device: torch.device, autocast) -> dict[str, float]:
         return held_out_pairs(self, tm, batches, device, autocast)
-
-
-def sequence_logps(model: nn.Module, batch: dict, device: torch.device,
-                   autocast=contextlib.nullcontext) -> PairLogps:
-    """The model's summed log-probabilities of each of the batch's 2n completions."""
-    labels = batch["labels"].to(device)
-    with autocast():
-        logits = model(**model_inputs(batch, device))
-    logps = token_logps(logits, labels)  # (under tp: loss_parallel over the vocabulary)
-    if hasattr(logps, "full_tensor"):  # a DTensor: every tp rank gets every position's
-        logps = logps.full_tensor()
-    return pair_logps(logps, labels, batch["slots"].to(device), int(batch["n_pairs"]))
 
 
 def stored_logps(batch: dict, device: torch.device) -> PairLogps:

@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from lmforge.fsio import atomic_file
 from lmforge.train.model_setup import TrainModel, build_train_model
-from lmforge.train.preference import Preference, sequence_logps
+from lmforge.models.preference import sequence_logps
+from lmforge.train.preference import Preference
 
 REFERENCE_DIR = "reference"
 

@@ -17,7 +17,8 @@ from lmforge.models.hf import load_hf_model
 from lmforge.models.preference import PreferenceParams
 from lmforge.peft import apply_lora, lora_layers
 from lmforge.train.loop import train
-from lmforge.train.preference import Preference, sequence_logps
+from lmforge.models.preference import sequence_logps
+from lmforge.train.preference import Preference
 from lmforge.train.step import accumulate_gradients
 
 CPU = torch.device("cpu")

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from helpers.hf_models import random_hf_causal_lm
 from lmforge import IGNORE_INDEX
 from lmforge.models.hf import load_hf_model
-from lmforge.models.preference import PairLogps, PreferenceParams, preference_loss
-from lmforge.train.preference import METRICS, sequence_logps
+from lmforge.models.preference import (METRICS, PairLogps, PreferenceParams, preference_loss,
+                                       sequence_logps)
 
 trl = pytest.importorskip("trl")
 pytest.importorskip("datasets")
