@@ -127,6 +127,3 @@ def _validate_preference(cfg: "JobConfig") -> None:
         # loss needs both its sequences and the reference's pass through every stage
         raise ConfigError("parallel.pp: the preference objectives do not run in a pipeline "
                           "(use parallel.dp_shard and parallel.tp)")
-    if cfg.train.loss_chunk_tokens:
-        raise ConfigError("train.loss_chunk_tokens: the preference objectives take each "
-                          "sequence's log-probabilities whole; set it to 0")

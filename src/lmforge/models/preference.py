@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from lmforge import IGNORE_INDEX
 from lmforge.config import PREFERENCE_OBJECTIVES
@@ -58,15 +59,44 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def sequence_logps(model: nn.Module, batch: dict, device: torch.device,
-                   autocast=contextlib.nullcontext) -> PairLogps:
-    """The model's summed log-probabilities of each of the batch's 2n completions."""
+                   autocast=contextlib.nullcontext, chunk_tokens: int = 0) -> PairLogps:
+    """The model's summed log-probabilities of each of the batch's 2n completions.
+    ``chunk_tokens`` (train.loss_chunk_tokens): the output layer runs that many tokens at
+    a time, each chunk's logits recomputed in backward (``chunked_token_logps``)."""
     labels = batch["labels"].to(device)
-    with autocast():
-        logits = model(**model_inputs(batch, device))
-    logps = token_logps(logits, labels)  # (under tp: loss_parallel over the vocabulary)
+    if chunk_tokens:
+        with autocast():
+            hidden = model(**model_inputs(batch, device), head=False)
+        logps = chunked_token_logps(model.output, hidden, labels, chunk_tokens, autocast)
+    else:
+        with autocast():
+            logits = model(**model_inputs(batch, device))
+        logps = token_logps(logits, labels)  # (under tp: loss_parallel over the vocabulary)
     if hasattr(logps, "full_tensor"):  # a DTensor: every tp rank gets every position's
         logps = logps.full_tensor()
     return pair_logps(logps, labels, batch["slots"].to(device), int(batch["n_pairs"]))
+
+
+def chunked_token_logps(output: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
+                        chunk_tokens: int, autocast=contextlib.nullcontext) -> torch.Tensor:
+    """``token_logps(output(hidden), labels)`` without the whole batch's logits at once:
+    ``chunk_tokens`` positions at a time, each chunk under activation checkpointing when
+    it needs a gradient (its logits and softmax are recomputed in backward)."""
+    flat_hidden, flat_labels = hidden.flatten(0, -2), labels.flatten()
+
+    def chunk_logps(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with autocast():
+            logits = output(h)
+        return token_logps(logits, y)
+
+    parts = []
+    for start in range(0, flat_hidden.shape[0], chunk_tokens):
+        h, y = flat_hidden[start:start + chunk_tokens], flat_labels[start:start + chunk_tokens]
+        if torch.is_grad_enabled():
+            parts.append(checkpoint(chunk_logps, h, y, use_reentrant=False))
+        else:
+            parts.append(chunk_logps(h, y))
+    return torch.cat(parts).view(labels.shape)
 
 
 def pair_logps(logps: torch.Tensor, labels: torch.Tensor, slots: torch.Tensor,

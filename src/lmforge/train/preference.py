@@ -45,8 +45,8 @@ class Preference:
                  stats: Optional[dict] = None) -> torch.Tensor:
         """The sum over the batch's pairs of their losses; ``stats`` (when given) gains
         the sums of TRL's metrics over them."""
-        policy = sequence_logps(model, batch, device, autocast)
-        reference = self.reference_logps(model, batch, device, autocast)
+        policy = sequence_logps(model, batch, device, autocast, loss_chunk_tokens)
+        reference = self.reference_logps(model, batch, device, autocast, loss_chunk_tokens)
         loss, metrics = preference_loss(self.name, policy, reference, self.params)
         if stats is not None:
             add_sums(stats, metrics)
@@ -54,16 +54,17 @@ class Preference:
 
     @torch.no_grad()
     def reference_logps(self, model: nn.Module, batch: dict, device: torch.device,
-                        autocast=contextlib.nullcontext) -> Optional[PairLogps]:
+                        autocast=contextlib.nullcontext,
+                        chunk_tokens: int = 0) -> Optional[PairLogps]:
         if self.name not in NEEDS_REFERENCE:
             return None
         if self.reference == "batch":
             return stored_logps(batch, device)
         if self.reference == "adapters_off":
             with adapters_disabled(model):
-                return sequence_logps(model, batch, device, autocast)
+                return sequence_logps(model, batch, device, autocast, chunk_tokens)
         if self.reference == "model":
-            return sequence_logps(self.reference_model, batch, device, autocast)
+            return sequence_logps(self.reference_model, batch, device, autocast, chunk_tokens)
         raise ValueError(f"{self.name}: no reference log-probabilities ({self.reference!r})")
 
     def stage_loss_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

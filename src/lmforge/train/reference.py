@@ -88,7 +88,8 @@ def _score(tm: TrainModel, dataset, loader, device, autocast) -> np.ndarray:
     for step in range(steps):
         index = step * world + rank
         chunk = chunks[min(index, len(chunks) - 1)]
-        logps = sequence_logps(model, dataset.pair_batch(chunk.tolist()), device, autocast)
+        logps = sequence_logps(model, dataset.pair_batch(chunk.tolist()), device, autocast,
+                               tm.loss_chunk_tokens)
         if index < len(chunks):
             values[torch.as_tensor(chunk, device=device), 0] = logps.chosen.double()
             values[torch.as_tensor(chunk, device=device), 1] = logps.rejected.double()

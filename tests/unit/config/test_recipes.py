@@ -47,7 +47,7 @@ def test_recipe_header_command_sets_its_keys_and_validates(path, tmp_path):
     for key, value in overrides:  # each key of the documented command exists and lands
         section, name = key.split(".")
         assert str(getattr(getattr(cfg, section), name)) == value, key
-    if cfg.data.kind in ("pretrain", "sft", "text") and not cfg.data.path:
+    if cfg.data.kind in ("pretrain", "sft", "text", "preference") and not cfg.data.path:
         cfg.data.path = str(tmp_path / "data")
     if cfg.model.init_from is not None:  # shapes come from config.json at run time
         cfg.model.init_from, cfg.model.preset = str(tmp_path), "llama2-7b"

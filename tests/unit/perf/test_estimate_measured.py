@@ -190,6 +190,10 @@ NEW_FAMILIES = [dict(family=family, lora=lora, ckpt=ckpt, micro_batch=4, bf16=bf
 DPO = [dict(lora=lora, ckpt=ckpt, micro_batch=2, dpo=True, bf16=bf16)
        for lora, ckpt, bf16 in ((False, False, False), (True, False, False),
                                 (True, True, True), (False, True, False))]
+# a vocabulary large enough for the logits (the policy's and the reference pass's) to
+# dominate, whole and a chunk at a time
+DPO += [dict(lora=True, ckpt=True, micro_batch=2, dpo=True, vocab=8192, loss_chunk=chunk)
+        for chunk in (0, 32)]
 
 
 @pytest.mark.parametrize("case", MATRIX + EXTRA + GPTJ + SELECTIVE + QWEN3 + NEW_FAMILIES + DPO,

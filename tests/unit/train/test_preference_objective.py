@@ -59,6 +59,23 @@ def test_packed_pairs_give_the_unpacked_loss_and_gradients(setup, name):
         torch.testing.assert_close(g_packed, g_plain, rtol=1e-5, atol=2e-6)
 
 
+def test_chunked_log_probabilities_give_the_whole_batchs_loss_and_gradients(setup):
+    plain, _ = _datasets(setup)
+    batch = plain.pair_batch([0, 2, 7])
+    policy = load_hf_model(setup[0])
+    objective = Preference("dpo", PreferenceParams(beta=0.2), "model",
+                           copy.deepcopy(policy).requires_grad_(False))
+    grads, losses = [], []
+    for chunk in (0, 16):
+        policy.zero_grad()
+        losses.append(accumulate_gradients(policy, [batch], CPU, objective=objective,
+                                           loss_chunk_tokens=chunk))
+        grads.append([p.grad.clone() for p in policy.parameters()])
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=1e-6)
+    for whole, chunked in zip(*grads):
+        torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=2e-6)
+
+
 def test_the_lora_reference_is_the_base_model_with_no_second_copy(setup):
     plain, _ = _datasets(setup)
     batch = plain.pair_batch([0, 3, 5])
