@@ -9,6 +9,7 @@ from lmforge.config import load_config, resolve_layout
 from lmforge.models.llama import build_llama
 from lmforge.models.presets import PRESETS, validate_job
 from lmforge.peft.lora import apply_lora, is_lora_param
+from lmforge.perf.estimate_setup import setup_from_config
 
 CONFIGS_DIR = Path(__file__).resolve().parents[3] / "configs"
 CONFIGS = sorted(CONFIGS_DIR.glob("*.yaml"))
@@ -58,7 +59,20 @@ def test_the_documented_recipes_exist():
     names = {p.name for p in CONFIGS}
     assert {"tiny-cpu.yaml", "llama2-7b-lora.yaml", "llama2-7b-qlora.yaml",
             "llama2-7b-cpt.yaml", "tiny-dialogsum-base.yaml",
-            "tiny-dialogsum-lora.yaml"} <= names
+            "tiny-dialogsum-lora.yaml", "llama3-8b-dpo-lora.yaml",
+            "llama3-8b-dpo-8gpu.yaml"} <= names
+
+
+@pytest.mark.parametrize("name,reference", [("llama3-8b-dpo-lora.yaml", "pass"),
+                                            ("llama3-8b-dpo-8gpu.yaml", "")])
+def test_dpo_recipes_estimate_their_reference_as_their_headers_say(name, reference):
+    """The LoRA recipe's reference is its adapters-off pass (no copy); the 8-GPU one's is
+    precomputed (nothing during the run)."""
+    cfg = load_config(CONFIGS_DIR / name, ["model.init_from=null", "model.preset=llama3-8b",
+                                            "model.vocab_size=128256", "data.path=pairs.jsonl"])
+    setup = setup_from_config(cfg, device="cuda", world_size=8 if "8gpu" in name else 1)
+    assert setup.reference == reference and setup.job.objective == "dpo"
+    assert setup.micro_batch == 2 * cfg.data.micro_batch_size  # two sequences per pair
 
 
 def test_tiny_cpu_recipe_is_the_embedded_demo():
