@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import pytest
 
+import os
+import signal
+
 from helpers.preference_data import model_dir, pairs, write_pairs
-from helpers.runs import read_metrics, run_lmforge
+from helpers.runs import await_pid, read_metrics, run_lmforge
 
 pytestmark = pytest.mark.slow
 STEPS = 4
@@ -78,3 +81,27 @@ def test_a_preference_run_stopped_and_resumed_logs_the_uninterrupted_losses(inpu
     got, want = read_metrics(split), read_metrics(straight)
     assert [(r["loss"], r["grad_norm"]) for r in got] == [(r["loss"], r["grad_norm"])
                                                           for r in want]
+
+
+def test_a_preference_run_killed_mid_run_and_requeued_logs_the_uninterrupted_losses(
+        inputs, tmp_path):
+    """kill -9 after step 3 (the step-2 checkpoint committed): step 3 is lost, and the
+    requeued run (train.resume=auto) continues from step 2 with the uninterrupted losses;
+    the precomputed reference is read back, not scored again with trained weights."""
+    base = overrides(inputs, "train.checkpoint_every=2", "train.save=true",
+                     "train.reference=precomputed")
+    straight, out, ready = tmp_path / "straight", tmp_path / "run", tmp_path / "at-step-3"
+    run_lmforge(straight, base)
+    proc = run_lmforge(out, base, fault="await_stop:3", background=True,
+                       env={"LMFORGE_TEST_SIGNAL": str(ready)})
+    os.kill(await_pid(ready, proc), signal.SIGKILL)
+    proc.communicate(timeout=300)
+    assert proc.returncode == -9
+    stored = sorted((out / "reference").iterdir())
+    mtimes = [p.stat().st_mtime_ns for p in stored]
+    requeued = run_lmforge(out, [*base, "train.resume=auto"])
+    assert f"resumed from {out / 'checkpoints' / 'step-0000002'}" in requeued.stdout
+    assert [p.stat().st_mtime_ns for p in sorted((out / "reference").iterdir())] == mtimes
+    got, want = read_metrics(out), read_metrics(straight)
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in got] == [
+        (r["step"], r["loss"], r["grad_norm"]) for r in want]

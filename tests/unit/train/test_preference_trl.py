@@ -9,6 +9,8 @@ How the comparison is made:
   its metrics are what it logs (``_metrics["train"]``).
 - SimPO: TRL's ``CPOTrainer`` functions with ``loss_type="simpo"`` and ``cpo_alpha=0``
   (pure SimPO): ``get_batch_logps`` (averaged) on transformers' logits, then ``cpo_loss``.
+- 3 optimizer steps: the same AdamW (lr 1e-2) on transformers' model through TRL's loss
+  and on ours through lmforge's, each step's loss compared.
 - ORPO: TRL's ``ORPOTrainer.get_batch_logps`` and ``odds_ratio_loss``; its NLL term is
   compared per pair, each chosen completion's mean token loss (TRL averages it over all
   the chosen tokens of a micro-batch, and over the prompt too: ours follows the paper's
@@ -23,7 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers.hf_models import random_hf_causal_lm
+from helpers.hf_models import load_reference, random_hf_causal_lm
 from lmforge import IGNORE_INDEX
 from lmforge.models.hf import load_hf_model
 from lmforge.models.preference import (METRICS, PairLogps, PreferenceParams, preference_loss,
@@ -38,12 +40,17 @@ PARAMS = PreferenceParams(beta=0.3, gamma=0.4, lam=0.2)
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """(transformers' model, ours loaded from its directory)."""
-    hf = random_hf_causal_lm("llama", seed=4).float()
+def model_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("pref-model")
-    hf.save_pretrained(path)
-    return hf, load_hf_model(path)
+    random_hf_causal_lm("llama", seed=4).float().save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def models(model_path):
+    """(transformers' model, ours), both loaded from the same directory, fresh per test
+    (TRL's trainer changes the model it is given)."""
+    return load_reference(model_path).requires_grad_(True), load_hf_model(model_path)
 
 
 def rows(vocab: int):
@@ -116,15 +123,40 @@ def test_dpo_and_ipo_equal_trls_trainer_loss_and_metrics(models, tmp_path, objec
                                                             rel=1e-5), name
 
 
-def test_dpo_losses_stay_equal_to_trls_over_three_adamw_steps(models, tmp_path):
-    hf, ours_model = copy.deepcopy(models[0]), copy.deepcopy(models[1])
+def _trl_reference_free(objective: str, hf, theirs) -> torch.Tensor:
+    """TRL's SimPO (CPOTrainer) or ORPO (ORPOTrainer, NLL per pair) loss, with grad."""
+    from trl.experimental.cpo import CPOTrainer
+    from trl.experimental.orpo import ORPOTrainer
+
+    logits = hf(input_ids=theirs["input_ids"], attention_mask=theirs["attention_mask"]).logits
+    labels, n = _their_labels(theirs), len(PROMPTS)
+    avg = CPOTrainer.get_batch_logps(logits, labels, average_log_prob=True)
+    device = types.SimpleNamespace(device=CPU)
+    if objective == "simpo":
+        fake = types.SimpleNamespace(alpha=0.0, loss_type="simpo", simpo_gamma=PARAMS.gamma,
+                                     beta=PARAMS.beta, label_smoothing=0.0, accelerator=device)
+        return CPOTrainer.cpo_loss(fake, avg[:n], avg[n:])[0].mean()
+    fake = types.SimpleNamespace(beta=PARAMS.lam, accelerator=device)
+    ratio = ORPOTrainer.odds_ratio_loss(fake, avg[:n], avg[n:])[0]
+    nll = torch.stack([F.cross_entropy(logits[i, :-1], labels[i, 1:]) for i in range(n)])
+    return (nll - ratio).mean()
+
+
+@pytest.mark.parametrize("objective", ["dpo", "ipo", "simpo", "orpo"])
+def test_losses_stay_equal_to_trls_over_three_adamw_steps(models, tmp_path, objective):
+    hf, ours_model = models
     ours, theirs = rows(hf.config.vocab_size)
-    trainer = dpo_trainer(hf, "sigmoid", tmp_path)
+    trainer = (dpo_trainer(hf, "sigmoid" if objective == "dpo" else "ipo", tmp_path)
+               if objective in ("dpo", "ipo") else None)
     opt_theirs = torch.optim.AdamW(hf.parameters(), lr=1e-2, weight_decay=0.0)
     opt_ours = torch.optim.AdamW(ours_model.parameters(), lr=1e-2, weight_decay=0.0)
     for _ in range(3):
-        their_loss, _ = trl_dpo(trainer, hf, theirs)
-        loss, _ = preference_loss("dpo", sequence_logps(ours_model, ours, CPU), REF, PARAMS)
+        hf.train()
+        their_loss = (trl_dpo(trainer, hf, theirs)[0] if trainer is not None else
+                      _trl_reference_free(objective, hf, theirs))
+        reference = REF if trainer is not None else None
+        loss, _ = preference_loss(objective, sequence_logps(ours_model, ours, CPU), reference,
+                                  PARAMS)
         loss = loss.mean()
         assert float(loss) == pytest.approx(float(their_loss), abs=1e-4, rel=1e-4)
         for opt, value in ((opt_theirs, their_loss), (opt_ours, loss)):
