@@ -210,13 +210,6 @@ class PreferenceDataset(PlannedRows):
                           f"for no completion token within data.seq_len", stacklevel=3)
 
     @property
-    def num_samples(self) -> int:
-        return len(self.rows)
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    @property
     def num_tokens(self) -> int:
         return int(self._kept[self.rows].sum())
 

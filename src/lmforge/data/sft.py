@@ -261,13 +261,6 @@ class SFTDataset(PlannedRows):
         return usable, dropped, empty
 
     @property
-    def num_samples(self) -> int:
-        return len(self.rows)
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    @property
     def num_tokens(self) -> int:
         """Tokens of this part's samples as its rows hold them (each cut to seq_len + 1)."""
         return int((self.sizes[self.rows] + 1).sum())

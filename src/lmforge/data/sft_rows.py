@@ -118,6 +118,14 @@ class PlannedRows(RowDataset):
     pack: bool
     rows: np.ndarray
 
+    @property
+    def num_samples(self) -> int:
+        """The usable samples (pairs) of this part."""
+        return len(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
     def _start_stream(self) -> None:
         self._epoch_starts = [0]  # global index of each epoch's first row
         self._epochs = RecentCache(2)
