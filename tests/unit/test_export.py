@@ -109,7 +109,7 @@ def test_cli_export_writes_hf_and_refuses_bad_requests_in_one_line(tmp_path, cap
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
         export_checkpoint(tmp_path / "nothing-here", tmp_path / "x")
     with pytest.raises(SystemExit):
-        parser.parse_args(["export", str(path), str(tmp_path / "x"), "--format", "gguf"])
+        parser.parse_args(["export", str(path), str(tmp_path / "x"), "--format", "onnx"])
 
 
 def test_lora_checkpoint_exports_merged_with_the_same_logits_and_peft(tmp_path):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from lmforge.export import EXPORT_DTYPES, FORMATS, export_checkpoint
+from lmforge.export.gguf import GGUF_DTYPES, export_gguf_from
 
 
 def add_parser(subparsers) -> None:
@@ -9,14 +10,19 @@ def add_parser(subparsers) -> None:
         "export", help="export a checkpoint to Hugging Face / PEFT format",
         description="Convert a training checkpoint (a checkpoints/step-NNNNNNN directory, "
         "or a run directory: its newest checkpoint) to a Hugging Face model directory "
-        "(hf), a PEFT adapter (peft) or a model with LoRA merged in (merged). Runs "
-        "offline in one process, whatever the layout the checkpoint was saved on.")
+        "(hf), a PEFT adapter (peft), a model with LoRA merged in (merged), or one GGUF "
+        "file for llama.cpp and Ollama (gguf; from a Hugging Face model directory too). "
+        "Runs offline in one process, whatever the layout the checkpoint was saved on.")
     p.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR",
-                   help="checkpoints/step-NNNNNNN, or a run directory (its newest)")
-    p.add_argument("out_dir", metavar="OUT_DIR", help="directory to write")
-    p.add_argument("--format", dest="fmt", choices=FORMATS, default="hf",
+                   help="checkpoints/step-NNNNNNN, or a run directory (its newest); with "
+                   "--format gguf also a Hugging Face model directory")
+    p.add_argument("out_dir", metavar="OUT", help="directory to write (gguf: the file)")
+    p.add_argument("--format", dest="fmt", choices=(*FORMATS, "gguf"), default="hf",
                    help="hf: the whole model; peft: the LoRA adapter only; merged: the model "
-                   "with the adapter added into its weights")
+                   "with the adapter added into its weights; gguf: one file for llama.cpp "
+                   "(LoRA merged in)")
+    p.add_argument("--gguf-dtype", choices=GGUF_DTYPES, default="f16",
+                   help="gguf: the matrices' type (vectors stay f32)")
     p.add_argument("--tokenizer", metavar="DIR", default=None,
                    help="tokenizer directory (default: the run's tokenizer/)")
     p.add_argument("--dtype", choices=tuple(EXPORT_DTYPES), default=None,
@@ -25,6 +31,11 @@ def add_parser(subparsers) -> None:
 
 
 def _export_command(args) -> int:
+    if args.fmt == "gguf":
+        out = export_gguf_from(args.checkpoint_dir, args.out_dir, args.gguf_dtype,
+                               args.tokenizer)
+        print(f"exported gguf ({args.gguf_dtype}): {out}")
+        return 0
     out = export_checkpoint(args.checkpoint_dir, args.out_dir, fmt=args.fmt,
                             tokenizer_dir=args.tokenizer, dtype=args.dtype)
     print(f"exported {args.fmt}: {out}")

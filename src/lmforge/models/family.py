@@ -116,6 +116,9 @@ class ModelFamily:
     as_variant: Callable[[Any, str], Any] = lambda args, model_type: args
     # HF checkpoint keys that hold buffers rather than weights (ignored on load).
     ignored_hf_suffixes: tuple[str, ...] = ()
+    # How llama.cpp reads the family (architecture, write_hparams, tensors; see
+    # models/llama/gguf.py), or None: no GGUF export yet.
+    gguf: Any = None
 
 
 def from_folder(model, hf, plan, presets, **family) -> ModelFamily:

