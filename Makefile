@@ -1,5 +1,5 @@
 # The two commands of the README: `make demo` and `make test`.
-.PHONY: setup demo test test-fast gpu-check
+.PHONY: setup demo test test-fast test-deploy gpu-check
 
 setup:
 	bash scripts/setup.sh
@@ -15,6 +15,12 @@ test: setup
 # What to run while working: everything but the end-to-end runs marked slow.
 test-fast: setup
 	.venv/bin/python -m pytest -m "not slow" tests
+
+# GGUF exports run in llama.cpp itself (tests/deploy): installs llama-cpp-python first
+# (PyPI ships source only: llama.cpp compiles once, and the wheel is cached).
+test-deploy: setup
+	bash scripts/setup_deploy.sh
+	.venv/bin/python -m pytest -v -m deploy tests/deploy
 
 # On a CUDA machine: the GPU tests, then every training path for a few steps and the
 # side-by-side benches (bench/gpu_check.py; docs/benchmarks.md says how to run it on a lent

@@ -1,7 +1,8 @@
 """Typed job configuration: one dataclass per section (``schema``), YAML and
-``section.key=value`` overrides (``loading``), ``validate()``, the facts derived from a
-config (``derived``), and the defaults that depend on the run (``defaults``). Everything is importable
-from ``lmforge.config``."""
+``section.key=value`` overrides (``loading``), how a key is declared (``keys``),
+``validate()`` (``checks``), the facts derived from a config (``derived``), and the
+defaults that depend on the run (``defaults``). Everything is importable from
+``lmforge.config``."""
 from lmforge.config.defaults import apply_run_defaults, fine_tuning_defaults, warmup_warning
 from lmforge.config.loading import (apply_dict, apply_override, config_yaml, load_config,
                                     read_yaml_file, save_config, set_field)
@@ -14,10 +15,11 @@ from lmforge.config.schema import (CHAT_TEMPLATES, DataConfig, JobConfig, LoraCo
                                    ModelConfig, OptimConfig, ParallelConfig,
                                    QUANTIZE_FORMATS, TrainConfig, validate)
 
-__all__ = ["CHAT_TEMPLATES", "ConfigError", "DEVICES", "PREFERENCE_OBJECTIVES", "config_keys", "describe_keys", "DataConfig", "JobConfig", "LoraConfig",
-           "ModelConfig", "OptimConfig", "ParallelConfig", "QUANTIZE_FORMATS", "TrainConfig",
-           "apply_dict", "apply_override", "apply_run_defaults", "check_parallel_fits",
-           "compute_dtype", "config_yaml", "fine_tuning_defaults", "grad_accumulation_steps",
-           "load_config", "pipeline_microbatches", "read_yaml_file", "resolve_device",
-           "resolve_layout", "samples_per_step", "save_config", "set_field", "validate",
-           "warmup_warning"]
+__all__ = ["CHAT_TEMPLATES", "ConfigError", "DEVICES", "DataConfig", "JobConfig",
+           "LoraConfig", "ModelConfig", "OptimConfig", "PREFERENCE_OBJECTIVES",
+           "ParallelConfig", "QUANTIZE_FORMATS", "TrainConfig", "apply_dict",
+           "apply_override", "apply_run_defaults", "check_parallel_fits", "compute_dtype",
+           "config_keys", "config_yaml", "describe_keys", "fine_tuning_defaults",
+           "grad_accumulation_steps", "load_config", "pipeline_microbatches",
+           "read_yaml_file", "resolve_device", "resolve_layout", "samples_per_step",
+           "save_config", "set_field", "validate", "warmup_warning"]

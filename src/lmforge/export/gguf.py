@@ -154,8 +154,9 @@ def pre_tokenizer(model_dir: Path) -> str:
         name = PRE_TOKENIZERS.get(steps[0].get("pattern", {}).get("Regex"))
         if name is not None:
             return name
-    raise GGUFError(f"{model_dir}/tokenizer.json: a pre-tokenizer ({' + '.join(map(str, kinds))}) "
-                    f"llama.cpp does not know by name; the GGUF export writes GPT-2, "
+    steps_text = " + ".join(map(str, kinds))
+    raise GGUFError(f"{model_dir}/tokenizer.json: a pre-tokenizer ({steps_text}) llama.cpp "
+                    f"does not know by name; the GGUF export writes GPT-2, "
                     f"Llama 3 and Qwen2 byte-level BPE tokenizers")
 
 

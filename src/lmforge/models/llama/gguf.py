@@ -15,7 +15,6 @@ from typing import Iterator
 
 import torch
 
-
 from lmforge.models.llama.model import LlamaArgs, half_to_interleaved, rope_frequencies
 
 # HF model_type -> llama.cpp architecture name

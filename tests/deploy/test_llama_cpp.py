@@ -1,0 +1,102 @@
+"""GGUF exports run in llama.cpp itself (llama-cpp-python, llama.cpp's Python binding;
+`make test-deploy` installs it, compiling llama.cpp once): for each Llama-shaped family,
+llama.cpp's 32 greedy tokens after a prompt equal lmforge's greedy decode of the same
+model, from the f32 and the f16 export; a ChatML model fine-tuned to answer and stop
+ends llama.cpp's chat completion on <|im_end|> with lmforge's answer, the template in
+the file being the model's own. Skipped, saying why, where llama_cpp is not installed."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers.hf_models import random_hf_causal_lm
+from helpers.real_tokenizers import save_tokenizer
+from helpers.runs import run_lmforge
+from lmforge.data.templates import get_template
+from lmforge.data.tokenizer import load_tokenizer
+from lmforge.export.gguf import export_gguf
+from lmforge.models.generate import generate
+from lmforge.models.hf import load_hf_model
+
+llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed "
+                                "(make test-deploy installs it)")
+pytestmark = pytest.mark.deploy
+NEW_TOKENS = 32
+FAMILIES = {
+    "llama-untied": ("llama", {}),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "mistral": ("mistral", {"sliding_window": None}),
+    "qwen2-bias": ("qwen2", {"tie_word_embeddings": True}),
+    "qwen3-head_dim24": ("qwen3", {"head_dim": 24}),
+}
+
+
+def _run(path, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
+    """llama.cpp's greedy continuation of ``prompt`` (top-k 1, no repeat penalty)."""
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, n_threads=1, verbose=False,
+                          seed=0)
+    out = []
+    for token in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0):
+        out.append(int(token))
+        if len(out) == n:
+            break
+    return out
+
+
+@pytest.fixture(params=sorted(FAMILIES), scope="module")
+def family_dir(request, tmp_path_factory):
+    model_type, config = FAMILIES[request.param]
+    root = tmp_path_factory.mktemp(request.param)
+    save_tokenizer("chatml", root)
+    vocab = load_tokenizer(root).vocab_size
+    random_hf_causal_lm(model_type, seed=3, vocab_size=vocab, **config).save_pretrained(root)
+    return root
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_llama_cpp_greedy_tokens_equal_lmforges(family_dir, tmp_path, dtype):
+    out = export_gguf(family_dir, tmp_path / "model.gguf", dtype)
+    ours = load_hf_model(family_dir)
+    prompt = torch.randint(0, ours.args.vocab_size - 10, (6,),
+                           generator=torch.Generator().manual_seed(5)).tolist()
+    expected = generate(ours, prompt, NEW_TOKENS, greedy=True)
+    assert _run(out, prompt) == expected
+
+
+CHAT = [{"role": "user", "content": "say hi"}]
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """A tiny ChatML model fine-tuned until it answers "hello there" and stops."""
+    root = tmp_path_factory.mktemp("chatml")
+    base = root / "base"
+    save_tokenizer("chatml", base)
+    random_hf_causal_lm("llama", seed=1,
+                        vocab_size=load_tokenizer(base).vocab_size).save_pretrained(base)
+    data = root / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": CHAT + [
+        {"role": "assistant", "content": "hello there"}]}) + "\n" for _ in range(64)))
+    run_lmforge(root / "run", [f"model.init_from={base}", "data.kind=sft",
+                               f"data.path={data}", "data.seq_len=32", "data.eval_fraction=0",
+                               "data.micro_batch_size=8", "train.max_steps=40",
+                               "optim.lr=3e-3", "train.sample_prompt=null"])
+    return root / "run" / "hf"
+
+
+def test_the_chatml_export_stops_on_im_end_with_lmforges_answer(chat_model, tmp_path):
+    out = export_gguf(chat_model, tmp_path / "chat.gguf", "f32")
+    tok = load_tokenizer(chat_model)
+    template = get_template("auto", tok)
+    ours = generate(load_hf_model(chat_model), template.prompt_ids(CHAT, tok), 16,
+                    greedy=True, stop_ids=(template.end_of_turn_id(tok),))
+    answer = tok.decode(ours[:-1])  # (without the end-of-turn token)
+    llm = llama_cpp.Llama(model_path=str(out), n_ctx=128, n_threads=1, verbose=False)
+    assert llm.metadata["tokenizer.chat_template"] == tok.chat_template
+    reply = llm.create_chat_completion(messages=CHAT, max_tokens=16, temperature=0.0,
+                                       top_k=1, repeat_penalty=1.0)
+    choice = reply["choices"][0]
+    assert ours[-1] == tok.token_to_id("<|im_end|>") and answer == "hello there"
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] == answer
