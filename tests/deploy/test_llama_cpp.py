@@ -1,7 +1,8 @@
 """GGUF exports run in llama.cpp itself (llama-cpp-python, llama.cpp's Python binding;
 `make test-deploy` installs it, compiling llama.cpp once): for each Llama-shaped family,
 llama.cpp's 32 greedy tokens after a prompt equal lmforge's greedy decode of the same
-model, from the f32 and the f16 export; a ChatML model fine-tuned to answer and stop
+model, from the f32 and the f16 export; a LoRA GGUF on its base's GGUF gives the merged
+model's tokens; a ChatML model fine-tuned to answer and stop
 ends llama.cpp's chat completion on <|im_end|> with lmforge's answer, the template in
 the file being the model's own. Skipped, saying why, where llama_cpp is not installed."""
 from __future__ import annotations
@@ -16,9 +17,11 @@ from helpers.real_tokenizers import save_tokenizer
 from helpers.runs import run_lmforge
 from lmforge.data.templates import get_template
 from lmforge.data.tokenizer import load_tokenizer
-from lmforge.export.gguf import export_gguf
+from lmforge.config import LoraConfig
+from lmforge.export.gguf import export_gguf, export_gguf_lora
 from lmforge.models.generate import generate
 from lmforge.models.hf import load_hf_model
+from lmforge.peft import apply_lora, export_merged, lora_layers, save_adapter
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed "
                                 "(make test-deploy installs it)")
@@ -33,10 +36,10 @@ FAMILIES = {
 }
 
 
-def _run(path, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
+def _run(path, prompt: list[int], n: int = NEW_TOKENS, **kwargs) -> list[int]:
     """llama.cpp's greedy continuation of ``prompt`` (top-k 1, no repeat penalty)."""
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, n_threads=1, verbose=False,
-                          seed=0)
+                          seed=0, **kwargs)
     out = []
     for token in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0):
         out.append(int(token))
@@ -63,6 +66,33 @@ def test_llama_cpp_greedy_tokens_equal_lmforges(family_dir, tmp_path, dtype):
                            generator=torch.Generator().manual_seed(5)).tolist()
     expected = generate(ours, prompt, NEW_TOKENS, greedy=True)
     assert _run(out, prompt) == expected
+
+
+@pytest.mark.parametrize("model_type,rslora", [("llama", False), ("qwen2", True)])
+def test_a_lora_gguf_on_its_base_equals_the_merged_export(tmp_path, model_type, rslora):
+    """Adapters on every projection (q/k's B rows permuted like the weights for llama's
+    rotation; each module's scaling, rsLoRA's too, folded into B)."""
+    base = tmp_path / "base"
+    save_tokenizer("chatml", base)
+    random_hf_causal_lm(model_type, seed=4,
+                        vocab_size=load_tokenizer(base).vocab_size).save_pretrained(base)
+    model = load_hf_model(base)
+    apply_lora(model, LoraConfig(enabled=True, rank=4, alpha=8.0, rslora=rslora,
+                                 targets="all-linear"))
+    g = torch.Generator().manual_seed(0)
+    for layer in lora_layers(model).values():  # adapters that change the greedy tokens
+        layer.lora_b.data = torch.randn(layer.lora_b.shape, generator=g) * 0.3
+    adapter = save_adapter(model, tmp_path / "adapter", base_model_path=str(base))
+    merged = export_merged(model, tmp_path / "merged", tokenizer=load_tokenizer(base),
+                           dtype=torch.float32)
+    base_gguf = export_gguf(base, tmp_path / "base.gguf", "f32")
+    lora_gguf = export_gguf_lora(adapter, base, tmp_path / "lora.gguf")
+    merged_gguf = export_gguf(merged, tmp_path / "merged.gguf", "f32")
+    prompt = [5, 17, 33, 2, 9, 40]
+    expected = generate(model, prompt, NEW_TOKENS, greedy=True)
+    assert expected != generate(load_hf_model(base), prompt, NEW_TOKENS, greedy=True)
+    assert _run(merged_gguf, prompt) == expected
+    assert _run(base_gguf, prompt, lora_path=str(lora_gguf)) == expected
 
 
 CHAT = [{"role": "user", "content": "say hi"}]

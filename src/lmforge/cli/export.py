@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from lmforge.export import EXPORT_DTYPES, FORMATS, export_checkpoint
-from lmforge.export.gguf import GGUF_DTYPES, export_gguf_from
+from lmforge.export.gguf import GGUF_DTYPES, export_gguf_from, export_gguf_lora_from
 
 
 def add_parser(subparsers) -> None:
@@ -17,10 +17,15 @@ def add_parser(subparsers) -> None:
                    help="checkpoints/step-NNNNNNN, or a run directory (its newest); with "
                    "--format gguf also a Hugging Face model directory")
     p.add_argument("out_dir", metavar="OUT", help="directory to write (gguf: the file)")
-    p.add_argument("--format", dest="fmt", choices=(*FORMATS, "gguf"), default="hf",
+    p.add_argument("--format", dest="fmt", choices=(*FORMATS, "gguf", "gguf-lora"),
+                   default="hf",
                    help="hf: the whole model; peft: the LoRA adapter only; merged: the model "
                    "with the adapter added into its weights; gguf: one file for llama.cpp "
-                   "(LoRA merged in)")
+                   "(LoRA merged in); gguf-lora: the adapter as llama.cpp loads it beside "
+                   "its base's GGUF (SOURCE: a run, checkpoint or PEFT adapter directory)")
+    p.add_argument("--base", metavar="DIR", default=None,
+                   help="gguf-lora: the base model directory (default: the adapter's "
+                   "base_model_name_or_path)")
     p.add_argument("--gguf-dtype", choices=GGUF_DTYPES, default="f16",
                    help="gguf: the matrices' type (vectors stay f32)")
     p.add_argument("--tokenizer", metavar="DIR", default=None,
@@ -31,6 +36,11 @@ def add_parser(subparsers) -> None:
 
 
 def _export_command(args) -> int:
+    if args.fmt == "gguf-lora":
+        out = export_gguf_lora_from(args.checkpoint_dir, args.out_dir, args.base,
+                                    args.gguf_dtype)
+        print(f"exported gguf-lora ({args.gguf_dtype}): {out}")
+        return 0
     if args.fmt == "gguf":
         out = export_gguf_from(args.checkpoint_dir, args.out_dir, args.gguf_dtype,
                                args.tokenizer)

@@ -19,6 +19,7 @@ The file is written beside its destination and moved into place once complete.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -33,6 +34,7 @@ from lmforge.data.templates import get_template
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
 from lmforge.models.hf import read_hf_state_dict, read_model_args
 from lmforge.models.registry import family_of
+from lmforge.peft.adapters import read_adapter_config
 from lmforge.peft.lora import is_lora_param
 from lmforge.export import export_checkpoint
 
@@ -101,6 +103,84 @@ def export_gguf_from(source: str | Path, out: str | Path, dtype: str = "f16",
         hf = export_checkpoint(path, Path(tmp) / "hf", "merged" if lora else "hf",
                                tokenizer_dir)
         return export_gguf(hf, out, dtype)
+
+
+def export_gguf_lora_from(source: str | Path, out: str | Path, base: Optional[str | Path],
+                          dtype: str = "f32") -> Path:
+    """``lmforge export SOURCE OUT --format gguf-lora``: SOURCE is a PEFT adapter
+    directory, or a LoRA checkpoint / run directory (its adapter exported first); the
+    base model directory is ``base``, else the adapter's ``base_model_name_or_path``."""
+    source, out = Path(source), Path(out)
+    fsio.check_writable(out, "OUT")
+    if (source / "adapter_config.json").is_file():
+        return export_gguf_lora(source, _base_dir(source, base), out, dtype)
+    path = find_checkpoint(source)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-peft-") as tmp:
+        adapter = export_checkpoint(path, Path(tmp) / "adapter", "peft")
+        return export_gguf_lora(adapter, _base_dir(adapter, base), out, dtype)
+
+
+def _base_dir(adapter: Path, base: Optional[str | Path]) -> Path:
+    if base is None:
+        raw = json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8"))
+        base = raw.get("base_model_name_or_path")
+    if not base or not (Path(base) / "config.json").is_file():
+        raise GGUFError(f"--base: the base model directory of {adapter} (config.json, "
+                        f"weights): give --base DIR (the adapter names {base!r})")
+    return Path(base)
+
+
+def export_gguf_lora(adapter_dir: str | Path, base_dir: str | Path, out: str | Path,
+                     dtype: str = "f32") -> Path:
+    """A PEFT adapter as the LoRA GGUF llama.cpp loads beside its base's GGUF
+    (``--lora``): each adapted weight's A and B under the base tensor's name plus
+    ``.lora_a`` / ``.lora_b``. Each module's scaling (alpha / r, or / sqrt(r) for rsLoRA,
+    per-module patterns included) is folded into B, and the file's alpha is 0, which
+    llama.cpp reads as a scale of 1."""
+    gguf = _gguf()
+    adapter_dir, base_dir, out = Path(adapter_dir), Path(base_dir), Path(out)
+    if dtype not in ("f32", "f16"):
+        raise GGUFError(f"--gguf-dtype: a LoRA GGUF holds f32 or f16, not {dtype!r}")
+    args = read_model_args(base_dir)
+    family = family_of(args)
+    if family.gguf is None:
+        raise GGUFError(f"{base_dir}: GGUF export of the {family.name} family is not "
+                        f"supported yet")
+    config, weights = read_adapter_config(adapter_dir)
+    arch = family.gguf.architecture(args)
+    name_map = gguf.get_tensor_name_map(_arch_enum(gguf, arch), args.n_layers)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    try:
+        writer.add_type("adapter")
+        writer.add_string("adapter.type", "lora")
+        writer.add_float32("adapter.lora.alpha", 0.0)
+        for module, (a, b) in adapter_pairs(weights).items():
+            hf_name = f"{module}.weight"
+            scaling = config.alpha(module) / (math.sqrt(config.rank(module))
+                                              if config.use_rslora else config.rank(module))
+            name = family.gguf.gguf_name(hf_name, name_map)
+            b = family.gguf.rows_as_gguf(hf_name, b.float() * scaling, args)
+            _add_tensor(gguf, writer, f"{name}.lora_a", a.float().contiguous(), dtype)
+            _add_tensor(gguf, writer, f"{name}.lora_b", b.contiguous(), dtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return out
+
+
+def adapter_pairs(weights: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """HF module name -> (A, B) of a PEFT adapter's weights."""
+    pairs: dict = {}
+    for key, tensor in weights.items():
+        module, _, which = key.removeprefix("base_model.model.").rpartition(".lora_")
+        pairs.setdefault(module, {})[which.split(".")[0]] = tensor
+    return {module: (p["A"], p["B"]) for module, p in pairs.items()}
 
 
 def _gguf():

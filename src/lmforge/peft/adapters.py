@@ -130,6 +130,13 @@ def read_adapter(adapter_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]
     return raw, sd
 
 
+def read_adapter_config(adapter_dir: str | Path) -> tuple[AdapterConfig,
+                                                           dict[str, torch.Tensor]]:
+    """adapter_config.json as checked (ranks and alphas per module) and the weights."""
+    _, config, sd = _read(Path(adapter_dir))
+    return config, sd
+
+
 def _read(root: Path) -> tuple[dict, AdapterConfig, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 

@@ -125,3 +125,28 @@ def test_the_cli_exports_a_model_directory_and_refuses_a_bad_dtype(tmp_path, cap
     with pytest.raises(SystemExit):
         main(["export", str(src), str(tmp_path / "n.gguf"), "--format", "gguf",
               "--gguf-dtype", "q4_k"])
+
+
+def test_a_lora_gguf_holds_each_adapted_weights_a_and_b_under_the_base_tensors_name(
+        tmp_path, capsys):
+    from lmforge.config import LoraConfig
+    from lmforge.peft import apply_lora, lora_layers, save_adapter
+
+    src = model_dir(tmp_path / "src", "llama")
+    model = load_hf_model(src)
+    apply_lora(model, LoraConfig(enabled=True, rank=4, alpha=8.0, targets=["q_proj", "v_proj"]))
+    for layer in lora_layers(model).values():
+        layer.lora_b.data.fill_(1.0)
+    save_adapter(model, tmp_path / "adapter", base_model_path=str(src))
+    assert main(["export", str(tmp_path / "adapter"), str(tmp_path / "lora.gguf"),
+                 "--format", "gguf-lora", "--gguf-dtype", "f32"]) == 0
+    reader = gguf.GGUFReader(tmp_path / "lora.gguf")
+    assert _field(reader, "general.type") == "adapter"
+    assert _field(reader, "adapter.type") == "lora"
+    assert _field(reader, "adapter.lora.alpha") == 0.0  # llama.cpp: scale 1, folded into B
+    shapes = {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}
+    assert set(shapes) == {f"blk.{i}.{p}.weight.lora_{ab}" for i in range(2)
+                           for p in ("attn_q", "attn_v") for ab in "ab"}
+    assert shapes["blk.0.attn_q.weight.lora_a"] == (64, 4)  # ggml order: (in, rank)
+    b = next(t for t in reader.tensors if t.name == "blk.0.attn_v.weight.lora_b")
+    assert float(b.data.max()) == pytest.approx(8.0 / 4)  # alpha / r folded into B

@@ -44,17 +44,29 @@ def write_hparams(writer, args: LlamaArgs) -> None:
 def tensors(hf_sd: dict, args: LlamaArgs, name_map) -> Iterator[tuple[str, torch.Tensor]]:
     """(GGUF name, tensor) of every weight; ``name_map``: the gguf package's
     ``TensorNameMap`` for this architecture."""
-    interleave = architecture(args) == "llama"
     for name, tensor in hf_sd.items():
         if name == "lm_head.weight" and args.tie_embeddings:
             continue  # llama.cpp reads a missing output as the token embedding
-        if interleave and name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
-            heads = args.n_heads if "q_proj" in name else args.n_kv_heads
-            tensor = half_to_interleaved(tensor, heads)
-        gguf_name = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
-        if gguf_name is None:
-            raise ValueError(f"{name}: no GGUF name for it in the gguf package's table")
-        yield gguf_name, tensor
+        yield gguf_name(name, name_map), rows_as_gguf(name, tensor, args)
     if args.rope_scaling is not None:  # Llama 3.1: the divisor of each rotary frequency
         plain = LlamaArgs(**{**args.__dict__, "rope_scaling": None})
         yield "rope_freqs.weight", (rope_frequencies(plain) / rope_frequencies(args)).float()
+
+
+def gguf_name(hf_name: str, name_map) -> str:
+    name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    if name is None:
+        raise ValueError(f"{hf_name}: no GGUF name for it in the gguf package's table")
+    return name
+
+
+def rows_as_gguf(hf_name: str, rows: torch.Tensor, args: LlamaArgs) -> torch.Tensor:
+    """A q or k projection's output rows (its weight, or a LoRA adapter's B) in the order
+    llama.cpp's ``llama`` architecture rotates; anything else as it is."""
+    if architecture(args) != "llama" or not hf_name.startswith("model.layers."):
+        return rows
+    heads = (args.n_heads if ".self_attn.q_proj." in hf_name else
+             args.n_kv_heads if ".self_attn.k_proj." in hf_name else None)
+    if heads is None:
+        return rows
+    return half_to_interleaved(rows.reshape(rows.shape[0], -1), heads).reshape(rows.shape)
