@@ -11,13 +11,15 @@ import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
-from lmforge.cli import data, eval_sft, evaluate, export, generate, launch, lora, perf, train
+from lmforge.cli import (bench_eval, data, eval_sft, evaluate, export, generate, launch, lora,
+                         perf, train)
 from lmforge.cli.common import DefaultsHelpFormatter, parsers_under
 
 # Errors a user can cause and fix: reported as one line, never as a traceback.
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
                PermissionError)
-COMMAND_MODULES = (train, evaluate, eval_sft, generate, data, export, perf, launch, lora)
+COMMAND_MODULES = (train, evaluate, eval_sft, bench_eval, generate, data, export, perf, launch,
+                   lora)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,94 @@
+"""lm-evaluation-harness through lmforge (``lmforge bench-eval``): on a local multiple-
+choice task, lmforge's model answering the harness gives the same per-choice
+log-likelihoods (1e-4) and accuracy as the harness's own Hugging Face backend on the same
+model directory; offline, a task whose data is not local is refused with how to fix it."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers.hf_models import random_hf_causal_lm
+from helpers.real_tokenizers import save_tokenizer
+from lmforge.cli import main
+from lmforge.data.tokenizer import load_tokenizer
+
+pytest.importorskip("lm_eval")
+pytestmark = pytest.mark.slow
+
+TASK = """task: tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}\\nAnswer:"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("harness")
+    model = root / "model"
+    save_tokenizer("llama3", model)
+    random_hf_causal_lm("llama", seed=6,
+                        vocab_size=load_tokenizer(model).vocab_size).save_pretrained(model)
+    rows = [{"question": f"what is {w} and the sky", "choices": [" blue", " green", " red"],
+             "answer": i % 3} for i, w in enumerate("tell me about tokens models data".split())]
+    (root / "tasks").mkdir()
+    data = root / "tasks" / "tiny.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "tasks" / "tiny.yaml").write_text(TASK.format(data=data))
+    return model, root / "tasks"
+
+
+def _samples(results) -> list[list[float]]:
+    return [[float(r[0]) for r in s["filtered_resps"]] for s in results["samples"]["tiny_mc"]]
+
+
+def test_lmforge_answers_the_harness_as_its_hf_backend_does(assets):
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    from lmforge.eval.harness import harness_model, offline
+    from lmforge.models.hf import load_hf_model
+
+    offline()
+    model_dir, tasks = assets
+    manager = TaskManager(include_path=str(tasks))
+    ours = simple_evaluate(model=harness_model(load_hf_model(model_dir),
+                                               load_tokenizer(model_dir), "cpu", 3),
+                           tasks=["tiny_mc"], task_manager=manager, bootstrap_iters=0)
+    hf = HFLM(pretrained=str(model_dir), dtype="float32", device="cpu", batch_size=4)
+    theirs = simple_evaluate(model=hf, tasks=["tiny_mc"], task_manager=manager,
+                             bootstrap_iters=0)
+    for a, b in zip(_samples(ours), _samples(theirs), strict=True):
+        assert a == pytest.approx(b, abs=1e-4)
+    assert ours["results"]["tiny_mc"]["acc,none"] == theirs["results"]["tiny_mc"]["acc,none"]
+
+
+def test_bench_eval_prints_the_scores_and_refuses_a_task_without_local_data(
+        assets, tmp_path, capsys):
+    model_dir, tasks = assets
+    assert main(["bench-eval", "--model", str(model_dir), "--tasks", "tiny_mc",
+                 "--include-path", str(tasks), "--limit", "4", "--device", "cpu",
+                 "--output", str(tmp_path / "r.json")]) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["n_samples"]["tiny_mc"]["effective"] == 4
+    assert 0 <= result["results"]["tiny_mc"]["acc,none"] <= 1
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    (hub / "hub.yaml").write_text(TASK.replace("task: tiny_mc", "task: hub_mc").replace(
+        "dataset_path: json", "dataset_path: someone/not-on-this-machine").format(data="x"))
+    assert main(["bench-eval", "--model", str(model_dir), "--tasks", "hub_mc",
+                 "--include-path", str(hub), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "not on this machine" in err and "dataset_path: json" in err
