@@ -18,6 +18,7 @@ The file is written beside its destination and moved into place once complete.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -65,9 +66,7 @@ def export_gguf(model_dir: str | Path, out: str | Path, dtype: str = "f16") -> P
     tokenizer = load_tokenizer(model_dir)
     pre = pre_tokenizer(model_dir)  # refuses a tokenizer llama.cpp would split otherwise
     arch = family.gguf.architecture(args)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    writer = gguf.GGUFWriter(str(tmp), arch)
-    try:
+    with gguf_file(out, arch) as writer:
         writer.add_name(model_dir.name)
         writer.add_file_type(_file_type(gguf, dtype))
         family.gguf.write_hparams(writer, args)
@@ -75,6 +74,17 @@ def export_gguf(model_dir: str | Path, out: str | Path, dtype: str = "f16") -> P
         name_map = gguf.get_tensor_name_map(_arch_enum(gguf, arch), args.n_layers)
         for name, tensor in family.gguf.tensors(read_hf_state_dict(model_dir), args, name_map):
             _add_tensor(gguf, writer, name, tensor, dtype)
+    return out
+
+
+@contextlib.contextmanager
+def gguf_file(out: Path, arch: str):
+    """A ``GGUFWriter`` for ``out``: the file is written beside it and moved into place
+    once the block has added everything (nothing is left behind when it raises)."""
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    writer = _gguf().GGUFWriter(str(tmp), arch)
+    try:
+        yield writer
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -83,7 +93,6 @@ def export_gguf(model_dir: str | Path, out: str | Path, dtype: str = "f16") -> P
     finally:
         if tmp.exists():
             tmp.unlink()
-    return out
 
 
 def export_gguf_from(source: str | Path, out: str | Path, dtype: str = "f16",
@@ -149,9 +158,7 @@ def export_gguf_lora(adapter_dir: str | Path, base_dir: str | Path, out: str | P
     config, weights = read_adapter_config(adapter_dir)
     arch = family.gguf.architecture(args)
     name_map = gguf.get_tensor_name_map(_arch_enum(gguf, arch), args.n_layers)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    writer = gguf.GGUFWriter(str(tmp), arch)
-    try:
+    with gguf_file(out, arch) as writer:
         writer.add_type("adapter")
         writer.add_string("adapter.type", "lora")
         writer.add_float32("adapter.lora.alpha", 0.0)
@@ -163,14 +170,6 @@ def export_gguf_lora(adapter_dir: str | Path, base_dir: str | Path, out: str | P
             b = family.gguf.rows_as_gguf(hf_name, b.float() * scaling, args)
             _add_tensor(gguf, writer, f"{name}.lora_a", a.float().contiguous(), dtype)
             _add_tensor(gguf, writer, f"{name}.lora_b", b.contiguous(), dtype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
     return out
 
 
