@@ -68,6 +68,18 @@ def test_llama_cpp_greedy_tokens_equal_lmforges(family_dir, tmp_path, dtype):
     assert _run(out, prompt) == expected
 
 
+def test_q8_0_greedy_tokens_agree_with_lmforges_until_rounding_flips_a_near_tie(
+        family_dir, tmp_path):
+    """q8_0 rounds each weight to 8 bits per block of 32: on these random tiny models,
+    whose next-token distributions are nearly flat, the first divergence came after 7 to
+    27 of the 32 tokens (the 5 families, measured); at least the first 5 agree."""
+    out = export_gguf(family_dir, tmp_path / "model.gguf", "q8_0")
+    ours = load_hf_model(family_dir)
+    prompt = torch.randint(0, ours.args.vocab_size - 10, (6,),
+                           generator=torch.Generator().manual_seed(5)).tolist()
+    assert _run(out, prompt, 5) == generate(ours, prompt, 5, greedy=True)
+
+
 @pytest.mark.parametrize("model_type,rslora", [("llama", False), ("qwen2", True)])
 def test_a_lora_gguf_on_its_base_equals_the_merged_export(tmp_path, model_type, rslora):
     """Adapters on every projection (q/k's B rows permuted like the weights for llama's
