@@ -35,7 +35,8 @@ def add_parser(sub) -> None:
                       "preference) the samples' counts and cuts, and exit (nothing is "
                       "trained; the run directory is not touched)")
     p.add_argument("--world-size", type=int, default=None, metavar="N",
-                   help="with --dry-run: the processes the run will have (default: this "
+                   help="with --dry-run or --print-config: the processes the run will have "
+                   "(the layout is resolved for them; default: this "
                    "one's, 1 outside torchrun)")
     p.set_defaults(func=_train)
 
@@ -66,8 +67,9 @@ def _train(args) -> int:
 
 def _look_before_running(args) -> int:
     """``--print-config`` and ``--dry-run``: the run's config and shape, no run."""
-    if args.world_size is not None and not (args.dry_run and args.world_size >= 1):
-        raise ValueError("--world-size: only with --dry-run, and >= 1")
+    looking = args.dry_run or args.print_config
+    if args.world_size is not None and not (looking and args.world_size >= 1):
+        raise ValueError("--world-size: only with --dry-run or --print-config, and >= 1")
     cfg = load_config(*config_and_overrides(args.config, args.overrides))
     env = read_dist_env() if args.world_size is None else DistEnv(0, args.world_size, 0)
     if args.print_config:  # as the run resolves it: a config it would refuse is refused

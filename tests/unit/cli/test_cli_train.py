@@ -53,3 +53,14 @@ def test_dry_run_checks_the_layout_for_the_world_size_it_is_given(capsys, tmp_pa
     assert "parallel" in capsys.readouterr().err
     assert main(["train", "--world-size", "4"]) == 2  # only with --dry-run
     assert "--world-size" in capsys.readouterr().err
+
+
+def test_print_config_refuses_what_the_run_would_and_takes_the_world_size(capsys, tmp_path):
+    """--print-config resolves the job as the run would: a layout for 8 processes is
+    refused on one (naming the field) and printed for the 8 --world-size gives it."""
+    base = ["train", "parallel.dp_shard=8", f"train.output_dir={tmp_path}/run",
+            "--print-config"]
+    assert main(base) == 2
+    assert "parallel.dp_shard" in capsys.readouterr().err
+    assert main([*base, "--world-size", "8"]) == 0
+    assert "dp_shard: 8" in capsys.readouterr().out
