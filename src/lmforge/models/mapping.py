@@ -184,3 +184,25 @@ def decoder_hf_names(args, layer_names: dict[str, str]) -> dict[str, str]:
     if not args.tie_embeddings:
         names["output.weight"] = "lm_head.weight"
     return names
+
+
+def write_gguf_shape(writer, args, rope_dims: int) -> None:
+    """The shape keys every decoder family writes for llama.cpp (a ``gguf.GGUFWriter``):
+    context, width, depth, MLP width, heads, RoPE base and dimensions, norm epsilon."""
+    writer.add_context_length(args.max_seq_len)
+    writer.add_embedding_length(args.dim)
+    writer.add_block_count(args.n_layers)
+    writer.add_feed_forward_length(args.ffn_dim)
+    writer.add_head_count(args.n_heads)
+    writer.add_head_count_kv(args.n_kv_heads)
+    writer.add_rope_freq_base(args.rope_theta)
+    writer.add_layer_norm_rms_eps(args.norm_eps)
+    writer.add_rope_dimension_count(rope_dims)
+
+
+def gguf_tensor_name(hf_name: str, name_map) -> str:
+    """The GGUF name of a Hugging Face tensor, from the gguf package's ``TensorNameMap``."""
+    name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    if name is None:
+        raise ValueError(f"{hf_name}: no GGUF name for it in the gguf package's table")
+    return name

@@ -16,6 +16,7 @@ from typing import Iterator
 import torch
 
 from lmforge.models.llama.model import LlamaArgs, half_to_interleaved, rope_frequencies
+from lmforge.models.mapping import gguf_tensor_name, write_gguf_shape
 
 # HF model_type -> llama.cpp architecture name
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -27,15 +28,7 @@ def architecture(args: LlamaArgs) -> str:
 
 def write_hparams(writer, args: LlamaArgs) -> None:
     """The shape keys llama.cpp reads for this architecture."""
-    writer.add_context_length(args.max_seq_len)
-    writer.add_embedding_length(args.dim)
-    writer.add_block_count(args.n_layers)
-    writer.add_feed_forward_length(args.ffn_dim)
-    writer.add_head_count(args.n_heads)
-    writer.add_head_count_kv(args.n_kv_heads)
-    writer.add_rope_freq_base(args.rope_theta)
-    writer.add_layer_norm_rms_eps(args.norm_eps)
-    writer.add_rope_dimension_count(args.head_dim)
+    write_gguf_shape(writer, args, args.head_dim)
     if args.head_dim != args.dim // args.n_heads:  # Qwen3: heads sized apart from dim
         writer.add_key_length(args.head_dim)
         writer.add_value_length(args.head_dim)
@@ -53,11 +46,7 @@ def tensors(hf_sd: dict, args: LlamaArgs, name_map) -> Iterator[tuple[str, torch
         yield "rope_freqs.weight", (rope_frequencies(plain) / rope_frequencies(args)).float()
 
 
-def gguf_name(hf_name: str, name_map) -> str:
-    name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-    if name is None:
-        raise ValueError(f"{hf_name}: no GGUF name for it in the gguf package's table")
-    return name
+gguf_name = gguf_tensor_name  # (what export/gguf.py asks a family for)
 
 
 def rows_as_gguf(hf_name: str, rows: torch.Tensor, args: LlamaArgs) -> torch.Tensor:

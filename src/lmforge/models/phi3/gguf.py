@@ -11,6 +11,7 @@ from typing import Iterator
 
 import torch
 
+from lmforge.models.mapping import gguf_tensor_name, write_gguf_shape
 from lmforge.models.phi3.model import Phi3Args
 
 
@@ -19,15 +20,7 @@ def architecture(args: Phi3Args) -> str:
 
 
 def write_hparams(writer, args: Phi3Args) -> None:
-    writer.add_context_length(args.max_seq_len)
-    writer.add_embedding_length(args.dim)
-    writer.add_block_count(args.n_layers)
-    writer.add_feed_forward_length(args.ffn_dim)
-    writer.add_head_count(args.n_heads)
-    writer.add_head_count_kv(args.n_kv_heads)
-    writer.add_rope_freq_base(args.rope_theta)
-    writer.add_layer_norm_rms_eps(args.norm_eps)
-    writer.add_rope_dimension_count(args.rotary_dim)
+    write_gguf_shape(writer, args, args.rotary_dim)
     rope = args.rope_scaling
     if rope is not None:
         writer.add_rope_scaling_attn_factors(rope.attention_factor)
@@ -45,11 +38,7 @@ def tensors(hf_sd: dict, args: Phi3Args, name_map) -> Iterator[tuple[str, torch.
         yield "rope_factors_long.weight", torch.tensor(rope.long_factor, dtype=torch.float32)
 
 
-def gguf_name(hf_name: str, name_map) -> str:
-    name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-    if name is None:
-        raise ValueError(f"{hf_name}: no GGUF name for it in the gguf package's table")
-    return name
+gguf_name = gguf_tensor_name  # (what export/gguf.py asks a family for)
 
 
 def rows_as_gguf(hf_name: str, rows: torch.Tensor, args: Phi3Args) -> torch.Tensor:
