@@ -19,15 +19,15 @@ from lmforge.checkpoint.directory import (CONFIG_NAME, EXTRA_NAME, MARKER, META_
                                        find_checkpoint, is_complete, latest_checkpoint,
                                        list_checkpoints, prune_checkpoints, resolve_resume,
                                        resume_is_auto)
-from lmforge.checkpoint.state import (capture_rng, load_checkpoint, read_job_config,
-                                      read_meta, read_model_state, restore_rng,
-                                      save_checkpoint)
+from lmforge.checkpoint.state import (capture_rng, load_checkpoint, model_tensor_metadata,
+                                      read_job_config, read_meta, read_model_state,
+                                      restore_rng, save_checkpoint)
 
 __all__ = [
     "AsyncCheckpointer", "CheckpointError", "CONFIG_NAME", "EXTRA_NAME", "MANIFEST_NAME",
     "MARKER", "META_NAME", "capture_rng", "checkpoint_dir", "checkpoint_step", "clean_stale_tmp",
     "find_checkpoint", "is_complete", "latest_checkpoint", "list_checkpoints",
-    "load_checkpoint", "prune_checkpoints", "read_job_config", "read_meta",
+    "load_checkpoint", "model_tensor_metadata", "prune_checkpoints", "read_job_config", "read_meta",
     "read_model_state", "restore_rng", "resolve_resume", "resume_is_auto", "save_checkpoint",
     "verify_checkpoint",
 ]

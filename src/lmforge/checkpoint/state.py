@@ -351,6 +351,13 @@ def _read_rank_state(path: Path) -> Optional[dict]:
 
 # ------------------------------------------------------------------ offline reading
 
+def model_tensor_metadata(ckpt_dir: str | Path) -> dict:
+    """The checkpoint's model tensors (``model.<FQN>`` -> DCP metadata), none read."""
+    metadata = _read_dcp_metadata(Path(ckpt_dir)).state_dict_metadata
+    return {key: item for key, item in metadata.items()
+            if key.startswith("model.") and isinstance(item, TensorStorageMetadata)}
+
+
 def read_model_state(ckpt_dir: str | Path, *, verify: bool = True
                      ) -> dict[str, torch.Tensor]:
     """A checkpoint's model tensors, whole (shards reassembled), on the CPU, without a
@@ -360,10 +367,8 @@ def read_model_state(ckpt_dir: str | Path, *, verify: bool = True
     problem = check_share(path) if verify else None
     if problem:
         raise CheckpointError(f"{path}: {problem}")
-    metadata = _read_dcp_metadata(path)
     sd = {key: torch.empty(item.size, dtype=item.properties.dtype)
-          for key, item in metadata.state_dict_metadata.items()
-          if key.startswith("model.") and isinstance(item, TensorStorageMetadata)}
+          for key, item in model_tensor_metadata(path).items()}
     if not sd:
         raise CheckpointError(f"{path}: holds no model tensors")
     try:

@@ -6,12 +6,10 @@ import json
 from pathlib import Path
 
 from lmforge import fsio
-from lmforge.cli.common import DEVICES
+from lmforge.cli.common import DEVICES, load_scored_model
 from lmforge.config import resolve_device
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.eval.harness import run_harness
-from lmforge.models.hf import load_hf_model
-from lmforge.peft.adapters import load_adapter
 
 
 def add_parser(sub) -> None:
@@ -50,10 +48,7 @@ def _bench_eval(args) -> int:
     if args.include_path and not Path(args.include_path).is_dir():
         raise ValueError(f"--include-path: {args.include_path} is not a directory")
     device = resolve_device(args.device, "--device")
-    model = load_hf_model(args.model, device=device)
-    if args.adapter:
-        load_adapter(model, args.adapter)
-        model.to(device)
+    model = load_scored_model(args.model, args.adapter, device)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     result = {"model": str(args.model), "adapter": args.adapter, "tasks": tasks,
               "limit": args.limit, "num_fewshot": args.num_fewshot,

@@ -5,6 +5,8 @@ import argparse
 from pathlib import Path
 
 from lmforge.config import DEVICES, JobConfig, describe_keys
+from lmforge.models.hf import load_hf_model
+from lmforge.peft.adapters import load_adapter
 
 
 def config_and_overrides(config: str | None, overrides: list[str]) -> tuple[str | None, list]:
@@ -57,3 +59,13 @@ def parsers_under(parser: argparse.ArgumentParser):
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
                 yield from parsers_under(sub)
+
+
+def load_scored_model(model_dir: str, adapter: str | None, device):
+    """``--model`` on ``device``, with ``--adapter`` (a PEFT directory) on it when given,
+    in eval mode: what the commands that score a model load."""
+    model = load_hf_model(model_dir, device=device).eval()
+    if adapter:
+        load_adapter(model, adapter)
+        model.to(device)
+    return model

@@ -7,12 +7,10 @@ import json
 from pathlib import Path
 
 from lmforge import fsio
-from lmforge.cli.common import DEVICES
+from lmforge.cli.common import DEVICES, load_scored_model
 from lmforge.config import resolve_device
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.eval.rouge import evaluate_prompt_response, read_prompt_response
-from lmforge.models.hf import load_hf_model
-from lmforge.peft.adapters import load_adapter
 
 HELP = "response loss and ROUGE-L of a model (+ adapter) on prompt/response JSONL"
 DESCRIPTION = ("Mean per-token loss over the response tokens and ROUGE-L F1 of greedy "
@@ -46,10 +44,7 @@ def evaluate_sft(args) -> int:
     output = Path(args.output or "eval-sft.json")
     fsio.check_writable(output, "--output")  # before the evaluation, not after it
     device = resolve_device(args.device, "--device")
-    model = load_hf_model(args.model, device=device).eval()
-    if args.adapter:
-        load_adapter(model, args.adapter)
-        model.to(device)
+    model = load_scored_model(args.model, args.adapter, device)
     tokenizer = load_tokenizer(args.model)
     records = read_prompt_response(args.data, args.limit)
     result = evaluate_prompt_response(model, tokenizer, records, args.template,

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from lmforge import fsio
-from lmforge.cli.common import DEVICES
+from lmforge.cli.common import DEVICES, load_scored_model
 from lmforge.config import PREFERENCE_OBJECTIVES, resolve_device
 from lmforge.data.preference import PreferenceDataset
 from lmforge.data.tokenizer import load_tokenizer
@@ -20,7 +20,6 @@ from lmforge.eval.evaluate import eval_batches_for, evaluate, limit_tokens
 from lmforge.eval.preference import evaluate_pairs
 from lmforge.models.hf import load_hf_model, read_model_args
 from lmforge.models.preference import NEEDS_REFERENCE, PreferenceParams
-from lmforge.peft.adapters import load_adapter
 
 PROGRESS_EVERY_S = 30.0  # without a terminal: how often a progress line is written
 
@@ -109,10 +108,7 @@ def _eval_pairs(args, seq_len: int, device, output) -> int:
         raise ValueError(f"--reference: {args.objective} compares with a reference model: "
                          f"give one, or an --adapter whose base model is the reference")
     _status(f"loading {args.model} on {device}")
-    model = load_hf_model(args.model, device=device)
-    if args.adapter:
-        load_adapter(model, args.adapter)
-        model.to(device)
+    model = load_scored_model(args.model, args.adapter, device)
     reference = load_hf_model(args.reference, device=device) if args.reference else None
     tokenizer = load_tokenizer(args.model)
     pairs = PreferenceDataset(args.data[0], tokenizer, args.template, seq_len,

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from lmforge import fsio
-from lmforge.checkpoint import find_checkpoint, read_model_state
+from lmforge.checkpoint import find_checkpoint, model_tensor_metadata
 from lmforge.data.templates import get_template
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
 from lmforge.models.hf import read_hf_state_dict, read_model_args
@@ -58,11 +58,7 @@ def export_gguf(model_dir: str | Path, out: str | Path, dtype: str = "f16") -> P
     model_dir, out = Path(model_dir), Path(out)
     if dtype not in GGUF_DTYPES:
         raise GGUFError(f"--dtype: {dtype!r} is not one of {', '.join(GGUF_DTYPES)}")
-    args = read_model_args(model_dir)
-    family = family_of(args)
-    if family.gguf is None:
-        raise GGUFError(f"{model_dir}: GGUF export of the {family.name} family (model_type "
-                        f"{args.family!r}) is not supported yet; export to HF instead")
+    args, family = gguf_family(model_dir)
     tokenizer = load_tokenizer(model_dir)
     pre = pre_tokenizer(model_dir)  # refuses a tokenizer llama.cpp would split otherwise
     arch = family.gguf.architecture(args)
@@ -107,7 +103,8 @@ def export_gguf_from(source: str | Path, out: str | Path, dtype: str = "f16",
     if (source / "config.json").is_file():
         return export_gguf(source, out, dtype)
     path = find_checkpoint(source)
-    lora = any(is_lora_param(k) for k in read_model_state(path))
+    # from the checkpoint's index: the tensors are read once, by the HF export
+    lora = any(is_lora_param(k) for k in model_tensor_metadata(path))
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-hf-") as tmp:
         hf = export_checkpoint(path, Path(tmp) / "hf", "merged" if lora else "hf",
                                tokenizer_dir)
@@ -150,11 +147,7 @@ def export_gguf_lora(adapter_dir: str | Path, base_dir: str | Path, out: str | P
     adapter_dir, base_dir, out = Path(adapter_dir), Path(base_dir), Path(out)
     if dtype not in ("f32", "f16"):
         raise GGUFError(f"--gguf-dtype: a LoRA GGUF holds f32 or f16, not {dtype!r}")
-    args = read_model_args(base_dir)
-    family = family_of(args)
-    if family.gguf is None:
-        raise GGUFError(f"{base_dir}: GGUF export of the {family.name} family is not "
-                        f"supported yet")
+    args, family = gguf_family(base_dir)
     config, weights = read_adapter_config(adapter_dir)
     arch = family.gguf.architecture(args)
     name_map = gguf.get_tensor_name_map(_arch_enum(gguf, arch), args.n_layers)
@@ -180,6 +173,17 @@ def adapter_pairs(weights: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor]]
         module, _, which = key.removeprefix("base_model.model.").rpartition(".lora_")
         pairs.setdefault(module, {})[which.split(".")[0]] = tensor
     return {module: (p["A"], p["B"]) for module, p in pairs.items()}
+
+
+def gguf_family(model_dir: Path):
+    """(args, family) of the model in ``model_dir``, refused (before anything is written)
+    when its family has no GGUF form."""
+    args = read_model_args(model_dir)
+    family = family_of(args)
+    if family.gguf is None:
+        raise GGUFError(f"{model_dir}: GGUF export of the {family.name} family (model_type "
+                        f"{args.family!r}) is not supported yet; export to HF instead")
+    return args, family
 
 
 def _gguf():
