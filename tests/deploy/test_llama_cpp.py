@@ -18,7 +18,7 @@ from helpers.runs import run_lmforge
 from lmforge.data.templates import get_template
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.config import LoraConfig
-from lmforge.export.gguf import export_gguf, export_gguf_lora
+from lmforge.export.gguf import export_gguf, export_gguf_lora, q8_0_fits
 from lmforge.models.generate import generate
 from lmforge.models.hf import load_hf_model
 from lmforge.peft import apply_lora, export_merged, lora_layers, save_adapter
@@ -27,6 +27,8 @@ llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not ins
                                 "(make test-deploy installs it)")
 pytestmark = pytest.mark.deploy
 NEW_TOKENS = 32
+GEMMA3 = dict(num_hidden_layers=4, head_dim=20, intermediate_size=88, sliding_window=6,
+              query_pre_attn_scalar=18, rope_theta=50_000.0, rope_local_base_freq=500.0)
 FAMILIES = {
     "llama-untied": ("llama", {}),
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
@@ -35,6 +37,14 @@ FAMILIES = {
     "qwen3-head_dim24": ("qwen3", {"head_dim": 24}),
     "phi3-fused": ("phi3", {}),
     "phi3-partial-rotary": ("phi3", {"partial_rotary_factor": 0.5}),
+    # Gemma 3: a window shorter than the prompt and the 32 tokens, a query scale that is
+    # not 1 / sqrt(head_dim), the sliding layers' own RoPE base, and (second) per-layer
+    # kinds out of the pattern with the global layers' linear RoPE factor, untied
+    "gemma3-pattern2": ("gemma3_text", GEMMA3 | {"sliding_window_pattern": 2}),
+    "gemma3-layer-types-linear-untied": ("gemma3_text", GEMMA3 | {
+        "layer_types": ["full_attention", "sliding_attention", "sliding_attention",
+                        "full_attention"], "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+        "tie_word_embeddings": False}),
 }
 ORIGINAL = 16  # original_max_position_embeddings of the LongRoPE case
 
@@ -74,7 +84,7 @@ def as_stored(model, dtype: str):
         for p in model.parameters():
             if p.dim() != 2 or dtype == "f32":
                 continue
-            if dtype == "f16":
+            if dtype == "f16" or not q8_0_fits(p.shape):
                 p.copy_(p.to(torch.float16).float())
             else:  # q8_0: quantized and read back as the file holds it
                 packed = gguf.quantize(p.numpy(), q8)

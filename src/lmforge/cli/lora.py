@@ -1,4 +1,5 @@
-"""``lmforge lora merge``: a PEFT adapter merged into a Hugging Face model; ``lora eval``
+"""``lmforge lora merge``: a PEFT adapter merged into a Hugging Face model (or one GGUF
+file, ``--format gguf``); ``lora eval``
 is an alias of ``lmforge eval-sft`` (which scores any model, adapter or not)."""
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from lmforge import fsio
 from lmforge.cli import eval_sft
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.export import EXPORT_DTYPES
+from lmforge.export.gguf import GGUF_DTYPES, export_gguf_merged
 from lmforge.models.hf import load_hf_model
 from lmforge.peft.adapters import export_merged, load_adapter
 
@@ -25,9 +27,15 @@ def add_parser(sub) -> None:
                         "and lmforge without peft).")
     m.add_argument("--model", required=True, help="base Hugging Face model directory")
     m.add_argument("--adapter", required=True, help="PEFT adapter directory")
-    m.add_argument("--output", required=True, help="output model directory")
+    m.add_argument("--output", required=True,
+                   help="output model directory (--format gguf: the GGUF file)")
+    m.add_argument("--format", dest="fmt", choices=("hf", "gguf"), default="hf",
+                   help="hf: a Hugging Face model directory; gguf: one file for llama.cpp "
+                   "and Ollama (the base's tokenizer and chat template in it)")
     m.add_argument("--dtype", default="auto", choices=_DTYPES,
-                   help="stored dtype (auto: the base model's)")
+                   help="hf: stored dtype (auto: the base model's)")
+    m.add_argument("--gguf-dtype", choices=GGUF_DTYPES, default="f16",
+                   help="gguf: the matrices' type (vectors stay f32)")
     m.set_defaults(func=_merge)
 
     eval_sft.add_arguments(lsub.add_parser("eval", help="alias of lmforge eval-sft",
@@ -36,6 +44,10 @@ def add_parser(sub) -> None:
 
 
 def _merge(args) -> int:
+    if args.fmt == "gguf":
+        out = export_gguf_merged(args.model, args.adapter, args.output, args.gguf_dtype)
+        print(f"merged {args.adapter} into {args.model}: {out} (GGUF, {args.gguf_dtype})")
+        return 0
     fsio.check_writable(args.output, "--output", kind="dir")  # before the model is read
     model = load_hf_model(args.model)
     load_adapter(model, args.adapter)

@@ -7,7 +7,8 @@ What goes in:
 * the family's architecture, shape keys and tensors (``models/<family>/gguf.py``; a
   family without one is refused before anything is written);
 * the weights as ``f32``, ``f16``, ``bf16`` or ``q8_0`` (matrices; norms and other
-  vectors stay f32, as llama.cpp's own converter keeps them);
+  vectors stay f32, as llama.cpp's own converter keeps them, and a matrix whose rows are
+  not whole q8_0 blocks of 32 is stored in f16);
 * the tokenizer: a byte-level BPE vocabulary with its merges, token types (special
   added tokens are control tokens), the pre-tokenizer llama.cpp must apply, BOS and
   whether to add it, as the tokenizer's post-processor does;
@@ -33,9 +34,9 @@ from lmforge import fsio
 from lmforge.checkpoint import find_checkpoint, model_tensor_metadata
 from lmforge.data.templates import get_template
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
-from lmforge.models.hf import read_hf_state_dict, read_model_args
+from lmforge.models.hf import load_hf_model, read_hf_state_dict, read_model_args
 from lmforge.models.registry import family_of
-from lmforge.peft.adapters import read_adapter_config
+from lmforge.peft.adapters import export_merged, load_adapter, read_adapter_config
 from lmforge.peft.lora import is_lora_param
 from lmforge.export import export_checkpoint
 
@@ -111,6 +112,25 @@ def export_gguf_from(source: str | Path, out: str | Path, dtype: str = "f16",
         return export_gguf(hf, out, dtype)
 
 
+def export_gguf_merged(model_dir: str | Path, adapter_dir: str | Path, out: str | Path,
+                       dtype: str = "f16") -> Path:
+    """``lmforge lora merge --format gguf``: the PEFT adapter ``adapter_dir`` merged into
+    the Hugging Face model ``model_dir``, as one GGUF file (the merged model is written
+    to a temporary directory beside ``out`` first)."""
+    model_dir, out = Path(model_dir), Path(out)
+    fsio.check_writable(out, "--output")
+    if dtype not in GGUF_DTYPES:
+        raise GGUFError(f"--gguf-dtype: {dtype!r} is not one of {', '.join(GGUF_DTYPES)}")
+    _gguf()
+    gguf_family(model_dir)  # refused before the weights are read
+    pre_tokenizer(model_dir)
+    model = load_hf_model(model_dir)
+    load_adapter(model, adapter_dir)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-hf-") as tmp:
+        merged = export_merged(model, Path(tmp) / "hf", tokenizer=load_tokenizer(model_dir))
+        return export_gguf(merged, out, dtype)
+
+
 def export_gguf_lora_from(source: str | Path, out: str | Path, base: Optional[str | Path],
                           dtype: str = "f32") -> Path:
     """``lmforge export SOURCE OUT --format gguf-lora``: SOURCE is a PEFT adapter
@@ -180,9 +200,9 @@ def gguf_family(model_dir: Path):
     when its family has no GGUF form."""
     args = read_model_args(model_dir)
     family = family_of(args)
-    if family.gguf is None:
-        raise GGUFError(f"{model_dir}: GGUF export of the {family.name} family (model_type "
-                        f"{args.family!r}) is not supported yet; export to HF instead")
+    if isinstance(family.gguf, str):
+        raise GGUFError(f"{model_dir}: no GGUF export of the {family.name} family "
+                        f"(model_type {args.family!r}): {family.gguf}; export to HF instead")
     return args, family
 
 
@@ -214,9 +234,17 @@ def _add_tensor(gguf, writer, name: str, tensor: torch.Tensor, dtype: str) -> No
     elif dtype == "bf16":
         bits = tensor.detach().to(torch.bfloat16).cpu().view(torch.int16).numpy()
         writer.add_tensor(name, bits, raw_dtype=gguf.GGMLQuantizationType.BF16)
+    elif not q8_0_fits(data.shape):  # rows not in whole blocks: f16, as llama.cpp's converter
+        writer.add_tensor(name, data.astype(np.float16))
     else:  # (the writer reads the element shape back from the packed bytes' shape)
         packed = gguf.quantize(data, gguf.GGMLQuantizationType.Q8_0)
         writer.add_tensor(name, packed, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+
+
+def q8_0_fits(shape) -> bool:
+    """Whether a matrix's rows split into q8_0's blocks (of 32 values); one that does not
+    is stored in f16."""
+    return shape[-1] % _gguf().GGML_QUANT_SIZES[_gguf().GGMLQuantizationType.Q8_0][0] == 0
 
 
 # ------------------------------------------------------------------------- tokenizer

@@ -117,8 +117,8 @@ class ModelFamily:
     # HF checkpoint keys that hold buffers rather than weights (ignored on load).
     ignored_hf_suffixes: tuple[str, ...] = ()
     # How llama.cpp reads the family (architecture, write_hparams, tensors; see
-    # models/llama/gguf.py), or None: no GGUF export yet.
-    gguf: Any = None
+    # models/llama/gguf.py), or why it has no GGUF form (a sentence, for the refusal).
+    gguf: Any = "lmforge has no GGUF form for it"
 
 
 def from_folder(model, hf, plan, presets, **family) -> ModelFamily:

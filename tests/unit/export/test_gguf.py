@@ -15,7 +15,7 @@ from helpers.hf_models import random_hf_causal_lm
 from helpers.real_tokenizers import CHATML_TEMPLATE, save_tokenizer
 from lmforge.cli import main
 from lmforge.data.tokenizer import load_tokenizer
-from lmforge.export.gguf import GGUFError, export_gguf
+from lmforge.export.gguf import GGUFError, export_gguf, export_gguf_merged
 from lmforge.models.hf import load_hf_model
 
 gguf = pytest.importorskip("gguf")
@@ -90,6 +90,11 @@ def _field(reader, key):
     return bytes(value).decode() if value.dtype == "uint8" else value.tolist()[0]
 
 
+def _array(reader, key) -> list:
+    field = reader.fields[key]
+    return [field.parts[i].tolist()[0] for i in field.data]
+
+
 def test_the_tokenizer_template_and_end_of_turn_go_into_the_file(tmp_path):
     src = model_dir(tmp_path / "src", "qwen2")
     out = export_gguf(src, tmp_path / "model.gguf", "f16")
@@ -105,15 +110,76 @@ def test_the_tokenizer_template_and_end_of_turn_go_into_the_file(tmp_path):
     assert not _field(reader, "tokenizer.ggml.add_bos_token")  # ChatML adds nothing
 
 
-def test_a_family_without_a_gguf_form_is_refused_before_anything_is_written(tmp_path):
+def test_gptj_which_llama_cpp_cannot_run_is_refused_saying_so_before_anything_is_written(
+        tmp_path):
     from helpers.hf_models import random_hf_gptj
 
     src = tmp_path / "gptj"
     random_hf_gptj().save_pretrained(src)
     save_tokenizer("chatml", src)
-    with pytest.raises(GGUFError, match="GGUF export of the gptj family .* not supported"):
+    with pytest.raises(GGUFError, match="no GGUF export of the gptj family .*: llama.cpp "
+                                        "cannot run GPT-J"):
         export_gguf(src, tmp_path / "model.gguf")
+    with pytest.raises(GGUFError, match="llama.cpp cannot run GPT-J"):  # before the merge
+        export_gguf_merged(src, tmp_path / "no-adapter", tmp_path / "merged.gguf")
     assert not list(tmp_path.glob("*.gguf*"))
+
+
+def test_gemma3_norms_are_written_plus_one_and_its_layers_kinds_and_rope_bases_are_kept(
+        tmp_path):
+    """llama.cpp multiplies by a norm's weight where Gemma multiplies by (1 + weight); the
+    query norm also carries the model's query scale over llama.cpp's 1 / sqrt(head_dim)
+    (llama.cpp runs these files: tests/deploy)."""
+    save_tokenizer("chatml", tmp_path)
+    config = dict(num_hidden_layers=4, head_dim=20, intermediate_size=88, sliding_window=6,
+                  query_pre_attn_scalar=18, rope_theta=50_000.0, rope_local_base_freq=500.0,
+                  sliding_window_pattern=2, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    random_hf_causal_lm("gemma3_text", seed=2, vocab_size=load_tokenizer(tmp_path).vocab_size,
+                        **config).save_pretrained(tmp_path)
+    reader = gguf.GGUFReader(export_gguf(tmp_path, tmp_path / "m.gguf", "f32"))
+    assert _field(reader, "general.architecture") == "gemma3"
+    assert [bool(v) for v in _array(reader, "gemma3.attention.sliding_window_pattern")] == [
+        True, False, True, False]
+    assert _field(reader, "gemma3.attention.sliding_window") == 6
+    assert _field(reader, "gemma3.rope.freq_base_swa") == 500.0
+    assert _field(reader, "gemma3.rope.freq_base") == 50_000.0
+    assert _field(reader, "gemma3.rope.scaling.type") == "linear"
+    assert _field(reader, "gemma3.rope.scaling.factor") == 4.0
+    assert _field(reader, "gemma3.attention.key_length") == 20
+    hf = load_hf_model(tmp_path).state_dict()
+    stored = {t.name: torch.from_numpy(t.data.copy()) for t in reader.tensors}
+    assert "output.weight" not in stored  # tied
+    torch.testing.assert_close(stored["blk.1.post_ffw_norm.weight"],
+                               hf["layers.1.post_ffn_norm.weight"] + 1)
+    torch.testing.assert_close(stored["blk.0.attn_q_norm.weight"],
+                               (hf["layers.0.attention.q_norm.weight"] + 1) * (20 / 18) ** 0.5)
+    torch.testing.assert_close(stored["blk.0.attn_k_norm.weight"],
+                               hf["layers.0.attention.k_norm.weight"] + 1)
+
+
+def test_lora_merge_format_gguf_writes_the_merged_model_as_one_file(tmp_path, capsys):
+    from lmforge.config import LoraConfig
+    from lmforge.peft import apply_lora, export_merged, lora_layers, save_adapter
+
+    src = model_dir(tmp_path / "src", "qwen2", tie_word_embeddings=True)
+    model = load_hf_model(src)
+    apply_lora(model, LoraConfig(enabled=True, rank=4, alpha=8.0, targets="all-linear"))
+    for layer in lora_layers(model).values():
+        layer.lora_b.data.normal_(0, 0.5)
+    save_adapter(model, tmp_path / "adapter", base_model_path=str(src))
+    assert main(["lora", "merge", "--model", str(src), "--adapter", str(tmp_path / "adapter"),
+                 "--output", str(tmp_path / "merged.gguf"), "--format", "gguf",
+                 "--gguf-dtype", "f32"]) == 0
+    assert "merged.gguf (GGUF, f32)" in capsys.readouterr().out
+    export_merged(model, tmp_path / "merged", tokenizer=load_tokenizer(src))
+    direct = export_gguf(tmp_path / "merged", tmp_path / "direct.gguf", "f32")
+    merged = {t.name: t.data for t in gguf.GGUFReader(tmp_path / "merged.gguf").tensors}
+    expected = {t.name: t.data for t in gguf.GGUFReader(direct).tensors}
+    assert merged.keys() == expected.keys()
+    for name, data in expected.items():
+        torch.testing.assert_close(torch.from_numpy(merged[name].copy()),
+                                   torch.from_numpy(data.copy()), rtol=1e-6, atol=1e-6)
+    assert not list(tmp_path.glob(".merged.gguf*"))  # the temporary HF directory is gone
 
 
 def test_the_cli_exports_a_model_directory_and_refuses_a_bad_dtype(tmp_path, capsys):
