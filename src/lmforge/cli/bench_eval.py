@@ -3,13 +3,14 @@ scored by lmforge's own model (``eval/harness.py``), offline."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from lmforge import fsio
 from lmforge.cli.common import DEVICES, load_scored_model
 from lmforge.config import resolve_device
 from lmforge.data.tokenizer import load_tokenizer
-from lmforge.eval.harness import run_harness
+from lmforge.eval.harness import headline_scores, run_harness
 
 
 def add_parser(sub) -> None:
@@ -33,7 +34,9 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="auto", choices=DEVICES,
                    help="where to run (auto: a GPU when there is one)")
     p.add_argument("--output", default=None,
-                   help="also write the JSON result to this file (default: stdout only)")
+                   help="also write the JSON result to this file (default: for a run's "
+                   "model, RUN/hf, RUN/harness/<tasks>.json, which lmforge report reads; "
+                   "else stdout only)")
     p.set_defaults(func=_bench_eval)
 
 
@@ -42,21 +45,33 @@ def _bench_eval(args) -> int:
         raise ValueError("--batch-size and --limit must be > 0")
     if args.num_fewshot is not None and args.num_fewshot < 0:
         raise ValueError("--num-fewshot must be >= 0")
-    output = Path(args.output) if args.output else None
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    output = Path(args.output) if args.output else run_output(args.adapter or args.model, tasks)
     if output is not None:
         fsio.check_writable(output, "--output")
     if args.include_path and not Path(args.include_path).is_dir():
         raise ValueError(f"--include-path: {args.include_path} is not a directory")
     device = resolve_device(args.device, "--device")
     model = load_scored_model(args.model, args.adapter, device)
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    results = run_harness(model, load_tokenizer(args.model), device, tasks,
+                          args.include_path, args.limit, args.num_fewshot, args.batch_size)
     result = {"model": str(args.model), "adapter": args.adapter, "tasks": tasks,
               "limit": args.limit, "num_fewshot": args.num_fewshot,
-              **run_harness(model, load_tokenizer(args.model), device, tasks,
-                            args.include_path, args.limit, args.num_fewshot,
-                            args.batch_size)}
+              "scores": headline_scores(results), **results}
     text = json.dumps(result, indent=2, default=str)
     print(text)
     if output is not None:
-        output.write_text(text + "\n")
+        output.parent.mkdir(parents=True, exist_ok=True)
+        fsio.atomic_write_bytes(output, (text + "\n").encode())
+        print(f"written to {output}", file=sys.stderr)
     return 0
+
+
+def run_output(model_dir: str, tasks: list[str]) -> Path | None:
+    """Where a run's model (``RUN/hf``, or its adapter, ``RUN/adapter``) records its
+    benchmarks when no --output is given:
+    ``RUN/harness/<tasks>.json``, which ``lmforge report RUN`` reads; None elsewhere."""
+    run = Path(model_dir).resolve().parent
+    if not (run / "metrics.jsonl").is_file():
+        return None
+    return run / "harness" / f"{'+'.join(tasks)}.json"

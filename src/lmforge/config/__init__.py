@@ -11,15 +11,18 @@ from lmforge.config.derived import (check_parallel_fits, compute_dtype,
                                     resolve_device, resolve_layout, samples_per_step)
 from lmforge.config.errors import ConfigError
 from lmforge.config.keys import DEVICES, PREFERENCE_OBJECTIVES, config_keys, describe_keys
-from lmforge.config.schema import (CHAT_TEMPLATES, DataConfig, JobConfig, LoraConfig,
+from lmforge.config.checks import harness_task_names
+from lmforge.config.schema import (CHAT_TEMPLATES, DataConfig, EvalConfig, JobConfig,
+                                   LoraConfig,
                                    ModelConfig, OptimConfig, ParallelConfig,
                                    QUANTIZE_FORMATS, TrainConfig, validate)
 
-__all__ = ["CHAT_TEMPLATES", "ConfigError", "DEVICES", "DataConfig", "JobConfig",
+__all__ = ["CHAT_TEMPLATES", "ConfigError", "DEVICES", "DataConfig", "EvalConfig",
+           "JobConfig",
            "LoraConfig", "ModelConfig", "OptimConfig", "PREFERENCE_OBJECTIVES",
            "ParallelConfig", "QUANTIZE_FORMATS", "TrainConfig", "apply_dict",
            "apply_override", "apply_run_defaults", "check_parallel_fits", "compute_dtype",
            "config_keys", "config_yaml", "describe_keys", "fine_tuning_defaults",
-           "grad_accumulation_steps", "load_config", "pipeline_microbatches",
+           "grad_accumulation_steps", "harness_task_names", "load_config", "pipeline_microbatches",
            "read_yaml_file", "resolve_device", "resolve_layout", "samples_per_step",
            "save_config", "set_field", "validate", "warmup_warning"]

@@ -35,6 +35,7 @@ def validate(cfg: "JobConfig", world_size: int = 1, distributed: Optional[bool] 
     _validate_grouping(cfg.data)
     _validate_in_backward(cfg, world_size, distributed)
     _validate_lora(cfg.lora)
+    _validate_harness(cfg.eval)
     if cfg.lora.enabled and cfg.parallel.tp > 1:
         raise ConfigError("parallel.tp: LoRA under tensor parallelism is not supported yet "
                           "(use data parallelism / FSDP2 for LoRA)")
@@ -107,6 +108,28 @@ def _validate_lora(lora: "LoraConfig") -> None:
         if not (Path(lora.adapter_from) / "adapter_config.json").is_file():
             raise ConfigError(f"lora.adapter_from: {lora.adapter_from} has no "
                               f"adapter_config.json (a PEFT adapter directory)")
+
+
+def _validate_harness(ev: "EvalConfig") -> None:
+    """The task names' shape and the folder; that each task exists is checked against
+    lm-eval's registry before training (``eval.harness.check_tasks``)."""
+    tasks = harness_task_names(ev.harness_tasks)
+    if ev.harness_include_path is not None and not Path(ev.harness_include_path).is_dir():
+        raise ConfigError(f"eval.harness_include_path: {ev.harness_include_path} is not a "
+                          f"directory")
+    if ev.harness_include_path is not None and not tasks:
+        raise ConfigError("eval.harness_include_path: set eval.harness_tasks to run its tasks")
+
+
+def harness_task_names(value) -> list[str]:
+    """``eval.harness_tasks`` as a list of names (a list, or names separated by commas)."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = value.split(",")
+    if not isinstance(value, (list, tuple)) or not all(isinstance(t, str) for t in value):
+        raise ConfigError(f"eval.harness_tasks: {value!r} is not a list of task names")
+    return [t.strip() for t in value if t.strip()]
 
 
 def _validate_preference(cfg: "JobConfig") -> None:

@@ -234,6 +234,22 @@ class LoraConfig:
 
 
 @dataclass
+class EvalConfig:
+    """lm-evaluation-harness benchmarks at the end of training (``lmforge bench-eval``'s
+    options; docs in README "Benchmark it")."""
+    # typed Any so that a comma-separated string is accepted on the command line
+    harness_tasks: Any = key(None, "lm-eval tasks scored after the last step (a list, or "
+                             "names separated by commas); their data must be local")
+    harness_include_path: Optional[str] = key(None, "a folder of task YAMLs (lm-eval's "
+                                              "--include-path)")
+    harness_limit: Optional[float] = key(None, "samples per task (a fraction when < 1)",
+                                         bound="> 0")
+    harness_num_fewshot: Optional[int] = key(None, "few-shot examples (default: the "
+                                             "task's)", bound=">= 0")
+    harness_batch_size: int = key(8, "requests scored per forward pass", bound="> 0")
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -241,6 +257,7 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -127,15 +127,9 @@ def run_harness(model: nn.Module, tokenizer: Tokenizer, device, tasks: list[str]
                 num_fewshot: Optional[int] = None, batch_size: int = 8) -> dict:
     """The harness's results for ``tasks`` ({task: {metric: value}}), with the number of
     samples scored per task."""
-    offline()
     from lm_eval import simple_evaluate  # optional: lm-evaluation-harness
-    from lm_eval.tasks import TaskManager
 
-    manager = TaskManager(include_path=str(include_path) if include_path else None)
-    unknown = [t for t in tasks if t not in manager.all_tasks]
-    if unknown:
-        raise ValueError(f"--tasks: {', '.join(unknown)}: no such task in lm-eval or in "
-                         f"--include-path")
+    manager = check_tasks(tasks, include_path)
     try:
         results = simple_evaluate(model=harness_model(model, tokenizer, device, batch_size),
                                   tasks=tasks, num_fewshot=num_fewshot, limit=limit,
@@ -146,6 +140,38 @@ def run_harness(model: nn.Module, tokenizer: Tokenizer, device, tasks: list[str]
                          f"{LOCAL_DATA_HINT}") from None
     return {"results": results["results"], "n_samples": results.get("n-samples", {}),
             "versions": results.get("versions", {})}
+
+
+def check_tasks(tasks: list[str], include_path: Optional[str | Path] = None,
+                fields: tuple[str, str] = ("--tasks", "--include-path")):
+    """lm-eval's task registry (with ``include_path``'s YAMLs), refusing a task it lacks;
+    ``fields`` name the options in the messages."""
+    offline()
+    try:
+        from lm_eval.tasks import TaskManager  # optional: lm-evaluation-harness
+    except ImportError:
+        raise ValueError(f"{fields[0]}: lm-evaluation-harness is not installed "
+                         f"(pip install lm-eval)") from None
+    manager = TaskManager(include_path=str(include_path) if include_path else None)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise ValueError(f"{fields[0]}: {', '.join(unknown)}: no such task in lm-eval or in "
+                         f"{fields[1]}")
+    return manager
+
+
+def headline_scores(results: dict) -> dict[str, float]:
+    """``run_harness``'s results as flat metrics, ``harness/<task>/<metric>`` (lm-eval's
+    unfiltered metrics, "acc,none"; their standard errors, and what is not a metric,
+    "alias", "sample_len", left out)."""
+    scores = {}
+    for task, metrics in results["results"].items():
+        for name, value in metrics.items():
+            metric, comma, filt = name.partition(",")  # ("acc", ",", "none"); no comma:
+            if comma and filt == "none" and not metric.endswith("_stderr") \
+                    and isinstance(value, (int, float)) and not isinstance(value, bool):
+                scores[f"harness/{task}/{metric}"] = float(value)
+    return scores
 
 
 def _one_line(e: Exception) -> str:

@@ -6,7 +6,8 @@ present) and writes, for one run or several overlaid on the same axes:
     loss_vs_step.png  loss_vs_tokens.png  eval_loss.png  lr.png  grad_norm.png
     tokens_per_s.png  memory.png  [mfu.png]      (a plot no run has data for is left out)
     summary.md        one row per run: steps, tokens, losses, throughput, MFU, memory;
-                      then one column per config value that differs between the runs
+                      the lm-eval scores in each run's harness/*.json; then one column
+                      per config value that differs between the runs
 
 Plots use matplotlib's object API (no pyplot, no global backend change); matplotlib is
 needed only here (the ``report`` extra), and its absence is a one-line message (the summary
@@ -35,6 +36,8 @@ class Run:
     records: list[dict]
     config: dict = field(default_factory=dict)
     summary: dict = field(default_factory=dict)  # summary.json: the final held-out loss
+    # harness/*.json (the end of training's and bench-eval's): file name -> their scores
+    benchmarks: dict = field(default_factory=dict)
 
     def final_eval(self) -> Optional[dict]:
         """The held-out loss the run measured after its last step (summary.json), as a
@@ -93,8 +96,32 @@ def load_runs(run_dirs: list[str | Path]) -> list[Run]:
         if not records:
             raise ValueError(f"{p / METRICS_FILE}: no records")
         runs.append(Run(label, p, records, _read_mapping(p / "config.yaml", read_yaml_file),
-                        _read_mapping(p / "summary.json", _read_json)))
+                        _read_mapping(p / "summary.json", _read_json), read_benchmarks(p)))
     return runs
+
+
+def read_benchmarks(run_dir: Path) -> dict[str, dict]:
+    """The flat scores (``harness/<task>/<metric>``) of each lm-eval result in
+    ``run_dir/harness/``; a file without them is left out."""
+    found = {}
+    for path in sorted((run_dir / "harness").glob("*.json")):
+        scores = _read_mapping(path, _read_json).get("scores")
+        if isinstance(scores, dict):
+            found[path.name] = {k: v for k, v in scores.items() if is_finite_number(v)}
+    return found
+
+
+def benchmark_section(runs: list[Run]) -> list[str]:
+    """One row per run, result file and score."""
+    rows = [[run.label, name, metric.removeprefix("harness/"), f"{value:.4f}"]
+            for run in runs for name, scores in run.benchmarks.items()
+            for metric, value in scores.items()]
+    if not rows:
+        return []
+    return (["", "## Benchmarks (lm-eval)", "",
+             "From each run's `harness/`: `train-end.json` is `eval.harness_tasks` after the "
+             "last step, the others `lmforge bench-eval` of the run's model.", ""]
+            + _table(["run", "file", "task/metric", "value"], rows))
 
 
 def _read_mapping(path: Path, parse) -> dict:
@@ -236,6 +263,7 @@ def markdown_summary(runs: list[Run], plots: dict[str, Path]) -> str:
               "the device's peak is unknown (CPU, or an accelerator not in the peak table). "
               "The best eval loss includes the held-out loss after the last step "
               "(summary.json)."]
+    lines += benchmark_section(runs)
     lines += config_section(runs)
     if plots:
         lines += ["", "## Plots", ""]

@@ -14,8 +14,9 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from lmforge.config import JobConfig, warmup_warning
+from lmforge.config import JobConfig, harness_task_names, warmup_warning
 from lmforge.data.build import DataBundle, build_data, check_data
+from lmforge.eval.harness import check_tasks
 from lmforge.job import Job, resolve
 from lmforge.models.common import count_parameters
 from lmforge.models.registry import build_model
@@ -64,6 +65,10 @@ def check_job(cfg: JobConfig, env: DistEnv) -> Job:
     job = resolve(cfg, env.world_size,
                   distributed=runs_distributed(cfg.parallel, env.world_size, env.torchrun))
     check_resume_path(cfg.train.resume, Path(cfg.train.output_dir) / CHECKPOINTS)
+    tasks = harness_task_names(cfg.eval.harness_tasks)
+    if tasks:  # not hours later, after the last step
+        check_tasks(tasks, cfg.eval.harness_include_path,
+                    ("eval.harness_tasks", "eval.harness_include_path"))
     check_data(cfg)  # last: it may read a whole text corpus
     return job
 

@@ -242,6 +242,8 @@ def summary_lines(summary: dict) -> list[str]:
         rows.append(("eval loss", f"{s['eval_loss']:.4f} ({_held_out(s)}{at})"))
     else:
         rows.append(("eval loss", f"none ({s.get('eval_note') or 'no held-out data'})"))
+    for metric, value in (s.get("harness") or {}).items():
+        rows.append((metric.removeprefix("harness/"), f"{value:.4f} (lm-eval)"))
     for key, name in (("checkpoint", "checkpoint"), ("hf_dir", "hf"),
                       ("adapter_dir", "adapter"), ("metrics", "metrics")):
         if s.get(key):

@@ -92,3 +92,51 @@ def test_bench_eval_prints_the_scores_and_refuses_a_task_without_local_data(
                  "--include-path", str(hub), "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "not on this machine" in err and "dataset_path: json" in err
+
+
+def test_a_train_config_runs_its_harness_tasks_after_the_last_step_and_report_shows_them(
+        assets, tmp_path, capsys):
+    """``eval.harness_tasks``: the scores are logged at the last step (metrics.jsonl),
+    written with lm-eval's results to RUN/harness/train-end.json, and equal bench-eval's
+    on the exported hf/ (which writes RUN/harness/tiny_mc.json by default); lmforge
+    report lists both."""
+    from lmforge.config import load_config
+    from lmforge.perf.report import write_report
+    from lmforge.train.loop import train
+
+    model_dir, tasks = assets
+    (tmp_path / "corpus.txt").write_text("the sky is blue and the grass is green\n" * 40)
+    out = tmp_path / "run"
+    cfg = load_config(None, [
+        f"model.init_from={model_dir}", "data.kind=text", f"data.path={tmp_path / 'corpus.txt'}",
+        "data.seq_len=16", "data.micro_batch_size=2", "data.eval_fraction=0",
+        "train.max_steps=2", "train.sample_tokens=1", f"train.output_dir={out}",
+        "train.progress_bar=false", "train.device=cpu", "eval.harness_tasks=tiny_mc",
+        f"eval.harness_include_path={tasks}", "eval.harness_batch_size=3"])
+    summary = train(cfg)
+    assert "tiny_mc/acc" in capsys.readouterr().out  # the summary block
+    end = json.loads((out / "harness" / "train-end.json").read_text())
+    acc = end["results"]["tiny_mc"]["acc,none"]
+    assert end["scores"] == {"harness/tiny_mc/acc": acc} == summary["harness"]
+    last = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
+    assert last["step"] == 2 and last["harness/tiny_mc/acc"] == acc
+    assert main(["bench-eval", "--model", str(out / "hf"), "--tasks", "tiny_mc",
+                 "--include-path", str(tasks), "--device", "cpu"]) == 0
+    after = json.loads((out / "harness" / "tiny_mc.json").read_text())
+    assert after["scores"]["harness/tiny_mc/acc"] == acc  # the same model, exported
+    report = write_report([out])["summary"].read_text()
+    assert "## Benchmarks (lm-eval)" in report
+    assert f"| run | train-end.json | tiny_mc/acc | {acc:.4f} |" in report
+    assert f"| run | tiny_mc.json | tiny_mc/acc | {acc:.4f} |" in report
+
+
+def test_an_unknown_harness_task_is_refused_before_training(assets, tmp_path, capsys):
+    model_dir, tasks = assets
+    assert main(["train", f"model.init_from={model_dir}", "data.kind=text",
+                 f"data.path={tmp_path / 'none.txt'}", "data.seq_len=16",
+                 f"train.output_dir={tmp_path / 'r'}",
+                 "eval.harness_tasks=tiny_mc,no_such_task",
+                 f"eval.harness_include_path={tasks}"]) == 2
+    err = capsys.readouterr().err
+    assert "eval.harness_tasks: no_such_task: no such task" in err
+    assert not (tmp_path / "r").exists()
