@@ -81,6 +81,8 @@ def tensorboard_tag(key: str) -> str:
     """``loss/loss``, ``perf/mfu``, ``memory/peak_mem_gib``, ...: grouped in the UI."""
     if key.startswith("eval_") and "/" in key:  # eval_rewards/chosen: eval/rewards/chosen
         return f"eval/{key[len('eval_'):]}"
+    if key.startswith("harness/"):  # harness/<task>/<metric>: grouped already
+        return key
     group = _TB_GROUPS.get(key) or ("memory" if key.endswith("_gib") else "train")
     return f"{group}/{key}"
 

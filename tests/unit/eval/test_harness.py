@@ -100,6 +100,8 @@ def test_a_train_config_runs_its_harness_tasks_after_the_last_step_and_report_sh
     written with lm-eval's results to RUN/harness/train-end.json, and equal bench-eval's
     on the exported hf/ (which writes RUN/harness/tiny_mc.json by default); lmforge
     report lists both."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     from lmforge.config import load_config
     from lmforge.perf.report import write_report
     from lmforge.train.loop import train
@@ -120,6 +122,10 @@ def test_a_train_config_runs_its_harness_tasks_after_the_last_step_and_report_sh
     assert end["scores"] == {"harness/tiny_mc/acc": acc} == summary["harness"]
     last = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
     assert last["step"] == 2 and last["harness/tiny_mc/acc"] == acc
+    board = EventAccumulator(str(out / "tensorboard"))
+    board.Reload()
+    assert [(e.step, e.value) for e in board.Scalars("harness/tiny_mc/acc")] == [
+        (2, pytest.approx(acc))]
     assert main(["bench-eval", "--model", str(out / "hf"), "--tasks", "tiny_mc",
                  "--include-path", str(tasks), "--device", "cpu"]) == 0
     after = json.loads((out / "harness" / "tiny_mc.json").read_text())
