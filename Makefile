@@ -27,7 +27,7 @@ test-deploy: setup
 # GPU). It uses that machine's Python as it is: GPU images have no package index.
 PYTHON ?= python3
 GPU_CHECK_OUT ?= runs/gpu-check
-GPU_CHECK_ARGS ?=
+GPU_CHECK_ARGS ?= --budget-s 420
 SRC_PATH = PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH}
 
 gpu-check:

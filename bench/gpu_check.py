@@ -10,7 +10,11 @@ an SFT file, all from Python's standard library: nothing is downloaded). Per pat
 records: ok / the error's first line, the loss at the first and last step, tokens/s and
 MFU (median over the steps after the first), peak allocated and reserved memory, and
 ``lmforge estimate``'s predicted peak for the same config. A failing path never stops the
-others. Results: ``OUT/gpu_check.json`` and ``OUT/gpu_check.md`` (also printed).
+others. Results: ``OUT/gpu_check.json`` and ``OUT/gpu_check.md`` (also printed), written
+again after every path and bench, so a call cut off at its time limit keeps what it
+measured; ``--budget-s S`` starts nothing after S seconds (the rest are rows marked
+skipped), ``--only WORD`` runs the paths whose name holds a word. A GPU-only path (flex)
+is a skipped row on the CPU.
 
 The benches are ``bench/train_step.py`` runs (each side in its own process): llama3.2-1b
 full bf16 at seq 2048, llama2-7b QLoRA at batch 4 x 2048 (the reference needs
@@ -58,7 +62,7 @@ FULL = Shapes(
     # llama3.2-1b's block shapes, 8 of its 16 layers: big enough for an honest MFU, small
     # enough that a dozen short runs fit a 10-minute slot.
     model=dict(dim=2048, n_layers=8, n_heads=32, n_kv_heads=8, ffn_dim=8192,
-               max_seq_len=4096, rope_theta=500000.0, tie_embeddings=True),
+               max_seq_len=8192, rope_theta=500000.0, tie_embeddings=True),
     tokenizer_vocab=32000, corpus_chars=4_000_000, seq_len=2048, micro_batch=2, steps=10,
     loss_chunk_tokens=1024, generate_tokens=256,
     benches=[
@@ -82,6 +86,7 @@ TINY = Shapes(
          "--loss-chunk-tokens", "32"],
     ],
     timeout_s=300)
+FLEX_CPU = "FlexAttention has no backward on the CPU"
 BENCH_STEPS = {"full": ["--steps", "6", "--warmup", "2"], "tiny": ["--steps", "1", "--warmup", "1"]}
 
 
@@ -90,12 +95,15 @@ class PathSpec:
     name: str
     overrides: list = field(default_factory=list)
     kind: str = "train"  # train | torchrun | generate | resume
+    gpu_only: str = ""  # why the path cannot run on the CPU (a skipped row there)
 
 
 def path_specs(shapes: Shapes) -> list[PathSpec]:
     low_memory = ["train.param_dtype=bf16", "optim.name=adamw_bf16", "optim.in_backward=true",
                   "optim.grad_clip=0"]
     lora = ["lora.enabled=true", "lora.rank=16", "lora.alpha=32", "lora.targets=all-linear"]
+    long_sequence = [f"data.seq_len={4 * shapes.seq_len}", "data.micro_batch_size=1",
+                     "data.document_mask=true", "train.activation_checkpointing=full"]
     return [
         PathSpec("full, eager"),
         PathSpec("full, train.compile=true", ["train.compile=true"]),
@@ -116,6 +124,15 @@ def path_specs(shapes: Shapes) -> list[PathSpec]:
         PathSpec("LoRA, int8 base", lora + ["lora.quantize=int8"]),
         PathSpec("packed SFT, document masks", ["data.kind=sft", "data.pack=true",
                                                 "data.template=plain"]),
+        # against the row above: FlexAttention's block masks for the same batches
+        PathSpec("packed SFT, document masks, flex", [
+            "data.kind=sft", "data.pack=true", "data.template=plain", "model.attention=flex"],
+            gpu_only=FLEX_CPU),
+        # four times the sequence, one row, documents packed back to back (flex, then sdpa
+        # with its dense mask): memory and speed as the sequence grows
+        PathSpec("long sequence, document masks, flex", long_sequence + ["model.attention=flex"],
+                 gpu_only=FLEX_CPU),
+        PathSpec("long sequence, document masks, sdpa", long_sequence),
         PathSpec("generation, KV cache", kind="generate"),
         PathSpec("checkpoint save, then resume", kind="resume"),
     ]
@@ -177,6 +194,8 @@ def with_sft_data(overrides: list[str], out: Path) -> list[str]:
 
 def run_path(spec: PathSpec, out: Path, shapes: Shapes, device: str) -> dict:
     result = {"path": spec.name, "ok": False}
+    if spec.gpu_only and device == "cpu":
+        return {**result, "ok": None, "skipped": spec.gpu_only, "seconds": 0.0}
     start = time.perf_counter()
     try:
         if spec.kind == "generate":
@@ -341,7 +360,8 @@ def markdown(report: dict) -> str:
              "| path | ok | loss first -> last | tokens/s | MFU | peak alloc GiB | "
              "peak reserved GiB | estimate GiB |", "|---|---|---|---:|---:|---:|---:|---:|"]
     for r in report["paths"]:
-        status = "ok" if r["ok"] else f"**error**: {r.get('error', '')}"
+        status = ("ok" if r["ok"] else f"skipped: {r['skipped']}" if r["ok"] is None
+                  else f"**error**: {r.get('error', '')}")
         losses = (f"{r['first_loss']:.4f} -> {r['last_loss']:.4f}"
                   if r.get("first_loss") is not None else "")
         lines.append(f"| {r['path']} | {status} | {losses} | {num(r.get('tokens_per_s'), ',.0f')} "
@@ -356,7 +376,8 @@ def markdown(report: dict) -> str:
         for side in ("lmforge", "reference"):
             r = b.get(side, {})
             if "error" in r or not r:
-                cells += [f"n/a ({r.get('error', b.get('error', 'not run'))})", "", ""]
+                why = b.get("skipped") or r.get("error", b.get("error", "not run"))
+                cells += [f"n/a ({why})", "", ""]
             else:
                 cells += [f"{r['tokens_per_s']:,.0f}", num(r.get("mfu"), ".1%"),
                           num(r.get("peak_mem_gib"), ".2f")]
@@ -410,6 +431,9 @@ def parse_args(argv=None):
     p.add_argument("--only", nargs="+", metavar="WORD",
                    help="run only the paths whose name contains one of these words")
     p.add_argument("--no-benches", action="store_true", help="skip the side-by-side benches")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="start no path or bench after this many seconds from the start "
+                   "(the rest are rows marked skipped; the report is written after each)")
     p.add_argument("--child-generate", help=argparse.SUPPRESS)
     p.add_argument("--tokens", type=int, default=64, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -434,25 +458,44 @@ def main(argv=None) -> int:
               "tiny": args.tiny, "seq_len": shapes.seq_len, "micro_batch": shapes.micro_batch,
               "steps": shapes.steps, "base": prepare(out, shapes), "paths": [], "benches": []}
     print(f"prepared in {time.perf_counter() - start:.0f} s: {report['base']}", flush=True)
+    report_dir = Path(args.report_dir or out)
+
+    def out_of_time() -> bool:
+        return args.budget_s is not None and time.perf_counter() - start > args.budget_s
+
     for spec in path_specs(shapes):
         if args.only and not any(w.lower() in spec.name.lower() for w in args.only):
             continue
-        result = run_path(spec, out, shapes, args.device)
+        result = (run_path(spec, out, shapes, args.device) if not out_of_time() else
+                  {"path": spec.name, "ok": None, "skipped": "time budget (--budget-s)"})
         report["paths"].append(result)
-        print(f"{spec.name}: {'ok' if result['ok'] else 'ERROR ' + result.get('error', '')} "
-              f"({result['seconds']} s)", flush=True)
+        print(f"{spec.name}: {status(result)} ({result.get('seconds', 0)} s)", flush=True)
+        write_report(report, report_dir, start)  # a call cut off keeps what it measured
     if not args.no_benches:
         for bench in shapes.benches:
-            report["benches"].append(run_bench(bench, out, args.tiny, args.device,
-                                               3 * shapes.timeout_s))
+            report["benches"].append(
+                run_bench(bench, out, args.tiny, args.device, 3 * shapes.timeout_s)
+                if not out_of_time() else
+                {"bench": " ".join(bench), "ok": None, "skipped": "time budget (--budget-s)"})
+            write_report(report, report_dir, start)
+    print(write_report(report, report_dir, start))
+    return 0 if all(r["ok"] is not False for r in report["paths"]) else 1
+
+
+def status(result: dict) -> str:
+    if result["ok"] is None:
+        return f"skipped: {result['skipped']}"
+    return "ok" if result["ok"] else "ERROR " + result.get("error", "")
+
+
+def write_report(report: dict, report_dir: Path, start: float) -> str:
+    """gpu_check.json and gpu_check.md as they stand; returns the table."""
     report["seconds"] = time.perf_counter() - start
-    report_dir = Path(args.report_dir or out)
     report_dir.mkdir(parents=True, exist_ok=True)
     (report_dir / "gpu_check.json").write_text(json.dumps(report, indent=2))
     table = markdown(report)
     (report_dir / "gpu_check.md").write_text(table)
-    print(table)
-    return 0 if all(r["ok"] for r in report["paths"]) else 1
+    return table
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from lmforge.config import (JobConfig, compute_dtype, grad_accumulation_steps,
+from lmforge.config import (ConfigError, JobConfig, compute_dtype, grad_accumulation_steps,
                             pipeline_microbatches, resolve_device, resolve_layout,
                             samples_per_step)
 from lmforge.data.tokenizer import load_tokenizer
@@ -124,6 +124,9 @@ def resolve(cfg: JobConfig, world_size: int = 1, *, distributed: Optional[bool] 
     family = family_of(args)
     resolve_targets(cfg.lora.targets, family.projections)  # peft's one rule, by its names
     device = _device_type(device or cfg.train.device)
+    if cfg.model.attention == "flex" and device == "cpu":
+        raise ConfigError("model.attention: flex cannot train on the CPU (PyTorch's "
+                          "FlexAttention has no backward there); use sdpa on the CPU")
     layout = Layout(**resolve_layout(cfg.parallel, world_size))
     return Job(config=copy.deepcopy(cfg), args=args, layout=layout,
                batch=_batch(cfg, layout), distributed=distributed, device=device,

@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed "
                     "(make test-deploy installs it)")
 pytest.importorskip("lm_eval")
-pytestmark = pytest.mark.deploy
+pytestmark = [pytest.mark.deploy, pytest.mark.slow]  # (minutes: make test-deploy runs it)
 ROOT = Path(__file__).resolve().parents[2]
 
 

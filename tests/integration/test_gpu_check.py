@@ -14,7 +14,10 @@ PATHS = ["full, eager", "full, train.compile=true", "activation checkpointing fu
          "low memory (bf16 weights, adamw_bf16, in backward)",
          "fp16 autocast, dynamic loss scaling", "FSDP2, one process (torchrun, dp_shard=1)",
          "LoRA", "QLoRA NF4", "LoRA, int8 base",
-         "packed SFT, document masks", "generation, KV cache", "checkpoint save, then resume"]
+         "packed SFT, document masks", "packed SFT, document masks, flex",
+         "long sequence, document masks, flex", "long sequence, document masks, sdpa",
+         "generation, KV cache", "checkpoint save, then resume"]
+GPU_ONLY = {"packed SFT, document masks, flex", "long sequence, document masks, flex"}
 
 
 @pytest.mark.slow
@@ -27,6 +30,9 @@ def test_gpu_check_runs_every_path_on_tiny_cpu_shapes(tmp_path):
     report = json.loads((tmp_path / "report" / "gpu_check.json").read_text())
     assert [r["path"] for r in report["paths"]] == PATHS
     for row in report["paths"]:
+        if row["path"] in GPU_ONLY:  # a row saying why, not a failure
+            assert row["ok"] is None and "no backward on the CPU" in row["skipped"], row
+            continue
         assert row["ok"], row
         assert row["tokens_per_s"] > 0 and row["peak_allocated_gib"] > 0, row
         if row["path"] != "generation, KV cache":
@@ -42,4 +48,21 @@ def test_gpu_check_runs_every_path_on_tiny_cpu_shapes(tmp_path):
     assert not any(runs.glob("full-eager/checkpoints/*")) and not (runs / "full-eager/hf").exists()
     assert [b["ok"] for b in report["benches"]] == [True, True, True], report["benches"]
     table = (tmp_path / "report" / "gpu_check.md").read_text()
-    assert all(f"| {name} | ok |" in table for name in PATHS), table
+    assert all(f"| {name} | ok |" in table for name in set(PATHS) - GPU_ONLY), table
+    assert "| packed SFT, document masks, flex | skipped: FlexAttention has no backward" in table
+
+
+@pytest.mark.slow
+def test_gpu_check_starts_nothing_past_its_budget_and_writes_the_report_anyway(tmp_path):
+    """--budget-s 0: every path and bench is a row marked skipped, in the report that a
+    cut-off device call would bring back."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device",
+                           "cpu", "--tiny", "--out", str(tmp_path), "--budget-s", "0"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [r["path"] for r in report["paths"]] == PATHS
+    assert {r["skipped"] for r in report["paths"] + report["benches"]} == {
+        "time budget (--budget-s)"}
+    assert "| full, eager | skipped: time budget (--budget-s) |" in (
+        tmp_path / "gpu_check.md").read_text()

@@ -45,6 +45,14 @@ class ModelConfig:
                                         bound="> 0")
     rotary_dim: Optional[int] = key(None, "features of each head that rotate (GPT-J)",
                                     bound="> 0")
+    # typed Any: a mapping, in transformers' form (YAML, or {...} on the command line)
+    rope_scaling: Any = key(None, "extend the context: {rope_type: yarn | linear | llama3, "
+                            "factor: F, original_max_position_embeddings: N, ...} as in "
+                            "transformers' config.json (Llama-shaped families); "
+                            "model.max_seq_len follows unless set")
+    attention: str = key("sdpa", "how packed documents and sliding windows are masked: "
+                         "sdpa (a dense mask) | flex (FlexAttention block masks, compiled; "
+                         "a GPU for training)", choices=("sdpa", "flex"))
 
 
 @dataclass

@@ -17,8 +17,9 @@ and preference pairs next) gives:
   ``group_size``: samples per optimizer step the stream's order depends on (0: none).
 
 A training batch holds ``input_ids`` and ``labels`` (``IGNORE_INDEX`` where a position has
-no target), with document boundaries as ``positions`` and a block-causal ``mask`` when
-packed or document-masked, and ``sample_ids``, the rows' stream indices.
+no target), with document boundaries as ``positions`` and each position's document id,
+``segments`` (which the model turns into a block-causal mask), when packed or
+document-masked, and ``sample_ids``, the rows' stream indices.
 """
 from __future__ import annotations
 
@@ -112,22 +113,14 @@ def positions_from_segments(segments: np.ndarray) -> np.ndarray:
     return np.arange(n, dtype=np.int64) - np.repeat(starts, run_lengths)
 
 
-def block_causal_mask(segments: torch.Tensor) -> torch.Tensor:
-    """(batch, seq) segment ids -> (batch, 1, seq, seq) bool: causal and same segment."""
-    seq = segments.shape[-1]
-    same = segments[:, :, None] == segments[:, None, :]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=segments.device).tril()
-    return (same & causal)[:, None]
-
-
 def collate(rows: list[dict], sample_ids: Iterable[int]) -> dict:
     """Row dicts of numpy arrays -> the batch dict of tensors."""
     batch = {"input_ids": torch.from_numpy(np.stack([r["input_ids"] for r in rows])),
              "labels": torch.from_numpy(np.stack([r["labels"] for r in rows]))}
     if "segments" in rows[0]:
         batch["positions"] = torch.from_numpy(np.stack([r["positions"] for r in rows]))
-        batch["mask"] = block_causal_mask(torch.from_numpy(np.stack([r["segments"]
-                                                                     for r in rows])))
+        # the documents, which the model's attention keeps apart (models/attention.py)
+        batch["segments"] = torch.from_numpy(np.stack([r["segments"] for r in rows]))
     batch["sample_ids"] = torch.tensor(list(sample_ids), dtype=torch.long)
     return batch
 

@@ -8,8 +8,8 @@ dataset's collate (``ds.batch``) of the rows the sampler deals this rank, e.g.::
 
     input_ids  LongTensor (micro_batch, seq)
     labels     LongTensor (micro_batch, seq), -100 where there is no target
-    positions  LongTensor (micro_batch, seq)         } with document masking or
-    mask       BoolTensor (micro_batch, 1, seq, seq) } SFT packing; True = may attend
+    positions  LongTensor (micro_batch, seq)  } with document masking or SFT packing:
+    segments   LongTensor (micro_batch, seq)  } each position's document (models/attention)
     sample_ids LongTensor (micro_batch,): the rows' indices in the global sample stream
 
 ``seq`` is ``data.seq_len``, except for unpacked SFT batches: those are padded to their

@@ -203,6 +203,10 @@ def gguf_family(model_dir: Path):
     if isinstance(family.gguf, str):
         raise GGUFError(f"{model_dir}: no GGUF export of the {family.name} family "
                         f"(model_type {args.family!r}): {family.gguf}; export to HF instead")
+    why = getattr(family.gguf, "unsupported", lambda _: "")(args)
+    if why:
+        raise GGUFError(f"{model_dir}: no GGUF export of this model: {why}; export to HF "
+                        f"instead")
     return args, family
 
 

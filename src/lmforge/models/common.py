@@ -1,6 +1,7 @@
 """What every family's model shares: the names of a block's projections, the KV cache of
-incremental decoding, the gated MLP, the stack of blocks, the causal mask with cached
-positions, and allocating a meta-built model (``materialize``)."""
+incremental decoding, the gated MLP, the stack of blocks (which applies
+``model.attention`` to a packed batch's ``DocumentMask``), and allocating a meta-built
+model (``materialize``)."""
 from __future__ import annotations
 
 import functools
@@ -10,6 +11,8 @@ from typing import Callable, Mapping, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from lmforge.models.attention import DocumentMask
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,7 @@ class DecoderStack(nn.Module):
         final norm."""
         super().__init__()
         self.args = args
+        self.attention = "sdpa"  # model.attention: how a mask is applied (models/attention.py)
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): block(args, i) for i in range(args.n_layers)})
         self.norm = norm
@@ -116,11 +120,16 @@ class DecoderStack(nn.Module):
                 mask: Optional[torch.Tensor] = None, caches: Optional[list[KVCache]] = None,
                 head: bool = True):
         """tokens: (batch, seq) ids, or hidden states (batch, seq, dim) on a later pipeline
-        stage. positions: (batch, seq), default 0..seq-1 after any cached ones. mask:
-        boolean (batch, 1, seq, keys), True = may attend; None = causal. head=False stops
+        stage. positions: (batch, seq), default 0..seq-1 after any cached ones. mask: a
+        packed batch's ``DocumentMask``, or boolean (batch, 1, seq, keys), True = may
+        attend; None = causal. head=False stops
         after the final norm, for a loss that applies ``output`` a chunk at a time."""
         embeds = self.tok_embeddings is not None and not tokens.is_floating_point()
         h = self.tok_embeddings(tokens) if embeds else tokens
+        if isinstance(mask, DocumentMask):
+            mask = mask.using(self.attention)
+        elif mask is None and self.attention != "sdpa" and not caches:
+            mask = DocumentMask(None, self.attention)  # (a sliding window's, under flex)
         for i, layer in enumerate(self.layers.values()):
             h = layer(h, positions, mask, caches[i] if caches else None)  # (batch, seq, dim)
         if self.norm is not None:
@@ -154,13 +163,6 @@ def new_caches(model: nn.Module, batch: int, max_len: int) -> list[KVCache]:
     p = next(model.parameters())
     return [KVCache.empty(model.args, batch, max_len, p.device, p.dtype)
             for _ in model.layers]
-
-
-def causal_mask(seq: int, past: int, device) -> torch.Tensor:
-    """(seq, past + seq) boolean mask: query i sees keys up to past + i."""
-    q_pos = torch.arange(past, past + seq, device=device)[:, None]
-    k_pos = torch.arange(past + seq, device=device)[None, :]
-    return k_pos <= q_pos
 
 
 def materialize(model: nn.Module, device: str | torch.device, init: bool = True) -> nn.Module:

@@ -116,6 +116,9 @@ class ModelFamily:
     as_variant: Callable[[Any, str], Any] = lambda args, model_type: args
     # HF checkpoint keys that hold buffers rather than weights (ignored on load).
     ignored_hf_suffixes: tuple[str, ...] = ()
+    # transformers' rope_scaling mapping -> the args' rope_scaling (mapping, where, the
+    # model's positions), for ``model.rope_scaling``; None: the family takes no override.
+    rope_scaling: Optional[Callable[[dict, str, int], Any]] = None
     # How llama.cpp reads the family (architecture, write_hparams, tensors; see
     # models/llama/gguf.py), or why it has no GGUF form (a sentence, for the refusal).
     gguf: Any = "lmforge has no GGUF form for it"

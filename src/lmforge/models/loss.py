@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lmforge import IGNORE_INDEX
+from lmforge.models.attention import DocumentMask
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -66,8 +67,12 @@ def micro_batch_loss_sum(model: nn.Module, batch: dict, device: torch.device,
 
 
 def model_inputs(batch: dict, device: torch.device) -> dict:
+    """The model's arguments from a batch: its tokens, positions, and its documents
+    (``segments``) as a ``DocumentMask`` (or an explicit boolean ``mask``)."""
     inputs = {"tokens": batch["input_ids"].to(device, non_blocking=True)}
     for key in ("positions", "mask"):
         if batch.get(key) is not None:
             inputs[key] = batch[key].to(device, non_blocking=True)
+    if batch.get("segments") is not None:
+        inputs["mask"] = DocumentMask(batch["segments"].to(device, non_blocking=True))
     return inputs

@@ -23,7 +23,9 @@ def check_model_args(args, seq_len: Optional[int] = None) -> None:
     family_of(args).check_args(args)
     if seq_len is not None and seq_len > args.max_seq_len:
         raise ConfigError(f"data.seq_len: {seq_len} exceeds the model's max_seq_len "
-                          f"({args.max_seq_len})")
+                          f"({args.max_seq_len}, model.max_seq_len); extend the context "
+                          f"first: model.rope_scaling (yarn, linear, llama3) or a larger "
+                          f"model.rope_theta, with model.max_seq_len")
 
 
 _ARG_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim",
@@ -43,6 +45,7 @@ def model_args(cfg: JobConfig, base: Optional[Any] = None) -> Any:
         args = _as_variant(args, cfg.model.family)
     changes = {k: getattr(cfg.model, k) for k in _ARG_FIELDS if getattr(cfg.model, k) is not None}
     changes |= _family_changes(cfg, args)
+    changes |= _rope_scaling_changes(cfg, args)
     if "n_heads" in changes and "n_kv_heads" not in changes and args.n_kv_heads == args.n_heads:
         changes["n_kv_heads"] = changes["n_heads"]
     return dataclasses.replace(args, **changes)
@@ -82,6 +85,32 @@ def job_model_args(cfg: JobConfig, tokenizer_vocab: Optional[int] = None):
         if cfg.model.vocab_size is None and tokenizer_vocab is not None:
             args = dataclasses.replace(args, vocab_size=tokenizer_vocab)
     return args
+
+
+def _rope_scaling_changes(cfg: JobConfig, args) -> dict:
+    """``model.rope_scaling`` as the args' scaling, and the positions it reaches as
+    ``max_seq_len`` (unless model.max_seq_len says otherwise)."""
+    value = cfg.model.rope_scaling
+    if value is None:
+        return {}
+    parse = family_of(args).rope_scaling
+    if parse is None:
+        raise ConfigError(f"model.rope_scaling: the {family_of(args).name} family takes its "
+                          f"RoPE from its config.json only (Llama, Mistral, Qwen2 and Qwen3 "
+                          f"take this override)")
+    if not isinstance(value, dict):
+        raise ConfigError(f"model.rope_scaling: {value!r} is not a mapping (e.g. {{rope_type: "
+                          f"yarn, factor: 4.0, original_max_position_embeddings: 32768}})")
+    try:
+        scaling = parse(value, "model.rope_scaling", args.max_seq_len)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    changes = {"rope_scaling": scaling}
+    if scaling is not None and cfg.model.max_seq_len is None:
+        original = (args.max_seq_len if scaling.kind == "linear"
+                    else scaling.original_max_position_embeddings)
+        changes["max_seq_len"] = max(args.max_seq_len, int(original * scaling.factor))
+    return changes
 
 
 def _as_variant(args, model_type: str):

@@ -102,8 +102,8 @@ def test_resume_gives_the_uninterrupted_sequence(data, tokenizer, case, dp):
     assert width == SEQ or (case == "sft" and width % 8 == 0)
     assert batch["input_ids"].shape == batch["labels"].shape == (MICRO, width)
     assert batch["input_ids"].dtype == batch["labels"].dtype == torch.long
-    if "mask" in batch:
-        assert batch["mask"].shape == (MICRO, 1, SEQ, SEQ) and batch["mask"].dtype == torch.bool
+    if "segments" in batch:
+        assert batch["segments"].shape == (MICRO, SEQ) and batch["segments"].dtype == torch.long
         assert batch["positions"].shape == (MICRO, SEQ)
     ds = first[0].dataset
     epoch = getattr(ds, "samples_per_epoch", None) or getattr(ds, "rows_in_epoch", None)
@@ -181,7 +181,7 @@ def test_eval_batches_cover_every_token_once(data, tokenizer):
     cfg = _cfg(data, "pretrain", document_mask=True)
     masked = list(iter_eval_batches(cfg, tokenizer, str(data / "a") + ".bin", SEQ, 4))
     n_masked = sum(int((b["labels"] != -100).sum()) for b in masked)
-    assert "mask" in masked[0] and n_masked == len(stream) - 1 - (ds.num_documents - 1)
+    assert "segments" in masked[0] and n_masked == len(stream) - 1 - (ds.num_documents - 1)
 
 
 def test_eval_batches_read_sft_and_text_files_and_refuse_other_suffixes(data, tokenizer, tmp_path):

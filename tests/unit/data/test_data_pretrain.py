@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from lmforge.data.errors import DataError
 from lmforge.data.indexed import IndexedDataset
 from lmforge.data.dataset import collate, make_row
+from lmforge.models.attention import DocumentMask
 from lmforge.data.loader import build_pretrain_dataset, pretrain_sources
 from lmforge.data.pretrain import BlendedDataset, PretrainDataset
 from lmforge.data.preprocess import preprocess
@@ -162,9 +163,9 @@ def test_document_mask_packed_equals_documents_alone(prefix, tokenizer):
     ks = [k for k in range(40) if len(ds.window_pieces(*ds.locate(k))) >= 3][:2]
     assert len(ks) == 2, "the test needs windows holding several documents"
     batch = collate([ds[k] for k in ks], ks)
-    assert batch["mask"].shape == (2, 1, seq, seq) and batch["mask"].dtype == torch.bool
+    assert batch["segments"].shape == (2, seq) and "mask" not in batch
     packed = _loss_sum(model, batch["input_ids"], batch["labels"],
-                       positions=batch["positions"], mask=batch["mask"])
+                       positions=batch["positions"], mask=DocumentMask(batch["segments"]))
     packed_count = int((batch["labels"] != -100).sum())
     packed_grads = _grads(model, packed)
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from lmforge.config import load_config
 from lmforge.data import sft as sft_mod
 from lmforge.data.build import build_data, check_data
+from lmforge.models.attention import DocumentMask
 from lmforge.data.errors import DataError
 from lmforge.data.dataset import collate
 from lmforge.data.sft import SFTDataset, record_messages
@@ -242,15 +243,15 @@ def test_packed_rows_equal_the_unpacked_batch(tmp_path, tokenizer):
     ks = [k for k in range(ds.rows_in_epoch(0)) if len(ds.samples_of(k)) >= 3][:2]
     assert len(ks) == 2
     packed = collate([ds[k] for k in ks], ks)
-    assert packed["mask"].shape == (2, 1, seq, seq)
+    assert packed["segments"].shape == (2, seq)
     members = [i for k in ks for i in ds.samples_of(k)]
     unpacked = collate([sft_row([ds.sample(i)], seq, tokenizer.pad_id, packed=False)
                         for i in members], members)
-    assert "mask" not in unpacked
+    assert "segments" not in unpacked
     assert int((packed["labels"] != -100).sum()) == int((unpacked["labels"] != -100).sum())
     model = fp64_llama(tokenizer.vocab_size, max_seq_len=256)
     loss_p, grads_p = _loss_and_grads(model, packed, positions=packed["positions"],
-                                      mask=packed["mask"])
+                                      mask=DocumentMask(packed["segments"]))
     loss_u, grads_u = _loss_and_grads(model, unpacked)
     torch.testing.assert_close(loss_p, loss_u, rtol=1e-10, atol=1e-10)
     for name in grads_p:

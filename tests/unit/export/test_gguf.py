@@ -216,3 +216,11 @@ def test_a_lora_gguf_holds_each_adapted_weights_a_and_b_under_the_base_tensors_n
     assert shapes["blk.0.attn_q.weight.lora_a"] == (64, 4)  # ggml order: (in, rank)
     b = next(t for t in reader.tensors if t.name == "blk.0.attn_v.weight.lora_b")
     assert float(b.data.max()) == pytest.approx(8.0 / 4)  # alpha / r folded into B
+
+
+def test_a_yarn_extended_model_is_refused_before_anything_is_written(tmp_path):
+    src = model_dir(tmp_path / "src", "qwen2", rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+    with pytest.raises(GGUFError, match="YaRN RoPE scaling is not written to GGUF yet"):
+        export_gguf(src, tmp_path / "m.gguf")
+    assert not list(tmp_path.glob("*.gguf*"))

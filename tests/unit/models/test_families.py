@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from lmforge.models.hf import HFCheckpointError, load_hf_model
 from lmforge.config import ConfigError
 from lmforge.models.common import count_parameters
-from lmforge.models.llama import sliding_window_mask
+from lmforge.models.attention import sliding_window_mask
 from lmforge.models.presets import PRESETS, check_model_args
 from lmforge.models.registry import build_model
 from helpers.hf_models import random_hf_causal_lm, random_hf_gptj

@@ -27,6 +27,16 @@ VARIANTS = {
     "mha_tied": dict(num_key_value_heads=4, tie_word_embeddings=True),
     "gqa_tied_llama3_scaling": dict(num_key_value_heads=1, tie_word_embeddings=True,
                                     rope_theta=500000.0, rope_scaling=LLAMA3_SCALING),
+    # a context extended as users extend it: a raised base and YaRN (the ramp between
+    # beta_slow and beta_fast falls inside head_dim 16 at original length 32), or linear
+    "gqa_raised_base_yarn": dict(
+        num_key_value_heads=2, tie_word_embeddings=False, rope_theta=1e6, rope_scaling={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),
+    "gqa_yarn_explicit": dict(num_key_value_heads=2, tie_word_embeddings=False, rope_scaling={
+        "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 48,
+        "beta_fast": 16.0, "beta_slow": 2.0, "attention_factor": 1.3, "truncate": False}),
+    "gqa_linear": dict(num_key_value_heads=2, tie_word_embeddings=True,
+                       rope_scaling={"rope_type": "linear", "factor": 2.0}),
 }
 VOCAB = 102  # not a multiple of 8; even, so Meta-style row shards split it in two
 
@@ -127,10 +137,15 @@ def test_config_refuses_unsupported_fields_naming_them(field, value):
         args_from_hf_config(config)
 
 
-def test_config_refuses_non_llama3_rope_scaling():
+def test_config_refuses_a_rope_scaling_it_does_not_compute():
     config = make_hf_model().config.to_dict()
-    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}
-    with pytest.raises(ValueError, match="rope_parameters.rope_type"):
+    config["rope_parameters"] = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}
+    with pytest.raises(ValueError, match="rope_parameters.rope_type = 'dynamic' is not "
+                                         "supported"):
+        args_from_hf_config(config)
+    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                 "mscale": 0.7, "mscale_all_dim": 0.7}
+    with pytest.raises(ValueError, match="rope_parameters.mscale"):
         args_from_hf_config(config)
 
 

@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmforge.models.common import (DecoderStack, GatedMLP, KVCache, Projections,
-                                   causal_mask)
+from lmforge.models.attention import attend
+from lmforge.models.common import DecoderStack, GatedMLP, KVCache, Projections
 from lmforge.models.family import BlockSpec
-from lmforge.models.llama.model import apply_rope, sliding_window_mask
+from lmforge.models.llama.model import apply_rope
 
 PROJECTIONS = Projections(
     attention=("q_proj", "k_proj", "v_proj", "o_proj"),
@@ -133,14 +133,9 @@ class Attention(nn.Module):
         q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
         if cache is not None:
             k, v = cache.append(k, v)  # (b, kv, past + s, hd)
-        if self.sliding:
-            mask = sliding_window_mask(mask, seq, past, self.args.sliding_window, x.device)
-        if mask is None and past > 0 and seq > 1:
-            mask = causal_mask(seq, past, x.device)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None and past == 0,
-            scale=self.args.query_pre_attn_scalar ** -0.5,
-            enable_gqa=q.shape[1] != k.shape[1])  # (b, h, s, hd)
+        out = attend(q, k, v, mask, past=past,
+                     window=self.args.sliding_window if self.sliding else None,
+                     scale=self.args.query_pre_attn_scalar ** -0.5)  # (b, h, s, hd)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 

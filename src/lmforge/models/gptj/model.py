@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmforge.models.common import DecoderStack, KVCache, Projections, causal_mask
+from lmforge.models.attention import attend
+from lmforge.models.common import DecoderStack, KVCache, Projections
 from lmforge.models.family import BlockSpec
 
 # Hugging Face's names for the block's linear layers, and the names users also give them.
@@ -103,10 +104,7 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (b, h, s, hd)
         if cache is not None:
             k, v = cache.append(k, v)  # (b, h, past + s, hd)
-        if mask is None and past > 0 and seq > 1:
-            mask = causal_mask(seq, past, x.device)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                             is_causal=mask is None and past == 0)
+        out = attend(q, k, v, mask, past=past)  # (b, h, s, hd)
         return self.out_proj(out.transpose(1, 2).reshape(batch, seq, -1))  # (b, s, dim)
 
     def reset_parameters(self, std: float, out_std: float) -> None:

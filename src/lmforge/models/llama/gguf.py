@@ -26,6 +26,15 @@ def architecture(args: LlamaArgs) -> str:
     return ARCHITECTURES[args.family]
 
 
+def unsupported(args: LlamaArgs) -> str:
+    """Why this model has no GGUF form ("" when it has one)."""
+    if args.rope_scaling is not None and args.rope_scaling.kind == "yarn":
+        # its cos/sin scale has no place in a rope_freqs tensor, and llama.cpp's own YaRN
+        # keys are not verified against transformers' here
+        return "its YaRN RoPE scaling is not written to GGUF yet"
+    return ""
+
+
 def write_hparams(writer, args: LlamaArgs) -> None:
     """The shape keys llama.cpp reads for this architecture."""
     write_gguf_shape(writer, args, args.head_dim)
@@ -41,7 +50,7 @@ def tensors(hf_sd: dict, args: LlamaArgs, name_map) -> Iterator[tuple[str, torch
         if name == "lm_head.weight" and args.tie_embeddings:
             continue  # llama.cpp reads a missing output as the token embedding
         yield gguf_name(name, name_map), rows_as_gguf(name, tensor, args)
-    if args.rope_scaling is not None:  # Llama 3.1: the divisor of each rotary frequency
+    if args.rope_scaling is not None:  # Llama 3.1, linear: each rotary frequency's divisor
         plain = LlamaArgs(**{**args.__dict__, "rope_scaling": None})
         yield "rope_freqs.weight", (rope_frequencies(plain) / rope_frequencies(args)).float()
 

@@ -151,26 +151,66 @@ def _rope_scaling(cfg: dict, source: str) -> Optional[RopeScaling]:
     rope = cfg.get(name) or {}
     if not isinstance(rope, dict):
         raise HFCheckpointError(f"{source}: {name}: {rope!r} is not an object")
+    return rope_scaling_from(rope, f"{source}: {name}", config_int(
+        cfg, "max_position_embeddings", source, _LLAMA_DEFAULTS["max_position_embeddings"]))
+
+
+ROPE_KINDS = ("default", "linear", "llama3", "yarn")
+
+
+def rope_scaling_from(rope: dict, where: str, max_positions: int) -> Optional[RopeScaling]:
+    """transformers' rope_scaling / rope_parameters mapping -> ``RopeScaling`` (None: no
+    scaling), refusing a kind or a field lmforge would compute otherwise; ``where`` names
+    it (``config.json: rope_scaling``, ``model.rope_scaling``)."""
     kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ROPE_KINDS:
+        raise HFCheckpointError(f"{where}.rope_type = {kind!r} is not supported (lmforge "
+                                f"supports {', '.join(ROPE_KINDS)})")
     if kind == "default":
         return None
-    if kind != "llama3":
-        raise HFCheckpointError(f"{source}: {name}.rope_type = {kind!r} is not supported "
-                                f"(lmforge supports 'default' and 'llama3')")
-    where = f"{source}: {name}"
-    return RopeScaling(config_float(rope, "factor", where),
-                       config_float(rope, "low_freq_factor", where),
-                       config_float(rope, "high_freq_factor", where),
-                       config_int(rope, "original_max_position_embeddings", where))
+    factor = config_float(rope, "factor", where)
+    if kind == "linear":
+        return RopeScaling(factor=factor, kind="linear")
+    if kind == "llama3":
+        return RopeScaling(factor, config_float(rope, "low_freq_factor", where),
+                           config_float(rope, "high_freq_factor", where),
+                           config_int(rope, "original_max_position_embeddings", where))
+    # (transformers 5 takes max_position_embeddings where the original length is absent)
+    original = config_int(rope, "original_max_position_embeddings", where, max_positions)
+    for unsupported in ("mscale", "mscale_all_dim"):
+        if rope.get(unsupported):
+            raise HFCheckpointError(f"{where}.{unsupported}: DeepSeek's YaRN attention "
+                                    f"factor is not supported")
+    attention = rope.get("attention_factor")
+    return RopeScaling(
+        factor=factor, original_max_position_embeddings=original, kind="yarn",
+        beta_fast=config_float(rope, "beta_fast", where, 32.0),
+        beta_slow=config_float(rope, "beta_slow", where, 1.0),
+        attention_factor=None if attention is None else config_float(rope, "attention_factor",
+                                                                      where),
+        truncate=config_bool(rope, "truncate", where, True))
+
+
+def rope_scaling_dict(s: Optional[RopeScaling]) -> Optional[dict]:
+    """``RopeScaling`` as transformers' rope_scaling mapping (the inverse of the above)."""
+    if s is None:
+        return None
+    if s.kind == "linear":
+        return {"rope_type": "linear", "factor": s.factor}
+    if s.kind == "yarn":
+        return {"rope_type": "yarn", "factor": s.factor, "beta_fast": s.beta_fast,
+                "beta_slow": s.beta_slow, "truncate": s.truncate,
+                "original_max_position_embeddings": s.original_max_position_embeddings,
+                **({"attention_factor": s.attention_factor}
+                   if s.attention_factor is not None else {})}
+    return {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings}
 
 
 def hf_config_from_args(args: LlamaArgs) -> dict:
     """``LlamaArgs`` -> a config.json dict that transformers 4.45+ and 5.x load."""
-    s = args.rope_scaling
-    rope_scaling = None if s is None else {
-        "rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-        "high_freq_factor": s.high_freq_factor,
-        "original_max_position_embeddings": s.original_max_position_embeddings}
+    rope_scaling = rope_scaling_dict(args.rope_scaling)
     architecture = VARIANTS[args.family].architecture
     cfg = decoder_config_fields(args, architecture, args.family) | {
         "head_dim": args.head_dim, "rope_scaling": rope_scaling, "hidden_act": "silu",

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmforge.models.common import DecoderStack, GatedMLP, KVCache, Projections, causal_mask
+from lmforge.models.attention import attend
+from lmforge.models.common import DecoderStack, GatedMLP, KVCache, Projections
 from lmforge.models.family import BlockSpec
 
 # Hugging Face's names for the block's linear layers, and the names users also give them.
@@ -31,11 +32,29 @@ PROJECTIONS = Projections(
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3.1 frequency scaling for long contexts."""
+    """RoPE scaling for a context longer than pretraining's, as transformers computes it:
+    ``llama3`` (Llama 3.1's band-wise slowdown: the default), ``linear`` (every frequency
+    divided by ``factor``: position interpolation) or ``yarn`` (YaRN: frequencies below
+    the ``beta_slow`` .. ``beta_fast`` rotation band interpolated, above it kept, a ramp
+    between; cos and sin scaled by ``attention_factor``, default 0.1 ln(factor) + 1)."""
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    kind: str = "llama3"  # transformers' rope_type
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: Optional[float] = None  # yarn: None = from factor
+    truncate: bool = True  # yarn: the correction band rounded outwards to whole dimensions
+
+    @property
+    def cos_sin_scale(self) -> float:
+        """What cos and sin are multiplied by (YaRN's attention factor; else 1)."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
 
 
 @dataclass(frozen=True)
@@ -91,13 +110,17 @@ class RMSNorm(nn.Module):
 # ------------------------------------------------------------------------------ RoPE
 
 def rope_frequencies(args: LlamaArgs, device=None) -> torch.Tensor:
-    """Inverse frequencies theta^(-2i/d), with Llama-3 scaling when configured."""
+    """Inverse frequencies theta^(-2i/d), with the configured scaling (``RopeScaling``)."""
     d = args.head_dim
     inv_freq = 1.0 / (args.rope_theta ** (
         torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
     s = args.rope_scaling
     if s is None:
         return inv_freq
+    if s.kind == "linear":
+        return inv_freq / s.factor
+    if s.kind == "yarn":
+        return _yarn(inv_freq, s, args.rope_theta, d)
     # Long wavelengths (low frequencies) are slowed by `factor`, short ones kept, and the
     # band between the two thresholds interpolated smoothly.
     wavelen = 2 * math.pi / inv_freq
@@ -111,11 +134,32 @@ def rope_frequencies(args: LlamaArgs, device=None) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn(inv_freq: torch.Tensor, s: RopeScaling, theta: float, d: int) -> torch.Tensor:
+    """YaRN: dimensions that turn more than ``beta_fast`` times over the original context
+    keep their frequency, those turning less than ``beta_slow`` times are interpolated
+    (divided by ``factor``), and a linear ramp blends the band between."""
+    def dim_of(rotations: float) -> float:  # the dimension turning this many times
+        return d * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) \
+            / (2 * math.log(theta))
+    low, high = dim_of(s.beta_fast), dim_of(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    high = high + 0.001 if low == high else high  # (no zero-width ramp)
+    ramp = ((torch.arange(d // 2, dtype=torch.float32, device=inv_freq.device) - low)
+            / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep), 0: interpolate
+    return inv_freq / s.factor * (1 - keep) + inv_freq * keep
+
+
 def rope_cos_sin(args: LlamaArgs, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables for integer ``positions`` (batch, seq) in the rotate-half layout."""
     inv_freq = rope_frequencies(args, positions.device)
     angles = positions.float()[..., None] * inv_freq  # (batch, seq, head_dim/2)
     angles = torch.cat([angles, angles], dim=-1)  # (batch, seq, head_dim)
+    scale = args.rope_scaling.cos_sin_scale if args.rope_scaling is not None else 1.0
+    if scale != 1.0:
+        return angles.cos() * scale, angles.sin() * scale
     return angles.cos(), angles.sin()
 
 
@@ -176,14 +220,10 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.append(k, v)  # (b, kv, past + s, hd)
-        gqa = q.shape[1] != k.shape[1]
-        # Per layer, from the gathered sequence, not once in the model's forward: there, a
-        # later pipeline stage's input under sequence parallelism is only this rank's slice.
-        mask = sliding_window_mask(mask, seq, past, self.args.sliding_window, x.device)
-        if mask is None and past > 0 and seq > 1:
-            mask = causal_mask(seq, past, x.device)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None and past == 0, enable_gqa=gqa)
+        # The window's mask per layer, from the gathered sequence, not once in the model's
+        # forward: there, a later pipeline stage's input under sequence parallelism is
+        # only this rank's slice.
+        out = attend(q, k, v, mask, past=past, window=self.args.sliding_window)
         out = out.transpose(1, 2).reshape(batch, seq, -1)  # (b, s, h * hd)
         return self.o_proj(out)
 
@@ -196,19 +236,6 @@ class Attention(nn.Module):
             self.q_norm.reset_parameters()
             self.k_norm.reset_parameters()
         nn.init.trunc_normal_(self.o_proj.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
-
-
-def sliding_window_mask(mask: Optional[torch.Tensor], seq: int, past: int,
-                        window: Optional[int], device) -> Optional[torch.Tensor]:
-    """``mask`` narrowed so query i sees keys j with i - window < j <= i (transformers'
-    sliding-window mask: the window counts the query itself). Unchanged, keeping SDPA's
-    fast causal path, when no query has more than ``window`` keys."""
-    if window is None or past + seq <= window:
-        return mask
-    q_pos = torch.arange(past, past + seq, device=device)[:, None]
-    k_pos = torch.arange(past + seq, device=device)[None, :]
-    window_mask = (k_pos <= q_pos) & (k_pos > q_pos - window)  # (seq, past + seq)
-    return window_mask if mask is None else mask & window_mask
 
 
 class FeedForward(GatedMLP):

@@ -17,9 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmforge.models.common import DecoderStack, KVCache, Projections, causal_mask
+from lmforge.models.attention import attend
+from lmforge.models.common import DecoderStack, KVCache, Projections
 from lmforge.models.family import BlockSpec, Fused
-from lmforge.models.llama.model import RMSNorm, rotate_half, sliding_window_mask
+from lmforge.models.llama.model import RMSNorm, rotate_half
 
 # Hugging Face's (and peft's) names for the block's linear layers.
 PROJECTIONS = Projections(
@@ -143,12 +144,7 @@ class Attention(nn.Module):
         q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.append(k, v)  # (b, kv, past + s, hd)
-        mask = sliding_window_mask(mask, seq, past, self.args.sliding_window, x.device)
-        if mask is None and past > 0 and seq > 1:
-            mask = causal_mask(seq, past, x.device)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None and past == 0,
-            enable_gqa=q.shape[1] != k.shape[1])  # (b, h, s, hd)
+        out = attend(q, k, v, mask, past=past, window=self.args.sliding_window)  # (b,h,s,hd)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 

@@ -1,0 +1,157 @@
+"""The one attention path every family's block takes (``attend``), and the mask of a
+packed batch (``DocumentMask``).
+
+A packed batch (``data.pack``, ``data.document_mask``) carries each position's document
+id; no token may attend to another document. ``model.attention`` says how that rule is
+applied:
+
+* ``sdpa`` (the default): a dense boolean mask (batch, 1, seq, seq) given to
+  ``scaled_dot_product_attention``, which then leaves the flash kernel: memory and time
+  grow with seq^2 per head;
+* ``flex``: FlexAttention (``torch.nn.attention.flex_attention``) with a block mask built
+  once per batch (and sliding window) from the documents, the causal rule and the window;
+  blocks no query may see are skipped. Compiled, as FlexAttention needs to be fast.
+
+Without a document mask, causal attention is SDPA's ``is_causal`` fast path whatever
+``model.attention`` says; a sliding window (Mistral, Gemma 3's local layers) is a mask of
+its own, dense for sdpa, a block mask for flex. A KV cache (generation) always takes SDPA.
+PyTorch's FlexAttention has no backward on the CPU: there, flex is for scoring only, and
+training with it is refused (``models.presets`` checks the job).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION_KINDS = ("sdpa", "flex")
+COMPILE_BLOCK_MASKS = True  # (the CPU tests turn it off: compiling costs seconds per shape)
+
+
+class DocumentMask:
+    """Causal attention within each document of a packed batch: ``segments`` (batch, seq)
+    holds each position's document id (None: one document per row, which under flex
+    still gives a sliding window its block mask). ``kind``: how ``attend`` applies it
+    (``model.attention``). The dense and the block forms are built on first use and
+    kept, so the layers of one forward share them."""
+
+    def __init__(self, segments: Optional[torch.Tensor] = None, kind: str = "sdpa"):
+        if kind not in ATTENTION_KINDS:
+            raise ValueError(f"model.attention: {kind!r} is not one of "
+                             f"{', '.join(ATTENTION_KINDS)}")
+        self.segments, self.kind = segments, kind
+        self._built: dict = {}
+
+    def to(self, device, non_blocking: bool = False) -> "DocumentMask":
+        if self.segments is None:
+            return self
+        return DocumentMask(self.segments.to(device, non_blocking=non_blocking), self.kind)
+
+    def using(self, kind: str) -> "DocumentMask":
+        """The same documents, applied by ``kind``."""
+        return self if kind == self.kind else DocumentMask(self.segments, kind)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The segments and the dense masks built so far (every layer's inputs)."""
+        built = [t for t in self._built.values() if isinstance(t, torch.Tensor)]
+        return ([self.segments] if self.segments is not None else []) + built
+
+    def causal_only(self, window: Optional[int], seq: int) -> bool:
+        """Whether this is plain causal attention (SDPA's fast path applies)."""
+        return self.segments is None and (window is None or seq <= window)
+
+    def dense(self, window: Optional[int], batch: int, seq: int, device) -> torch.Tensor:
+        """(batch or 1, 1, seq, seq) bool, True = may attend."""
+        key = ("dense", window, batch, seq)
+        if key not in self._built:
+            allowed = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+            if window is not None:  # query - key < window
+                allowed = allowed.triu(1 - window)
+            if self.segments is not None:
+                same = self.segments[:, :, None] == self.segments[:, None, :]
+                allowed = same & allowed
+            self._built[key] = allowed[:, None] if allowed.dim() == 3 else allowed[None, None]
+        return self._built[key]
+
+    def block_mask(self, window: Optional[int], batch: int, seq: int, device):
+        """FlexAttention's ``BlockMask`` of the same rule."""
+        key = ("block", window, batch, seq)
+        if key not in self._built:
+            from torch.nn.attention.flex_attention import create_block_mask  # (flex only)
+
+            rows = batch if self.segments is not None else None  # None: every row alike
+            # (compiled: evaluated block by block, never as a seq x seq grid)
+            self._built[key] = create_block_mask(_mask_mod(self.segments, window), rows,
+                                                 None, seq, seq, device=device,
+                                                 _compile=COMPILE_BLOCK_MASKS)
+        return self._built[key]
+
+
+def _mask_mod(segments: Optional[torch.Tensor], window: Optional[int]):
+    """FlexAttention's mask function: may query ``q`` of row ``b`` see key ``k``?"""
+    def allowed(b, h, q, k):
+        ok = k <= q
+        if window is not None:
+            ok = ok & (q - k < window)
+        if segments is not None:
+            ok = ok & (segments[b, q] == segments[b, k])
+        return ok
+    return allowed
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, *, past: int = 0,
+           window: Optional[int] = None, scale: Optional[float] = None) -> torch.Tensor:
+    """Attention of ``q`` (batch, heads, seq, head_dim) over ``k``, ``v`` (batch, kv heads,
+    past + seq, head_dim; fewer kv heads: grouped-query attention), causal, within
+    ``window`` keys (the query's own included, as transformers counts it) and within
+    each document of a ``DocumentMask``; or an explicit boolean ``mask`` (True = may
+    attend). ``scale`` defaults to 1 / sqrt(head_dim). Returns (batch, heads, seq, hd)."""
+    batch, seq, gqa = q.shape[0], q.shape[2], q.shape[1] != k.shape[1]
+    if isinstance(mask, DocumentMask) and past:
+        raise ValueError("a DocumentMask is for a packed batch, not a KV cache")
+    if isinstance(mask, DocumentMask):
+        if mask.causal_only(window, seq):
+            mask = None
+        elif mask.kind == "flex":
+            return _flex()(q, k, v, block_mask=mask.block_mask(window, batch, seq, q.device),
+                           scale=scale, enable_gqa=gqa)
+        else:
+            mask = mask.dense(window, batch, seq, q.device)
+    else:
+        mask = sliding_window_mask(mask, seq, past, window, q.device)
+    if mask is None and past > 0 and seq > 1:
+        mask = causal_mask(seq, past, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                          is_causal=mask is None and past == 0,
+                                          scale=scale, enable_gqa=gqa)
+
+
+@functools.cache
+def _flex():
+    """FlexAttention, compiled once per process (uncompiled it materialises every score,
+    which is what it is meant to avoid)."""
+    from torch.nn.attention.flex_attention import flex_attention  # (flex only)
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def causal_mask(seq: int, past: int, device) -> torch.Tensor:
+    """(seq, past + seq) boolean mask: query i sees keys up to past + i."""
+    q_pos = torch.arange(past, past + seq, device=device)[:, None]
+    k_pos = torch.arange(past + seq, device=device)[None, :]
+    return k_pos <= q_pos
+
+
+def sliding_window_mask(mask: Optional[torch.Tensor], seq: int, past: int,
+                        window: Optional[int], device) -> Optional[torch.Tensor]:
+    """``mask`` narrowed so query i sees keys j with i - window < j <= i (transformers'
+    sliding-window mask: the window counts the query itself). Unchanged, keeping SDPA's
+    fast causal path, when no query has more than ``window`` keys."""
+    if window is None or past + seq <= window:
+        return mask
+    q_pos = torch.arange(past, past + seq, device=device)[:, None]
+    k_pos = torch.arange(past + seq, device=device)[None, :]
+    window_mask = (k_pos <= q_pos) & (k_pos > q_pos - window)  # (seq, past + seq)
+    return window_mask if mask is None else mask & window_mask
