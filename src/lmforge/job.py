@@ -34,6 +34,7 @@ class Layout:
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
+    cp: int = 1
     tp: int = 1
 
     @property
@@ -42,7 +43,7 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
 
 @dataclass(frozen=True)

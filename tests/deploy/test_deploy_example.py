@@ -7,30 +7,22 @@ and the report shows both runs' scores."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from helpers.runs import run_example
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed "
                     "(make test-deploy installs it)")
 pytest.importorskip("lm_eval")
 pytestmark = [pytest.mark.deploy, pytest.mark.slow]  # (minutes: make test-deploy runs it)
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def example(tmp_path_factory):
-    out = tmp_path_factory.mktemp("deploy-example")
-    bin_dir = str(Path(sys.executable).parent)  # the venv's lmforge
-    env = {**os.environ, "OUT": str(out), "BASE_STEPS": "150", "SFT_STEPS": "100",
-           "PATH": bin_dir + os.pathsep + os.environ["PATH"], "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(["bash", "examples/deploy/run.sh"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return out
+    return run_example("deploy/run.sh", tmp_path_factory.mktemp("deploy-example"), 1200,
+                       BASE_STEPS=150, SFT_STEPS=100)
 
 
 def _acc(path: Path) -> float:

@@ -6,9 +6,12 @@ CPU with gloo. Pipelined, a tied embedding's copies on the first and the last st
 bit-equal.
 
 The matrix runs through the trainer's own step (tests/helpers/family_training.py) in two
-launches, each with its one-process references: 2 processes (FSDP2, tp=2 with sequence
-parallelism, pp=2, LoRA under FSDP2) and 4 (pp=2 x tp=2 with sequence parallelism,
-pp=2 x FSDP2 dp_shard=2). About 80 s on an idle 2-core CPU."""
+launches, each with its one-process references (plain rows, LoRA, packed documents): 2
+processes (FSDP2, FSDP2 over packed documents, tp=2 with sequence parallelism, pp=2, LoRA
+under FSDP2, context parallelism cp=2 with and without packed documents, LoRA under cp=2)
+and 4 (pp=2 x tp=2 with sequence parallelism, pp=2 x FSDP2 dp_shard=2, cp=4 over packed
+documents, cp=2 x dp_shard=2, cp=2 x tp=2 with sequence parallelism). About 3 min on an
+idle 2-core CPU."""
 import json
 import os
 import subprocess
@@ -60,9 +63,14 @@ def test_family_trains_in_layout_like_one_process(launches, family, layout):
     record = _record(results, f"{layout}/{family}")
     got, want = record["history"], _record(results, f"{reference}/{family}")["history"]
     assert len(got) == len(want) == ft.STEPS
+    # A cp rank multiplies its queries by the whole sequence's keys in smaller products,
+    # which round differently; Adam's first steps amplify that in the gradient norm (to
+    # 1.4e-5 measured, Gemma 3 over packed documents, cp=4, step 3). The gradients before
+    # any update agree to 1e-6 per parameter (test_context_parallel.py).
+    norm_tolerance = 3e-5 if "parallel.cp" in ft.LAYOUTS[layout][1] else 1e-5
     for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got, want), 1):
         assert loss == pytest.approx(ref_loss, rel=1e-5), f"step {step}: loss {loss} vs {ref_loss}"
-        assert norm == pytest.approx(ref_norm, rel=1e-5), \
+        assert norm == pytest.approx(ref_norm, rel=norm_tolerance), \
             f"step {step}: grad norm {norm} vs {ref_norm}"
     # (these weights hold only the last stage's copy of a pipelined tied embedding)
     pipelined = "parallel.pp" in ft.LAYOUTS[layout][1]

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lmforge.config import JobConfig
 from lmforge.models.gemma3.model import Gemma3Args
@@ -63,6 +64,7 @@ FAMILIES = {
                          sliding_pattern=2, query_pre_attn_scalar=12.0),
 }
 LORA = {"lora.enabled": True, "lora.targets": "all-linear", "lora.rank": 4}
+DOCUMENTS = "documents"  # (not a config key) each row packs documents: segments, positions
 LAYOUTS = {  # name -> (processes, config fields)
     "fsdp_dp2": (2, {"parallel.dp_shard": 2}),
     "tp2_sp": (2, {"parallel.tp": 2, "parallel.sequence_parallel": True}),
@@ -73,10 +75,20 @@ LAYOUTS = {  # name -> (processes, config fields)
                        "parallel.sequence_parallel": True}),
     # FSDP2 on each stage: a tied weight is sharded on the first and on the last stage
     "pp2_dp2": (4, {"parallel.pp": 2, "parallel.dp_shard": 2}),
+    # context parallelism: each sequence in 2 x cp chunks (causal, and the windows of
+    # Mistral and Gemma 3 across chunks), packed documents too, and its compositions
+    "cp2": (2, {"parallel.cp": 2}),
+    "fsdp_dp2_documents": (2, {"parallel.dp_shard": 2, DOCUMENTS: True}),
+    "cp2_documents": (2, {"parallel.cp": 2, DOCUMENTS: True}),
+    "lora_cp2": (2, {"parallel.cp": 2, **LORA}),
+    "cp4_documents": (4, {"parallel.cp": 4, DOCUMENTS: True}),
+    "cp2_dp2": (4, {"parallel.cp": 2, "parallel.dp_shard": 2}),
+    "cp2_tp2_sp": (4, {"parallel.cp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True}),
 }
-REFERENCES = {"single": {}, "lora_single": LORA}  # one plain process
+REFERENCES = {"single": {}, "lora_single": LORA, "documents_single": {DOCUMENTS: True}}
 # Each layout is compared with this one-process run.
-REFERENCE_OF = {name: "lora_single" if fields.get("lora.enabled") else "single"
+REFERENCE_OF = {name: "lora_single" if fields.get("lora.enabled") else
+                "documents_single" if fields.get(DOCUMENTS) else "single"
                 for name, (_, fields) in LAYOUTS.items()}
 
 
@@ -87,19 +99,31 @@ def job_config(fields: dict, world_size: int) -> JobConfig:
     cfg.train.max_steps, cfg.train.device = STEPS, "cpu"
     cfg.parallel.dp_shard = 1
     for dotted, value in fields.items():
+        if dotted == DOCUMENTS:
+            continue
         section, name = dotted.split(".")
         setattr(getattr(cfg, section), name, value)
     return cfg.validate(world_size=world_size, distributed=world_size > 1)
 
 
-def step_samples(vocab_size: int) -> list[dict]:
+def step_samples(vocab_size: int, documents: bool = False) -> list[dict]:
     """Each step's 8 sequences (input_ids, labels), a tenth of the labels ignored, so the
-    data-parallel ranks hold different valid-token counts."""
+    data-parallel ranks hold different valid-token counts. ``documents``: each row packs
+    documents of 7, 9 and 8 tokens (segments; positions restarting), as the loader's."""
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab_size, (STEPS, 8, SEQ_LEN + 1), generator=g)
     labels = tokens[..., 1:].clone()
     labels[torch.rand(labels.shape, generator=g) < 0.1] = IGNORE_INDEX
-    return [{"input_ids": tokens[s, :, :-1], "labels": labels[s]} for s in range(STEPS)]
+    steps = [{"input_ids": tokens[s, :, :-1], "labels": labels[s]} for s in range(STEPS)]
+    if documents:
+        lengths = torch.tensor([7, 9, 8])
+        segments = torch.repeat_interleave(torch.arange(3), lengths).expand(8, SEQ_LEN)
+        starts = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
+        positions = (torch.arange(SEQ_LEN) - starts).expand(8, SEQ_LEN)
+        for sample in steps:
+            sample.update(segments=segments, positions=positions)
+            sample["labels"][:, torch.cumsum(lengths, 0)[:-1] - 1] = IGNORE_INDEX  # crossing
+    return steps
 
 
 def rank_micro_batches(sample: dict, cfg: JobConfig, dims: ParallelDims) -> list[dict]:
@@ -118,7 +142,8 @@ def runtime(dims: ParallelDims) -> Runtime:
     return Runtime(torch.device("cpu"), contextlib.nullcontext, rank=rank, dims=dims)
 
 
-def train_family(args, cfg: JobConfig, dims: ParallelDims) -> tuple[dict, dict]:
+def train_family(args, cfg: JobConfig, dims: ParallelDims, documents: bool = False
+                 ) -> tuple[dict, dict]:
     """run_loop's step, STEPS times: {"history": per-step (loss, grad norm),
     "tied_copies_equal": ``tied_copies_equal``} and the final weights."""
     world_size = dist.get_world_size() if dims.mesh is not None else 1
@@ -128,10 +153,14 @@ def train_family(args, cfg: JobConfig, dims: ParallelDims) -> tuple[dict, dict]:
     model = build_train_model(job, rt.device, dims)
     optimizers = Optimizers(model.parts, cfg.optim, cfg.train.max_steps)
     history = []
-    for step, sample in enumerate(step_samples(args.vocab_size), 1):
-        result = train_step(cfg, rt, model, optimizers, rank_micro_batches(sample, cfg, dims),
-                            step)
-        history.append((float(result.loss), float(result.grad_norm)))
+    # SDPA's math kernel: each query's row is computed alone, as under context
+    # parallelism, where a rank holds some of the queries (the CPU's flash kernel blocks
+    # the queries by count, which moves the rounding; Adam's steps then amplify it)
+    with sdpa_kernel(SDPBackend.MATH):
+        for step, sample in enumerate(step_samples(args.vocab_size, documents), 1):
+            result = train_step(cfg, rt, model, optimizers,
+                                rank_micro_batches(sample, cfg, dims), step)
+            history.append((float(result.loss), float(result.grad_norm)))
     record = {"history": history, "tied_copies_equal": tied_copies_equal(model)}
     return record, gather_full_state_dict(model)
 
@@ -159,7 +188,7 @@ def run(name: str, fields: dict, out: Path, world_size: int, results: dict) -> N
             else ParallelDims())
     for family, args in FAMILIES.items():
         try:
-            record, weights = train_family(args, cfg, dims)
+            record, weights = train_family(args, cfg, dims, bool(fields.get(DOCUMENTS)))
         except Exception:  # recorded per family; the test of that pair reports it (a
             # failure on some ranks only leaves the others waiting: the test's timeout)
             results[f"{name}/{family}"] = {"error": traceback.format_exc()}
@@ -173,8 +202,9 @@ def main(out: Path) -> None:
     env = read_dist_env()
     torch.set_num_threads(1)
     init_distributed(env, "cpu", distributed=True)
+    only = sys.argv[2].split(",") if len(sys.argv) > 2 else None  # (a subset, to debug)
     layouts = {name: fields for name, (nproc, fields) in LAYOUTS.items()
-               if nproc == env.world_size}
+               if nproc == env.world_size and (only is None or name in only)}
     results: dict = {}
     if env.rank == 0:
         for name in sorted({REFERENCE_OF[name] for name in layouts}):

@@ -65,6 +65,19 @@ def run_lmforge(out, overrides, nproc=1, fault=None, check=True, timeout=600, **
     return proc
 
 
+def run_example(script: str, out: Path, timeout: int, **env) -> Path:
+    """``bash examples/<script>`` from the repository root with this venv's lmforge on the
+    PATH, OUT=``out`` and ``env`` (its step counts, shortened); asserts it succeeds."""
+    root = Path(__file__).resolve().parents[2]
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "OUT": str(out), "PATH": bin_dir + os.pathsep + os.environ["PATH"],
+           "OMP_NUM_THREADS": "1", **{k: str(v) for k, v in env.items()}}
+    proc = subprocess.run(["bash", f"examples/{script}"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return out
+
+
 def await_pid(ready: Path, proc, timeout: float = 300) -> int:
     """The pid a patched worker wrote to ``ready`` (LMFORGE_TEST_SIGNAL) on reaching the
     point it waits at; fails if ``proc`` ends first."""

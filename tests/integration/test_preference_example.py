@@ -5,31 +5,22 @@ the trained adapter loads in peft on transformers' model with our logits."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers.runs import run_example
 from lmforge.models.hf import load_hf_model
 from lmforge.peft.adapters import load_adapter
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def example(tmp_path_factory):
-    out = tmp_path_factory.mktemp("preference-example")
-    bin_dir = str(Path(sys.executable).parent)  # the venv's lmforge
-    env = {**os.environ, "OUT": str(out), "SFT_STEPS": "300", "DPO_STEPS": "200",
-           "PATH": bin_dir + os.pathsep + os.environ["PATH"], "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(["bash", "examples/preference/run.sh"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return out
+    return run_example("preference/run.sh", tmp_path_factory.mktemp("preference-example"),
+                       900, SFT_STEPS=300, DPO_STEPS=200)
 
 
 def _score(path: Path) -> dict:

@@ -31,6 +31,7 @@ def validate(cfg: "JobConfig", world_size: int = 1, distributed: Optional[bool] 
         raise ConfigError("train.overwrite: cannot be combined with train.resume (one starts "
                           "over, the other continues)")
     _validate_preference(cfg)
+    _validate_cp(cfg)  # (before the layout's sizes: why a cp layout cannot run comes first)
     _validate_batch(cfg, world_size)
     _validate_grouping(cfg.data)
     _validate_in_backward(cfg, world_size, distributed)
@@ -108,6 +109,26 @@ def _validate_lora(lora: "LoraConfig") -> None:
         if not (Path(lora.adapter_from) / "adapter_config.json").is_file():
             raise ConfigError(f"lora.adapter_from: {lora.adapter_from} has no "
                               f"adapter_config.json (a PEFT adapter directory)")
+
+
+def _validate_cp(cfg: "JobConfig") -> None:
+    """What context parallelism does not run with yet, each refusal saying why."""
+    cp = cfg.parallel.cp
+    if cp == 1:
+        return
+    if cfg.parallel.pp > 1:
+        raise ConfigError("parallel.cp: not combined with parallel.pp yet (each stage's "
+                          "attention would gather K/V inside the pipeline schedule)")
+    if cfg.data.kind == "preference":
+        raise ConfigError("parallel.cp: the preference objectives need each sequence's "
+                          "whole log-probability on one rank; use parallel.dp_shard")
+    if cfg.model.attention == "flex":
+        raise ConfigError("parallel.cp: gathers K/V and applies a dense mask per rank; "
+                          "model.attention=flex is not combined with it yet (use sdpa)")
+    if cfg.data.seq_len % (2 * cp):
+        raise ConfigError(f"data.seq_len: {cfg.data.seq_len} must be a multiple of 2 x "
+                          f"parallel.cp = {2 * cp} (each rank holds two chunks of every "
+                          f"sequence)")
 
 
 def _validate_harness(ev: "EvalConfig") -> None:

@@ -47,15 +47,16 @@ def resolve_device(name: str, field: str = "train.device", local_rank: int = 0):
 # ---------------------------------------------------------------------- derived facts
 
 def resolve_layout(p: ParallelConfig, world_size: int) -> dict[str, int]:
-    """The size of each mesh dimension, outermost first (pp, dp_replicate, dp_shard, tp),
-    with ``dp_shard=-1`` resolved to what is left of ``world_size`` (the product)."""
-    rest = world_size // (p.dp_replicate * p.tp * p.pp) if world_size else 0
+    """The size of each mesh dimension, outermost first (pp, dp_replicate, dp_shard, cp,
+    tp), with ``dp_shard=-1`` resolved to what is left of ``world_size`` (the product)."""
+    rest = world_size // (p.dp_replicate * p.cp * p.tp * p.pp) if world_size else 0
     dp_shard = rest if p.dp_shard == -1 else p.dp_shard
-    if dp_shard < 1 or p.dp_replicate * dp_shard * p.tp * p.pp != world_size:
+    if dp_shard < 1 or p.dp_replicate * dp_shard * p.cp * p.tp * p.pp != world_size:
         raise ConfigError(
             f"parallel.dp_shard: dp_replicate({p.dp_replicate}) x dp_shard({p.dp_shard}) x "
-            f"tp({p.tp}) x pp({p.pp}) must equal the world size {world_size}")
-    return {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": dp_shard, "tp": p.tp}
+            f"cp({p.cp}) x tp({p.tp}) x pp({p.pp}) must equal the world size {world_size}")
+    return {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": dp_shard, "cp": p.cp,
+            "tp": p.tp}
 
 
 def samples_per_step(cfg: JobConfig, dp_size: int) -> int:

@@ -211,6 +211,8 @@ class ParallelConfig:
     dp_shard: int = key(-1, "FSDP2 shards; -1: whatever is left of the world size",
                         bound="-1 (the rest of the world size) or >= 1")
     tp: int = key(1, "tensor parallelism (within a node)", bound=">= 1")
+    cp: int = key(1, "context parallelism: each sequence split over this many ranks (K/V "
+                  "gathered per layer; FSDP2 shards over dp_shard x cp)", bound=">= 1")
     pp: int = key(1, "pipeline stages", bound=">= 1")
     pp_schedule: str = key("1f1b", "the pipeline schedule",
                            choices=("gpipe", "1f1b", "interleaved_1f1b"))

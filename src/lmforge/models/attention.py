@@ -24,6 +24,7 @@ import functools
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 ATTENTION_KINDS = ("sdpa", "flex")
@@ -89,6 +90,79 @@ class DocumentMask:
         return self._built[key]
 
 
+class ContextParallel:
+    """This rank's part of each sequence under context parallelism (``parallel.cp``):
+    ``index`` (local,) holds the global positions of its rows' local tokens, in order
+    (two chunks of each sequence: one from the front, one from the back, so the causal
+    work is balanced), ``segments`` (batch, seq) the documents of the whole rows, or None.
+    ``attend`` gathers every rank's keys and values (an autograd all-gather over
+    ``group``, whose backward sends each rank the gradients of its own), puts them in
+    sequence order, and attends from the local queries with the global rule: causal,
+    within a document and a window, by global position."""
+
+    def __init__(self, index: torch.Tensor, seq: int, group, segments=None):
+        self.index, self.seq, self.group, self.segments = index, seq, group, segments
+        self._order: Optional[torch.Tensor] = None
+        self._dense: dict = {}
+
+    def to(self, device, non_blocking: bool = False) -> "ContextParallel":
+        move = (lambda t: None if t is None else t.to(device, non_blocking=non_blocking))
+        return ContextParallel(move(self.index), self.seq, self.group, move(self.segments))
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """(batch, heads, local, hd) on every rank -> (batch, heads, seq, hd), in order."""
+        parts = _GatherSequence.apply(t, self.group)  # (batch, heads, cp x local, hd)
+        if self._order is None:  # where each global position sits in ``parts``
+            everyone = [torch.empty_like(self.index) for _ in range(dist.get_world_size(
+                self.group))]
+            dist.all_gather(everyone, self.index, group=self.group)
+            self._order = torch.argsort(torch.cat(everyone))
+        return parts.index_select(2, self._order)
+
+    def dense(self, window: Optional[int], device) -> torch.Tensor:
+        """(batch or 1, 1, local, seq) bool: may local query i see global key j?"""
+        if window not in self._dense:
+            # (comparisons straight to bool: no (local, seq) integer intermediate)
+            keys = torch.arange(self.seq, device=device)[None, :]
+            queries = self.index.to(device)[:, None]
+            allowed = keys <= queries  # (local, seq)
+            if window is not None:
+                allowed &= keys > queries - window
+            if self.segments is not None:
+                same = self.segments[:, self.index][:, :, None] == self.segments[:, None, :]
+                allowed = same & allowed
+            self._dense[window] = (allowed[:, None] if allowed.dim() == 3
+                                   else allowed[None, None])
+        return self._dense[window]
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along the sequence (dim 2) over ``group``; backward gives each rank the
+    sum over the group of the gradients of its own part: a reduce-scatter (NCCL), or an
+    all-reduce then this rank's slice (gloo, which has no reduce-scatter; torch's own
+    autograd all-gather addresses a subgroup's ranks by their global ranks there)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return torch.cat(parts, dim=2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        group = ctx.group
+        n, rank = dist.get_world_size(group), dist.get_rank(group)
+        pieces = grad.chunk(n, dim=2)
+        if dist.get_backend(group) == dist.Backend.NCCL:
+            mine = torch.empty_like(pieces[0], memory_format=torch.contiguous_format)
+            dist.reduce_scatter_tensor(mine, torch.stack(pieces).contiguous(), group=group)
+            return mine, None
+        total = grad.contiguous()
+        dist.all_reduce(total, group=group)
+        return total.chunk(n, dim=2)[rank].contiguous(), None
+
+
 def _mask_mod(segments: Optional[torch.Tensor], window: Optional[int]):
     """FlexAttention's mask function: may query ``q`` of row ``b`` see key ``k``?"""
     def allowed(b, h, q, k):
@@ -109,6 +183,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, *, past
     each document of a ``DocumentMask``; or an explicit boolean ``mask`` (True = may
     attend). ``scale`` defaults to 1 / sqrt(head_dim). Returns (batch, heads, seq, hd)."""
     batch, seq, gqa = q.shape[0], q.shape[2], q.shape[1] != k.shape[1]
+    if isinstance(mask, ContextParallel):
+        k, v = mask.gather(k), mask.gather(v)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(window, q.device),
+                                              scale=scale, enable_gqa=gqa)
     if isinstance(mask, DocumentMask) and past:
         raise ValueError("a DocumentMask is for a packed batch, not a KV cache")
     if isinstance(mask, DocumentMask):

@@ -68,11 +68,14 @@ def micro_batch_loss_sum(model: nn.Module, batch: dict, device: torch.device,
 
 def model_inputs(batch: dict, device: torch.device) -> dict:
     """The model's arguments from a batch: its tokens, positions, and its documents
-    (``segments``) as a ``DocumentMask`` (or an explicit boolean ``mask``)."""
+    (``segments``) as a ``DocumentMask``, or its ``ContextParallel`` part of each
+    sequence (or an explicit boolean ``mask``)."""
     inputs = {"tokens": batch["input_ids"].to(device, non_blocking=True)}
     for key in ("positions", "mask"):
         if batch.get(key) is not None:
             inputs[key] = batch[key].to(device, non_blocking=True)
     if batch.get("segments") is not None:
         inputs["mask"] = DocumentMask(batch["segments"].to(device, non_blocking=True))
+    if batch.get("context") is not None:  # this rank's part of each sequence (parallel.cp)
+        inputs["mask"] = batch["context"].to(device, non_blocking=True)
     return inputs

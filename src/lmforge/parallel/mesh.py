@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from lmforge.config import ConfigError, ParallelConfig, resolve_layout
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass
@@ -88,9 +88,13 @@ def build_parallel_dims(cfg: ParallelConfig, world_size: int, device_type: str
     shape = resolve_layout(cfg, world_size)
     mesh = init_device_mesh(device_type, tuple(shape[d] for d in MESH_DIMS),
                             mesh_dim_names=MESH_DIMS)
-    mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    mesh["dp_replicate", "dp_shard"]._flatten("dp")  # the data: each its own batches
+    if shape["cp"] > 1:
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")  # FSDP's shards (cp ranks too)
+        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")  # a step's sums
     return ParallelDims(**shape, pp_rank=mesh["pp"].get_local_rank(),
                         dp_rank=mesh["dp"].get_local_rank(),
+                        cp_rank=mesh["cp"].get_local_rank(),
                         tp_rank=mesh["tp"].get_local_rank(), mesh=mesh)
 
 
@@ -101,9 +105,11 @@ class ParallelDims:
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
+    cp: int = 1
     tp: int = 1
     pp_rank: int = 0
     dp_rank: int = 0
+    cp_rank: int = 0
     tp_rank: int = 0
     mesh: Any = None
 
@@ -116,7 +122,14 @@ class ParallelDims:
         """FSDP2 wraps the model when data parallelism is > 1, and on a one-device mesh
         (one process under torchrun with parallel.dp_shard=1: the distributed path on one
         GPU)."""
-        return self.mesh is not None and (self.dp > 1 or self.pp * self.dp * self.tp == 1)
+        return self.mesh is not None and (self.dp * self.cp > 1
+                                          or self.pp * self.dp * self.tp == 1)
+
+    @property
+    def dp_cp_group(self) -> str:
+        """The mesh dimension over which a step's losses and token counts add up: the
+        data-parallel ranks, with their cp ranks (each holds part of every sequence)."""
+        return "dp_cp" if self.cp > 1 else "dp"
 
     def group(self, name: str) -> Optional[dist.ProcessGroup]:
         """The process group of mesh dimension ``name`` (None in one plain process)."""

@@ -31,7 +31,10 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, cfg: JobConfig,
     """FSDP2 over the data-parallel dimensions (HSDP when both are > 1)."""
     if dims.uses_fsdp:
         mesh = dims.mesh
-        dp_mesh = mesh["dp_shard"] if dims.dp_replicate == 1 else mesh["dp_replicate", "dp_shard"]
+        # the cp ranks hold the same weights and add their parts of each gradient: FSDP
+        # shards over them too (as torchtitan does)
+        shard = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
+        dp_mesh = mesh[shard] if dims.dp_replicate == 1 else mesh["dp_replicate", shard]
         apply_fsdp(model, dp_mesh, cfg.parallel.zero, param_dtype)
 
 

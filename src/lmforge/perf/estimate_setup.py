@@ -158,6 +158,9 @@ def setup_from_config(cfg, device: Optional[str] = None, world_size: Optional[in
     device per unset dimension); ``base_dtype`` (fp32 | bf16) is the storage of a LoRA
     run's frozen, unquantized weights; ``args``: the model, where the caller holds it."""
     p = cfg.parallel
+    if p.cp > 1:  # (it would size whole sequences per rank and shards over dp_shard alone)
+        raise ConfigError("parallel.cp: the memory estimate does not model context "
+                          "parallelism yet (docs/long-context.md)")
     devices = world_size or p.dp_replicate * p.tp * p.pp * max(p.dp_shard, 1)
     if base_dtype not in (None, "fp32", "bf16"):
         raise ConfigError(f"--base-dtype: {base_dtype!r} is not fp32 or bf16")

@@ -244,7 +244,8 @@ def evaluate_held_out(rt: Runtime, model: TrainModel, data: DataBundle) -> dict:
 
 def _layout(rt: Runtime) -> str:
     d = rt.dims
-    return (f"pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x tp {d.tp}"
+    return (f"pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x cp {d.cp} "
+            f"x tp {d.tp}"
             + (", FSDP2" if d.uses_fsdp else ""))
 
 

@@ -25,6 +25,7 @@ from lmforge.models.hf import from_hf_state_dict, read_hf_state_dict
 from lmforge.models.loss import IGNORE_INDEX
 from lmforge.models.registry import build_model
 from lmforge.parallel import full_value
+from lmforge.parallel.context import cp_view
 from lmforge.parallel.mesh import ParallelDims
 from lmforge.parallel.offload import ActivationOffloader, offload_blocks
 from lmforge.parallel.parallelize import apply_data_parallel, apply_model_parallel
@@ -74,6 +75,13 @@ class TrainModel:
         for part in self.parts:
             part.train(mode)
 
+    def local(self, batches):
+        """This rank's part of each batch: under context parallelism, its chunks of every
+        sequence (``parallel.context``); else the batches themselves."""
+        if self.dims.cp == 1:
+            return batches
+        return (cp_view(batch, self.dims) for batch in batches)
+
     def loss_context(self):
         if self.dims.tp > 1:
             from torch.distributed.tensor.parallel import loss_parallel
@@ -89,9 +97,12 @@ class TrainModel:
         objective's metric sums."""
         with self.loss_context():
             if self.schedule is None:
-                return accumulate_gradients(self.parts[0], micro_batches, device, autocast,
-                                            n_valid, self.dims.dp, self.loss_chunk_tokens,
-                                            loss_scale, self.objective, stats)
+                # (FSDP averages over dp x cp ranks: normalize_loss's factor covers both)
+                return accumulate_gradients(self.parts[0], self.local(micro_batches),
+                                            device, autocast, n_valid,
+                                            self.dims.dp * self.dims.cp,
+                                            self.loss_chunk_tokens, loss_scale,
+                                            self.objective, stats)
             return self._pipeline_step(micro_batches, n_valid, device, autocast, loss_scale)
 
     def _pipeline_step(self, micro_batches, n_valid, device, autocast, loss_scale
@@ -136,13 +147,13 @@ class TrainModel:
         parallelism: every rank calls it, with the same number of batches."""
         with self.loss_context():
             if self.schedule is None:
-                total, tokens = loss_sums(self.parts[0], batches, device, autocast,
-                                          self.loss_chunk_tokens)
+                total, tokens = loss_sums(self.parts[0], self.local(batches), device,
+                                          autocast, self.loss_chunk_tokens)
             else:
                 total, tokens = self._pipeline_loss_sums(batches, device, autocast)
-        if self.dims.dp > 1:  # (tp and pp ranks of a data-parallel group hold copies)
+        if self.dims.dp * self.dims.cp > 1:  # (tp and pp ranks of a dp group hold copies)
             sums = torch.stack([total, total.new_tensor(float(tokens))])
-            dist.all_reduce(sums, group=self.dims.group("dp"))
+            dist.all_reduce(sums, group=self.dims.group(self.dims.dp_cp_group))
             total, tokens = sums[0], int(sums[1])
         return mean_loss(total, tokens)
 

@@ -38,6 +38,8 @@ def normalize_loss(loss_sum: torch.Tensor, n_valid: int, dp: int = 1) -> torch.T
     - data parallel (DDP, FSDP2, HSDP): each rank holds its own micro-batches' sums, and
       the wrapper averages gradients over the dp ranks, so ``x dp`` turns that average
       into the sum the formula needs (``dp=1``: the plain value, as logged);
+    - context parallel: each cp rank's sum covers its chunks of the sequences, and FSDP
+      averages over dp x cp ranks, so the factor is dp x cp;
     - tensor / sequence parallel: the tp ranks of a data-parallel group load the same
       batch and, under ``loss_parallel``, each holds the whole (replicated) loss sum, so
       they back-propagate the same value and N counts that batch once;
@@ -66,8 +68,8 @@ def step_counts(micro_batches: list[dict], dims: ParallelDims, device: torch.dev
     """The step's counts summed over all data-parallel ranks (one all-reduce): ranks and
     micro-batches may differ in length (SFT batches are padded to their longest sample),
     and the attention's FLOPs per token grow with it (``flops_per_token(length)``). Every
-    tp and pp rank of a data-parallel group loads the same batch, so the world sum counts
-    each tp x pp times. float64 holds the counts exactly (below 2**53)."""
+    cp, tp and pp rank of a data-parallel group loads the same (whole) batch, so the world
+    sum counts each cp x tp x pp times. float64 holds the counts exactly (below 2**53)."""
     local = [float(count_valid_tokens(micro_batches, objective)), 0.0, 0.0]
     for batch in micro_batches:
         rows, length = batch["input_ids"].shape
@@ -76,7 +78,7 @@ def step_counts(micro_batches: list[dict], dims: ParallelDims, device: torch.dev
     if dims.mesh is not None:
         total = torch.tensor(local, dtype=torch.float64, device=device)
         dist.all_reduce(total)
-        local = (total / (dims.tp * dims.pp)).tolist()
+        local = (total / (dims.tp * dims.pp * dims.cp)).tolist()
     return StepCounts(round(local[0]), round(local[1]), local[2])
 
 

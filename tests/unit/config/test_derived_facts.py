@@ -9,9 +9,10 @@ from lmforge.config import (ConfigError, ParallelConfig, compute_dtype,
 
 def test_dp_shard_minus_one_takes_what_the_world_size_leaves():
     layout = resolve_layout(ParallelConfig(dp_replicate=2, tp=2), 16)
-    assert layout == {"pp": 1, "dp_replicate": 2, "dp_shard": 4, "tp": 2}
-    assert list(layout) == ["pp", "dp_replicate", "dp_shard", "tp"]  # outermost first
+    assert layout == {"pp": 1, "dp_replicate": 2, "dp_shard": 4, "cp": 1, "tp": 2}
+    assert list(layout) == ["pp", "dp_replicate", "dp_shard", "cp", "tp"]  # outermost first
     assert resolve_layout(ParallelConfig(dp_shard=3), 3)["dp_shard"] == 3
+    assert resolve_layout(ParallelConfig(cp=4, tp=2), 16)["dp_shard"] == 2
 
 
 def test_layout_whose_product_is_not_the_world_size_is_refused():

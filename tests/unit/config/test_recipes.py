@@ -100,3 +100,12 @@ def test_7b_lora_recipes_train_only_adapters_of_the_promised_size(name, adapter_
     adapters = sum(p.numel() for n, p in model.named_parameters() if is_lora_param(n))
     assert round(adapters / 1e6) == adapter_millions
     assert cfg.lora.enabled and (cfg.lora.quantize == "nf4") == ("qlora" in name)
+
+
+def test_the_64k_recipe_splits_each_sequence_over_cp_and_steps_a_million_tokens():
+    cfg = load_config(CONFIGS_DIR / "llama3.1-8b-cpt-64k.yaml")
+    assert cfg.data.seq_len * cfg.data.global_batch_size == 1 << 20
+    layout = resolve_layout(cfg.parallel, 8)
+    assert (layout["cp"], layout["dp_shard"]) == (4, 2)
+    assert cfg.data.seq_len // layout["cp"] == 16384  # tokens of each sequence per GPU
+    assert cfg.data.seq_len <= PRESETS["llama3.1-8b"].max_seq_len  # no extension needed
