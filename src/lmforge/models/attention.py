@@ -109,6 +109,11 @@ class ContextParallel:
         move = (lambda t: None if t is None else t.to(device, non_blocking=non_blocking))
         return ContextParallel(move(self.index), self.seq, self.group, move(self.segments))
 
+    def tensors(self) -> list[torch.Tensor]:
+        """What every layer reads: the index, the documents, the masks built so far."""
+        return [t for t in (self.index, self.segments, *self._dense.values())
+                if t is not None]
+
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """(batch, heads, local, hd) on every rank -> (batch, heads, seq, hd), in order."""
         parts = _GatherSequence.apply(t, self.group)  # (batch, heads, cp x local, hd)

@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
-from lmforge.models.attention import DocumentMask
+from lmforge.models.attention import ContextParallel, DocumentMask
 
 # Each copy has a fixed cost (two copy launches, two events, a pinned-buffer lookup: tens
 # of microseconds), about the time 1 MiB takes over PCIe (~25 GB/s: 40 us). What is smaller
@@ -270,11 +270,12 @@ def _offload_forward(layer: nn.Module, offloader: ActivationOffloader,
 
     def forward(*args, **kwargs):
         # A block takes (hidden states, positions, mask, cache): all but the hidden states
-        # are the same tensors for every block (a DocumentMask's, once the first block
+        # are the same tensors for every block (a mask object's too, once the first block
         # has built them).
         inputs = (*args[1:], *kwargs.values())
         shared = tuple(a for a in inputs if isinstance(a, torch.Tensor)) + tuple(
-            t for a in inputs if isinstance(a, DocumentMask) for t in a.tensors())
+            t for a in inputs if isinstance(a, (DocumentMask, ContextParallel))
+            for t in a.tensors())
         with offloader.block(layer, follows_previous, shared):
             return inner(*args, **kwargs)
 
