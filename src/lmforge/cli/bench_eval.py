@@ -11,6 +11,7 @@ from lmforge.cli.common import DEVICES, load_scored_model
 from lmforge.config import resolve_device
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.eval.harness import headline_scores, run_harness
+from lmforge.perf.records import HARNESS_DIR, METRICS_FILE
 
 
 def add_parser(sub) -> None:
@@ -72,6 +73,6 @@ def run_output(model_dir: str, tasks: list[str]) -> Path | None:
     benchmarks when no --output is given:
     ``RUN/harness/<tasks>.json``, which ``lmforge report RUN`` reads; None elsewhere."""
     run = Path(model_dir).resolve().parent
-    if not (run / "metrics.jsonl").is_file():
+    if not (run / METRICS_FILE).is_file():
         return None
-    return run / "harness" / f"{'+'.join(tasks)}.json"
+    return run / HARNESS_DIR / f"{'+'.join(tasks)}.json"

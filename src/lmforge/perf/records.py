@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 METRICS_FILE = "metrics.jsonl"
+# lm-eval results of a run (the end of training's, bench-eval's), which lmforge report reads
+HARNESS_DIR = "harness"
 
 
 def is_finite_number(value: Any) -> bool:

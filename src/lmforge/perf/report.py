@@ -24,7 +24,8 @@ from typing import Any, Optional
 
 from lmforge import fsio
 from lmforge.config import read_yaml_file
-from lmforge.perf.records import METRICS_FILE, is_finite_number, iter_numbers, read_metrics
+from lmforge.perf.records import (HARNESS_DIR, METRICS_FILE, is_finite_number, iter_numbers,
+                                  read_metrics)
 
 INSTALL_HINT = "pip install -e '.[report]' (or pip install matplotlib)"
 
@@ -104,7 +105,7 @@ def read_benchmarks(run_dir: Path) -> dict[str, dict]:
     """The flat scores (``harness/<task>/<metric>``) of each lm-eval result in
     ``run_dir/harness/``; a file without them is left out."""
     found = {}
-    for path in sorted((run_dir / "harness").glob("*.json")):
+    for path in sorted((run_dir / HARNESS_DIR).glob("*.json")):
         scores = _read_mapping(path, _read_json).get("scores")
         if isinstance(scores, dict):
             found[path.name] = {k: v for k, v in scores.items() if is_finite_number(v)}

@@ -14,14 +14,15 @@ from lmforge.data.build import DataBundle
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.eval.harness import headline_scores, run_harness
 from lmforge.export import export_trained, trained_model
+from lmforge.perf.records import HARNESS_DIR
 from lmforge.train.metrics import MetricsLogger
 from lmforge.train.model_setup import TrainModel, gather_full_state_dict
 from lmforge.train.progress import Progress, summary_lines
 from lmforge.train.sample import write_sample
 from lmforge.train.setup import Runtime, say
 
-# the end-of-training benchmarks, beside bench-eval's (lmforge report reads harness/*.json)
-HARNESS_FILE = "harness/train-end.json"
+# the end-of-training benchmarks, beside bench-eval's (lmforge report reads them all)
+HARNESS_FILE = f"{HARNESS_DIR}/train-end.json"
 
 
 def finish(cfg: JobConfig, rt: Runtime, model: TrainModel, tokenizer: Tokenizer,
