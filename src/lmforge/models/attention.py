@@ -67,13 +67,8 @@ class DocumentMask:
         """(batch or 1, 1, seq, seq) bool, True = may attend."""
         key = ("dense", window, batch, seq)
         if key not in self._built:
-            allowed = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
-            if window is not None:  # query - key < window
-                allowed = allowed.triu(1 - window)
-            if self.segments is not None:
-                same = self.segments[:, :, None] == self.segments[:, None, :]
-                allowed = same & allowed
-            self._built[key] = allowed[:, None] if allowed.dim() == 3 else allowed[None, None]
+            self._built[key] = allowed_keys(torch.arange(seq, device=device), seq, window,
+                                            self.segments)
         return self._built[key]
 
     def block_mask(self, window: Optional[int], batch: int, seq: int, device):
@@ -127,18 +122,25 @@ class ContextParallel:
     def dense(self, window: Optional[int], device) -> torch.Tensor:
         """(batch or 1, 1, local, seq) bool: may local query i see global key j?"""
         if window not in self._dense:
-            # (comparisons straight to bool: no (local, seq) integer intermediate)
-            keys = torch.arange(self.seq, device=device)[None, :]
-            queries = self.index.to(device)[:, None]
-            allowed = keys <= queries  # (local, seq)
-            if window is not None:
-                allowed &= keys > queries - window
-            if self.segments is not None:
-                same = self.segments[:, self.index][:, :, None] == self.segments[:, None, :]
-                allowed = same & allowed
-            self._dense[window] = (allowed[:, None] if allowed.dim() == 3
-                                   else allowed[None, None])
+            self._dense[window] = allowed_keys(self.index.to(device), self.seq, window,
+                                               self.segments)
         return self._dense[window]
+
+
+def allowed_keys(queries: torch.Tensor, seq: int, window: Optional[int],
+                 segments: Optional[torch.Tensor]) -> torch.Tensor:
+    """(batch or 1, 1, len(queries), seq) bool: may the query at each global position in
+    ``queries`` see key j (causal, within ``window`` keys, within its document of
+    ``segments`` (batch, seq))? Comparisons go straight to bool: no (queries, seq)
+    integer intermediate, which at long sequences would be 8x the mask."""
+    keys = torch.arange(seq, device=queries.device)[None, :]
+    allowed = keys <= queries[:, None]
+    if window is not None:
+        allowed &= keys > queries[:, None] - window
+    if segments is None:
+        return allowed[None, None]
+    same = segments[:, queries][:, :, None] == segments[:, None, :]
+    return (same & allowed)[:, None]
 
 
 class _GatherSequence(torch.autograd.Function):
