@@ -12,8 +12,7 @@ import json
 import pytest
 import torch
 
-from helpers.hf_models import random_hf_causal_lm
-from helpers.real_tokenizers import save_tokenizer
+from helpers.hf_models import hf_model_dir
 from helpers.runs import run_lmforge
 from lmforge.data.templates import get_template
 from lmforge.data.tokenizer import load_tokenizer
@@ -67,11 +66,8 @@ def family_dir(request, tmp_path_factory):
     # (llama.cpp keys special-token rules on general.name, the directory's name: a name
     # with "phi3" in it makes it look for Phi-3's own tokens, which the test tokenizer
     # lacks)
-    root = tmp_path_factory.mktemp("model") / "model"
-    save_tokenizer("chatml", root)
-    vocab = load_tokenizer(root).vocab_size
-    random_hf_causal_lm(model_type, seed=3, vocab_size=vocab, **config).save_pretrained(root)
-    return root
+    return hf_model_dir(tmp_path_factory.mktemp("model") / "model", model_type, seed=3,
+                        **config)
 
 
 def as_stored(model, dtype: str):
@@ -122,13 +118,11 @@ def test_phi3_longrope_equals_lmforge_past_the_pretraining_length(tmp_path):
     it the two differ by design: llama.cpp picks the factors by its context size, which
     it rounds up to 256 tokens, and lmforge (as transformers) by the sequence's length."""
     tmp_path = tmp_path / "model"  # (a neutral name: see family_dir)
-    save_tokenizer("chatml", tmp_path)
     rope = {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(4)],
             "long_factor": [1.5 + 0.7 * i for i in range(4)],
             "original_max_position_embeddings": ORIGINAL}
-    random_hf_causal_lm("phi3", seed=3, vocab_size=load_tokenizer(tmp_path).vocab_size,
-                        partial_rotary_factor=0.5, rope_scaling=rope,
-                        original_max_position_embeddings=ORIGINAL).save_pretrained(tmp_path)
+    hf_model_dir(tmp_path, "phi3", seed=3, partial_rotary_factor=0.5, rope_scaling=rope,
+                 original_max_position_embeddings=ORIGINAL)
     out = export_gguf(tmp_path, tmp_path / "model.gguf", "f32")
     ours = load_hf_model(tmp_path)
     prompt = torch.randint(0, ours.args.vocab_size - 10, (ORIGINAL + 2,),
@@ -140,10 +134,7 @@ def test_phi3_longrope_equals_lmforge_past_the_pretraining_length(tmp_path):
 def test_a_lora_gguf_on_its_base_equals_the_merged_export(tmp_path, model_type, rslora):
     """Adapters on every projection (q/k's B rows permuted like the weights for llama's
     rotation; each module's scaling, rsLoRA's too, folded into B)."""
-    base = tmp_path / "base"
-    save_tokenizer("chatml", base)
-    random_hf_causal_lm(model_type, seed=4,
-                        vocab_size=load_tokenizer(base).vocab_size).save_pretrained(base)
+    base = hf_model_dir(tmp_path / "base", model_type, seed=4)
     model = load_hf_model(base)
     apply_lora(model, LoraConfig(enabled=True, rank=4, alpha=8.0, rslora=rslora,
                                  targets="all-linear"))
@@ -170,10 +161,7 @@ CHAT = [{"role": "user", "content": "say hi"}]
 def chat_model(tmp_path_factory):
     """A tiny ChatML model fine-tuned until it answers "hello there" and stops."""
     root = tmp_path_factory.mktemp("chatml")
-    base = root / "base"
-    save_tokenizer("chatml", base)
-    random_hf_causal_lm("llama", seed=1,
-                        vocab_size=load_tokenizer(base).vocab_size).save_pretrained(base)
+    base = hf_model_dir(root / "base", seed=1)
     data = root / "chat.jsonl"
     data.write_text("".join(json.dumps({"messages": CHAT + [
         {"role": "assistant", "content": "hello there"}]}) + "\n" for _ in range(64)))

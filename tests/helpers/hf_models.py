@@ -50,6 +50,20 @@ def random_hf_causal_lm(model_type: str, seed: int = 0, **config):
     return model
 
 
+def hf_model_dir(root, model_type: str = "llama", tokenizer: str = "chatml", seed: int = 0,
+                 extra_vocab: int = 0, **config):
+    """``root`` holding a test tokenizer (``helpers.real_tokenizers``: chatml, llama3, ...)
+    and a ``random_hf_causal_lm`` sized to its vocabulary (plus ``extra_vocab`` rows no
+    token uses); returns ``root``."""
+    from helpers.real_tokenizers import save_tokenizer
+    from lmforge.data.tokenizer import load_tokenizer
+
+    save_tokenizer(tokenizer, root)
+    vocab = load_tokenizer(root).vocab_size + extra_vocab
+    random_hf_causal_lm(model_type, seed, vocab_size=vocab, **config).save_pretrained(root)
+    return root
+
+
 def random_hf_gptj(seed: int = 0, **config):
     """A random fp32 ``transformers.GPTJForCausalLM`` in eval mode (eager attention): the
     tiny shape with partial rotary (8 of 16 features per head) and an explicit MLP width;

@@ -8,8 +8,7 @@ import json
 
 import pytest
 
-from helpers.hf_models import random_hf_causal_lm
-from helpers.real_tokenizers import save_tokenizer
+from helpers.hf_models import hf_model_dir
 from lmforge.cli import main
 from lmforge.data.tokenizer import load_tokenizer
 
@@ -36,10 +35,7 @@ metric_list:
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("harness")
-    model = root / "model"
-    save_tokenizer("llama3", model)
-    random_hf_causal_lm("llama", seed=6,
-                        vocab_size=load_tokenizer(model).vocab_size).save_pretrained(model)
+    model = hf_model_dir(root / "model", tokenizer="llama3", seed=6)
     rows = [{"question": f"what is {w} and the sky", "choices": [" blue", " green", " red"],
              "answer": i % 3} for i, w in enumerate("tell me about tokens models data".split())]
     (root / "tasks").mkdir()

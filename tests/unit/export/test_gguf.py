@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.hf_models import random_hf_causal_lm
+from helpers.hf_models import hf_model_dir
 from helpers.real_tokenizers import CHATML_TEMPLATE, save_tokenizer
 from lmforge.cli import main
 from lmforge.data.tokenizer import load_tokenizer
@@ -32,10 +32,7 @@ FAMILIES = {  # id -> (model_type, config beyond the tiny shape)
 
 def model_dir(root, model_type: str, **config):
     """A random transformers model with the ChatML test tokenizer and its template."""
-    save_tokenizer("chatml", root)
-    vocab = load_tokenizer(root).vocab_size
-    random_hf_causal_lm(model_type, seed=2, vocab_size=vocab + 5, **config).save_pretrained(root)
-    return root
+    return hf_model_dir(root, model_type, seed=2, extra_vocab=5, **config)
 
 
 @pytest.fixture(params=sorted(FAMILIES), scope="module")
@@ -130,12 +127,10 @@ def test_gemma3_norms_are_written_plus_one_and_its_layers_kinds_and_rope_bases_a
     """llama.cpp multiplies by a norm's weight where Gemma multiplies by (1 + weight); the
     query norm also carries the model's query scale over llama.cpp's 1 / sqrt(head_dim)
     (llama.cpp runs these files: tests/deploy)."""
-    save_tokenizer("chatml", tmp_path)
     config = dict(num_hidden_layers=4, head_dim=20, intermediate_size=88, sliding_window=6,
                   query_pre_attn_scalar=18, rope_theta=50_000.0, rope_local_base_freq=500.0,
                   sliding_window_pattern=2, rope_scaling={"rope_type": "linear", "factor": 4.0})
-    random_hf_causal_lm("gemma3_text", seed=2, vocab_size=load_tokenizer(tmp_path).vocab_size,
-                        **config).save_pretrained(tmp_path)
+    hf_model_dir(tmp_path, "gemma3_text", seed=2, **config)
     reader = gguf.GGUFReader(export_gguf(tmp_path, tmp_path / "m.gguf", "f32"))
     assert _field(reader, "general.architecture") == "gemma3"
     assert [bool(v) for v in _array(reader, "gemma3.attention.sliding_window_pattern")] == [

@@ -11,11 +11,9 @@ import json
 import pytest
 import torch
 
-from helpers.hf_models import load_reference, random_hf_llama
-from helpers.real_tokenizers import save_tokenizer
+from helpers.hf_models import hf_model_dir, load_reference
 from lmforge.cli import main
 from lmforge.config import ConfigError, load_config
-from lmforge.data.tokenizer import load_tokenizer
 from lmforge.job import resolve
 from lmforge.models.hf import load_hf_model
 from lmforge.train.loop import train
@@ -25,10 +23,8 @@ ORIGINAL = 32  # the base model's positions
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ctx") / "base"
-    save_tokenizer("llama3", root)
-    random_hf_llama(seed=3, vocab_size=load_tokenizer(root).vocab_size,
-                    max_position_embeddings=ORIGINAL).save_pretrained(root)
+    root = hf_model_dir(tmp_path_factory.mktemp("ctx") / "base", tokenizer="llama3", seed=3,
+                        max_position_embeddings=ORIGINAL)
     (root.parent / "corpus.txt").write_text(
         "\n\n".join(f"document {i}: " + " ".join(["the long context"] * 30) for i in range(20)))
     return root
