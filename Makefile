@@ -1,5 +1,5 @@
 # The two commands of the README: `make demo` and `make test`.
-.PHONY: setup demo test test-fast test-deploy gpu-check
+.PHONY: setup demo test test-fast test-long test-deploy gpu-check
 
 setup:
 	bash scripts/setup.sh
@@ -8,9 +8,13 @@ demo: setup
 	.venv/bin/lmforge train train.overwrite=true  # each demo starts over in runs/demo
 
 # A line per test file with the share done and the time taken so far (-v cancels the
-# -q of pyproject's addopts), then the ten slowest tests.
+# -q of pyproject's addopts), then the ten slowest tests. The few runs marked long (minutes
+# each) wait for test-long, which CI runs too: make test stays within its 30 minutes.
 test: setup
-	.venv/bin/python -m pytest -v --durations=10 tests
+	.venv/bin/python -m pytest -v --durations=10 -m "not long" tests
+
+test-long: setup
+	.venv/bin/python -m pytest -v --durations=10 -m long tests
 
 # What to run while working: everything but the end-to-end runs marked slow.
 test-fast: setup

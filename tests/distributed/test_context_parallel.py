@@ -18,6 +18,7 @@ from helpers.runs import read_metrics, run_lmforge, tiny_overrides
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.long
 def test_a_cp2_checkpoint_resumes_in_one_process_with_the_same_next_losses(tiny_corpus,
                                                                            tmp_path):
     base = tiny_overrides(tiny_corpus, 4) + ["data.document_mask=true", "data.kind=text"]

@@ -36,3 +36,21 @@ def test_compiled_flex_gives_sdpas_loss_and_gradients(family):
         for name, grad in grads["sdpa"].items():
             torch.testing.assert_close(grads["flex"][name], grad, rtol=1e-5, atol=1e-5,
                                        msg=name)
+
+
+def test_masked_grouped_query_attention_keeps_no_seq_by_seq_scores():
+    """A dense mask with grouped heads (documents, or context parallelism) must reach a
+    fused kernel: SDPA's math fallback would allocate every score, heads x seq x seq."""
+    from lmforge.models.attention import attend
+
+    seq, heads, cuda = 4096, 8, torch.device("cuda")
+    q = torch.randn(1, heads, seq, 64, device=cuda, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, 2, seq, 64, device=cuda, dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
+    mask = torch.ones(seq, seq, dtype=torch.bool, device=cuda).tril()[None, None]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    attend(q, k, v, mask).sum().backward()
+    scores = heads * seq * seq * 2  # bf16
+    assert torch.cuda.max_memory_allocated() - before < scores / 4

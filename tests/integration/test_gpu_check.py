@@ -21,6 +21,7 @@ GPU_ONLY = {"packed SFT, document masks, flex", "long sequence, document masks, 
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_gpu_check_runs_every_path_on_tiny_cpu_shapes(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device",
                            "cpu", "--tiny", "--out", str(tmp_path / "work"), "--report-dir",

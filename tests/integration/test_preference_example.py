@@ -14,7 +14,7 @@ from helpers.runs import run_example
 from lmforge.models.hf import load_hf_model
 from lmforge.peft.adapters import load_adapter
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 
 @pytest.fixture(scope="module")

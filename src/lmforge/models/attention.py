@@ -192,8 +192,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, *, past
     batch, seq, gqa = q.shape[0], q.shape[2], q.shape[1] != k.shape[1]
     if isinstance(mask, ContextParallel):
         k, v = mask.gather(k), mask.gather(v)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(window, q.device),
-                                              scale=scale, enable_gqa=gqa)
+        return _sdpa(q, k, v, mask.dense(window, q.device), False, scale)
     if isinstance(mask, DocumentMask) and past:
         raise ValueError("a DocumentMask is for a packed batch, not a KV cache")
     if isinstance(mask, DocumentMask):
@@ -208,9 +207,27 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, *, past
         mask = sliding_window_mask(mask, seq, past, window, q.device)
     if mask is None and past > 0 and seq > 1:
         mask = causal_mask(seq, past, q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                          is_causal=mask is None and past == 0,
+    return _sdpa(q, k, v, mask, mask is None and past == 0, scale)
+
+
+def _sdpa(q, k, v, mask, causal: bool, scale: Optional[float]) -> torch.Tensor:
+    """SDPA, grouped-query where k and v have fewer heads. On CUDA no fused kernel takes
+    a mask with grouped heads (flash takes no mask, the memory-efficient kernel no
+    grouping), and SDPA would fall back to its math path, which keeps every score
+    (seq x seq per head): there k and v are repeated to every head instead, for the
+    memory-efficient kernel. The CPU's kernel takes both as they are."""
+    gqa = q.shape[1] != k.shape[1]
+    if gqa and mask is not None and q.is_cuda:
+        k, v = repeat_heads(k, q.shape[1]), repeat_heads(v, q.shape[1])
+        gqa = False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                           scale=scale, enable_gqa=gqa)
+
+
+def repeat_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """(batch, kv heads, seq, hd) -> (batch, heads, seq, hd): each kv head repeated for
+    the query heads of its group, in order (as enable_gqa pairs them)."""
+    return t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
 @functools.cache

@@ -90,6 +90,21 @@ def test_attend_builds_each_mask_once_per_batch_and_window():
     assert allowed[12, 10] and not allowed[12, 9] and not allowed[17, 12]  # doc, window
 
 
+def test_grouped_heads_repeated_for_a_masked_kernel_give_sdpas_grouped_result():
+    """The CUDA path of a mask with grouped heads (attention._sdpa repeats k and v to
+    every head there, as no fused kernel takes both) equals enable_gqa's pairing."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 10, 8, generator=g)
+    k, v = torch.randn(2, 2, 10, 8, generator=g), torch.randn(2, 2, 10, 8, generator=g)
+    mask = torch.rand(2, 1, 10, 10, generator=g) > 0.3
+    mask |= torch.eye(10, dtype=torch.bool)  # (every query sees a key)
+    grouped = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                               enable_gqa=True)
+    repeated = torch.nn.functional.scaled_dot_product_attention(
+        q, attention.repeat_heads(k, 6), attention.repeat_heads(v, 6), attn_mask=mask)
+    torch.testing.assert_close(repeated, grouped, rtol=1e-6, atol=1e-6)
+
+
 def test_a_flex_training_run_on_the_cpu_is_refused_naming_the_field():
     cfg = load_config(None, ["model.attention=flex", "train.device=cpu", "data.seq_len=32"])
     with pytest.raises(ConfigError, match="model.attention: flex cannot train on the CPU"):
@@ -97,6 +112,7 @@ def test_a_flex_training_run_on_the_cpu_is_refused_naming_the_field():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_compiled_flex_equals_sdpa_on_a_packed_batch(monkeypatch):
     monkeypatch.setattr(attention, "_flex", COMPILED_FLEX)
     monkeypatch.setattr(attention, "COMPILE_BLOCK_MASKS", True)
