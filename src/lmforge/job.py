@@ -45,6 +45,12 @@ class Layout:
     def world_size(self) -> int:
         return self.pp * self.dp * self.cp * self.tp
 
+    @property
+    def fsdp_shard(self) -> int:
+        """Ranks FSDP2 shards weights, gradients and optimizer states over: dp_shard, and
+        the cp ranks with it (they hold the same weights; ``parallel.apply_data_parallel``)."""
+        return self.dp_shard * self.cp
+
 
 @dataclass(frozen=True)
 class Batch:

@@ -49,17 +49,70 @@ def test_what_cp_does_not_run_with_is_refused_in_one_line(tiny_corpus, tmp_path,
     assert len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
 
 
-def test_the_estimate_says_it_does_not_model_cp_and_the_memory_check_lets_it_run(tmp_path):
-    from lmforge.config import ConfigError, load_config
-    from lmforge.job import resolve
-    from lmforge.perf.budget import check_memory
+# Measured like bench/plan_check.py (the demo's tiny model, 2 or 4 gloo processes): the
+# estimate's peak allocated bytes against the trainer's second step's tensor peak, max over
+# ranks (bench/tensor_peak_worker.py). Long sequences, so that the gathered k/v and the
+# masks are a large share: the 1024-token rows' cp=2 masks are 2 MiB a layer as the CPU's
+# kernel keeps them (fp32).
+ESTIMATE_TOLERANCE = 0.15  # the estimate's CPU tolerance (docs/estimate.md)
+CP_LAYOUTS = {
+    "cp2 mb2 seq512": (2, ["data.seq_len=512", "data.micro_batch_size=2"]),
+    "cp2 documents mb2 seq1024": (2, ["data.seq_len=1024", "data.micro_batch_size=2",
+                                      "data.document_mask=true"]),
+    "cp2 documents full mb4 seq1024": (2, ["data.seq_len=1024", "data.micro_batch_size=4",
+                                           "data.document_mask=true",
+                                           "train.activation_checkpointing=full"]),
+    "cp2 x tp2 documents mb2 seq1024": (4, ["parallel.tp=2", "data.seq_len=1024",
+                                            "data.micro_batch_size=2",
+                                            "data.document_mask=true"]),
+}
+PEAK_BASE = ["data.global_batch_size=8", "data.eval_fraction=0", "parallel.cp=2",
+             "parallel.dp_shard=1", "model.tie_embeddings=false"]
+
+
+@pytest.mark.parametrize("layout", sorted(CP_LAYOUTS))
+def test_the_estimate_of_a_cp_layout_is_within_tolerance_of_its_measured_peak(layout,
+                                                                             tmp_path):
+    from lmforge.cli.common import config_and_overrides
+    from lmforge.config import load_config
+    from lmforge.perf.estimate import estimate_memory
     from lmforge.perf.estimate_setup import setup_from_config
 
-    cfg = load_config(None, ["parallel.cp=2", "data.seq_len=64", "train.device=cpu"])
-    with pytest.raises(ConfigError, match="parallel.cp: the memory estimate does not model"):
-        setup_from_config(cfg, world_size=2)
-    check = check_memory(resolve(cfg, 2, tokenizer_vocab=None))
-    assert check.fits and "does not model parallel.cp" in check.unchecked
+    nproc, keys = CP_LAYOUTS[layout]
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LMFORGE_TENSOR_PEAK_DIR": str(tmp_path),
+           "PYTHONPATH": str(root / "src")}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc-per-node={nproc}", str(root / "bench" / "tensor_peak_worker.py"),
+                    *PEAK_BASE, *keys, "train.max_steps=2", "train.save=false",
+                    f"train.output_dir={tmp_path / 'run'}"],
+                   check=True, capture_output=True, env=env, timeout=600)
+    measured = max(json.loads(p.read_text())["step_peak_bytes"]
+                   for p in tmp_path.glob("rank*.json"))
+    cfg = load_config(*config_and_overrides(None, PEAK_BASE + keys))
+    estimated = estimate_memory(setup_from_config(cfg, device="cpu",
+                                                  world_size=nproc)).peak_bytes
+    assert estimated == pytest.approx(measured, rel=ESTIMATE_TOLERANCE), \
+        f"{layout}: estimated {estimated / 2**20:.1f} MiB, measured {measured / 2**20:.1f}"
+
+
+def test_the_memory_check_holds_a_cp_run_to_its_per_rank_estimate():
+    from lmforge.config import load_config
+    from lmforge.job import resolve
+    from lmforge.perf.budget import check_memory
+    from lmforge.perf.estimate import estimate_memory
+    from lmforge.perf.estimate_setup import Setup
+
+    def job(cp):
+        return resolve(load_config(None, [f"parallel.cp={cp}", "parallel.dp_shard=1",
+                                          "data.seq_len=1024", "train.device=cpu"]),
+                       cp, tokenizer_vocab=None)
+
+    check = check_memory(job(2))
+    assert check.budget is not None and not check.unchecked
+    # half of each sequence per rank: less than one process holding all of it
+    one, two = (estimate_memory(Setup(job(n))) for n in (1, 2))
+    assert two.peak_bytes < one.peak_bytes
 
 
 def test_each_parameters_first_gradient_under_cp2_equals_one_process(tmp_path):

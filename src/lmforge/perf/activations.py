@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from lmforge.parallel.offload import MIN_OFFLOAD_BYTES
 from lmforge.perf.block_walk import Term, BlockWalk
 from lmforge.perf.estimate_setup import Setup, compute_bytes
+from lmforge.perf.masks import dense_masks
 from lmforge.perf.weights import stage_layer_ids
 
 BATCH_BYTES_PER_TOKEN = 16.0  # the batch's input ids and labels (int64)
@@ -45,6 +46,7 @@ class Activations:
     # the MLP output projection's saved input, released just before that point
     freed_mlp_out_input: float
     input_is_saved: bool  # the block's first norm keeps the block input itself
+    masks: float = 0.0  # the dense attention masks the layers share (perf/masks.py)
 
 
 def activation_model(setup: Setup) -> Activations:
@@ -69,7 +71,8 @@ def activation_model(setup: Setup) -> Activations:
                        batch_inputs=BATCH_BYTES_PER_TOKEN,
                        backward_buffers=_backward_buffers(setup, walker),
                        freed_mlp_out_input=per_device(mlp_out_input, setup),
-                       input_is_saved=walker.keeps_block_input())
+                       input_is_saved=walker.keeps_block_input(),
+                       masks=dense_masks(setup).shared_bytes)
 
 
 def _head_terms(setup: Setup, input_needs_grad: bool) -> list[Term]:
@@ -142,20 +145,21 @@ class StageActivations:
     # A pipeline's last stage: the other in-flight micro-batches' head inputs, logits
     # (the stage output, kept for its backward) and log-softmax (kept by the loss)
     pending_heads: float = 0.0
+    masks: float = 0.0  # the dense attention masks of the micro-batches in flight
 
     @property
     def at_forward_end(self) -> float:
-        return self.blocks + self.head + self.stage_input + self.pending_heads
+        return self.blocks + self.head + self.stage_input + self.pending_heads + self.masks
 
     @property
     def at_last_block(self) -> float:
         return (self.blocks + self.recomputed_last_block + self.stage_input
-                - self.freed_mlp_out_input + self.pending_heads)
+                - self.freed_mlp_out_input + self.pending_heads + self.masks)
 
     @property
     def at_first_block(self) -> float:
         return (self.blocks_at_first_block + self.recomputed_first_block + self.stage_input
-                - self.freed_mlp_out_input + self.pending_heads)
+                - self.freed_mlp_out_input + self.pending_heads + self.masks)
 
 
 def stage_activations(setup: Setup, act: Activations, stage: int) -> StageActivations:
@@ -179,7 +183,7 @@ def stage_activations(setup: Setup, act: Activations, stage: int) -> StageActiva
     bf16_logits = compute_bytes(setup) == 2
     pending = (held - 1) * (act.head_inputs + act.logits + act.log_softmax) if last else 0.0
     return StageActivations(
-        pending_heads=pending,
+        pending_heads=pending, masks=held * act.masks,
         host=host, blocks=blocks, blocks_at_first_block=blocks_at_first_block,
         recomputed_last_block=recomputed_by_block(setup, act, ids[-1]),
         recomputed_first_block=recomputed_by_block(setup, act, ids[0]),
@@ -213,7 +217,7 @@ def offloaded_per_layer(setup: Setup, act: Activations, checkpointed: bool) -> f
     checkpointed block the input it keeps, of another every saved tensor of at least
     ``MIN_OFFLOAD_BYTES`` for a micro-batch (``parallel/offload.py``'s rule; smaller ones
     stay, as do weights, which are not activations here)."""
-    tokens = setup.micro_batch * setup.batch.seq_len
+    tokens = setup.tokens
     sizes = ([act.layer_input] if checkpointed
              else [per_device([t], setup) for t in act.other_terms])
     return sum(b for b in sizes if b * tokens >= MIN_OFFLOAD_BYTES)
@@ -222,6 +226,6 @@ def offloaded_per_layer(setup: Setup, act: Activations, checkpointed: bool) -> f
 def loss_chunk_tokens(setup: Setup) -> int:
     """Tokens whose logits exist at once: train.loss_chunk_tokens makes (and recomputes
     in backward) one chunk's logits at a time; else the whole micro-batch's."""
-    tokens = setup.micro_batch * setup.batch.seq_len
+    tokens = setup.tokens
     chunk = setup.cfg.train.loss_chunk_tokens
     return min(chunk, tokens) if chunk else tokens

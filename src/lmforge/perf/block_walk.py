@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from lmforge.models.registry import family_of
 from lmforge.perf.estimate_setup import Setup, adapter_bytes, compute_bytes, residual_bytes
+from lmforge.perf.masks import dense_masks
 
 
 @dataclass
@@ -217,17 +218,29 @@ class BlockWalk:
             self.add("rope cos/sin copies", calls * 2 * roped_bytes * features, "none")
 
     def _sdpa(self) -> None:
-        args, out_bytes = self.args, self.matmul_bytes
+        """What attention keeps per query token. Under context parallelism each local
+        query's keys are the whole sequence's, gathered from the cp ranks: the gathered k
+        and v (cp key positions per local token) are what SDPA keeps, not the local ones."""
+        args, out_bytes, setup = self.args, self.matmul_bytes, self.setup
         q_dim, kv_dim = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-        if self.setup.attention == "eager":  # HF eager: k/v repeated, S x S kept twice
+        keys, seq = setup.layout.cp, setup.batch.seq_len
+        if setup.attention == "eager":  # HF eager: k/v repeated, S x S kept twice
             self.add("q (roped)", out_bytes * q_dim)
-            self.add("k, v repeated to all heads", 2 * out_bytes * q_dim)
-            self.add("attention softmax (fp32)", 4 * args.n_heads * self.setup.batch.seq_len)
-            self.add("attention probs", out_bytes * args.n_heads * self.setup.batch.seq_len)
-        else:  # flash/efficient SDPA keeps q, k, v, the output and the log-sum-exp
-            self.add("q, k (roped), v", out_bytes * (q_dim + 2 * kv_dim))
-            self.add("attention output", out_bytes * q_dim)
-            self.add("attention logsumexp (fp32)", 4 * args.n_heads)
+            self.add("k, v repeated to all heads", 2 * out_bytes * q_dim * keys)
+            self.add("attention softmax (fp32)", 4 * args.n_heads * seq)
+            self.add("attention probs", out_bytes * args.n_heads * seq)
+            return
+        # flash/efficient SDPA keeps q, k, v, the output and the log-sum-exp
+        masks = dense_masks(setup)
+        if setup.device == "cuda":  # masked layers: k and v repeated to every head
+            kv_dim += masks.share * (q_dim - kv_dim)
+        self.add("q (roped)", out_bytes * q_dim)
+        self.add("k (roped), v" + (" gathered over cp" if keys > 1 else ""),
+                 2 * out_bytes * kv_dim * keys)
+        self.add("attention output", out_bytes * q_dim)
+        self.add("attention logsumexp (fp32)", 4 * args.n_heads)
+        if setup.device != "cuda":
+            self.add("attention mask (the query's dtype)", masks.copy_bytes(out_bytes), "none")
 
     def _mlp(self, normed_needs_grad: bool) -> bool:
         """The input projection(s) (their input kept by ``block_inputs``) -> the activation

@@ -74,9 +74,6 @@ def check_memory(job: Job, local_rank: int = 0,
         estimate_bytes = estimate_memory(Setup(job)).total_bytes
     if job.config.train.skip_memory_check:
         return MemoryCheck(estimate_bytes, job.device, None, "train.skip_memory_check=true")
-    if job.layout.cp > 1:  # (it would count whole sequences per rank: a false refusal)
-        return MemoryCheck(estimate_bytes, job.device, None,
-                           "the estimate does not model parallel.cp yet")
     if job.device == "cuda" and not torch.cuda.is_available():  # a dry run elsewhere
         return MemoryCheck(estimate_bytes, job.device, None,
                            "train.device=cuda and no GPU is visible here")

@@ -19,7 +19,7 @@ DEQUANT_SCRATCH_BYTES = {"nf4": 13.0, "int8": 8.0}
 @dataclass
 class Gradients:
     """Gradient bytes on one device (a gradient has its parameter's dtype; FSDP2 shards
-    it over dp_shard) at the points of the backward where they matter."""
+    it over dp_shard x cp) at the points of the backward where they matter."""
     total: float  # every trainable parameter's: the optimizer step
     per_block: float
     mlp_out: float  # the MLP output projection's, the first a block's backward completes
@@ -41,7 +41,7 @@ class Gradients:
 
 
 def stage_gradients(setup: Setup, weights: Weights, stage: int) -> Gradients:
-    grad_bytes, shard = DTYPE_BYTES[setup.cfg.train.param_dtype], setup.layout.dp_shard
+    grad_bytes, shard = DTYPE_BYTES[setup.cfg.train.param_dtype], setup.layout.fsdp_shard
     every = grad_bytes * weights.trainable_params / shard
     per_block = grad_bytes * weights.block_trainable / shard
     before_blocks = every - stage_layers(setup, stage) * per_block
@@ -130,7 +130,7 @@ def fsdp_buffers(setup: Setup, weights: Weights, grads: Gradients, stage: int) -
     block = weights.block_total
     root = weights.trainable_params + weights.frozen_params - layers * block
     kept = layers if setup.cfg.parallel.zero < 3 else 0
-    in_block_grads = grads.mlp_out * (setup.layout.dp_shard - 1)  # beyond the sharded mlp_out
+    in_block_grads = grads.mlp_out * (setup.layout.fsdp_shard - 1)  # beyond the sharded mlp_out
     reduce_input = 4 * weights.block_trainable
     return FsdpBuffers(
         params_outside_blocks=param_bytes * (root + kept * block),
@@ -157,5 +157,5 @@ def optimizer_temporaries(setup: Setup, weights: Weights) -> float:
     if fused or setup.cfg.optim.name not in ("adamw", "adam"):
         return 0.0
     if setup.device == "cuda":
-        return 4 * weights.trainable_params / setup.layout.dp_shard
+        return 4 * weights.trainable_params / setup.layout.fsdp_shard
     return 2 * 4 * weights.largest_trainable

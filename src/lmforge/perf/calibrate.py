@@ -81,8 +81,8 @@ def fit_columns(setup, device: Device, gpus_per_node: int
         inter=Link(1e15, device.inter.latency_us))
     t = step_time(setup, no_latency, gpus_per_node)
     latency = step_time(setup, unlimited, gpus_per_node)
-    return (t.compute + t.recompute + t.bubble, t.tp_comm + t.dp_comm + t.pp_comm,
-            latency.tp_comm + latency.dp_comm + latency.pp_comm,
+    return (t.compute + t.recompute + t.bubble, t.tp_comm + t.cp_comm + t.dp_comm + t.pp_comm,
+            latency.tp_comm + latency.cp_comm + latency.dp_comm + latency.pp_comm,
             block_passes(setup) * 1e-6)
 
 

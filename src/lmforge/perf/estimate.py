@@ -53,8 +53,8 @@ CPU_PROCESS_GIB = 0.3  # Python, torch, lmforge (0.22 GiB measured after import)
 
 def static_terms(setup: Setup, weights: Weights) -> dict[str, float]:
     """What every phase holds (the steady state, from step 2 on). FSDP2 (zero 2 and 3
-    alike) shards parameters and optimizer state over dp_shard."""
-    shard = setup.layout.dp_shard
+    alike) shards parameters and optimizer state over dp_shard (x cp)."""
+    shard = setup.layout.fsdp_shard
     terms = {"weights (trainable)": weights.trainable_bytes / shard,
              "weights (frozen base)": weights.frozen_bytes / shard,
              "optimizer states": optimizer_state_bytes(setup, weights)}
@@ -72,7 +72,7 @@ def optimizer_state_bytes(setup: Setup, weights: Weights) -> float:
         raise ValueError(f"optim.name: no memory model for {setup.cfg.optim.name!r} "
                          f"(known: {', '.join(OPTIMIZER_STATES)})")
     state_bytes = STATE_BYTES.get(setup.cfg.optim.name, 4)
-    return state_bytes * n_states * weights.trainable_params / setup.layout.dp_shard
+    return state_bytes * n_states * weights.trainable_params / setup.layout.fsdp_shard
 
 
 # ------------------------------------------------------------------------------ phases
@@ -95,7 +95,7 @@ class StageTerms:
 def stage_terms(setup: Setup, weights: Weights, act: Activations, stage: int) -> StageTerms:
     grads = stage_gradients(setup, weights, stage)
     return StageTerms(
-        layers=stage_layers(setup, stage), tokens=setup.micro_batch * setup.batch.seq_len,
+        layers=stage_layers(setup, stage), tokens=setup.tokens,
         loss_tokens=loss_chunk_tokens(setup),
         activations=stage_activations(setup, act, stage),
         gradients=grads,
@@ -231,6 +231,7 @@ class MemoryEstimate:
                       "optimizer": s.cfg.optim.name,
                       "lora": dataclasses.asdict(s.lora) if s.lora else None,
                       "tp": layout.tp, "pp": layout.pp, "dp_shard": layout.dp_shard,
+                      "cp": layout.cp,
                       "dp_replicate": layout.dp_replicate, "zero": p.zero,
                       "sequence_parallel": p.sequence_parallel, "attention": s.attention,
                       "microbatches": s.batch.microbatches},
@@ -319,8 +320,8 @@ def format_table(est: MemoryEstimate, device_memory_gib: Optional[float] = None,
         + (f" (every {every})" if t.activation_checkpointing == "selective" else "")
         + f", attention {s.attention}",
         f"layout: {layout.world_size} device(s) on {s.device}: dp_replicate "
-        f"{layout.dp_replicate} x dp_shard {layout.dp_shard} x tp {layout.tp} x pp "
-        f"{layout.pp}, zero {s.cfg.parallel.zero}"
+        f"{layout.dp_replicate} x dp_shard {layout.dp_shard} x cp {layout.cp} x tp "
+        f"{layout.tp} x pp {layout.pp}, zero {s.cfg.parallel.zero}"
         + (f"; pipeline stage {est.stage}" if layout.pp > 1 else ""),
         "",
         f"{'per device':46s}{'GiB':>10s}",

@@ -93,9 +93,22 @@ class Setup:
 
     @property
     def fsdp(self) -> bool:
-        """FSDP2 wraps the model whenever data parallelism is on (the trainer's rule); it
-        shards over dp_shard and, with bf16, gathers the parameters as bf16 (no autocast)."""
-        return self.layout.dp > 1
+        """FSDP2 wraps the model whenever data or context parallelism is on (the trainer's
+        rule); it shards over dp_shard x cp and, with bf16, gathers the parameters as bf16
+        (no autocast)."""
+        return self.layout.dp * self.layout.cp > 1
+
+    @property
+    def local_seq(self) -> int:
+        """Positions of each sequence on one device: context parallelism gives each of
+        its ranks 1 / cp of every row (two chunks, parallel/context.py)."""
+        return self.batch.seq_len // self.layout.cp
+
+    @property
+    def tokens(self) -> int:
+        """Positions of one micro-batch on one device, whose activations the estimate
+        counts per token."""
+        return self.micro_batch * self.local_seq
 
     @property
     def half(self) -> bool:
@@ -158,10 +171,7 @@ def setup_from_config(cfg, device: Optional[str] = None, world_size: Optional[in
     device per unset dimension); ``base_dtype`` (fp32 | bf16) is the storage of a LoRA
     run's frozen, unquantized weights; ``args``: the model, where the caller holds it."""
     p = cfg.parallel
-    if p.cp > 1:  # (it would size whole sequences per rank and shards over dp_shard alone)
-        raise ConfigError("parallel.cp: the memory estimate does not model context "
-                          "parallelism yet (docs/long-context.md)")
-    devices = world_size or p.dp_replicate * p.tp * p.pp * max(p.dp_shard, 1)
+    devices = world_size or p.dp_replicate * p.tp * p.pp * p.cp * max(p.dp_shard, 1)
     if base_dtype not in (None, "fp32", "bf16"):
         raise ConfigError(f"--base-dtype: {base_dtype!r} is not fp32 or bf16")
     return Setup(resolve(cfg, devices, device=device, args=args), attention=attention,

@@ -31,6 +31,8 @@ class Candidate:
     def describe(self) -> str:
         s, k = self.setup, self.keys
         text = f"dp{s.layout.dp_replicate}x{s.layout.dp_shard} tp{s.layout.tp} pp{s.layout.pp}"
+        if s.layout.cp > 1:
+            text += f" cp{s.layout.cp}"
         if s.layout.pp > 1:
             text += f" {s.cfg.parallel.pp_schedule}" + (f"/v{s.cfg.parallel.pp_virtual_stages}"
                                            if s.cfg.parallel.pp_virtual_stages > 1 else "")
@@ -58,19 +60,24 @@ def global_batch(cfg: JobConfig, gpus: int) -> int:
     return cfg.data.global_batch_size or cfg.data.micro_batch_size * gpus
 
 
-def meshes(args, gpus: int, per_node: int) -> Iterator[dict]:
-    """(dp_replicate, dp_shard, tp, pp) with product ``gpus``: tp inside a node and
-    dividing both head counts, pp dividing the layers."""
+def meshes(args, gpus: int, per_node: int, seq_len: int = 0) -> Iterator[dict]:
+    """(dp_replicate, dp_shard, cp, tp, pp) with product ``gpus``: tp inside a node and
+    dividing both head counts, pp dividing the layers, cp with tp inside a node (its
+    gathers run every layer) and splitting ``seq_len`` into 2 cp chunks (none without
+    one). The trainer's validation drops the rest (cp with pp, for one)."""
     for tp in divisors(min(gpus, per_node)):
         if gpus % tp or args.n_heads % tp or args.n_kv_heads % tp:
             continue
-        for pp in divisors(gpus // tp):
-            if args.n_layers % pp:
+        for cp in divisors(per_node // tp if per_node % tp == 0 else 1):
+            if gpus % (tp * cp) or cp > 1 and (not seq_len or seq_len % (2 * cp)):
                 continue
-            for rep in divisors(gpus // (tp * pp)):
-                yield {"parallel.dp_replicate": rep,
-                       "parallel.dp_shard": gpus // (tp * pp * rep),
-                       "parallel.tp": tp, "parallel.pp": pp}
+            for pp in divisors(gpus // (tp * cp)):
+                if args.n_layers % pp:
+                    continue
+                for rep in divisors(gpus // (tp * cp * pp)):
+                    yield {"parallel.dp_replicate": rep,
+                           "parallel.dp_shard": gpus // (tp * cp * pp * rep),
+                           "parallel.cp": cp, "parallel.tp": tp, "parallel.pp": pp}
 
 
 def schedules(args, pp: int) -> list[dict]:
@@ -90,7 +97,7 @@ def layouts(cfg: JobConfig, args, gpus: int, per_node: int) -> Iterator[dict]:
     """Every combination of mesh, schedule, micro-batch, checkpointing, ZeRO stage and
     chunked loss; the config validation later drops what the trainer refuses."""
     batch = global_batch(cfg, gpus)
-    for mesh in meshes(args, gpus, per_node):
+    for mesh in meshes(args, gpus, per_node, cfg.data.seq_len):
         dp = mesh["parallel.dp_replicate"] * mesh["parallel.dp_shard"]
         if batch % dp:
             continue
@@ -156,7 +163,7 @@ def _args(cfg: JobConfig):
 
 
 SINGLE_DEVICE = {"parallel.dp_shard": 1, "parallel.dp_replicate": 1, "parallel.tp": 1,
-                 "parallel.pp": 1, "parallel.pp_schedule": "1f1b",
+                 "parallel.pp": 1, "parallel.cp": 1, "parallel.pp_schedule": "1f1b",
                  "parallel.pp_virtual_stages": 1, "data.global_batch_size": None}
 QLORA = {"lora.enabled": True, "lora.quantize": "nf4", **SINGLE_DEVICE,
          "data.micro_batch_size": 1, "train.activation_checkpointing": "full"}
@@ -181,7 +188,7 @@ def fits_on(cfg: JobConfig, gpus: int, per_node: int, device: Device) -> bool:
     lean = {"parallel.zero": 3, "train.activation_checkpointing": "full",
             "data.micro_batch_size": 1, "data.global_batch_size": None,
             "parallel.pp_schedule": "1f1b", "parallel.pp_virtual_stages": 1}
-    for mesh in meshes(args, gpus, per_node):
+    for mesh in meshes(args, gpus, per_node, cfg.data.seq_len):
         plain = mesh["parallel.tp"] == 1 and mesh["parallel.pp"] == 1
         keys = {**mesh, **lean, "train.loss_chunk_tokens": LOSS_CHUNK_TOKENS if plain else 0}
         gib = peak_gib(cfg, keys, gpus)

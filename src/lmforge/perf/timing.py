@@ -12,6 +12,7 @@ from typing import Optional
 
 from lmforge.perf.estimate_setup import Setup, compute_bytes
 from lmforge.perf.flops import flops_breakdown, match_peak_tflops, matmul_params
+from lmforge.perf.masks import dense_masks
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ def ring(kind: str, nbytes: float, n: int, link: Link) -> float:
 def group_link(device: Device, span: int, gpus_per_node: int) -> Link:
     """A group of consecutive ranks ``span`` wide crosses nodes when it is wider than a
     node; a collective is as slow as its slowest link, so it then runs at the inter-node
-    link. The mesh is (pp, dp_replicate, dp_shard, tp), tp innermost."""
+    link. The mesh is (pp, dp_replicate, dp_shard, cp, tp), tp innermost."""
     return device.intra if span <= gpus_per_node else device.inter
 
 
@@ -104,6 +105,7 @@ class StepTime:
     compute: float  # model FLOPs at the efficiency factor
     recompute: float  # activation checkpointing and chunked-loss recomputation
     tp_comm: float  # exposed: tensor-parallel collectives are on the critical path
+    cp_comm: float  # exposed: context parallelism's k/v gathers and their gradients
     dp_comm: float  # exposed part of FSDP / replicate collectives
     pp_comm: float  # exposed: stage-to-stage sends
     bubble: float  # pipeline fill and drain
@@ -114,8 +116,8 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return (self.compute + self.recompute + self.tp_comm + self.dp_comm + self.pp_comm
-                + self.bubble + self.overhead)
+        return (self.compute + self.recompute + self.tp_comm + self.cp_comm + self.dp_comm
+                + self.pp_comm + self.bubble + self.overhead)
 
     @property
     def tokens_per_s(self) -> float:
@@ -128,7 +130,8 @@ class StepTime:
     @property
     def largest(self) -> str:
         terms = {"compute": self.compute, "recomputation": self.recompute,
-                 "exposed communication": self.tp_comm + self.dp_comm + self.pp_comm,
+                 "exposed communication": (self.tp_comm + self.cp_comm + self.dp_comm
+                                           + self.pp_comm),
                  "pipeline bubble": self.bubble, "per-pass overhead": self.overhead}
         return max(terms, key=terms.get)
 
@@ -142,14 +145,22 @@ def recompute_fraction(setup: Setup) -> float:
 
 
 def flops_per_token(setup: Setup) -> tuple[float, float]:
-    """(model FLOPs, recomputed FLOPs) per token. Recomputed: the fraction of the blocks'
-    forward checkpointing repeats, plus the head's forward under a chunked loss."""
+    """(model FLOPs, FLOPs run beyond them) per token. Beyond: the fraction of the blocks'
+    forward checkpointing repeats, the head's forward under a chunked loss, and the
+    scores a dense mask hides: a masked SDPA computes every query's scores against every
+    key (a causal one skips the half no query sees), so the masked layers' attention
+    costs twice the causal count (perf/masks.py says which layers)."""
     fl = flops_breakdown(setup.args, setup.batch.seq_len, setup.trainable)
     head = 2 * setup.args.dim * setup.args.vocab_size
     blocks_forward = fl.forward + fl.attention_forward - head
     extra = recompute_fraction(setup) * blocks_forward
     if setup.cfg.train.loss_chunk_tokens:
         extra += head
+    share = dense_masks(setup).share
+    if share:
+        full = flops_breakdown(setup.args, setup.batch.seq_len, setup.trainable, causal=False)
+        attention = full.attention_forward + full.attention_backward
+        extra += share * (attention - fl.attention_forward - fl.attention_backward)
     return fl.total, extra
 
 
@@ -163,16 +174,18 @@ def step_time(setup: Setup, device: Device, gpus_per_node: int) -> StepTime:
     m = setup.batch.microbatches
     seq_tokens = setup.micro_batch * setup.batch.seq_len * m  # per data-parallel replica
     model, extra = flops_per_token(setup)
-    split = setup.layout.tp * setup.layout.pp
+    split = setup.layout.tp * setup.layout.pp * setup.layout.cp
     rate = device.peak_flops * device.efficiency
     compute, recompute = model * seq_tokens / split / rate, extra * seq_tokens / split / rate
     virtual = setup.cfg.parallel.pp_virtual_stages
     bubble = (compute + recompute) * (setup.layout.pp - 1) / (m * virtual)
     tp = tp_seconds(setup, device, gpus_per_node)
+    cp = cp_seconds(setup, device, gpus_per_node)
     dp = dp_seconds(setup, device, gpus_per_node, compute + recompute)
     pp = pp_seconds(setup, device, gpus_per_node)
     overhead = block_passes(setup) * device.block_pass_us * 1e-6
-    return StepTime(compute=compute, recompute=recompute, tp_comm=tp, dp_comm=dp, pp_comm=pp,
+    return StepTime(compute=compute, recompute=recompute, tp_comm=tp, cp_comm=cp, dp_comm=dp,
+                    pp_comm=pp,
                     bubble=bubble, overhead=overhead, model_flops=model * seq_tokens / split,
                     tokens=seq_tokens / split, peak_flops=device.peak_flops)
 
@@ -185,8 +198,26 @@ def block_passes(setup: Setup) -> float:
 
 
 def activation_bytes(setup: Setup) -> float:
-    """One micro-batch's residual stream, unsharded: b x s x dim x C."""
-    return setup.micro_batch * setup.batch.seq_len * setup.args.dim * compute_bytes(setup)
+    """One micro-batch's residual stream on one cp rank, unsharded: b x s / cp x dim x C."""
+    return setup.tokens * setup.args.dim * compute_bytes(setup)
+
+
+def cp_seconds(setup: Setup, device: Device, gpus_per_node: int) -> float:
+    """Context parallelism, all exposed (attention waits for its keys): per block and
+    micro-batch, the forward all-gathers k and v over the cp group (the whole sequence's,
+    this tp rank's kv heads), the recomputed forward again, and backward reduce-scatters
+    their gradients. The cp group sits inside the tp group's stride: tp x cp ranks wide."""
+    cp = setup.layout.cp
+    if cp == 1:
+        return 0.0
+    args = setup.args
+    link = group_link(device, setup.layout.tp * cp, gpus_per_node)
+    kv = (setup.micro_batch * setup.batch.seq_len * args.n_kv_heads * args.head_dim
+          * compute_bytes(setup) / setup.layout.tp)  # k or v, gathered
+    gather = 2 * ring("all_gather", kv, cp, link)
+    reduce = 2 * ring("reduce_scatter", kv, cp, link)
+    blocks = args.n_layers / setup.layout.pp
+    return (gather * (1 + recompute_fraction(setup)) + reduce) * blocks * setup.batch.microbatches
 
 
 def tp_seconds(setup: Setup, device: Device, gpus_per_node: int) -> float:
@@ -210,23 +241,24 @@ def tp_seconds(setup: Setup, device: Device, gpus_per_node: int) -> float:
 def dp_seconds(setup: Setup, device: Device, gpus_per_node: int, compute: float) -> float:
     """Exposed FSDP / replicate communication. Per micro-batch (the trainer syncs every
     one): ZeRO-3 gathers the parameters in forward and again in backward, ZeRO-2 once;
-    gradients are reduce-scattered over dp_shard (fp32) and all-reduced over dp_replicate.
+    gradients are reduce-scattered over dp_shard x cp (fp32) and all-reduced over
+    dp_replicate.
     All of it overlaps compute except each micro-batch's first block all-gather and last
     block reduce (nothing to hide behind), and whatever exceeds the compute time; on a
     device that does not overlap communication, all of it is exposed."""
-    if setup.layout.dp_shard * setup.layout.dp_replicate == 1:
+    layout = setup.layout
+    shard = layout.fsdp_shard
+    if shard * layout.dp_replicate == 1:
         return 0.0
     params = param_count(setup.args) / (setup.layout.tp * setup.layout.pp)
     trains = 0.0 if setup.lora is not None else params  # adapters are negligible
-    layout = setup.layout
-    shard_link = group_link(device, layout.tp * layout.dp_shard, gpus_per_node)
-    rep_link = group_link(device, layout.tp * layout.dp_shard * layout.dp_replicate,
-                          gpus_per_node)
+    shard_link = group_link(device, layout.tp * shard, gpus_per_node)
+    rep_link = group_link(device, layout.tp * shard * layout.dp_replicate, gpus_per_node)
     gathers = 2 if setup.cfg.parallel.zero == 3 else 1
-    gather = ring("all_gather", params * compute_bytes(setup), setup.layout.dp_shard, shard_link)
-    reduce = ring("reduce_scatter", trains * GRAD_REDUCE_BYTES, layout.dp_shard, shard_link)
-    replicate = ring("all_reduce", trains * GRAD_REDUCE_BYTES / setup.layout.dp_shard,
-                     setup.layout.dp_replicate, rep_link)
+    gather = ring("all_gather", params * compute_bytes(setup), shard, shard_link)
+    reduce = ring("reduce_scatter", trains * GRAD_REDUCE_BYTES, shard, shard_link)
+    replicate = ring("all_reduce", trains * GRAD_REDUCE_BYTES / shard, layout.dp_replicate,
+                     rep_link)
     per_micro = gathers * gather + reduce + replicate
     blocks = setup.args.n_layers / setup.layout.pp
     unhidden = (gather + reduce + replicate) / blocks  # the first gather, the last reduce
