@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.harness_tasks import write_mc_task
 from helpers.hf_models import hf_model_dir
 from helpers.runs import run_lmforge
 
@@ -28,19 +29,6 @@ pytestmark = [pytest.mark.deploy, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 ANSWER = "hello there"
-TASK = """task: my_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}\\nAnswer:"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
-metric_list:
-  - metric: acc
-"""
 
 
 def readme_blocks(section: str) -> list[str]:
@@ -66,11 +54,9 @@ def workdir(tmp_path_factory):
         f"model.init_from={base}", "data.kind=sft", f"data.path={data}", "data.seq_len=32",
         "data.eval_fraction=0", "data.micro_batch_size=8", "train.max_steps=40",
         "optim.lr=3e-3", "train.sample_prompt=null"])
-    (root / "tasks").mkdir()
-    rows = [{"question": f"say {w}", "choices": [" hello", " there", " red"], "answer": i % 3}
-            for i, w in enumerate("hi hello yes no".split())]
-    (root / "tasks" / "my_mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (root / "tasks" / "my_mc.yaml").write_text(TASK.format(data=root / "tasks" / "my_mc.jsonl"))
+    write_mc_task(root / "tasks", "my_mc", [
+        {"question": f"say {w}", "choices": [" hello", " there", " red"], "answer": i % 3}
+        for i, w in enumerate("hi hello yes no".split())])
     return root
 
 

@@ -48,7 +48,7 @@ def test_dry_run_checks_the_layout_for_the_world_size_it_is_given(capsys, tmp_pa
     base = ["train", "parallel.tp=2", f"train.output_dir={tmp_path}/run", "--dry-run"]
     assert main([*base, "--world-size", "4"]) == 0
     out = capsys.readouterr().out
-    assert "4 device(s)" in out and "dp_shard 2 x tp 2" in out
+    assert "4 device(s)" in out and "dp_shard 2 x cp 1 x tp 2" in out
     assert main(base) == 2  # one process cannot hold tp=2, as train says
     assert "parallel" in capsys.readouterr().err
     assert main(["train", "--world-size", "4"]) == 2  # only with --dry-run

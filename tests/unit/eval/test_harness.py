@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from helpers.harness_tasks import task_yaml, write_mc_task
 from helpers.hf_models import hf_model_dir
 from lmforge.cli import main
 from lmforge.data.tokenizer import load_tokenizer
@@ -15,21 +16,6 @@ from lmforge.data.tokenizer import load_tokenizer
 pytest.importorskip("lm_eval")
 pytestmark = pytest.mark.slow
 
-TASK = """task: tiny_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}\\nAnswer:"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-"""
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +24,7 @@ def assets(tmp_path_factory):
     model = hf_model_dir(root / "model", tokenizer="llama3", seed=6)
     rows = [{"question": f"what is {w} and the sky", "choices": [" blue", " green", " red"],
              "answer": i % 3} for i, w in enumerate("tell me about tokens models data".split())]
-    (root / "tasks").mkdir()
-    data = root / "tasks" / "tiny.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (root / "tasks" / "tiny.yaml").write_text(TASK.format(data=data))
-    return model, root / "tasks"
+    return model, write_mc_task(root / "tasks", "tiny_mc", rows)
 
 
 def _samples(results) -> list[list[float]]:
@@ -82,8 +64,8 @@ def test_bench_eval_prints_the_scores_and_refuses_a_task_without_local_data(
     assert 0 <= result["results"]["tiny_mc"]["acc,none"] <= 1
     hub = tmp_path / "hub"
     hub.mkdir()
-    (hub / "hub.yaml").write_text(TASK.replace("task: tiny_mc", "task: hub_mc").replace(
-        "dataset_path: json", "dataset_path: someone/not-on-this-machine").format(data="x"))
+    (hub / "hub.yaml").write_text(task_yaml("hub_mc", "x").replace(
+        "dataset_path: json", "dataset_path: someone/not-on-this-machine"))
     assert main(["bench-eval", "--model", str(model_dir), "--tasks", "hub_mc",
                  "--include-path", str(hub), "--device", "cpu"]) == 2
     err = capsys.readouterr().err
