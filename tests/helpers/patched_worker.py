@@ -10,6 +10,10 @@
                      and waits (up to 5 minutes) for a stop signal, which the test sends;
                      every other rank ignores SIGUSR1, so it can stop only because the
                      stop decision is collective
+  die:RANK:STEP      that rank kills itself (SIGKILL, as kill -9) after that step's
+                     update, in the first attempt of a torchrun job only
+  die_saving:RANK:STEP that rank kills itself while writing that step's checkpoint (in
+                     the background thread of train.async_checkpoint), first attempt only
 """
 import os
 import sys
@@ -98,6 +102,51 @@ elif kind == "await_stop":
         return should_stop(self, step)
 
     StopSignals.should_stop = awaiting_should_stop
+
+elif kind in ("die", "die_saving") and os.environ.get("TORCHELASTIC_RESTART_COUNT",
+                                                      "0") == "0":
+    import signal
+
+    bad_rank, bad_step = int(params[0]), int(params[1])
+    mine = int(os.environ.get("RANK", 0)) == bad_rank
+
+    def die(what: str) -> None:
+        print(f"rank {bad_rank}: killing itself (SIGKILL) {what}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if kind == "die":
+        from lmforge.train import loop
+
+        original_step = loop.train_step
+
+        def dying_step(cfg, rt, model, optimizers, micro_batches, step, *args, **kwargs):
+            result = original_step(cfg, rt, model, optimizers, micro_batches, step,
+                                   *args, **kwargs)
+            if mine and step == bad_step:
+                die(f"after step {step}")
+            return result
+
+        loop.train_step = dying_step
+    else:
+        from pathlib import Path
+
+        from lmforge.checkpoint import async_writer
+
+        original_writer = async_writer.dcp_writer
+
+        def dying_writer(tmp):
+            writer = original_writer(tmp)
+            if mine and Path(tmp).name.startswith(f"step-{bad_step:07d}"):
+                write_data = writer.write_data
+
+                def dying_write(*args, **kwargs):
+                    die(f"while writing checkpoint {tmp.name}")
+                    return write_data(*args, **kwargs)
+
+                writer.write_data = dying_write
+            return writer
+
+        async_writer.dcp_writer = dying_writer
 
 if __name__ == "__main__":
     from lmforge.cli import main

@@ -11,14 +11,14 @@ from lmforge.config.derived import (check_parallel_fits, compute_dtype,
                                     resolve_device, resolve_layout, samples_per_step)
 from lmforge.config.errors import ConfigError
 from lmforge.config.keys import DEVICES, PREFERENCE_OBJECTIVES, config_keys, describe_keys
-from lmforge.config.checks import harness_task_names
+from lmforge.config.checks import TRACKERS, harness_task_names, tracker_names
 from lmforge.config.schema import (CHAT_TEMPLATES, DataConfig, EvalConfig, JobConfig,
-                                   LoraConfig,
+                                   LoraConfig, MetricsConfig,
                                    ModelConfig, OptimConfig, ParallelConfig,
                                    QUANTIZE_FORMATS, TrainConfig, validate)
 
 __all__ = ["CHAT_TEMPLATES", "ConfigError", "DEVICES", "DataConfig", "EvalConfig",
-           "JobConfig",
+           "JobConfig", "MetricsConfig", "TRACKERS", "tracker_names",
            "LoraConfig", "ModelConfig", "OptimConfig", "PREFERENCE_OBJECTIVES",
            "ParallelConfig", "QUANTIZE_FORMATS", "TrainConfig", "apply_dict",
            "apply_override", "apply_run_defaults", "check_parallel_fits", "compute_dtype",

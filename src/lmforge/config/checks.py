@@ -37,6 +37,7 @@ def validate(cfg: "JobConfig", world_size: int = 1, distributed: Optional[bool] 
     _validate_in_backward(cfg, world_size, distributed)
     _validate_lora(cfg.lora)
     _validate_harness(cfg.eval)
+    tracker_names(cfg.metrics.tracker)  # (a name it does not know: refused here)
     if cfg.lora.enabled and cfg.parallel.tp > 1:
         raise ConfigError("parallel.tp: LoRA under tensor parallelism is not supported yet "
                           "(use data parallelism / FSDP2 for LoRA)")
@@ -140,6 +141,26 @@ def _validate_harness(ev: "EvalConfig") -> None:
                           f"directory")
     if ev.harness_include_path is not None and not tasks:
         raise ConfigError("eval.harness_include_path: set eval.harness_tasks to run its tasks")
+
+
+TRACKERS = ("tensorboard", "mlflow", "wandb")
+
+
+def tracker_names(value) -> list[str]:
+    """``metrics.tracker`` as a list of tracker names (a list, names separated by commas,
+    or none), each once and known, in the order given."""
+    if value is None or value == "none":
+        return []
+    if isinstance(value, str):
+        value = value.split(",")
+    if not isinstance(value, (list, tuple)) or not all(isinstance(t, str) for t in value):
+        raise ConfigError(f"metrics.tracker: {value!r} is not a list of tracker names")
+    names = list(dict.fromkeys(t.strip() for t in value if t.strip()))
+    unknown = [t for t in names if t not in TRACKERS]
+    if unknown:
+        raise ConfigError(f"metrics.tracker: {', '.join(unknown)} is not one of "
+                          f"{', '.join(TRACKERS)}")
+    return names
 
 
 def harness_task_names(value) -> list[str]:

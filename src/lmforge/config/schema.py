@@ -182,10 +182,6 @@ class TrainConfig:
     loss_chunk_tokens: int = key(0, "apply the output layer and the loss this many tokens "
                                  "at a time, recomputing each chunk's logits in backward "
                                  "(0: all at once)", bound=">= 0")
-    wandb_project: Optional[str] = key(None, "Weights & Biases project (else "
-                                       "LMFORGE_WANDB_PROJECT, else off; needs wandb)")
-    wandb_run_name: Optional[str] = key(None, "the W&B run's name (default: the output "
-                                        "directory's name)")
     objective: str = key("auto", "what a step minimises: next_token (pretraining, text, "
                          "SFT's completions) or a preference loss on chosen/rejected pairs; "
                          "auto: dpo for data.kind=preference, else next_token",
@@ -224,6 +220,9 @@ class ParallelConfig:
                                   "sequence")
     microbatches: Optional[int] = key(None, "pipeline microbatches per step (default: the "
                                       "fewest that keep every stage busy)", bound=">= 1")
+    timeout_s: int = key(600, "seconds a collective waits for the other ranks before it "
+                         "fails (a rank died, a node hangs), so that the job ends and "
+                         "torchrun or SLURM can restart it", bound="> 0")
 
 
 @dataclass
@@ -260,6 +259,28 @@ class EvalConfig:
 
 
 @dataclass
+class MetricsConfig:
+    """Where a run's metrics go besides metrics.jsonl (train/trackers.py; docs/metrics.md).
+    The logging rank alone writes them."""
+    # typed Any so that a comma-separated string is accepted on the command line
+    tracker: Any = key("tensorboard", "tensorboard, mlflow, wandb: a list, or names "
+                       "separated by commas (none: metrics.jsonl alone)")
+    tracker_required: bool = key(False, "stop the run when a tracker fails (else one line "
+                                 "says so and the run goes on with the others)")
+    run_name: Optional[str] = key(None, "the tracked run's name (default: the output "
+                                  "directory's name)")
+    mlflow_tracking_uri: Optional[str] = key(None, "MLflow's server or store (else "
+                                             "MLFLOW_TRACKING_URI, else sqlite:/// the run "
+                                             "directory's parent/mlflow.db)")
+    mlflow_experiment: str = key("lmforge", "the MLflow experiment")
+    wandb_project: Optional[str] = key(None, "the W&B project (else LMFORGE_WANDB_PROJECT, "
+                                       "else lmforge)")
+    wandb_mode: Optional[str] = key(None, "W&B online | offline (default: WANDB_MODE, else "
+                                    "online with WANDB_API_KEY set, offline without)",
+                                    choices=(None, "online", "offline"))
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -268,6 +289,7 @@ class JobConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -7,6 +7,7 @@ tensor parallelism (the chattiest) stays within a node.
 """
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -45,9 +46,11 @@ def runs_distributed(parallel: ParallelConfig, world_size: int, torchrun: bool) 
     return world_size > 1 or (torchrun and parallel.dp_shard == 1)
 
 
-def init_distributed(env: DistEnv, device_type: str, distributed: bool) -> None:
+def init_distributed(env: DistEnv, device_type: str, distributed: bool,
+                     timeout_s: int = 600) -> None:
     """Starts the default process group when the run is ``distributed`` (see
-    ``runs_distributed``: several processes, or FSDP2 on one)."""
+    ``runs_distributed``: several processes, or FSDP2 on one). ``timeout_s``
+    (``parallel.timeout_s``): how long a collective waits for a rank that does not come."""
     if not distributed or dist.is_initialized():
         return
     if "MASTER_ADDR" not in os.environ:
@@ -58,7 +61,8 @@ def init_distributed(env: DistEnv, device_type: str, distributed: bool) -> None:
     os.environ.setdefault("WORLD_SIZE", str(env.world_size))
     if device_type == "cuda":
         torch.cuda.set_device(env.local_rank)
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def _slurm_first_host() -> str:

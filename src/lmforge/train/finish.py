@@ -15,6 +15,7 @@ from lmforge.data.tokenizer import Tokenizer
 from lmforge.eval.harness import headline_scores, run_harness
 from lmforge.export import export_trained, trained_model
 from lmforge.perf.records import HARNESS_DIR
+from lmforge.perf.report import write_report
 from lmforge.train.metrics import MetricsLogger
 from lmforge.train.model_setup import TrainModel, gather_full_state_dict
 from lmforge.train.progress import Progress, summary_lines
@@ -26,11 +27,11 @@ HARNESS_FILE = f"{HARNESS_DIR}/train-end.json"
 
 
 def finish(cfg: JobConfig, rt: Runtime, model: TrainModel, tokenizer: Tokenizer,
-           data: DataBundle, out_dir: Path, history: list[dict],
+           data: DataBundle, out_dir: Path, history: list[dict], logger: MetricsLogger,
            progress: Optional[Progress] = None) -> dict:
     """Export and sample (``train.save``) and benchmark (``eval.harness_tasks``), then
-    the summary block and ``summary.json``. The held-out loss is the last step's
-    evaluation (``run_loop``)."""
+    the summary block and ``summary.json``, which ``logger``'s trackers get with the run's
+    plots. The held-out loss is the last step's evaluation (``run_loop``)."""
     progress = progress or Progress(cfg, rt.is_logging_rank, started=rt.started)
     tasks = harness_task_names(cfg.eval.harness_tasks)
     trained = gather_trained(cfg, rt, model) if cfg.train.save or tasks else None
@@ -38,17 +39,29 @@ def finish(cfg: JobConfig, rt: Runtime, model: TrainModel, tokenizer: Tokenizer,
     if trained is not None and cfg.train.save:
         sample = export_and_sample(cfg, rt, trained, tokenizer, data, out_dir)
     if trained is not None and tasks:
-        harness = benchmark(cfg, rt, trained, tokenizer, out_dir, tasks, history)
+        harness = benchmark(cfg, rt, trained, tokenizer, out_dir, tasks, history, logger)
     # the wall time includes export
     summary = {**progress.summary(out_dir, history, rt.device, data), **data.stats,
                **(harness or {})}
     if sample is not None:
         summary["sample"] = sample
     if rt.is_logging_rank:
-        fsio.atomic_write_bytes(out_dir / "summary.json", json.dumps(
-            {k: v for k, v in summary.items() if k != "sample"}, indent=2).encode())
+        kept = {k: v for k, v in summary.items() if k != "sample"}
+        fsio.atomic_write_bytes(out_dir / "summary.json", json.dumps(kept, indent=2).encode())
         print("\n".join(summary_lines(summary)), flush=True)
+        track_summary(logger, out_dir, kept)
     return summary
+
+
+def track_summary(logger: MetricsLogger, out_dir: Path, summary: dict) -> None:
+    """The summary and the run's plots (``lmforge report``'s, written to RUN/report) to
+    the trackers that keep files (MLflow, W&B)."""
+    if not logger.keeps_files:
+        return
+    report = write_report([out_dir])
+    if report["missing"]:
+        print(f"metrics.tracker: {report['missing']}", flush=True)
+    logger.finish(summary, [report["summary"], *report["plots"].values()])
 
 
 def gather_trained(cfg: JobConfig, rt: Runtime, model: TrainModel):
@@ -74,7 +87,7 @@ def export_and_sample(cfg: JobConfig, rt: Runtime, trained, tokenizer: Tokenizer
 
 
 def benchmark(cfg: JobConfig, rt: Runtime, trained, tokenizer: Tokenizer, out_dir: Path,
-              tasks: list[str], history: list[dict]) -> dict:
+              tasks: list[str], history: list[dict], logger: MetricsLogger) -> dict:
     """``eval.harness_tasks`` on the trained model: lm-eval's results in
     ``harness/train-end.json``, the headline scores logged at the last step (metrics.jsonl,
     TensorBoard) like the held-out loss; returns the summary's entries."""
@@ -95,7 +108,5 @@ def benchmark(cfg: JobConfig, rt: Runtime, trained, tokenizer: Tokenizer, out_di
     (out_dir / HARNESS_FILE).parent.mkdir(exist_ok=True)
     fsio.atomic_write_bytes(out_dir / HARNESS_FILE,
                             (json.dumps(record, indent=2, default=str) + "\n").encode())
-    logger = MetricsLogger(out_dir, start_step=step)
     logger.log(step, scores)
-    logger.close()
     return {"harness": scores, "harness_file": str(out_dir / HARNESS_FILE)}

@@ -115,11 +115,26 @@ def _run_in(job: Job, rt: Runtime, out_dir: Path) -> dict:
                          rt.device, rt.autocast, rt.is_logging_rank)
     checkpoints = Checkpoints(cfg, rt, out_dir)
     start_step = checkpoints.resume(model, optimizers, data)
+    logger = M.MetricsLogger(out_dir, cfg.metrics, enabled=rt.is_logging_rank,
+                             config=cfg.to_dict(), start_step=start_step)
+    try:
+        return _train_and_finish(job, rt, model, optimizers, tokenizer, data, out_dir,
+                                 checkpoints, logger, start_step)
+    finally:
+        logger.close()
+
+
+def _train_and_finish(job: Job, rt: Runtime, model: TrainModel, optimizers: Optimizers,
+                      tokenizer, data: DataBundle, out_dir: Path, checkpoints: "Checkpoints",
+                      logger: "M.MetricsLogger", start_step: int) -> dict:
+    """The steps from ``start_step`` on, then the end of the run (``finish``), or the
+    checkpoint a preemption or train.stop_at_step leaves it at."""
+    cfg = job.config
     end_step = min(cfg.train.max_steps, cfg.train.stop_at_step or cfg.train.max_steps)
     progress = Progress(cfg, rt.is_logging_rank, start_step, end_step, rt.started)
     # SIGUSR1/SIGTERM: checkpoint this step, leave (rank 0 says so when the signal comes)
     with StopSignals(rt.device, announce=rt.is_logging_rank) as stop:
-        history = run_loop(job, rt, model, optimizers, data, out_dir, checkpoints,
+        history = run_loop(job, rt, model, optimizers, data, out_dir, checkpoints, logger,
                            start_step, end_step, progress, stop)
     if stop.stopped_at is not None:
         say(rt, f"preempted at step {stop.stopped_at}: checkpoint written, exiting; "
@@ -130,7 +145,7 @@ def _run_in(job: Job, rt: Runtime, out_dir: Path) -> dict:
         say(rt, f"stopped after step {end_step} of {cfg.train.max_steps} "
                  f"(train.stop_at_step); continue with train.resume=auto")
         return {"stopped_at": end_step, "history": history}
-    return finish(cfg, rt, model, tokenizer, data, out_dir, history, progress)
+    return finish(cfg, rt, model, tokenizer, data, out_dir, history, logger, progress)
 
 
 def _shutdown() -> None:
@@ -149,7 +164,7 @@ def _shutdown() -> None:
 
 def run_loop(job: Job, rt: Runtime, model: TrainModel, optimizers: Optimizers,
              data: DataBundle, out_dir: Path, checkpoints: "Checkpoints",
-             start_step: int = 0, end_step: Optional[int] = None,
+             logger: "M.MetricsLogger", start_step: int = 0, end_step: Optional[int] = None,
              progress: Optional[Progress] = None,
              stop: Optional[StopSignals] = None) -> list[dict]:
     cfg, t = job.config, job.config.train
@@ -158,9 +173,6 @@ def run_loop(job: Job, rt: Runtime, model: TrainModel, optimizers: Optimizers,
     flops_per_token = functools.lru_cache()(functools.partial(model_flops_per_token, model))
     throughput = M.Throughput(flops_per_token(cfg.data.seq_len), device_peak_flops(rt.device),
                               rt.world_size)
-    logger = M.MetricsLogger(out_dir, enabled=rt.is_logging_rank, config=cfg.to_dict(),
-                             start_step=start_step, wandb_project=t.wandb_project,
-                             run_name=t.wandb_run_name)
     end_step = end_step or t.max_steps
     progress = progress or Progress(cfg, rt.is_logging_rank, start_step, end_step)
     # The whole run's records (rank 0): an earlier invocation's, then this one's.
@@ -200,7 +212,6 @@ def run_loop(job: Job, rt: Runtime, model: TrainModel, optimizers: Optimizers,
             break
     checkpoints.wait()
     progress.close()
-    logger.close()
     return history
 
 

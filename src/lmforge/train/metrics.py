@@ -1,5 +1,5 @@
-"""What a training run writes: throughput, memory, and the loggers (metrics.jsonl,
-TensorBoard, Weights & Biases).
+"""What a training run writes: throughput, memory, and the logger (metrics.jsonl, and the
+trackers of ``train/trackers.py``: TensorBoard, MLflow, Weights & Biases).
 
 The FLOPs per token and device peaks behind ``tflops_per_device`` and ``mfu`` are in
 ``lmforge.perf.flops``; reading a run's records back is ``lmforge.perf.records``.
@@ -7,7 +7,6 @@ The FLOPs per token and device peaks behind ``tflops_per_device`` and ``mfu`` ar
 from __future__ import annotations
 
 import json
-import os
 import resource
 import sys
 import time
@@ -17,7 +16,9 @@ from typing import Any, Optional
 import torch
 
 from lmforge import fsio
+from lmforge.config import MetricsConfig
 from lmforge.perf.records import METRICS_FILE, is_finite_number
+from lmforge.train.trackers import failed, start_trackers
 
 # ------------------------------------------------------------------------- memory
 
@@ -71,7 +72,6 @@ class Throughput:
 
 # ------------------------------------------------------------------------ loggers
 
-WANDB_ENV = "LMFORGE_WANDB_PROJECT"
 _TB_GROUPS = {"loss": "loss", "eval_loss": "loss", "lr": "optim", "grad_norm": "optim",
               "tokens_per_s": "perf", "tflops_per_device": "perf", "mfu": "perf",
               "tokens": "progress", "valid_tokens": "progress", "pairs": "progress"}
@@ -88,36 +88,28 @@ def tensorboard_tag(key: str) -> str:
 
 
 class MetricsLogger:
-    """metrics.jsonl + TensorBoard (+ Weights & Biases when asked), logging rank only.
+    """metrics.jsonl and the trackers of ``metrics`` (``metrics.tracker``: TensorBoard by
+    default, MLflow, W&B; ``train/trackers.py``), on the logging rank only."""
 
-    W&B is on when ``wandb_project`` (``train.wandb_project``) is given, else when
-    ``LMFORGE_WANDB_PROJECT`` is set (the key wins over the variable); the ``wandb`` package
-    is imported only then, and its absence is a one-line error."""
-
-    def __init__(self, out_dir: Path, enabled: bool = True, wandb_project: Optional[str] = None,
-                 run_name: Optional[str] = None, config: Optional[dict] = None,
-                 start_step: int = 0):
-        """``start_step``: the step the run continues after (0: a fresh run). The records
-        of later steps, written before a crash by the invocation that is now being
-        repeated, are dropped so that each step appears once; ``earlier`` holds the
-        records kept."""
+    def __init__(self, out_dir: Path, metrics=None, enabled: bool = True,
+                 config: Optional[dict] = None, start_step: int = 0):
+        """``metrics``: the config's ``metrics`` section (None: its defaults). ``config``:
+        the resolved config, the trackers' parameters. ``start_step``: the step the run
+        continues after (0: a fresh run). The records of later steps, written before a
+        crash by the invocation that is now being repeated, are dropped so that each step
+        appears once; ``earlier`` holds the records kept."""
         self.enabled = enabled
-        self._jsonl = self._tb = self._wandb = None
+        self._jsonl = None
+        self.trackers: list = []
         self.earlier: list[dict] = []
         if not enabled:
             return
+        self.metrics = metrics or MetricsConfig()
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        wandb_project = wandb_project or os.environ.get(WANDB_ENV)
-        if wandb_project:
-            self._wandb = _start_wandb(wandb_project, run_name or out_dir.name, out_dir, config)
         self.earlier = keep_records_until(out_dir / METRICS_FILE, start_step)
         self._jsonl = open(out_dir / METRICS_FILE, "a")
-        from torch.utils.tensorboard import SummaryWriter
-
-        # purge_step: TensorBoard hides the events of the repeated steps the same way.
-        self._tb = SummaryWriter(str(out_dir / "tensorboard"),
-                                 purge_step=start_step + 1 if start_step else None)
+        self.trackers = start_trackers(out_dir, self.metrics, config or {}, start_step)
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
@@ -125,21 +117,36 @@ class MetricsLogger:
         record = {"step": step, **metrics}
         self._jsonl.write(json.dumps(record, default=_json_default) + "\n")
         self._jsonl.flush()
-        numbers = {k: float(v) for k, v in metrics.items() if is_finite_number(v)}
-        for key, value in numbers.items():
-            self._tb.add_scalar(tensorboard_tag(key), value, step)
-        self._tb.flush()
-        if self._wandb is not None:
-            self._wandb.log({tensorboard_tag(k): v for k, v in numbers.items()}, step=step)
+        numbers = {tensorboard_tag(k): float(v) for k, v in metrics.items()
+                   if is_finite_number(v)}
+        self._each("log", step, numbers)
+
+    @property
+    def keeps_files(self) -> bool:
+        """Whether a tracker keeps the run's summary and plots (MLflow, W&B)."""
+        return any(t.name != "tensorboard" for t in self.trackers)
+
+    def finish(self, summary: dict, plots: list[Path]) -> None:
+        """The run's summary and plots, to the trackers that keep them."""
+        if self.enabled:
+            self._each("finish", summary, plots)
 
     def close(self) -> None:
         if not self.enabled:
             return
         self._jsonl.close()
-        self._tb.close()
-        if self._wandb is not None:
-            self._wandb.finish()
+        self._each("close")
         self.enabled = False
+
+    def _each(self, call: str, *args) -> None:
+        """``call`` on every tracker; one that fails is dropped, saying so in one line
+        (or stops the run, with ``metrics.tracker_required``)."""
+        for tracker in list(self.trackers):
+            try:
+                getattr(tracker, call)(*args)
+            except Exception as exc:  # (a server gone, a full disk: not the run's fault)
+                self.trackers.remove(tracker)
+                failed(tracker.name, f"failed ({call})", exc, self.metrics.tracker_required)
 
 
 def keep_records_until(path: Path, step: int) -> list[dict]:
@@ -165,13 +172,3 @@ def _json_default(value: Any):
     if isinstance(value, torch.Tensor):
         return value.item()
     return str(value)
-
-
-def _start_wandb(project: str, name: str, out_dir: Path, config: Optional[dict]):
-    try:
-        import wandb
-    except ImportError:
-        raise ValueError(f"W&B logging was asked for (project {project!r}) but the wandb "
-                         f"package is not installed: pip install wandb, or unset "
-                         f"train.wandb_project and {WANDB_ENV}") from None
-    return wandb.init(project=project, name=name, dir=str(out_dir), config=config or {})

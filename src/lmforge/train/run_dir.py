@@ -25,7 +25,8 @@ CHECKPOINTS = "checkpoints"  # the run's checkpoints root, inside the run direct
 # What an earlier run left that a fresh run with train.overwrite=true removes. The data
 # cache stays: its entries are keyed by what they were built from.
 RUN_OUTPUTS = (CHECKPOINTS, "hf", "adapter", "tensorboard", METRICS_FILE, "summary.json",
-               "reference")  # reference: a preference run's precomputed log-probabilities
+               "reference",  # a preference run's precomputed log-probabilities
+               "report", "wandb", "trackers.json")  # what the trackers were given
 
 
 class RunLock(fsio.FileLock):

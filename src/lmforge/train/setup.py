@@ -58,7 +58,7 @@ def init_runtime(job: Job, env: DistEnv) -> Runtime:
     if t.deterministic:
         torch.use_deterministic_algorithms(True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    init_distributed(env, device_type, job.distributed)
+    init_distributed(env, device_type, job.distributed, cfg.parallel.timeout_s)
     dims = (build_parallel_dims(cfg.parallel, env.world_size, device_type)
             if job.distributed else ParallelDims())
     autocast, param_dtype = mixed_precision(job.compute, device_type, dims.uses_fsdp)

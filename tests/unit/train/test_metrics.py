@@ -1,9 +1,7 @@
-"""metrics.jsonl, TensorBoard (read back with tensorboard's own reader) and the optional W&B
-logger; a real training run writing them; throughput; the LoRA section as the FLOPs count
+"""metrics.jsonl and TensorBoard (read back with tensorboard's own reader); a real training
+run writing them; throughput; the LoRA section as the FLOPs count
 and the estimate read it."""
 import json
-import sys
-import types
 
 import pytest
 import torch
@@ -24,8 +22,7 @@ def read_tensorboard(run_dir) -> dict[str, list[tuple[int, float]]]:
             for tag in acc.Tags()["scalars"]}
 
 
-def test_logger_writes_jsonl_and_tensorboard(tmp_path, monkeypatch):
-    monkeypatch.delenv(M.WANDB_ENV, raising=False)
+def test_logger_writes_jsonl_and_tensorboard(tmp_path):
     logger = M.MetricsLogger(tmp_path)
     logger.log(1, {"loss": 2.5, "lr": 1e-3, "mfu": None, "tokens_per_s": 100.0,
                    "peak_mem_gib": 1.5, "grad_norm": torch.tensor(0.5), "note": "x"})
@@ -44,10 +41,9 @@ def test_logger_writes_jsonl_and_tensorboard(tmp_path, monkeypatch):
     assert "train/loss_nan" not in scalars  # non-finite values stay out of TensorBoard
 
 
-def test_a_resumed_logger_keeps_each_step_once(tmp_path, monkeypatch):
+def test_a_resumed_logger_keeps_each_step_once(tmp_path):
     """A run killed after step 4 whose last checkpoint is step 2: the resumed invocation
     repeats steps 3-4, so their first records go (in metrics.jsonl and TensorBoard)."""
-    monkeypatch.delenv(M.WANDB_ENV, raising=False)
     first = M.MetricsLogger(tmp_path)
     for step in range(1, 5):
         first.log(step, {"loss": 10.0 + step})
@@ -72,61 +68,17 @@ def test_disabled_logger_writes_nothing(tmp_path):
     assert not (tmp_path / "off").exists()
 
 
-def test_wandb_missing_is_a_clear_message(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
-    monkeypatch.setenv(M.WANDB_ENV, "my-project")
-    with pytest.raises(ValueError, match="pip install wandb"):
-        M.MetricsLogger(tmp_path)
-
-
-def test_wandb_logs_the_same_scalars(tmp_path, monkeypatch):
-    calls = []
-
-    class FakeRun:
-        def log(self, data, step):
-            calls.append(("log", step, data))
-
-        def finish(self):
-            calls.append(("finish",))
-
-    fake = types.ModuleType("wandb")
-    fake.init = lambda **kw: calls.append(("init", kw)) or FakeRun()
-    monkeypatch.setitem(sys.modules, "wandb", fake)
-    monkeypatch.setenv(M.WANDB_ENV, "from-env")  # train.wandb_project wins over it
-    logger = M.MetricsLogger(tmp_path, wandb_project="proj", config={"a": 1})
-    logger.log(3, {"loss": 1.25, "mfu": None})
-    logger.close()
-    assert calls[0][0] == "init" and calls[0][1]["project"] == "proj"
-    assert calls[1] == ("log", 3, {"loss/loss": 1.25})
-    assert calls[-1] == ("finish",)
-
-
 def test_memory_metrics_on_cpu_give_the_resident_peak_and_no_reserved():
     mem = M.memory_metrics(torch.device("cpu"))
     assert mem["peak_mem_gib"] > 0 and mem["peak_reserved_gib"] is None
 
 
-def test_a_training_run_writes_the_metrics(tmp_path, monkeypatch):
+def test_a_training_run_writes_the_metrics(tmp_path):
     """A real (tiny) run: every logged step carries the metrics, and TensorBoard holds the
-    same values as metrics.jsonl; train.wandb_* reach W&B (wandb itself not needed)."""
+    same values as metrics.jsonl (MLflow and W&B: test_trackers.py)."""
     from lmforge.config import load_config
     from lmforge.train.loop import train
 
-    monkeypatch.delenv(M.WANDB_ENV, raising=False)
-    wandb_calls = []
-
-    class FakeWandbRun:
-        def log(self, data, step):
-            wandb_calls.append(step)
-
-        def finish(self):
-            pass
-
-    def fake_start(project, name, out_dir, config):
-        wandb_calls.append((project, name, config["train"]["wandb_project"]))
-        return FakeWandbRun()
-
-    monkeypatch.setattr(M, "_start_wandb", fake_start)
     corpus = tmp_path / "corpus.txt"
     words = "the quick brown fox jumps over a lazy dog while cats sleep".split()
     corpus.write_text("\n".join(" ".join(words[(i + j) % len(words)] for j in range(16))
@@ -136,12 +88,10 @@ def test_a_training_run_writes_the_metrics(tmp_path, monkeypatch):
         "model.preset=debug", "data.kind=text", f"data.path={corpus}", "data.seq_len=32",
         "data.micro_batch_size=2", "data.tokenizer_vocab_size=259", "train.max_steps=3",
         "train.log_every=1", f"train.output_dir={out}", "train.sample_tokens=2",
-        "train.progress_bar=false", "optim.warmup_steps=1", "train.device=cpu",
-        "train.wandb_project=proj", "train.wandb_run_name=tiny"])
+        "train.progress_bar=false", "optim.warmup_steps=1", "train.device=cpu"])
     train(cfg)
     records = read_metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3]
-    assert wandb_calls == [("proj", "tiny", "proj"), 1, 2, 3]
     for record in records:
         for key in RUN_KEYS:
             assert key in record, key

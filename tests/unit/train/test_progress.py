@@ -13,7 +13,6 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from helpers.tiny_models import tiny_model_overrides
 from lmforge.config import load_config
 from lmforge.perf.records import read_metrics
-from lmforge.train import metrics as M
 from lmforge.train.loop import train
 from lmforge.train.progress import Progress, no_evaluation, summary_lines
 
@@ -81,8 +80,7 @@ def run(corpus, tmp_path_factory):
     """One run (module scope, so capsys is not at hand: stdout is redirected)."""
     out = tmp_path_factory.mktemp("progress-run") / "run"
     stdout = io.StringIO()
-    with pytest.MonkeyPatch.context() as m, contextlib.redirect_stdout(stdout):
-        m.delenv(M.WANDB_ENV, raising=False)
+    with contextlib.redirect_stdout(stdout):
         _train(corpus, out, "train.max_steps=7", "train.log_every=4", "train.eval_every=3")
     return out, stdout.getvalue()
 
@@ -124,9 +122,7 @@ def test_phases_say_what_they_do_and_the_run_ends_with_a_summary(run):
     assert summary["checkpoint"] in stdout and summary["hf_dir"] in stdout
 
 
-def test_summary_of_a_resumed_run_has_the_runs_first_loss(corpus, tmp_path, capsys,
-                                                          monkeypatch):
-    monkeypatch.delenv(M.WANDB_ENV, raising=False)
+def test_summary_of_a_resumed_run_has_the_runs_first_loss(corpus, tmp_path, capsys):
     out, steps = tmp_path / "run", ["train.max_steps=3", "train.log_every=1"]
     _train(corpus, out, *steps, "train.stop_at_step=1")
     stopped = capsys.readouterr().out
@@ -148,8 +144,7 @@ def test_the_first_step_is_announced_as_it_starts_before_any_step_ends(run):
 
 
 def test_a_run_stopped_before_its_first_evaluation_says_why_it_has_no_eval_loss(
-        corpus, tmp_path, capsys, monkeypatch):
-    monkeypatch.delenv(M.WANDB_ENV, raising=False)
+        corpus, tmp_path, capsys):
     _train(corpus, tmp_path / "run", "train.max_steps=6", "train.eval_every=4",
            "train.stop_at_step=2")
     assert ("eval loss    none (stopped at step 2; train.eval_every=4 evaluates first at "
