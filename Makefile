@@ -1,5 +1,5 @@
 # The two commands of the README: `make demo` and `make test`.
-.PHONY: setup demo test test-fast test-long test-deploy gpu-check
+.PHONY: setup demo test test-fast test-long test-deploy test-cluster gpu-check
 
 setup:
 	bash scripts/setup.sh
@@ -11,7 +11,7 @@ demo: setup
 # -q of pyproject's addopts), then the ten slowest tests. The few runs marked long (minutes
 # each) wait for test-long, which CI runs too: make test stays within its 30 minutes.
 test: setup
-	.venv/bin/python -m pytest -v --durations=10 -m "not long" tests
+	.venv/bin/python -m pytest -v --durations=10 -m "not long and not cluster" tests
 
 test-long: setup
 	.venv/bin/python -m pytest -v --durations=10 -m long tests
@@ -19,6 +19,11 @@ test-long: setup
 # What to run while working: everything but the end-to-end runs marked slow.
 test-fast: setup
 	.venv/bin/python -m pytest -m "not slow" tests
+
+# SLURM for real (tests/cluster): a one-host cluster from the OS packages (slurm-wlm, munge;
+# installed with apt-get when missing, as root), jobs submitted by lmforge launch slurm.
+test-cluster: setup
+	.venv/bin/python -m pytest -v -m cluster tests/cluster
 
 # GGUF exports run in llama.cpp itself (tests/deploy): installs llama-cpp-python first
 # (PyPI ships source only: llama.cpp compiles once, and the wheel is cached).

@@ -138,7 +138,8 @@ def test_random_strings_in_every_field_never_change_the_scripts_structure():
 
 @pytest.mark.parametrize("option, value, message", [
     ("--nodes", "0", r"--nodes: must be >= 1, got 0"),
-    ("--gpus-per-node", "-1", r"--gpus-per-node: must be >= 1"),
+    ("--gpus-per-node", "-1", r"--gpus-per-node: must be >= 0"),
+    ("--gpus-per-node", "0", r"--procs-per-node: required with --gpus-per-node 0"),
     ("--cpus-per-task", "0", r"--cpus-per-task: must be >= 1"),
     ("--port", "65536", r"--port: must be a TCP port in \[1, 65535\]"),
     ("--port", "0", r"--port: must be a TCP port"),

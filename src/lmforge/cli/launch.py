@@ -12,7 +12,7 @@ from lmforge.checkpoint import resume_is_auto
 from lmforge.cli.common import config_and_overrides
 from lmforge.config import load_config
 from lmforge.job import resolve
-from lmforge.launch import render_slurm_script
+from lmforge.launch import processes_per_node, render_slurm_script
 
 LOG_DIR = "slurm-logs"  # the jobs' logs, relative to the directory sbatch is run from
 
@@ -29,7 +29,10 @@ def add_parser(sub) -> None:
                    help="config overrides, passed on to lmforge train")
     s.add_argument("--nodes", type=int, required=True, help="nodes to allocate")
     s.add_argument("--gpus-per-node", type=int, required=True,
-                   help="GPUs (and training processes) per node")
+                   help="GPUs (and training processes) per node; 0: a CPU job (gloo)")
+    s.add_argument("--procs-per-node", type=int,
+                   help="training processes per node (default: one per GPU; required "
+                   "with --gpus-per-node 0)")
     s.add_argument("--job-name", default="lmforge", help="SLURM job name")
     s.add_argument("--time", default="24:00:00", dest="time_limit",
                    help="SLURM time limit, HH:MM:SS")
@@ -68,7 +71,7 @@ def _slurm(args) -> int:
                                  args.job_name, args.time_limit, args.cpus_per_task,
                                  args.partition, args.account, log_dir=LOG_DIR,
                                  port=args.port, stop_before=args.stop_before, env=env,
-                                 setup=tuple(args.setup))
+                                 setup=tuple(args.setup), procs_per_node=args.procs_per_node)
     cfg = load_config(config, overrides)
     if cfg.train.resume and not resume_is_auto(cfg.train.resume):
         raise ValueError(f"train.resume: {cfg.train.resume}: a SLURM job resumes with "
@@ -76,11 +79,12 @@ def _slurm(args) -> int:
                          "newest checkpoint in train.output_dir); copy that checkpoint "
                          "into <train.output_dir>/checkpoints/ instead")
     # Refuse a layout that cannot run on this many processes before writing anything.
-    resolve(cfg, args.nodes * args.gpus_per_node, device="cuda")
+    procs = processes_per_node(args.gpus_per_node, args.procs_per_node)
+    resolve(cfg, args.nodes * procs, device="cuda" if args.gpus_per_node else "cpu")
     log_dir.mkdir(exist_ok=True)  # sbatch does not create the directory of #SBATCH --output
     out.write_text(script)
     out.chmod(0o755)
-    print(f"wrote {out} ({args.nodes} x {args.gpus_per_node} processes; environment: "
+    print(f"wrote {out} ({args.nodes} x {procs} processes; environment: "
           f"{env or 'the submitting shell'}; requeued at the time limit and on preemption, "
           f"resuming with train.resume=auto)")
     if args.submit:
