@@ -8,6 +8,7 @@ losses of an uninterrupted run."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -100,6 +101,11 @@ def test_a_killed_rank_restarts_the_group_which_resumes_with_the_same_losses(
     said = proc.stdout + proc.stderr
     assert proc.returncode == 0, said[-4000:]
     assert "killing itself (SIGKILL)" in said
+    # the survivor: one line naming what failed; torchrun's report: the lost rank
+    lines = [l for l in proc.stderr.splitlines() if "lmforge: error: rank 0: a collective"
+             in l]
+    assert len(lines) == 1 and "another rank died" in lines[0], said[-4000:]
+    assert re.search(r"failed \(exitcode: -9\) local_rank: 1 ", said), said[-4000:]
     resumed_from = 2 if fault.startswith("die_saving") else 4
     assert f"(step {resumed_from})" in said, said[-4000:]  # "resumed from ... (step N)"
     ref_steps, ref_weights = one_process

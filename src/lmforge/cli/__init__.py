@@ -34,6 +34,26 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(e, 2)
     except FloatingPointError as e:  # train.on_nonfinite=stop: the run diverged
         return _fail(e, 3)
+    except RuntimeError as e:
+        if not lost_peer(e):
+            raise
+        return _fail(RuntimeError(
+            f"rank {os.environ.get('RANK', 0)}: a collective failed ({e}): another rank died "
+            f"or stopped answering (torchrun's failure report names it); with torchrun "
+            f"--max-restarts, or a requeued job, the run resumes from its last complete "
+            f"checkpoint"), 1)
+
+
+# What the backends say when a rank of the job is gone (gloo, NCCL, the store).
+LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+             "NCCL communicator was aborted", "Timed out", "timed out", "watchdog")
+
+
+def lost_peer(error: RuntimeError) -> bool:
+    """Whether ``error`` is a collective that failed because another rank is gone."""
+    import torch.distributed as dist  # (only then: the CLI's other commands need no torch)
+
+    return isinstance(error, dist.DistError) or any(s in str(error) for s in LOST_PEER)
 
 
 def _fail(error: Exception, code: int) -> int:

@@ -61,8 +61,19 @@ def init_distributed(env: DistEnv, device_type: str, distributed: bool,
     os.environ.setdefault("WORLD_SIZE", str(env.world_size))
     if device_type == "cuda":
         torch.cuda.set_device(env.local_rank)
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    # Under torchrun, each attempt's keys under a prefix of their own: after a restart
+    # the store can still hold the last attempt's, and a rank that reads a dead rank's
+    # address before its successor writes a new one fails to connect (seen with gloo).
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"lmforge/attempt-{attempt}",
+                                                            store),
+                            rank=rank, world_size=world_size, timeout=timeout)
 
 
 def _slurm_first_host() -> str:
