@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers.runs import read_metrics, tiny_overrides
-from helpers.slurm_cluster import SlurmCluster, _port, ensure_installed
+from helpers.runs import free_port, read_metrics, tiny_overrides
+from helpers.slurm_cluster import SlurmCluster, ensure_installed
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 STEPS = 240
@@ -45,7 +45,7 @@ def submit(slurm: SlurmCluster, workdir: Path, out: Path, overrides: list[str],
     cmd = [sys.executable, "-m", "lmforge.cli", "launch", "slurm", *overrides,
            f"train.output_dir={out}", "--nodes", "1", "--gpus-per-node", "0",
            "--procs-per-node", "2", "--cpus-per-task", str(os.cpu_count()),
-           "--port", str(_port()), "--job-name", "lmforge-test", *options, "--submit"]
+           "--port", str(free_port()), "--job-name", "lmforge-test", *options, "--submit"]
     proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True,
                           env={**slurm.env, "OMP_NUM_THREADS": "1"}, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -17,18 +16,13 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from helpers.runs import read_metrics, run_lmforge, tiny_overrides
+from helpers.runs import free_port, read_metrics, run_lmforge, tiny_overrides
 
 pytestmark = pytest.mark.slow
 STEPS = 6
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(ROOT, "tests", "helpers", "patched_worker.py")
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _steps(out) -> list[tuple[float, float]]:
@@ -45,7 +39,7 @@ def one_process(tiny_corpus, tmp_path_factory):
 def two_agents(out, overrides, timeout=600):
     """Two torchrun agents of 2 processes each meeting at one c10d rendezvous on
     localhost (the SLURM script's settings): returns both agents' outputs."""
-    port, env = _port(), {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    port, env = free_port(), {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
            f"--rdzv-id=lmforge-{port}", "-m", "lmforge.cli", "train", *overrides,

@@ -3,6 +3,7 @@ The ``tiny_corpus`` fixture is re-exported by the conftest files that use it."""
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 import time
@@ -95,6 +96,13 @@ def has_lmforge_frame(stderr: str) -> bool:
     may well be called lmforge, and so may the virtual environment's."""
     package = Path(os.path.abspath(lmforge.__file__)).parent
     return any(f'File "{path}{os.sep}' in stderr for path in (package, package.resolve()))
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (a rendezvous, a server the test starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def read_metrics(out) -> list[dict]:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.runs import free_port
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 PACKAGES = ("slurm-wlm", "munge")
 
@@ -32,11 +34,6 @@ def ensure_installed() -> None:
         pytest.skip(f"apt-get install {' '.join(PACKAGES)} failed: "
                     f"{(proc.stderr or proc.stdout)[-300:]}")
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 CONF = """ClusterName=lmforge-test
@@ -81,7 +78,7 @@ class SlurmCluster:
         key.chmod(0o600)
         self.conf = root / "slurm.conf"
         self.conf.write_text(CONF.format(host=socket.gethostname().split(".")[0], root=root,
-                                         ctld_port=_port(), d_port=_port(),
+                                         ctld_port=free_port(), d_port=free_port(),
                                          cpus=os.cpu_count()))
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
 

@@ -8,7 +8,6 @@ metrics.tracker_required."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers.runs import read_metrics, run_lmforge, tiny_corpus, tiny_overrides  # noqa: F401
+from helpers.runs import (free_port, read_metrics, run_lmforge, tiny_corpus,  # noqa: F401
+                          tiny_overrides)
 from lmforge.config import ConfigError, load_config
 from lmforge.perf.records import is_finite_number
 from lmforge.train.metrics import tensorboard_tag
@@ -79,15 +79,10 @@ def test_mlflow_holds_every_metric_the_config_summary_and_plots_across_a_resume(
         (run_dir / "summary.json").read_text())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture
 def mlflow_server(tmp_path):
-    port = _free_port()
+    port = free_port()
     cli = Path(sys.executable).parent / "mlflow"
     proc = subprocess.Popen([str(cli), "server", "--host", "127.0.0.1", "--port", str(port),
                              "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
