@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from helpers.runs import free_port, read_metrics, run_lmforge, tiny_overrides
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # (minutes: make test-long)
 STEPS = 6
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(ROOT, "tests", "helpers", "patched_worker.py")

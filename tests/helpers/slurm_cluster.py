@@ -108,11 +108,15 @@ class SlurmCluster:
                 fields.setdefault(key, value)
         return fields
 
-    def wait_for(self, job_id: str, states: tuple[str, ...], timeout: float = 600) -> dict:
+    def wait_for(self, job_id: str, states: tuple[str, ...], timeout: float = 600,
+                 restarts: int = 0) -> dict:
+        """The job's fields once it is in one of ``states`` after at least ``restarts``
+        requeues (a job is PENDING before its first run too)."""
         deadline = time.time() + timeout
         while True:
             fields = self.job(job_id)
-            if fields.get("JobState") in states:
+            if fields.get("JobState") in states and \
+                    int(fields.get("Restarts", 0)) >= restarts:
                 return fields
             assert time.time() < deadline, f"job {job_id}: {fields}"
             time.sleep(1)
