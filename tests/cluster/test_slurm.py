@@ -6,7 +6,7 @@ form (--gpus-per-node 0 --procs-per-node 2, gloo):
 * `scontrol requeue` mid-run: lmforge checkpoints on the signal, the job is requeued,
   resumes with train.resume=auto, and its final weights have the SHA-256 of the
   uninterrupted job's;
-* a job whose --time is short is warned (--signal=B:USR1@--stop-before), checkpoints and
+* a job whose --time is short (2 minutes) is warned (--signal=B:USR1@--stop-before), checkpoints and
   requeues itself before the limit kills it.
 
 Skipped, saying why, where SLURM is not installed and cannot be (root and apt-get)."""
@@ -130,10 +130,12 @@ def test_a_requeued_job_resumes_and_ends_with_the_uninterrupted_weights(
 def test_a_job_near_its_time_limit_checkpoints_and_requeues_itself(slurm, tiny_corpus,
                                                                     tmp_path):
     out = tmp_path / "run"
-    # 1 minute, warned 45 s before: SLURM checks limits about every 30 s, so the warning
-    # comes 15 to 45 s in, long before these steps end
-    job = submit(slurm, tmp_path, out, overrides(tiny_corpus, 100_000), "--time", "1",
-                 "--stop-before", "45")
+    # 2 minutes, warned 60 s before: SLURM checks limits about every 30 s, so the warning
+    # comes 30 to 90 s in, after start-up (a warning before torchrun has set its handlers
+    # kills it: seen with 1 minute and 45 s on a busy machine) and long before these steps
+    # end
+    job = submit(slurm, tmp_path, out, overrides(tiny_corpus, 100_000), "--time", "2",
+                 "--stop-before", "60")
     # (PENDING before it first runs too: wait for the requeue, or for how it ended)
     fields = slurm.wait_for(job, ("PENDING",), timeout=240, restarts=1) if _ends_requeued(
         slurm, job) else slurm.job(job)
