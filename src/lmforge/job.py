@@ -131,14 +131,26 @@ def resolve(cfg: JobConfig, world_size: int = 1, *, distributed: Optional[bool] 
     family = family_of(args)
     resolve_targets(cfg.lora.targets, family.projections)  # peft's one rule, by its names
     device = _device_type(device or cfg.train.device)
-    if cfg.model.attention == "flex" and device == "cpu":
-        raise ConfigError("model.attention: flex cannot train on the CPU (PyTorch's "
-                          "FlexAttention has no backward there); use sdpa on the CPU")
+    _check_attention(cfg.model.attention, args, device)
     layout = Layout(**resolve_layout(cfg.parallel, world_size))
     return Job(config=copy.deepcopy(cfg), args=args, layout=layout,
                batch=_batch(cfg, layout), distributed=distributed, device=device,
                compute=compute_dtype(cfg, device), lora=lora_spec(cfg, family.projections),
                objective=_objective(cfg), notes=tuple(notes))
+
+
+def _check_attention(attention: str, args, device: str) -> None:
+    """What FlexAttention cannot train: anything on the CPU (no backward there), and on
+    CUDA heads of fewer than 16 features (the compiled Triton kernel refuses them, seen
+    with torch 2.11 on an H200, deep in the first step's compilation)."""
+    if attention != "flex":
+        return
+    if device == "cpu":
+        raise ConfigError("model.attention: flex cannot train on the CPU (PyTorch's "
+                          "FlexAttention has no backward there); use sdpa on the CPU")
+    if args.head_dim < 16:
+        raise ConfigError(f"model.attention: flex needs at least 16 features per head on "
+                          f"CUDA, and this model's heads have {args.head_dim}; use sdpa")
 
 
 def _batch(cfg: JobConfig, layout: Layout) -> Batch:

@@ -5,6 +5,8 @@ PyTorch's FlexAttention has no backward: tests/unit/models/test_attention.py com
 forward there.)"""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -20,7 +22,7 @@ pytestmark = [pytest.mark.gpu,
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen3", "gptj", "phi3-window",
                                     "gemma3"])
 def test_compiled_flex_gives_sdpas_loss_and_gradients(family):
-    args = attention_families()[family]
+    args = heads_of_16(attention_families()[family])
     cuda = torch.device("cuda")
     for batch in (pretrain_batch(args.vocab_size), sft_batch(args.vocab_size)):
         grads, losses = {}, {}
@@ -38,6 +40,18 @@ def test_compiled_flex_gives_sdpas_loss_and_gradients(family):
                                        msg=name)
 
 
+def heads_of_16(args):
+    """The family's tiny model with 16 features per head: compiled flex on CUDA (torch
+    2.11's Triton kernel) refuses fewer, and the CPU tests' tiny heads have 8 or 12."""
+    head_dim, fields = 16, {f.name for f in dataclasses.fields(args)}
+    changes = {"dim": args.n_heads * head_dim}
+    if "explicit_head_dim" in fields and args.explicit_head_dim:
+        changes["explicit_head_dim"] = head_dim
+    if "rotary_dim" in fields and args.rotary_dim:  # GPT-J rotates half of each head
+        changes["rotary_dim"] = head_dim // 2
+    return dataclasses.replace(args, **changes)
+
+
 def test_masked_grouped_query_attention_keeps_no_seq_by_seq_scores():
     """A dense mask with grouped heads (documents, or context parallelism) must reach a
     fused kernel: SDPA's math fallback would allocate every score, heads x seq x seq."""
@@ -52,5 +66,8 @@ def test_masked_grouped_query_attention_keeps_no_seq_by_seq_scores():
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     attend(q, k, v, mask).sum().backward()
+    # SDPA's math path holds the scores and their softmax, heads x seq x seq each (twice
+    # this); a fused kernel's extra is the mask made additive, seq x seq (an eighth of it).
+    # Measured on an H200 (torch 2.11): 0.27 of it.
     scores = heads * seq * seq * 2  # bf16
-    assert torch.cuda.max_memory_allocated() - before < scores / 4
+    assert torch.cuda.max_memory_allocated() - before < scores / 2

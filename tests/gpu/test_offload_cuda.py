@@ -65,8 +65,13 @@ def test_offload_lowers_the_step_peak_and_keeps_loss_and_gradients(checkpointing
     # still in flight at the end of forward as much again.
     assert peak <= plain_peak - (ARGS.n_layers - 6) * BLOCK_INPUT_BYTES
     torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=0)
+    # Element-wise equality is too strict under bf16 autocast on a GPU: a kernel that sums
+    # in another order flips bf16 roundings (2^-8 relative), and backward carries them
+    # through every layer. Seen on an H200 (torch 2.11): the first tensor off by 2.9e-3 of
+    # its norm, element-wise up to 2.7e-5 on entries near zero. A buffer reused too early is
+    # off by the whole gradient, so compare each tensor's error with its norm.
     for got, want in zip(grads, plain_grads, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-6)
+        assert (got - want).norm() <= 2e-2 * want.norm()
 
 
 def test_two_offloaded_steps_in_a_row_give_the_losses_of_plain_steps():

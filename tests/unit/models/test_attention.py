@@ -111,6 +111,16 @@ def test_a_flex_training_run_on_the_cpu_is_refused_naming_the_field():
         resolve(cfg, args=dataclasses.replace(FAMILIES["llama"]))
 
 
+def test_flex_on_cuda_with_heads_under_16_features_is_refused_naming_the_field():
+    """torch 2.11's compiled flex kernel refuses them (seen on an H200): the config says
+    so before the run, not the compiler in its first step."""
+    cfg = load_config(None, ["model.attention=flex", "train.device=cuda", "data.seq_len=32"])
+    assert FAMILIES["llama"].head_dim < 16
+    with pytest.raises(ConfigError, match="model.attention: flex needs at least 16 features"):
+        resolve(cfg, args=dataclasses.replace(FAMILIES["llama"]))
+    resolve(cfg, args=dataclasses.replace(FAMILIES["llama"], dim=64))  # 16 per head
+
+
 @pytest.mark.slow
 @pytest.mark.long
 def test_compiled_flex_equals_sdpa_on_a_packed_batch(monkeypatch):
