@@ -46,8 +46,8 @@ def test_dequantize_on_cuda_equals_the_cpu_result(fmt):
     linear = nn.Linear(512, 384, bias=False)
     on_cpu = QuantizedLinear.from_linear(linear, fmt).dequantize(torch.float32)
     on_gpu = QuantizedLinear.from_linear(linear, fmt, device="cuda").dequantize(torch.float32)
-    # The same codes and scales; the GPU's fused multiply-add rounds the product once
-    # where the CPU rounds twice (seen on an H200: 2.4e-7 relative at most).
+    # The same codes and scales, but the GPU may fuse a multiply-add the CPU rounds twice
+    # (seen on an H200: 2.4e-7 relative at most).
     torch.testing.assert_close(on_gpu.cpu(), on_cpu, rtol=1e-6, atol=0)
 
 
