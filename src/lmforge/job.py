@@ -17,6 +17,7 @@ from lmforge.config import (ConfigError, JobConfig, compute_dtype, grad_accumula
                             pipeline_microbatches, resolve_device, resolve_layout,
                             samples_per_step)
 from lmforge.data.tokenizer import load_tokenizer
+from lmforge.models.attention import FLEX_MIN_HEAD_DIM
 from lmforge.models.presets import (check_layout_fits, check_model_args, resolve_model_args,
                                     validate_job)
 from lmforge.models.registry import ModelFamily, family_of
@@ -141,16 +142,17 @@ def resolve(cfg: JobConfig, world_size: int = 1, *, distributed: Optional[bool] 
 
 def _check_attention(attention: str, args, device: str) -> None:
     """What FlexAttention cannot train: anything on the CPU (no backward there), and on
-    CUDA heads of fewer than 16 features (the compiled Triton kernel refuses them, seen
-    with torch 2.11 on an H200, deep in the first step's compilation)."""
+    CUDA heads under ``FLEX_MIN_HEAD_DIM`` features (else the compiler fails deep in the
+    first step)."""
     if attention != "flex":
         return
     if device == "cpu":
         raise ConfigError("model.attention: flex cannot train on the CPU (PyTorch's "
                           "FlexAttention has no backward there); use sdpa on the CPU")
-    if args.head_dim < 16:
-        raise ConfigError(f"model.attention: flex needs at least 16 features per head on "
-                          f"CUDA, and this model's heads have {args.head_dim}; use sdpa")
+    if args.head_dim < FLEX_MIN_HEAD_DIM:
+        raise ConfigError(f"model.attention: flex needs at least {FLEX_MIN_HEAD_DIM} "
+                          f"features per head on CUDA, and this model's heads have "
+                          f"{args.head_dim}; use sdpa")
 
 
 def _batch(cfg: JobConfig, layout: Layout) -> Batch:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from helpers.packed import attention_families, pretrain_batch, sft_batch
+from lmforge.models.attention import FLEX_MIN_HEAD_DIM
 from lmforge.models.common import materialize
 from lmforge.models.loss import micro_batch_loss_sum
 from lmforge.models.registry import build_model
@@ -42,9 +43,9 @@ def test_compiled_flex_gives_sdpas_loss_and_gradients(family):
 
 
 def heads_of_16(args):
-    """The family's tiny model with 16 features per head: compiled flex on CUDA (torch
-    2.11's Triton kernel) refuses fewer, and the CPU tests' tiny heads have 8 or 12."""
-    head_dim, fields = 16, {f.name for f in dataclasses.fields(args)}
+    """The family's tiny model with the 16 features per head compiled flex on CUDA needs
+    at least (``FLEX_MIN_HEAD_DIM``); the CPU tests' tiny heads have 8 or 12."""
+    head_dim, fields = FLEX_MIN_HEAD_DIM, {f.name for f in dataclasses.fields(args)}
     changes = {"dim": args.n_heads * head_dim}
     if "explicit_head_dim" in fields and args.explicit_head_dim:
         changes["explicit_head_dim"] = head_dim

@@ -230,6 +230,11 @@ def repeat_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
+# The fewest features per head that compiled flex takes on CUDA (torch 2.11's Triton
+# kernel refuses fewer, seen on an H200); job.resolve refuses such a run before it starts.
+FLEX_MIN_HEAD_DIM = 16
+
+
 @functools.cache
 def _flex():
     """FlexAttention, compiled once per process (uncompiled it materialises every score,
