@@ -1,185 +1,20 @@
-"""A table of bad inputs across every command. Each row is refused in one line: exit
-status 2, ``lmforge: error: `` and a message naming the field, the option or the file (and
-line) at fault, no traceback, and nothing written: the row's directory, where every
-output of the command line points, holds afterwards exactly what it held before.
+"""A table of bad inputs across every command (the harness, the rules a row is held to
+and the assets it may name: tests/helpers/bad_inputs.py). Each row is refused in one line,
+exit status 2, naming the field, the option or the file (and line) at fault, and leaves its
+directory byte for byte as it was. Other tables of the same kind sit beside this one
+(test_bad_inputs_*.py), one per subject.
 
-The next hole found goes here as a row: a name, the command line, the message it must
-print (a regular expression searched after "lmforge: error: "), and what to build first.
-Command lines and paths may name ``{tmp}`` (the row's own empty directory) and the assets
-built once for the whole table: ``{model}`` (a tiny transformers Llama with its
-tokenizer), ``{adapter}`` (a PEFT adapter for it), ``{tokenizer}`` (the tokenizer alone),
-``{text}`` (a small text corpus) and ``{chat}`` (prompt/response JSONL).
+The next hole found goes here (or in the table of its subject) as a row: a name, the
+command line, the message it must print, and what to build first.
 """
 from __future__ import annotations
 
-import json
-import re
-import shutil
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Callable, Optional
-
-import numpy as np
 import pytest
 
-from lmforge import fsio
-from lmforge.cli import main
-from lmforge.config import LoraConfig
-from lmforge.data.indexed import IndexedDatasetWriter
-from lmforge.data.tokenizer import train_bpe
-from lmforge.models.hf import load_hf_model, save_hf_model
-from lmforge.peft import apply_lora, save_adapter
-
-from helpers.tiny_models import tiny_llama
-
-
-@dataclass(frozen=True)
-class Bad:
-    name: str
-    argv: list[str]
-    message: str  # a regular expression the one line must match after "lmforge: error: "
-    setup: Optional[Callable[[Path, dict], None]] = None  # (row dir, assets) -> files
-    marks: tuple = field(default=())
-
-
-# ----------------------------------------------------------------- assets built once
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("assets")
-    lines = [f"line {i} of a small corpus about tensors and shards" for i in range(200)]
-    (root / "corpus.txt").write_text("\n".join(lines) + "\n")
-    records = [{"prompt": f"Say hello {i}", "response": f"Hello {i}."} for i in range(40)]
-    (root / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    tok = train_bpe(lines + [json.dumps(r) for r in records], 300)
-    tok.save(root / "tokenizer")
-    save_hf_model(tiny_llama(vocab_size=tok.vocab_size), root / "model", tokenizer=tok)
-    model = load_hf_model(root / "model")
-    apply_lora(model, LoraConfig(enabled=True, rank=4, alpha=8.0,
-                                 targets=["q_proj", "v_proj"]))
-    save_adapter(model, root / "adapter", base_model_path=str(root / "model"))
-    return {"model": root / "model", "adapter": root / "adapter",
-            "tokenizer": root / "tokenizer", "text": root / "corpus.txt",
-            "chat": root / "chat.jsonl"}
-
-
-def copy_asset(name: str, to: str = None):
-    """A setup that copies asset ``name`` into the row's directory (as ``to``), for rows
-    that damage it; the row's argv then names ``{tmp}/<to>``."""
-    def setup(tmp: Path, assets: dict) -> None:
-        src = assets[name]
-        dst = tmp / (to or name)
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, dst)
-    return setup
-
-
-def edit_json(path: str, **changes):
-    """A setup step that changes keys of a JSON file under the row's directory."""
-    def setup(tmp: Path, assets: dict) -> None:
-        file = tmp / path
-        data = json.loads(file.read_text())
-        data.update(changes)
-        file.write_text(json.dumps(data))
-    return setup
-
-
-def write(path: str, content: str | bytes):
-    def setup(tmp: Path, assets: dict) -> None:
-        file = tmp / path
-        file.parent.mkdir(parents=True, exist_ok=True)
-        (file.write_bytes if isinstance(content, bytes) else file.write_text)(content)
-    return setup
-
-
-_HELD = []  # locks held for a row by "another job": this process, on its own open file
-
-
-def hold_lock(path: str):
-    """A setup that holds ``fsio.FileLock`` on a path under the row's directory until the
-    test process ends, as a job still running would."""
-    def setup(tmp: Path, assets: dict) -> None:
-        lock = fsio.FileLock(tmp / path, remove=True)
-        lock.acquire()
-        _HELD.append(lock)
-    return setup
-
-
-def same_shape_pairs(tmp: Path, assets: dict) -> None:
-    """Two indexed pairs a and b of equal sequence lengths, a's .bin replaced by b's (as
-    two preprocess jobs racing on one prefix could leave it): the index checks pass."""
-    for name, first in (("a", 1), ("b", 100)):
-        with IndexedDatasetWriter(tmp / name, np.uint16) as w:
-            w.add_document(np.arange(first, first + 40))
-    (tmp / "b.bin").replace(tmp / "a.bin")
-
-
-def edit_tensors(path: str, change):
-    """A setup step that rewrites a safetensors file under the row's directory:
-    ``change(tensors)`` edits the dict of tensors in place."""
-    def setup(tmp: Path, assets: dict) -> None:
-        from safetensors.torch import load_file, save_file
-        tensors = load_file(tmp / path)
-        change(tensors)
-        save_file(tensors, str(tmp / path))
-    return setup
-
-
-def poison(name_part: str, value: float):
-    """``change`` for ``edit_tensors``: the first tensor whose name holds ``name_part``
-    gets ``value`` in one element."""
-    def change(tensors: dict) -> None:
-        name = next(k for k in sorted(tensors) if name_part in k)
-        tensors[name].view(-1)[0] = value
-    return change
-
-
-def shard_index(target: str, link: Optional[str] = None):
-    """A setup step that turns the row's model copy into a sharded one whose index names
-    ``target`` (``link``: make ``target`` a symlink to that asset's file first)."""
-    def setup(tmp: Path, assets: dict) -> None:
-        model = tmp / "model"
-        (model / "model.safetensors").unlink()
-        if link is not None:
-            (model / target).symlink_to(assets[link] / "model.safetensors")
-        (model / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {}, "weight_map": {"model.embed_tokens.weight": target}}))
-    return setup
-
-
-def fake_checkpoint(config_yaml: str):
-    """A setup: ``{tmp}/run/checkpoints/step-0000001``, committed (its marker), holding
-    only a config.yaml of the given text."""
-    def setup(tmp: Path, assets: dict) -> None:
-        step = tmp / "run" / "checkpoints" / "step-0000001"
-        step.mkdir(parents=True)
-        (step / "COMPLETE").write_text('{"step": 1}\n')
-        (step / "config.yaml").write_text(config_yaml)
-    return setup
-
-
-def steps(*setups):
-    def setup(tmp: Path, assets: dict) -> None:
-        for s in setups:
-            s(tmp, assets)
-    return setup
-
-
-# Command lines and setups the model-directory, adapter and generate rows share.
-GEN = ["generate", "--model", "{tmp}/model", "--prompt", "hi"]  # on the row's model copy
-MERGE = ["lora", "merge", "--model", "{model}", "--adapter", "{tmp}/adapter", "--output",
-         "{tmp}/out"]
-
-
-def model_with(*setups):
-    return steps(copy_asset("model"), *setups)
-
-
-def adapter_with(*setups):
-    return steps(copy_asset("adapter"), *setups)
-
-
-def adapter_config(**changes):
-    return adapter_with(edit_json("adapter/adapter_config.json", **changes))
+from helpers.bad_inputs import (GEN, MERGE, Bad, adapter_config, adapter_with,
+                                check_refused, copy_asset, edit_json, edit_tensors,
+                                fake_checkpoint, hold_lock, model_with, params, poison,
+                                same_shape_pairs, shard_index, steps, write)
 
 
 # ----------------------------------------------------------------- the table
@@ -507,32 +342,8 @@ EXPORT_AND_EVAL = [
 TABLE = TRAIN + MODEL_DIRS + ADAPTERS + DATA + GENERATE + LAUNCH + EXPORT_AND_EVAL
 
 
-def test_row_names_are_unique():
-    names = [row.name for row in TABLE]
-    assert len(names) == len(set(names))
-
-
-@pytest.mark.parametrize("row", [pytest.param(r, id=r.name, marks=r.marks) for r in TABLE])
-def test_bad_input_is_refused_in_one_line(row: Bad, assets, tmp_path, capsys,
+@pytest.mark.parametrize("row", params(TABLE))
+def test_bad_input_is_refused_in_one_line(row: Bad, bad_input_assets, tmp_path, capsys,
                                           monkeypatch):
     monkeypatch.delenv("LMFORGE_DEBUG", raising=False)
-    if row.setup:
-        row.setup(tmp_path, assets)
-    names = {**{k: str(v) for k, v in assets.items()}, "tmp": str(tmp_path)}
-    before = set(tmp_path.rglob("*"))
-    code = main([_fill(arg, names) for arg in row.argv])
-    err = capsys.readouterr().err.strip()
-    assert code == 2, f"exit {code}; stderr: {err!r}"
-    assert "\n" not in err and "Traceback" not in err, err
-    assert err.startswith("lmforge: error: "), err
-    assert re.search(_fill(row.message, {k: re.escape(v) for k, v in names.items()}),
-                     err[len("lmforge: error: "):]), err
-    assert set(tmp_path.rglob("*")) == before, "wrote " + ", ".join(
-        str(p.relative_to(tmp_path)) for p in set(tmp_path.rglob("*")) - before)
-
-
-def _fill(text: str, names: dict) -> str:
-    """``{name}`` replaced by its value (not str.format: a regex has braces of its own)."""
-    for key, value in names.items():
-        text = text.replace("{" + key + "}", value)
-    return text
+    check_refused(row, bad_input_assets, tmp_path, capsys)
