@@ -41,6 +41,7 @@ from lmforge.train.setup import (Runtime, check_resume_path, data_source, init_r
                                  prepare_output_dir, prepare_tokenizer, say)
 from lmforge.train.step import (StepResult, check_finite, global_step_loss, sample_ids,
                                 step_counts)
+from lmforge.train.trackers import check_trackers
 
 __all__ = ["Runtime", "check_job", "prepare_output_dir", "run_loop", "train", "train_step"]
 
@@ -69,6 +70,7 @@ def check_job(cfg: JobConfig, env: DistEnv) -> Job:
     if tasks:  # not hours later, after the last step
         check_tasks(tasks, cfg.eval.harness_include_path,
                     ("eval.harness_tasks", "eval.harness_include_path"))
+    check_trackers(cfg.metrics)  # a required tracker's server: before the run dir
     check_data(cfg)  # last: it may read a whole text corpus
     return job
 
