@@ -91,13 +91,22 @@ def require_fit(job: Job, local_rank: int = 0) -> None:
 
 
 def refusal(job: Job, check: MemoryCheck) -> str:
+    """The line: the estimate, the budget, then each change that fits (or lowers the
+    estimate) and a larger device as one list of alternatives, then the way past it."""
     budget = check.budget
     options = changes(job.config, job.world_size, check.device,
                       check.estimate_bytes / GiB, budget.bytes / GiB)
+    larger = f"a {'GPU' if check.device == 'cuda' else 'machine'} with more memory"
     return (f"memory: the run needs about {check.estimate_bytes / GiB:.1f} GiB per device "
             f"(lmforge estimate) but {budget.source} is {budget.bytes / GiB:.1f} GiB; try "
-            f"{''.join(o + ', ' for o in options)}or a device with more memory; or set "
-            f"train.skip_memory_check=true to run anyway")
+            f"{one_of([*options, larger])}, or set train.skip_memory_check=true to run "
+            f"anyway")
+
+
+def one_of(options: list[str]) -> str:
+    """``a``, ``a or b``, ``a, b or c``: alternatives as a sentence lists them."""
+    return " or ".join(options) if len(options) < 3 else \
+        f"{', '.join(options[:-1])} or {options[-1]}"
 
 
 # ----------------------------------------------------------------- what to change

@@ -1,6 +1,7 @@
 """The memory budget a run is checked against: the host's available memory on the CPU
 (MemAvailable, a container's cgroup limit, shared by torchrun's local processes), and the
 rule that refuses only an estimate that exceeds it by more than the estimate's error."""
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -81,3 +82,25 @@ def test_on_gpus_the_refusal_names_the_fewest_devices_that_fit():
     assert on_two * (1 - B.ESTIMATE_ERROR) > 80.0 and more[0].startswith("4 GPUs"), options
     # micro-batch 1 already, no init_from: nothing to suggest there
     assert not any(o.startswith(("data.micro_batch_size", "lora.")) for o in options)
+
+
+@pytest.mark.parametrize("overrides, advice", [
+    # nothing left to change on the CPU: the larger machine alone
+    (["data.micro_batch_size=1", "train.activation_checkpointing=full"],
+     r"try a machine with more memory, or set train\.skip_memory_check=true to run anyway$"),
+    # one change: "X or a machine ..."
+    (["data.micro_batch_size=1"], r"try train\.activation_checkpointing=full \(\d+\.\d GiB\) "
+     r"or a machine with more memory, or set train\.skip_memory_check=true"),
+    # two: "X, Y or a machine ..."
+    ([], r"try data\.micro_batch_size=1 \(\d+\.\d GiB\), train\.activation_checkpointing=full "
+     r"\(\d+\.\d GiB\) or a machine with more memory, or set train\.skip_memory_check=true"),
+])
+def test_the_memory_refusal_lists_its_alternatives_as_a_sentence(overrides, advice):
+    from lmforge.job import resolve
+    cfg = load_config(None, ["model.preset=llama3-8b", "model.vocab_size=128256",
+                             "data.seq_len=4096", "train.device=cpu", *overrides])
+    job = resolve(cfg)
+    check = B.MemoryCheck(10_000 * GiB, "cpu", B.Budget(1 * GiB, "a test budget"))
+    line = B.refusal(job, check)
+    assert re.search(r"^memory: the run needs about 10000\.0 GiB per device \(lmforge "
+                     r"estimate\) but a test budget is 1\.0 GiB; " + advice, line), line
