@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lmforge.config import (ConfigError, JobConfig, compute_dtype, grad_accumulation_steps,
-                            pipeline_microbatches, resolve_device, resolve_layout,
-                            samples_per_step)
+                            objective_name, pipeline_microbatches, resolve_device,
+                            resolve_layout, samples_per_step)
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.models.attention import FLEX_MIN_HEAD_DIM
 from lmforge.models.presets import (check_layout_fits, check_model_args, resolve_model_args,
@@ -137,7 +137,7 @@ def resolve(cfg: JobConfig, world_size: int = 1, *, distributed: Optional[bool] 
     return Job(config=copy.deepcopy(cfg), args=args, layout=layout,
                batch=_batch(cfg, layout), distributed=distributed, device=device,
                compute=compute_dtype(cfg, device), lora=lora_spec(cfg, family.projections),
-               objective=_objective(cfg), notes=tuple(notes))
+               objective=objective_name(cfg), notes=tuple(notes))
 
 
 def _check_attention(attention: str, args, device: str) -> None:
@@ -168,14 +168,6 @@ def _device_type(name: str) -> str:
     """cpu | cuda: ``auto`` is this machine's; an explicit cuda stands without a GPU here
     (an estimate, a dry run or a launch script for another machine)."""
     return resolve_device("auto").type if name == "auto" else name
-
-
-def _objective(cfg: JobConfig) -> str:
-    """The objective's name: train.objective, where auto is dpo for preference pairs and
-    the next-token loss for every other data kind."""
-    if cfg.train.objective != "auto":
-        return cfg.train.objective
-    return "dpo" if cfg.data.kind == "preference" else "next_token"
 
 
 def _tokenizer_vocab(cfg: JobConfig, notes: list[str]) -> Optional[int]:

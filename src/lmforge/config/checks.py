@@ -6,25 +6,19 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Optional
+from typing import Collection, Optional
 
-from lmforge.config.derived import pipeline_microbatches, resolve_layout
-from lmforge.config.errors import ConfigError
-from lmforge.config.keys import PREFERENCE_OBJECTIVES, allowed, config_keys
+from lmforge.config.derived import objective_name, pipeline_microbatches, resolve_layout
+from lmforge.config.errors import ConfigError, show, show_name
+from lmforge.config.keys import (OBJECTIVE_KEYS, PREFERENCE_OBJECTIVES, allowed,
+                                 config_keys, mapping_problem)
 
 
 def validate(cfg: "JobConfig", world_size: int = 1, distributed: Optional[bool] = None) -> None:
     """Refuse a bad config before any compute; every message names the field.
     ``distributed``: see ``parallel.mesh.runs_distributed`` (default: several processes)."""
     distributed = world_size > 1 if distributed is None else distributed
-    for dotted, f, value in config_keys(cfg):
-        if isinstance(value, float) and not math.isfinite(value):
-            # inf passes every "> 0" bound and nan fails them with a puzzling message;
-            # either would only show up as a non-finite loss a step or two into the run
-            raise ConfigError(f"{dotted}: {value} is not a finite number")
-        problem = allowed(f, value)
-        if problem:
-            raise ConfigError(f"{dotted}: {problem}")
+    _check_each_key(cfg)
     if cfg.data.kind in ("text", "pretrain", "sft", "preference") and not cfg.data.path:
         raise ConfigError(f"data.path: required when data.kind is {cfg.data.kind}")
     if cfg.train.overwrite and cfg.train.resume:
@@ -49,6 +43,26 @@ def validate(cfg: "JobConfig", world_size: int = 1, distributed: Optional[bool] 
         # stage's schedule owns the loss
         raise ConfigError("train.loss_chunk_tokens: supported with data parallelism / FSDP "
                           "only (set it to 0 with parallel.tp > 1 or parallel.pp > 1)")
+
+
+def _check_each_key(cfg: "JobConfig") -> None:
+    """Each key's own value: finite, its choices and bound, a mapping's keys, paths."""
+    for dotted, f, value in config_keys(cfg):
+        problem = _value_problem(dotted, f, value)
+        if problem:
+            raise ConfigError(problem)
+    for dotted in ("data.path", "data.eval_path"):
+        _check_paths(dotted, getattr(cfg.data, dotted.split(".")[1]))
+
+
+def _value_problem(dotted: str, f, value) -> Optional[str]:
+    """Why one key's value is refused whatever the other keys hold (None: it is not)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        # inf passes every "> 0" bound and nan fails them with a puzzling message;
+        # either would only show up as a non-finite loss a step or two into the run
+        return f"{dotted}: {value} is not a finite number"
+    problem = allowed(f, value)
+    return f"{dotted}: {problem}" if problem else mapping_problem(dotted, f, value)
 
 
 def _validate_batch(cfg: "JobConfig", world_size: int) -> None:
@@ -154,11 +168,11 @@ def tracker_names(value) -> list[str]:
     if isinstance(value, str):
         value = value.split(",")
     if not isinstance(value, (list, tuple)) or not all(isinstance(t, str) for t in value):
-        raise ConfigError(f"metrics.tracker: {value!r} is not a list of tracker names")
+        raise ConfigError(f"metrics.tracker: {show(value)} is not a list of tracker names")
     names = list(dict.fromkeys(t.strip() for t in value if t.strip()))
     unknown = [t for t in names if t not in TRACKERS]
     if unknown:
-        raise ConfigError(f"metrics.tracker: {', '.join(unknown)} is not one of "
+        raise ConfigError(f"metrics.tracker: {show_name(', '.join(unknown))} is not one of "
                           f"{', '.join(TRACKERS)}")
     return names
 
@@ -170,7 +184,7 @@ def harness_task_names(value) -> list[str]:
     if isinstance(value, str):
         value = value.split(",")
     if not isinstance(value, (list, tuple)) or not all(isinstance(t, str) for t in value):
-        raise ConfigError(f"eval.harness_tasks: {value!r} is not a list of task names")
+        raise ConfigError(f"eval.harness_tasks: {show(value)} is not a list of task names")
     return [t.strip() for t in value if t.strip()]
 
 
@@ -192,3 +206,81 @@ def _validate_preference(cfg: "JobConfig") -> None:
         # loss needs both its sequences and the reference's pass through every stage
         raise ConfigError("parallel.pp: the preference objectives do not run in a pipeline "
                           "(use parallel.dp_shard and parallel.tp)")
+
+
+def _check_paths(dotted: str, value) -> None:
+    """data.path / data.eval_path: a path, or a list of paths (typed Any for the list)."""
+    if value is None or isinstance(value, str):
+        return
+    if not isinstance(value, list) or not all(isinstance(p, str) for p in value):
+        raise ConfigError(f"{dotted}: {show(value)} is not a path or a list of paths")
+
+
+def refuse_ignored(cfg: "JobConfig", explicit: Collection[str] = ()) -> None:
+    """A key set (away from its default) on a run that does not use it: refused, naming
+    what does use it, since a setting that silently changes nothing is a wrong result
+    found late (ORPO has no label smoothing, SimPO no reference). ``load_config`` calls
+    it on the config a user wrote, not ``validate``: the estimate and plan vary keys of
+    a valid config (full checkpointing, one stage) and leave the ones that then idle.
+    A value ``validate`` refuses (an unknown objective, tracker) is left to it.
+    ``explicit``: the keys the user set (lora.enabled=false set on a LoRA recipe turns
+    LoRA off knowingly; lora.rank without lora.enabled is a forgotten switch)."""
+    changed = {dotted: (f, value) for dotted, f, value in config_keys(cfg)
+               if value != f.default}
+    for dotted, users, unused_by in _key_users(cfg, "lora.enabled" in explicit):
+        if unused_by is not None and dotted in changed:
+            scope = f" (it applies to {users})" if users else ""
+            raise ConfigError(_value_problem(dotted, *changed[dotted])
+                              or f"{dotted}: {unused_by} does not use it{scope}")
+
+
+def _key_users(cfg: "JobConfig", lora_switched: bool) -> list[tuple[str, str, Optional[str]]]:
+    """(key, what uses it, what this run is where it does not use it, else None)."""
+    objective, d, t, p = objective_name(cfg), cfg.data, cfg.train, cfg.parallel
+    trackers, tasks = _or_none(tracker_names, cfg.metrics.tracker), \
+        _or_none(harness_task_names, cfg.eval.harness_tasks)
+    tracking = f"metrics.tracker={','.join(trackers or []) or 'none'}"
+
+    def unless(used: bool, this: str) -> Optional[str]:
+        return None if used else this
+
+    rows = []
+    if objective in ("next_token", *PREFERENCE_OBJECTIVES):
+        rows += [(k, ", ".join(users), unless(objective in users, objective))
+                 for k, users in OBJECTIVE_KEYS.items()]
+    rows.append(("data.max_prompt_len", "data.kind=preference",
+                 unless(d.kind == "preference", f"data.kind={d.kind}")))
+    rows.append(("data.blend", "data.kind=pretrain",
+                 unless(d.kind == "pretrain", f"data.kind={d.kind}")))
+    rows.append(("data.pack", "data.kind=sft or preference",  # (the others always pack)
+                 unless(d.kind in ("sft", "preference"), f"data.kind={d.kind}")))
+    rows += [(f"lora.{k}", "lora.enabled=true",
+              unless(cfg.lora.enabled or lora_switched, "lora.enabled=false"))
+             for k in ("rank", "alpha", "dropout", "targets", "rslora")]
+    if tasks is not None:
+        rows += [(f"eval.{k}", "", unless(bool(tasks), "a run without eval.harness_tasks"))
+                 for k in ("harness_limit", "harness_num_fewshot", "harness_batch_size")]
+    if trackers is not None:
+        for name, keys in (("mlflow", ("mlflow_tracking_uri", "mlflow_experiment")),
+                           ("wandb", ("wandb_project", "wandb_mode"))):
+            rows += [(f"metrics.{k}", f"metrics.tracker with {name}",
+                      unless(name in trackers, tracking)) for k in keys]
+        rows.append(("metrics.run_name", "metrics.tracker with mlflow or wandb",
+                     unless(bool({"mlflow", "wandb"} & set(trackers)), tracking)))
+        rows.append(("metrics.tracker_required", "a tracker",
+                     unless(bool(trackers), tracking)))
+    rows.append(("train.activation_checkpointing_every",
+                 "train.activation_checkpointing=selective",
+                 unless(t.activation_checkpointing == "selective",
+                        f"train.activation_checkpointing={t.activation_checkpointing}")))
+    rows += [(f"parallel.{k}", "parallel.pp > 1", unless(p.pp > 1, "parallel.pp=1"))
+             for k in ("pp_schedule", "microbatches")]
+    return rows
+
+
+def _or_none(parse, value):
+    """``parse(value)``, None where it is refused (``validate`` names that)."""
+    try:
+        return parse(value)
+    except ConfigError:
+        return None

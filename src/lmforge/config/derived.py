@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from lmforge.config.errors import ConfigError
+from lmforge.config.errors import ConfigError, show
 from lmforge.config.keys import DEVICES
 
 
@@ -37,7 +37,7 @@ def resolve_device(name: str, field: str = "train.device", local_rank: int = 0):
     import torch  # config is read by tools that never touch a tensor; torch loads on use
 
     if name not in DEVICES:
-        raise ConfigError(f"{field}: {name!r} is not one of {', '.join(DEVICES)}")
+        raise ConfigError(f"{field}: {show(name)} is not one of {', '.join(DEVICES)}")
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"{field}: cuda requested but no GPU is visible")
     use_cuda = name == "cuda" or (name == "auto" and torch.cuda.is_available())
@@ -103,6 +103,14 @@ def _microbatch_problem(p: ParallelConfig, count: int, sequences: int) -> Option
     if p.pp_schedule == "interleaved_1f1b" and count % p.pp:
         return f"is not a multiple of parallel.pp={p.pp} (interleaved_1f1b)"
     return None
+
+
+def objective_name(cfg: JobConfig) -> str:
+    """What a step minimises: train.objective, where auto is dpo for preference pairs and
+    the next-token loss for every other data kind."""
+    if cfg.train.objective != "auto":
+        return cfg.train.objective
+    return "dpo" if cfg.data.kind == "preference" else "next_token"
 
 
 def compute_dtype(cfg: JobConfig, device_type: str) -> str:

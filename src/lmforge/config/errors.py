@@ -1,5 +1,39 @@
-"""The one error a config refusal raises (every layer above raises it too)."""
+"""The one error a config refusal raises (every layer above raises it too), and ``show``,
+which every message that quotes a user's value goes through."""
+from __future__ import annotations
+
+import reprlib
+from typing import Any
+
+SHOW_LIMIT = 80  # characters of a value a message quotes
 
 
 class ConfigError(ValueError):
     """A config value is wrong; the message starts with the dotted field name."""
+
+
+class _Short(reprlib.Repr):
+    """reprlib's repr with a few items per level, and a long int named by its size."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.maxlevel, self.maxstring, self.maxother = 3, limit, limit
+        self.maxlist = self.maxtuple = self.maxdict = self.maxset = 4
+
+    def repr_int(self, x: int, level: int) -> str:
+        text = repr(x)  # (YAML gives no int over Python's 4300-digit limit for repr)
+        return text if len(text) <= self.maxother else f"an integer of {len(text)} digits"
+
+
+def show(value: Any, limit: int = SHOW_LIMIT) -> str:
+    """``repr(value)`` cut to about ``limit`` characters, on one line, whatever the value's
+    size: a message may quote what a user wrote, never all of it (a YAML alias bomb's list
+    is gigabytes of repr)."""
+    text = _Short(limit).repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def show_name(name: str, limit: int = SHOW_LIMIT) -> str:
+    """A key or a path as a message names it (no quotes), cut to ``limit`` characters."""
+    name = " ".join(str(name).split()) if "\n" in str(name) else str(name)
+    return name if len(name) <= limit else name[:limit - 3] + "..."

@@ -8,9 +8,18 @@ import textwrap
 from dataclasses import field
 from typing import Any, Callable, Iterator, Optional
 
+from lmforge.config.errors import show, show_name
+
 DEVICES = ("auto", "cpu", "cuda")  # train.device, and every command's --device
 # train.objective values that compare a chosen and a rejected completion
 PREFERENCE_OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
+# Each preference setting and the objectives whose loss reads it (models/preference.py):
+# set on another objective it would change nothing, so it is refused (checks.py).
+OBJECTIVE_KEYS = {"train.beta": ("dpo", "ipo", "simpo"),
+                  "train.label_smoothing": ("dpo", "simpo"),
+                  "train.simpo_gamma": ("simpo",),
+                  "train.orpo_lambda": ("orpo",),
+                  "train.reference": ("dpo", "ipo")}  # (simpo and orpo have no reference)
 
 # A numeric key's range, by the words its error and --help show.
 BOUNDS: dict[str, Callable[[Any], bool]] = {
@@ -27,14 +36,17 @@ BOUNDS: dict[str, Callable[[Any], bool]] = {
 
 
 def key(default: Any, help: str, *, choices: tuple = (), bound: Optional[str] = None,
-        free_form: Optional[str] = None):
+        free_form: Optional[str] = None,
+        mapping: Optional[Callable[[dict], Optional[tuple[str, str]]]] = None):
     """A config field: its default, one line of help, and what it may hold: one of
     ``choices`` (or, with ``free_form``, a value that contains "{": such a format string),
-    or a number in ``bound`` (a key of ``BOUNDS``; None passes)."""
+    or a number in ``bound`` (a key of ``BOUNDS``; None passes), or a mapping whose keys
+    ``mapping`` checks (it returns the key at fault and why, or None)."""
     if bound is not None and bound not in BOUNDS:
         raise ValueError(f"unknown bound {bound!r}")  # a schema error, caught by the tests
     return field(default=default, metadata={"help": help, "choices": tuple(choices),
-                                            "bound": bound, "free_form": free_form})
+                                            "bound": bound, "free_form": free_form,
+                                            "mapping": mapping})
 
 
 def config_keys(cfg) -> Iterator[tuple[str, dataclasses.Field, Any]]:
@@ -51,11 +63,23 @@ def allowed(f: dataclasses.Field, value: Any) -> Optional[str]:
     choices = meta.get("choices")
     if choices and value not in choices:
         if not (meta.get("free_form") and "{" in str(value)):
-            return f"{value!r} is not one of {', '.join(map(str, choices))}"
+            return f"{show(value)} is not one of {', '.join(map(str, choices))}"
     bound = meta.get("bound")
     if bound and value is not None and not BOUNDS[bound](value):
-        return f"must be {bound}, got {value}"
+        return f"must be {bound}, got {show(value)}"
     return None
+
+
+def mapping_problem(dotted: str, f: dataclasses.Field, value: Any) -> Optional[str]:
+    """Why a mapping-valued key's ``value`` is refused, as the whole message naming the
+    key at fault inside it (``model.rope_scaling.bogus: ...``); None: it is not."""
+    check = f.metadata.get("mapping")
+    if check is None or value is None:
+        return None
+    if not isinstance(value, dict):
+        return f"{dotted}: {show(value)} is not a mapping"
+    problem = check(value)
+    return None if problem is None else f"{dotted}.{show_name(problem[0])}: {problem[1]}"
 
 
 def describe_keys(cfg, width: int = 88) -> str:

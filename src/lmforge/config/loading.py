@@ -12,8 +12,9 @@ from typing import Any, Optional, Union
 
 import yaml
 
+from lmforge.config.checks import refuse_ignored
 from lmforge.config.defaults import apply_run_defaults
-from lmforge.config.errors import ConfigError
+from lmforge.config.errors import ConfigError, show, show_name
 from lmforge.config.schema import JobConfig
 
 
@@ -33,6 +34,7 @@ def load_config(path: Optional[str | Path] = None, overrides: list[str] = ()) ->
     for item in overrides:
         explicit.add(apply_override(cfg, item))
     apply_run_defaults(cfg, explicit, path)
+    refuse_ignored(cfg, explicit)
     return cfg
 
 
@@ -42,7 +44,9 @@ def read_yaml_file(path: str | Path) -> Any:
     a run's config.yaml). A tag that would build a Python object (``!!python/...``) or an
     unknown one, and a syntax error, are refused in one line naming the file and line."""
     try:
-        return yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        return safe_load(Path(path).read_text(encoding="utf-8"))
+    except YAMLTooLarge as e:
+        raise ConfigError(f"{path}:{e.line}: {e}") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
     except yaml.constructor.ConstructorError as e:
@@ -59,6 +63,78 @@ def read_yaml_file(path: str | Path) -> Any:
         if context and start is not None:  # where the unfinished construct began
             problem += f"; {context} from line {start.line + 1}"
         raise ConfigError(f"{_where(path, e)}: not valid YAML ({problem})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid YAML (nested deeper than it can be read)") \
+            from None
+    except ValueError as e:  # a constructor's own, e.g. an int over Python's 4300 digits
+        raise ConfigError(f"{path}: not valid YAML ({show_name(_one_line(e), 200)})") \
+            from None
+
+
+# Values a YAML document may expand to through its aliases (``&a`` ... ``*a``): a config
+# holds hundreds; a few hundred bytes of nested aliases expand to billions ("billion
+# laughs"), which PyYAML builds as shared lists but any repr or walk of them expands.
+MAX_YAML_VALUES = 100_000
+
+
+class YAMLTooLarge(ValueError):
+    """A document whose aliases expand it past MAX_YAML_VALUES values, or into itself;
+    ``line`` (1-based) is where the value that does so starts."""
+
+    def __init__(self, message: str, line: int):
+        super().__init__(message)
+        self.line = line
+
+
+def safe_load(text: str) -> Any:
+    """``yaml.safe_load`` that refuses a document whose aliases expand past
+    ``MAX_YAML_VALUES`` values or refer to a list or mapping holding them
+    (``YAMLTooLarge``), before anything is built from it."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_expansion(node)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _check_expansion(root: yaml.Node) -> None:
+    """Counts each node's values as its aliases expand them, children first, without
+    recursion (a node reached twice is an alias: counted from its first visit)."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()  # begun, not finished: the ancestors of the current one
+    stack = [(root, False)]
+    while stack:
+        node, finished = stack.pop()
+        if finished:
+            open_nodes.discard(id(node))
+            sizes[id(node)] = 1 + sum(sizes[id(c)] for c in _children(node))
+            if sizes[id(node)] > MAX_YAML_VALUES:
+                raise YAMLTooLarge(f"YAML aliases here expand to more than "
+                                   f"{MAX_YAML_VALUES:,} values (write the values out)",
+                                   node.start_mark.line + 1)
+            continue
+        if id(node) in sizes:
+            continue
+        open_nodes.add(id(node))
+        stack.append((node, True))
+        for child in _children(node):
+            if id(child) in open_nodes:
+                raise YAMLTooLarge("a YAML alias refers to the list or mapping that holds "
+                                   "it (a value without end)", node.start_mark.line + 1)
+            if id(child) not in sizes:
+                stack.append((child, False))
+
+
+def _children(node: yaml.Node) -> list:
+    if isinstance(node, yaml.SequenceNode):
+        return node.value
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
 
 
 def _where(path: str | Path, error: yaml.YAMLError) -> str:
@@ -72,12 +148,12 @@ def apply_dict(cfg: JobConfig, raw: dict) -> list[str]:
     keys = []
     for section, values in raw.items():
         if not hasattr(cfg, section) or not dataclasses.is_dataclass(getattr(cfg, section)):
-            raise ConfigError(f"{section}: unknown config section "
+            raise ConfigError(f"{show_name(section)}: unknown config section "
                               f"(known: {', '.join(f.name for f in dataclasses.fields(cfg))})")
         if values is None:
             continue
         if not isinstance(values, dict):
-            raise ConfigError(f"{section}: must be a mapping of keys to values")
+            raise ConfigError(f"{show_name(section)}: must be a mapping of keys to values")
         for key, value in values.items():
             keys.append(set_field(cfg, f"{section}.{key}", value))
     return keys
@@ -86,11 +162,14 @@ def apply_dict(cfg: JobConfig, raw: dict) -> list[str]:
 def apply_override(cfg: JobConfig, item: str) -> str:
     """Sets one ``section.key=value``; returns the key."""
     if "=" not in item:
-        raise ConfigError(f"{item}: overrides are written section.key=value")
+        raise ConfigError(f"{show_name(item)}: overrides are written section.key=value")
     key, text = item.split("=", 1)
     try:
-        value = yaml.safe_load(text) if text != "" else None
-    except yaml.YAMLError:
+        value = safe_load(text) if text != "" else None
+    except YAMLTooLarge as e:
+        raise ConfigError(f"{show_name(key.strip())}: {str(e).replace(' here', '')}") \
+            from None
+    except (yaml.YAMLError, ValueError, RecursionError):  # not YAML: the text as written
         value = text
     return set_field(cfg, key.strip(), value)
 
@@ -99,15 +178,18 @@ def set_field(cfg: JobConfig, dotted: str, value: Any) -> str:
     """Sets ``section.key`` to ``value`` coerced to the field's type; returns the key."""
     parts = dotted.split(".")
     if len(parts) != 2:
-        raise ConfigError(f"{dotted}: keys are written section.key (e.g. optim.lr)")
+        raise ConfigError(f"{show_name(dotted)}: keys are written section.key (e.g. "
+                          f"optim.lr)")
     section_name, key = parts
     section = getattr(cfg, section_name, None)
     if section is None or not dataclasses.is_dataclass(section):
-        raise ConfigError(f"{dotted}: unknown config section '{section_name}'")
+        raise ConfigError(f"{show_name(dotted)}: unknown config section "
+                          f"'{show_name(section_name)}'")
     hints = typing.get_type_hints(type(section))
     if key not in hints:
         known = ", ".join(f.name for f in dataclasses.fields(section))
-        raise ConfigError(f"{dotted}: unknown key (known in {section_name}: {known})")
+        raise ConfigError(f"{show_name(dotted)}: unknown key (known in {section_name}: "
+                          f"{known})")
     setattr(section, key, _coerce(dotted, value, hints[key]))
     return dotted
 
@@ -122,7 +204,7 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
         return value  # Any
     accepts, convert, expected = _COERCIONS[hint]
     if not accepts(value):
-        raise ConfigError(f"{name}: expected {expected}, got {value!r}")
+        raise ConfigError(f"{name}: expected {expected}, got {show(value)}")
     return convert(value)
 
 

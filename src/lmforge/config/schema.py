@@ -9,10 +9,35 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lmforge.config.checks import validate
+from lmforge.config.errors import show
 from lmforge.config.keys import DEVICES, PREFERENCE_OBJECTIVES, key
 
 CHAT_TEMPLATES = ("auto", "chatml", "plain", "llama2", "llama3")
 QUANTIZE_FORMATS = ("nf4", "int8")  # lora.quantize: storage of a frozen (QLoRA) base
+# model.rope_scaling's keys by rope_type, those the Llama family reads (rope_scaling_from
+# in models/llama/hf.py); any other (a typo, DeepSeek's mscale) would be silently ignored.
+ROPE_SCALING_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+               "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+             "attention_factor", "truncate"),
+}
+
+
+def rope_scaling_problem(value: dict) -> Optional[tuple[str, str]]:
+    """model.rope_scaling's key at fault and why (None: every key is read)."""
+    named = [k for k in ("rope_type", "type") if k in value]  # (transformers reads either)
+    kind = value.get("rope_type", value.get("type", "default"))
+    if not isinstance(kind, str) or kind not in ROPE_SCALING_KEYS:
+        return (named or ["rope_type"])[0], f"{show(kind)} is not one of " \
+            f"{', '.join(ROPE_SCALING_KEYS)}"
+    known = (*(named or ["rope_type"]), *ROPE_SCALING_KEYS[kind])
+    unknown = next((k for k in value if k not in known), None)
+    if unknown is None:
+        return None
+    return unknown, f"unknown key for rope_type {kind} (known: {', '.join(known)})"
 
 
 @dataclass
@@ -49,7 +74,8 @@ class ModelConfig:
     rope_scaling: Any = key(None, "extend the context: {rope_type: yarn | linear | llama3, "
                             "factor: F, original_max_position_embeddings: N, ...} as in "
                             "transformers' config.json (Llama-shaped families); "
-                            "model.max_seq_len follows unless set")
+                            "model.max_seq_len follows unless set",
+                            mapping=rope_scaling_problem)
     attention: str = key("sdpa", "how packed documents and sliding windows are masked: "
                          "sdpa (a dense mask) | flex (FlexAttention block masks, compiled; "
                          "a GPU for training)", choices=("sdpa", "flex"))
@@ -194,7 +220,8 @@ class TrainConfig:
     orpo_lambda: float = key(0.1, "orpo: the weight of the odds-ratio term", bound=">= 0")
     reference: str = key("live", "dpo, ipo: the reference log-probabilities: live (LoRA: "
                          "the model with its adapters off; full weights: a frozen copy) | "
-                         "precomputed (one pass before training, stored with the data cache)",
+                         "precomputed (one pass before training, stored in the run's "
+                         "reference/ with checksums)",
                          choices=("live", "precomputed"))
     skip_memory_check: bool = key(False, "run even when the memory estimate exceeds the "
                                   "device's memory (refused otherwise, before anything is "

@@ -28,14 +28,14 @@ from __future__ import annotations
 
 import itertools
 import math
-import warnings
+import sys
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
 import torch
 
 from lmforge import IGNORE_INDEX
-from lmforge.config import samples_per_step
+from lmforge.config import samples_per_step, show
 from lmforge.data.dataset import Dataset
 from lmforge.data.errors import DataError
 from lmforge.data.indexed_files import exists, strip_suffix
@@ -66,16 +66,21 @@ def resume_position(state: dict, seed: int, data: Iterable[int], group_size: int
         raise DataError(f"loader state: saved with train.seed={state['seed']}, this run "
                         f"has {seed}; the sample order would differ")
     if "data" in state and list(state["data"]) != list(data):
-        warnings.warn(f"loader state: the data differ from the checkpoint's (sizes "
-                      f"{state['data']} vs {list(data)}); resuming at the same sample "
-                      "count anyway", stacklevel=3)
+        _say(f"resume: the data differ from the checkpoint's (sizes "
+             f"{show(state['data'])} vs {show(list(data))}); resuming at the same sample "
+             "count anyway")
     if int(state.get("group_size", 0)) != group_size:
-        warnings.warn(f"loader state: saved grouping samples by length in steps of "
-                      f"{state.get('group_size', 0)}, this run {group_size} (0: not "
-                      f"grouped; data.group_by_length, data.global_batch_size); until the "
-                      f"epoch ends some samples are read twice and others not at all",
-                      stacklevel=3)
+        _say(f"resume: the checkpoint grouped samples by length in steps of "
+             f"{state.get('group_size', 0)}, this run {group_size} (0: not grouped; "
+             f"data.group_by_length, data.global_batch_size); until the epoch ends some "
+             f"samples are read twice and others not at all")
     return int(state["consumed_samples"])
+
+
+def _say(message: str) -> None:
+    """One plain line on stderr, from the first rank (every rank's loader says it)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(message, file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------- loader
@@ -201,7 +206,8 @@ def pretrain_sources(value, field: str) -> list[tuple[Optional[float], str]]:
     out = []
     for w, p in pairs:
         if not _is_number(w) or float(w) <= 0:
-            raise DataError(f"{field}: weight {w!r} for {p} must be a positive number")
+            raise DataError(f"{field}: weight {show(w)} for {show(p)} must be a positive "
+                            f"number")
         out.append((float(w), _prefix(p, field)))
     return out
 

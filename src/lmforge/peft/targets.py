@@ -30,7 +30,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
-from lmforge.config import QUANTIZE_FORMATS, ConfigError
+from lmforge.config import QUANTIZE_FORMATS, ConfigError, show
 from lmforge.models.registry import FAMILIES, Projections, family_of
 
 _GROUPS = {
@@ -48,7 +48,7 @@ def resolve_targets(targets: Any, projections: Projections) -> tuple[str, ...]:
     items = [targets] if isinstance(targets, str) else targets
     if not isinstance(items, (list, tuple)) or not items:
         raise ConfigError(f"lora.targets: expected a list of module names or 'all-linear', "
-                          f"got {targets!r}")
+                          f"got {show(targets)}")
     found: set[str] = set()
     for item in items:
         found.update(_resolve_one(item, projections))

@@ -137,7 +137,7 @@ def test_config_section_and_validation_name_the_field(tmp_path):
                              "lora.quantize=nf4"])
     cfg.validate()
     assert cfg.lora.targets == "all-linear" and cfg.lora.rank == 16
-    cfg = load_config(None, ["lora.targets=[q_proj,k_proj]"])
+    cfg = load_config(None, ["lora.enabled=true", "lora.targets=[q_proj,k_proj]"])
     assert cfg.lora.targets == ["q_proj", "k_proj"]
     for override, message in [
             ("lora.rank=0", "lora.rank: must be > 0"),
