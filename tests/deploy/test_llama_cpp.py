@@ -18,9 +18,15 @@ from lmforge.data.templates import get_template
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.config import LoraConfig
 from lmforge.export.gguf import export_gguf, export_gguf_lora, q8_0_fits
-from lmforge.models.generate import generate
+from lmforge.models.generate import generate as decode
 from lmforge.models.hf import load_hf_model
 from lmforge.peft import apply_lora, export_merged, lora_layers, save_adapter
+
+
+def generate(model, prompt: list[int], new: int, greedy: bool = True, stop_ids=()) -> list[int]:
+    """One prompt's greedy tokens from lmforge's batched decoder."""
+    assert greedy
+    return decode(model, [prompt], new, stop_ids=stop_ids)[0].ids
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed "
                                 "(make test-deploy installs it)")

@@ -30,11 +30,14 @@ def assert_logits_equal(hf_model, path: Path, x: torch.Tensor) -> None:
 
 
 def assert_greedy_decode_equal(hf_model, path: Path, prompt: list[int], new: int) -> None:
-    """``new`` greedy tokens after ``prompt``: ours (with its KV cache) are transformers'."""
-    ours = generate(load_hf_model(path), prompt, new, greedy=True)
+    """``new`` greedy tokens after ``prompt``: ours (the batched decoder, alone and
+    left-padded between a shorter and a longer prompt) are transformers'."""
+    model = load_hf_model(path)
     theirs = hf_model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
-                               min_new_tokens=new, pad_token_id=0)
-    assert ours == theirs[0, len(prompt):].tolist()
+                               min_new_tokens=new, pad_token_id=0)[0, len(prompt):].tolist()
+    assert generate(model, [prompt], new)[0].ids == theirs
+    batch = [prompt[:2], prompt, prompt[::-1] * 2]
+    assert generate(model, batch, new)[1].ids == theirs
 
 
 @torch.no_grad()

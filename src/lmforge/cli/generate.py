@@ -1,37 +1,58 @@
-"""``lmforge generate``."""
+"""``lmforge generate``: one --prompt printed, or a --prompts JSONL file decoded in
+batches into an --output JSONL file (models/generate.py's batched decoder)."""
 from __future__ import annotations
 
-import torch
+import json
+import sys
+from pathlib import Path
 
+from lmforge import fsio
 from lmforge.cli.common import DEVICES
 from lmforge.config import resolve_device
+from lmforge.data.errors import DataError
+from lmforge.data.sft import iter_jsonl
 from lmforge.data.templates import JinjaTemplate
 from lmforge.data.tokenizer import chat_template_origin, load_tokenizer
-from lmforge.models.generate import check_sampling, generate
+from lmforge.models.generate import (Sampling, check_sampling, compiled_shapes, generate,
+                                     generate_in_batches)
 from lmforge.models.hf import load_hf_model, stop_token_ids
 from lmforge.peft import load_adapter, merge_lora
 
+DEFAULT_NEW_TOKENS = 64
 _OPTIONS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature",
-            "top_k": "--top-k", "top_p": "--top-p"}
+            "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p"}
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a model",
-                       description="Generate a continuation of --prompt with a KV cache. The "
-                       "prompt is tokenized as the model's tokenizer does (its own special "
-                       "tokens); generation stops on generation_config.json's eos_token_id.")
+                       description="Generate a continuation of --prompt, or of every record "
+                       "of --prompts (JSONL, in batches, into --output), with the batched "
+                       "decoder (docs/generation.md). Prompts are tokenized as the model's "
+                       "tokenizer does (its own special tokens); generation stops on "
+                       "generation_config.json's eos_token_id.")
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--adapter", default=None,
                    help="PEFT LoRA adapter directory to apply to --model (checked as "
                         "`lmforge lora merge` checks it, then merged into the weights)")
-    p.add_argument("--prompt", required=True, help="text to continue (or, with --chat, the "
-                   "user message)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="text to continue (or, with --chat, the user "
+                        "message); the continuation is printed")
+    source.add_argument("--prompts", metavar="FILE.jsonl",
+                        help="one JSON object per line with a 'prompt': text, or with "
+                        "--chat text or a list of chat messages; needs --output")
+    p.add_argument("--output", metavar="FILE.jsonl",
+                   help="with --prompts: each input record, in order, plus 'completion' "
+                        "(text), 'completion_ids' and 'finish_reason' (stop or length)")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="prompts decoded together (with --prompts)")
     p.add_argument("--chat", action="store_true",
-                   help="send --prompt as a user message through the model's chat template "
-                        "(with the generation prompt), print the reply only, and stop at the "
+                   help="send each prompt through the model's chat template (with the "
+                        "generation prompt), keep the reply only, and stop at the "
                         "template's end-of-turn token")
-    p.add_argument("--max-new-tokens", type=int, default=64,
-                   help="stop after this many new tokens")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"stop after this many new tokens; prompt + these must fit the "
+                        f"model's context (default: {DEFAULT_NEW_TOKENS}, or what the "
+                        f"context leaves after a prompt)")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (default: sample)")
     p.add_argument("--temperature", type=float, default=0.8,
                    help="sampling temperature, >= 0 (lower: closer to greedy; 0: greedy)")
@@ -40,38 +61,148 @@ def add_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=None,
                    help="sample among the most likely tokens whose probabilities sum to P, "
                    "0 < P <= 1 (default: off)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--min-p", type=float, default=None,
+                   help="sample among tokens at least P times as likely as the likeliest, "
+                   "0 <= P <= 1 (default: off)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="sampling seed (record i of --prompts samples with seed + i)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the one-token decode step (CUDA graphs on a GPU); pays "
+                        "off on long or many generations")
     p.add_argument("--device", default="auto", choices=DEVICES,
                    help="where to run (auto: a GPU when there is one)")
     p.set_defaults(func=_generate)
 
 
 def _generate(args) -> int:
-    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, _OPTIONS)
+    sampling = _check_options(args)
+    records = _read_records(args.prompts) if args.prompts else None
     device = resolve_device(args.device, "--device")
     model = load_hf_model(args.model, device=device)
     tokenizer = load_tokenizer(args.model)
-    prompt, stops = _prompt(args, tokenizer)
+    stops = stop_token_ids(args.model) or tokenizer.eos_ids
+    template = _chat_template(args, tokenizer) if args.chat else None
+    if template is not None:
+        stops = stops + [template.end_of_turn_id(tokenizer)]
+    if records is None:
+        prompts, wheres = [_encode(args.prompt, template, tokenizer)], [None]
+    else:
+        prompts = [_encode(r["prompt"], template, tokenizer, where) for where, r in records]
+        wheres = [w for w, _ in records]
+    _check_lengths(prompts, wheres, args.max_new_tokens, model.args.max_seq_len)
+    max_new = args.max_new_tokens or DEFAULT_NEW_TOKENS  # (the decoder keeps to the context)
     if args.adapter:
         load_adapter(model, args.adapter)
         merge_lora(model)  # decodes as fast as the base; equal to `lmforge lora merge`'s model
         model.to(device)
-    new = generate(model, prompt, args.max_new_tokens, greedy=args.greedy,
-                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                   stop_ids=tuple(stops), generator=torch.Generator().manual_seed(args.seed))
-    reply = tokenizer.decode(new)
-    print(reply if args.chat else args.prompt + reply)
+    if records is None:
+        new = generate(model, prompts, max_new, sampling, stops, args.seed,
+                       compile=args.compile)[0].ids
+        reply = tokenizer.decode(new)
+        print(reply if args.chat else args.prompt + reply)
+    else:
+        done = generate_in_batches(model, prompts, max_new, args.batch_size,
+                                   sampling, stops, args.seed, compile=args.compile,
+                                   progress=_progress if len(prompts) > args.batch_size
+                                   else None)
+        _write(args.output, [r for _, r in records], done, tokenizer)
+    if args.compile:
+        print(f"generate: the decode step compiled for {compiled_shapes()} shape(s)",
+              file=sys.stderr)
     return 0
 
 
-def _prompt(args, tokenizer) -> tuple[list[int], list[int]]:
-    """The prompt's token ids and the ids generation stops on."""
-    stops = stop_token_ids(args.model) or tokenizer.eos_ids
-    if not args.chat:
-        return tokenizer.encode(args.prompt), stops
+def _check_options(args) -> Sampling:
+    """Every option's refusal, before any file is read or the model loaded."""
+    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, _OPTIONS,
+                   min_p=args.min_p)
+    if args.prompts is None and args.output is not None:
+        raise ValueError("--output: goes with --prompts (a single --prompt is printed)")
+    if args.prompts is not None:
+        if args.output is None:
+            raise ValueError("--prompts: needs --output FILE.jsonl to write the completions to")
+        if args.batch_size < 1:
+            raise ValueError(f"--batch-size: {args.batch_size} must be >= 1")
+        fsio.check_writable(args.output, "--output")
+        fsio.check_apart(args.output, "--output", [("--prompts", args.prompts),
+                                                   ("--model", args.model),
+                                                   ("--adapter", args.adapter)])
+    if args.greedy:
+        return Sampling()
+    return Sampling(args.temperature, args.top_k or 0,
+                    1.0 if args.top_p is None else args.top_p, args.min_p or 0.0)
+
+
+def _read_records(path: str) -> list[tuple[str, dict]]:
+    """(file:line, record) of each line of --prompts; each must hold a 'prompt'."""
+    if not Path(path).exists():
+        raise FileNotFoundError(f"{path}: --prompts: no such file")
+    if not Path(path).is_file():  # (a FIFO would block the read)
+        raise ValueError(f"{path}: --prompts is not a regular file")
+    records = []
+    for line, record in iter_jsonl(Path(path)):
+        where = f"{path}:{line}"
+        if not isinstance(record, dict) or "prompt" not in record:
+            raise DataError(f"{where}: a record needs a 'prompt' (text, or chat messages "
+                            "with --chat)")
+        records.append((where, record))
+    if not records:
+        raise DataError(f"{path}: --prompts holds no record (one JSON object with a "
+                        "'prompt' per line)")
+    return records
+
+
+def _chat_template(args, tokenizer) -> JinjaTemplate:
     if not tokenizer.chat_template:
         raise ValueError(f"--chat: {args.model} has no chat template (chat_template in "
                          "tokenizer_config.json, or chat_template.jinja)")
-    template = JinjaTemplate(tokenizer.chat_template, label=chat_template_origin(args.model))
-    prompt = template.prompt_ids([{"role": "user", "content": args.prompt}], tokenizer)
-    return prompt, stops + [template.end_of_turn_id(tokenizer)]
+    return JinjaTemplate(tokenizer.chat_template, label=chat_template_origin(args.model))
+
+
+def _encode(prompt, template, tokenizer, where: str = "--prompt") -> list[int]:
+    """A prompt's ids: text as the tokenizer encodes it; with --chat, text as the user's
+    message or a list of messages, rendered with the generation prompt."""
+    if template is None:
+        if not isinstance(prompt, str):
+            raise DataError(f"{where}: 'prompt' must be text (chat messages need --chat)")
+        ids = tokenizer.encode(prompt)
+    else:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if not (isinstance(messages, list) and messages and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str) for m in messages)):
+            raise DataError(f"{where}: 'prompt' must be text or a list of messages "
+                            "({'role': ..., 'content': ...})")
+        ids = template.prompt_ids(messages, tokenizer)
+    if not ids:
+        raise DataError(f"{where}: the prompt encodes to no tokens")
+    return ids
+
+
+def _check_lengths(prompts, wheres, max_new: int, context: int) -> None:
+    """Refuse a prompt the context cannot hold, then one it cannot hold with the
+    --max-new-tokens given (the first is the prompt's fault, the second the option's)."""
+    places = [f"{w}: " if w else "--prompt: " for w in wheres]
+    for ids, place in zip(prompts, places):
+        if len(ids) >= context:
+            raise DataError(f"{place}the prompt has {len(ids)} tokens; the model's context "
+                            f"holds {context} with the new ones (shorten the prompt)")
+    for ids, place in zip(prompts, places):
+        if max_new is not None and len(ids) + max_new > context:
+            raise ValueError(f"--max-new-tokens: {max_new} after the {len(ids)}-token prompt "
+                             f"of {place.rstrip(': ')} passes the model's context of "
+                             f"{context}; lower it to {context - len(ids)}")
+
+
+def _write(path: str, records: list[dict], done, tokenizer) -> None:
+    lines = []
+    for record, c in zip(records, done):
+        out = {**record, "completion": tokenizer.decode(c.ids), "completion_ids": c.ids,
+               "finish_reason": c.finish_reason}
+        lines.append(json.dumps(out, ensure_ascii=False) + "\n")
+    fsio.atomic_write_bytes(path, "".join(lines).encode("utf-8"))
+
+
+def _progress(done: int, total: int, tokens_per_s: float) -> None:
+    print(f"generate: {done}/{total} prompts, {tokens_per_s:,.0f} new tokens/s",
+          file=sys.stderr, flush=True)

@@ -19,7 +19,7 @@ import torch
 
 from lmforge.data.templates import get_template
 from lmforge.eval.evaluate import evaluate
-from lmforge.models.generate import generate
+from lmforge.models.generate import generate_in_batches
 from lmforge import IGNORE_INDEX
 
 _WORD = re.compile(r"[a-z0-9]+")
@@ -136,10 +136,12 @@ def evaluate_prompt_response(model, tokenizer, records: list[dict], template: st
     loss, tokens = evaluate(model, batches(), device)
     stop = get_template(template, tokenizer).end_of_turn_id(tokenizer)
     predictions, examples = [], []
-    for r in records:
-        new = generate(model, prompt_ids(tokenizer, r["prompt"], template), max_new_tokens,
-                       greedy=True, stop_ids=(stop,))
-        text = tokenizer.decode([t for t in new if t != stop]).strip()
+    prompts = [prompt_ids(tokenizer, r["prompt"], template) for r in records]
+    room = model.args.max_seq_len - 1  # the prompt's last tokens, leaving room for an answer
+    answers = generate_in_batches(model, [p[-room:] for p in prompts], max_new_tokens,
+                                  batch_size, stop_ids=(stop,))
+    for r, answer in zip(records, answers):
+        text = tokenizer.decode([t for t in answer.ids if t != stop]).strip()
         predictions.append(text)
         if len(examples) < 3:
             examples.append({"prompt": r["prompt"], "reference": r["response"],

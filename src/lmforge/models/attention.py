@@ -14,7 +14,8 @@ applied:
 
 Without a document mask, causal attention is SDPA's ``is_causal`` fast path whatever
 ``model.attention`` says; a sliding window (Mistral, Gemma 3's local layers) is a mask of
-its own, dense for sdpa, a block mask for flex. A KV cache (generation) always takes SDPA.
+its own, dense for sdpa, a block mask for flex. A KV cache (generation) always takes SDPA, with a ``DecodeMask``: the decoder's rows are
+left-padded, so each row's keys start at a column of its own.
 PyTorch's FlexAttention has no backward on the CPU: there, flex is for scoring only, and
 training with it is refused (``models.presets`` checks the job).
 """
@@ -83,6 +84,31 @@ class DocumentMask:
                                                  None, seq, seq, device=device,
                                                  _compile=COMPILE_BLOCK_MASKS)
         return self._built[key]
+
+
+class DecodeMask:
+    """The mask of batched decoding (``models/generate.py``): the rows are left-padded, so
+    row b's tokens fill the cache from column ``start[b]`` on, and the queries of this
+    forward sit at cache columns ``columns`` (seq,), the same for every row. A query sees
+    the keys of its own row up to its own column (within a window, if any); a padding
+    query sees only itself, so no row of the softmax is empty (which would give NaN, and
+    NaN times a zero weight is still NaN in a real query's sum). Tensors only, no host
+    values: one compiled decode step serves every position."""
+
+    def __init__(self, start: torch.Tensor, columns: torch.Tensor):
+        self.start, self.columns = start, columns  # (batch,), (seq,)
+        self._built: dict = {}
+
+    def dense(self, window: Optional[int], keys: int) -> torch.Tensor:
+        """(batch, 1, seq, keys) bool, True = may attend; built once per window."""
+        if (window, keys) not in self._built:
+            k = torch.arange(keys, device=self.columns.device)[None, None, :]  # (1, 1, keys)
+            q = self.columns[None, :, None]  # (1, seq, 1)
+            allowed = (k >= self.start[:, None, None]) & (k <= q)  # (batch, seq, keys)
+            if window is not None:
+                allowed &= k > q - window
+            self._built[(window, keys)] = (allowed | (k == q))[:, None]
+        return self._built[(window, keys)]
 
 
 class ContextParallel:
@@ -190,6 +216,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, *, past
     each document of a ``DocumentMask``; or an explicit boolean ``mask`` (True = may
     attend). ``scale`` defaults to 1 / sqrt(head_dim). Returns (batch, heads, seq, hd)."""
     batch, seq, gqa = q.shape[0], q.shape[2], q.shape[1] != k.shape[1]
+    if isinstance(mask, DecodeMask):
+        return _sdpa(q, k, v, mask.dense(window, k.shape[2]), False, scale)
     if isinstance(mask, ContextParallel):
         k, v = mask.gather(k), mask.gather(v)
         return _sdpa(q, k, v, mask.dense(window, q.device), False, scale)

@@ -48,10 +48,15 @@ class Projections:
 
 @dataclass
 class KVCache:
-    """Keys and values of past positions for incremental decoding, one per layer."""
+    """Keys and values of past positions for incremental decoding, one per layer. Every
+    row writes at the same column (the decoder left-pads its rows): at ``length``, which
+    the cache advances, or, for the compiled decode step, at ``columns``: a tensor the
+    decoder sets, so that one compiled graph serves every position, and the whole buffer
+    is returned (a static shape; ``DecodeMask`` hides the columns not yet written)."""
     k: torch.Tensor  # (batch, kv_heads, max_len, head_dim)
     v: torch.Tensor
     length: int = 0
+    columns: Optional[torch.Tensor] = None  # (seq,) long: the static cache's write columns
 
     @classmethod
     def empty(cls, args, batch: int, max_len: int, device, dtype) -> "KVCache":
@@ -60,6 +65,10 @@ class KVCache:
                    torch.zeros(shape, device=device, dtype=dtype))
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.columns is not None:
+            self.k.index_copy_(2, self.columns, k.to(self.k.dtype))
+            self.v.index_copy_(2, self.columns, v.to(self.v.dtype))
+            return self.k, self.v
         end = self.length + k.shape[2]
         if end > self.k.shape[2]:
             raise ValueError(f"KV cache full: {end} positions > {self.k.shape[2]}")
@@ -67,6 +76,11 @@ class KVCache:
         self.v[:, :, self.length:end] = v
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]
+
+    @staticmethod
+    def bytes_per_token(args, dtype: torch.dtype) -> int:
+        """One row's keys and values of one position, over every layer."""
+        return 2 * args.n_layers * args.n_kv_heads * args.head_dim * dtype.itemsize
 
 
 # A gated MLP's activation by name: SwiGLU's (Llama, Mistral, Qwen, Phi-3) and GeGLU's

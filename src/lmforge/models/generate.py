@@ -1,47 +1,81 @@
-"""Text generation with a KV cache: greedy, or sampled with temperature / top-k / top-p."""
+"""The one decoder: every place lmforge generates (``lmforge generate``, the end-of-run
+sample, eval-sft, bench-eval's ``generate_until``) calls ``generate`` or
+``generate_in_batches``.
+
+How it works (docs/generation.md):
+
+* **Left padding, per-row positions.** The prompts of a batch are right-aligned in one
+  (batch, longest) block; row b starts at column ``start[b]`` and its positions count from
+  there, so every row writes the same cache column at every step: one shape per step
+  (what a compiled step and CUDA graphs need), a plain slice write, no ragged kernels.
+  ``DecodeMask`` hides the padding. The cost is the padding's share of the prefill,
+  which ``generate_in_batches`` keeps small by batching prompts of similar lengths.
+* **One cache**, allocated once per (batch, prompt + new tokens) before the prefill.
+* **Sampling on the device** (greedy, temperature, top-k, top-p, min-p) by the inverse
+  CDF: one uniform per row per token, drawn from that row's own seeded generator, so a
+  row's tokens do not depend on its batch mates. Stops (per-row stop ids and limits) are
+  checked on the device; the host looks every ``sync_every`` tokens.
+* **Log-probabilities**: each token's under the sampling distribution (what was drawn
+  from: temperature, top-k, top-p, min-p applied; 0 for greedy) and under the model.
+* **Compiled** (``compile=True``): the prefill runs eagerly, the one-token step is
+  ``torch.compile``d over a static cache (CUDA graphs on a GPU), with batch and cache
+  length rounded up to buckets so few shapes compile; ``compiled_shapes()`` counts them.
+"""
 from __future__ import annotations
 
 import math
-from typing import Optional
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
-from lmforge.models.common import new_caches
+from lmforge.models.attention import DecodeMask
+from lmforge.models.common import KVCache, new_caches
+
+SYNC_EVERY = 16  # tokens between the host's looks at the stop flags
+PAD_ID = 0  # what padding columns and finished rows hold (never read)
 
 
-@torch.no_grad()
-def generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, greedy: bool = True,
-             temperature: float = 1.0, top_k: Optional[int] = None,
-             top_p: Optional[float] = None, stop_ids: tuple[int, ...] = (),
-             generator: Optional[torch.Generator] = None) -> list[int]:
-    """Returns the new tokens only; stops early on any of ``stop_ids``."""
-    check_sampling(None, temperature, top_k, top_p)  # 0 new tokens: an empty answer
-    if not prompt_ids:
-        raise ValueError("generate: the prompt is empty (give at least one token)")
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    max_len = min(len(prompt_ids) + max_new_tokens, model.args.max_seq_len)
-    caches = new_caches(model, 1, max_len)
-    tokens = torch.tensor([prompt_ids], device=device)  # (1, prompt)
-    new: list[int] = []
-    for _ in range(max_len - len(prompt_ids)):
-        logits = model(tokens, caches=caches)[:, -1].float()  # (1, vocab)
-        next_id = _pick(logits, greedy, temperature, top_k, top_p, generator)
-        new.append(next_id)
-        if next_id in stop_ids:
-            break
-        tokens = torch.tensor([[next_id]], device=device)  # (1, 1): cache holds the past
-    model.train(was_training)
-    return new
+@dataclass(frozen=True)
+class Sampling:
+    """How each token is chosen. ``temperature`` 0: greedy (argmax). Otherwise softmax of
+    logits / temperature, cut to the ``top_k`` most likely (0: all), to tokens with at
+    least ``min_p`` times the likeliest's probability (0: off), and to the smallest set
+    whose mass reaches ``top_p`` (1: off), in that order, then renormalised."""
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+GREEDY = Sampling()
+
+
+@dataclass
+class Completion:
+    """One prompt's new tokens, why they ended (``stop``: a stop id, the last token;
+    ``length``: the row's limit), and each token's log-probability under the sampling
+    distribution and under the model."""
+    ids: list[int]
+    finish_reason: str
+    sampling_logprobs: list[float]
+    model_logprobs: list[float]
 
 
 def check_sampling(max_new_tokens: Optional[int], temperature: float, top_k: Optional[int],
-                   top_p: Optional[float], names: Optional[dict[str, str]] = None) -> None:
+                   top_p: Optional[float], names: Optional[dict[str, str]] = None,
+                   min_p: Optional[float] = None) -> None:
     """Refuse settings that cannot sample: ``max_new_tokens`` > 0 (None: not checked),
     ``temperature`` finite and >= 0 (0: greedy), ``top_k`` >= 0 (0 or None: every token),
-    ``top_p`` in (0, 1]. ``names``: how the caller spells each parameter (its options)."""
+    ``top_p`` in (0, 1], ``min_p`` in [0, 1]. ``names``: how the caller spells each
+    parameter (its options)."""
     def bad(name: str, value, rule: str) -> ValueError:
         return ValueError(f"{(names or {}).get(name, name)}: {value} {rule}")
 
@@ -53,22 +87,281 @@ def check_sampling(max_new_tokens: Optional[int], temperature: float, top_k: Opt
         raise bad("top_k", top_k, "must be >= 0 (0: every token)")
     if top_p is not None and not 0 < top_p <= 1:  # also refuses nan
         raise bad("top_p", top_p, "must be in (0, 1]")
+    if min_p is not None and not 0 <= min_p <= 1:
+        raise bad("min_p", min_p, "must be in [0, 1] (0: off)")
 
 
-def _pick(logits: torch.Tensor, greedy: bool, temperature: float, top_k: Optional[int],
-          top_p: Optional[float], generator: Optional[torch.Generator]) -> int:
-    if greedy or temperature <= 0:
-        return int(logits.argmax(-1))
-    logits = logits / temperature
-    if top_k:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, -1)
-    if top_p is not None and top_p < 1.0:
-        sorted_probs, order = probs.sort(-1, descending=True)
+# ----------------------------------------------------------------------------- sampling
+
+def sample(logits: torch.Tensor, s: Sampling, uniforms: Optional[torch.Tensor]):
+    """(tokens, log p under the sampling distribution, log p under the model), each
+    (batch,), for fp32 ``logits`` (batch, vocab) and one uniform in [0, 1) per row.
+
+    Ties: argmax, top-k, the stable sort of top-p and ``searchsorted`` all break ties by
+    the lower token id, so a tie never depends on the batch. A draw can change only where
+    a row's logits differ in their last bits from the same prompt's alone (another
+    batch size may take another matmul kernel) *and* its uniform falls within that
+    difference of a CDF boundary: about 1e-7 per token."""
+    model_lp = torch.log_softmax(logits, -1)
+    if s.greedy:
+        tokens = logits.argmax(-1)
+        return tokens, torch.zeros_like(tokens, dtype=logits.dtype), _at(model_lp, tokens)
+    x = logits / s.temperature
+    if s.top_k and s.top_k < x.shape[-1]:
+        kth = torch.topk(x, s.top_k).values[:, -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, -1)
+    if s.min_p > 0:
+        probs = probs.masked_fill(probs < s.min_p * probs.amax(-1, keepdim=True), 0.0)
+    if s.top_p < 1:
+        ranked, order = probs.sort(dim=-1, descending=True, stable=True)
         # Keep the smallest prefix whose mass reaches top_p (always the first token).
-        drop = sorted_probs.cumsum(-1) - sorted_probs > top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    choice = torch.multinomial(probs.cpu(), 1, generator=generator)
-    return int(choice)
+        ranked = ranked.masked_fill(ranked.cumsum(-1) - ranked > s.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, ranked)
+    probs = probs / probs.sum(-1, keepdim=True)
+    cdf = probs.cumsum(-1)
+    tokens = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True)[:, 0]
+    # u * total may round up to the total: take the last token that has any mass.
+    tokens = torch.minimum(tokens, (probs > 0).cumsum(-1).argmax(-1))
+    return tokens, _at(probs, tokens).log(), _at(model_lp, tokens)
+
+
+def _at(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return t.gather(-1, index[:, None])[:, 0]
+
+
+class _Uniforms:
+    """Each row's uniforms, from its own generator, drawn ``block`` at a time on the
+    device: row b's k-th token uses the k-th number of seed b's stream, whatever else is
+    in the batch."""
+
+    def __init__(self, seeds: Sequence[int], device, block: int):
+        self.gens = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+        self.device, self.block, self.drawn = device, block, None
+
+    def at(self, step: int) -> torch.Tensor:
+        if step % self.block == 0:
+            self.drawn = torch.stack([torch.rand(self.block, generator=g, device=self.device)
+                                      for g in self.gens])  # (batch, block)
+        return self.drawn[:, step % self.block]
+
+
+# ------------------------------------------------------------------------------ decoder
+
+@torch.no_grad()
+def generate(model: nn.Module, prompts: Sequence[Sequence[int]],
+             max_new_tokens: Union[int, Sequence[int]], sampling: Sampling = GREEDY,
+             stop_ids: Union[Sequence[int], Sequence[Sequence[int]]] = (),
+             seeds: Union[int, Sequence[int]] = 0, compile: bool = False,
+             sync_every: int = SYNC_EVERY) -> list[Completion]:
+    """Decode every prompt (token ids) of one batch. ``max_new_tokens``, ``stop_ids`` and
+    ``seeds``: one for all rows, or one per row. A row stops after a stop id (kept as its
+    last token) or at its limit, and never runs past the model's context."""
+    rows = len(prompts)
+    limits = _per_row(max_new_tokens, rows)
+    stops = _per_row(stop_ids, rows, nested=True)
+    seeds = _per_row(seeds, rows)
+    check_sampling(None, sampling.temperature, sampling.top_k, sampling.top_p,
+                   min_p=sampling.min_p)
+    context = model.args.max_seq_len
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"generate: prompt {i} is empty (give at least one token)")
+        if len(p) >= context:
+            raise ValueError(f"generate: prompt {i} has {len(p)} tokens, which leaves no "
+                             f"room in the model's context of {context}")
+    limits = [max(0, min(n, context - len(p))) for n, p in zip(limits, prompts)]
+    if rows == 0 or max(limits) == 0:
+        return [Completion([], "length", [], []) for _ in prompts]
+    was_training = model.training
+    model.eval()
+    try:
+        return _decode(model, prompts, limits, sampling, stops, seeds, compile, sync_every)
+    finally:
+        model.train(was_training)
+
+
+def generate_in_batches(model: nn.Module, prompts: Sequence[Sequence[int]],
+                        max_new_tokens: Union[int, Sequence[int]], batch_size: int,
+                        sampling: Sampling = GREEDY,
+                        stop_ids: Union[Sequence[int], Sequence[Sequence[int]]] = (),
+                        seed: int = 0, compile: bool = False,
+                        progress: Optional[Callable[[int, int, float], None]] = None
+                        ) -> list[Completion]:
+    """``generate`` over any number of prompts, ``batch_size`` at a time, longest first
+    (batch mates of similar length waste little padding), returned in the input's order.
+    Prompt i samples with seed ``seed + i``, so its tokens are the same whatever the
+    batch size. ``progress(done, total, new_tokens_per_s)`` after each batch."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size: {batch_size} must be >= 1")
+    n = len(prompts)
+    limits = _per_row(max_new_tokens, n)
+    stops = _per_row(stop_ids, n, nested=True)
+    order = sorted(range(n), key=lambda i: -len(prompts[i]))
+    out: list[Optional[Completion]] = [None] * n
+    began, tokens = time.perf_counter(), 0
+    for first in range(0, n, batch_size):
+        chunk = order[first:first + batch_size]
+        done = generate(model, [prompts[i] for i in chunk], [limits[i] for i in chunk],
+                        sampling, [stops[i] for i in chunk], [seed + i for i in chunk],
+                        compile=compile)
+        for i, c in zip(chunk, done):
+            out[i] = c
+            tokens += len(c.ids)
+        if progress is not None:
+            progress(min(first + batch_size, n), n,
+                     tokens / max(time.perf_counter() - began, 1e-9))
+    return out
+
+
+def _per_row(value, rows: int, nested: bool = False) -> list:
+    """One value for every row, or a sequence of one per row."""
+    if nested:
+        value = list(value)
+        if value and isinstance(value[0], (list, tuple)):
+            per_row = [list(v) for v in value]
+        else:
+            return [list(value)] * rows
+    elif isinstance(value, int):
+        return [value] * rows
+    else:
+        per_row = list(value)
+    if len(per_row) != rows:
+        raise ValueError(f"generate: {len(per_row)} per-row values for {rows} prompts")
+    return per_row
+
+
+def _decode(model, prompts, limits, sampling, stops, seeds, compile, sync_every):
+    device = next(model.parameters()).device
+    real = len(prompts)
+    if compile:  # dummy rows round the batch up to its bucket; they are done from the start
+        extra = _bucket_batch(real) - real
+        prompts, limits = list(prompts) + [[PAD_ID]] * extra, list(limits) + [0] * extra
+        stops, seeds = list(stops) + [[]] * extra, list(seeds) + [0] * extra
+    rows, width = len(prompts), max(len(p) for p in prompts)
+    steps = max(limits)
+    cache_len = _bucket_length(width + steps) if compile else width + steps
+    start = torch.tensor([width - len(p) for p in prompts], device=device)  # (rows,)
+    block = torch.full((rows, width), PAD_ID, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        block[i, width - len(p):] = torch.tensor(p)
+    caches = new_caches(model, rows, cache_len)
+    step = _CompiledStep(model, caches, start) if compile else None
+    logits = _prefill(model, block.to(device), start, caches, static=step is not None)
+
+    limit = torch.tensor(limits, device=device)
+    stop_table = torch.tensor([s + [-1] * (max(map(len, stops)) - len(s)) for s in stops]
+                              or [[-1]], dtype=torch.long, device=device).reshape(rows, -1)
+    out = torch.full((rows, steps), PAD_ID, dtype=torch.long, device=device)
+    sampling_lp = torch.zeros((rows, steps), device=device)
+    model_lp = torch.zeros((rows, steps), device=device)
+    count = torch.zeros(rows, dtype=torch.long, device=device)
+    done = limit == 0
+    stopped = torch.zeros(rows, dtype=torch.bool, device=device)
+    uniforms = None if sampling.greedy else _Uniforms(seeds, device, sync_every)
+    for t in range(steps):
+        token, lp_s, lp_m = sample(logits, sampling,
+                                   None if uniforms is None else uniforms.at(t))
+        live = ~done
+        token = torch.where(live, token, PAD_ID)
+        out[:, t], sampling_lp[:, t], model_lp[:, t] = token, lp_s, lp_m
+        count += live
+        hit = live & (token[:, None] == stop_table).any(-1)
+        stopped |= hit
+        done = done | hit | (count >= limit)
+        if t + 1 == steps or ((t + 1) % sync_every == 0 and bool(done.all())):
+            break  # (the host looks every sync_every tokens: one sync, not one per token)
+        column = width + t
+        positions = (column - start)[:, None]  # (rows, 1)
+        if step is not None:
+            logits = step(token[:, None], positions, column)
+        else:
+            mask = DecodeMask(start, torch.tensor([column], device=device))
+            logits = model(token[:, None], positions, mask, caches)[:, -1].float()
+    return _completions(out, sampling_lp, model_lp, count, stopped, real)
+
+
+def _prefill(model, block, start, caches, static: bool) -> torch.Tensor:
+    """Run the padded prompts through the model, filling the caches; the last column's
+    logits (rows, vocab) in fp32. The head is applied to that column only."""
+    width = block.shape[1]
+    columns = torch.arange(width, device=block.device)
+    for c in caches:
+        c.columns = columns if static else None
+    positions = (columns[None, :] - start[:, None]).clamp(min=0)  # (rows, width)
+    mask = DecodeMask(start, columns)
+    if isinstance(model, FSDPModule):  # its head's weight is sharded outside its forward
+        return model(block, positions, mask, caches)[:, -1].float()
+    h = model(block, positions, mask, caches, head=False)
+    return model.output(h[:, -1:])[:, -1].float()
+
+
+def _completions(out, sampling_lp, model_lp, count, stopped, rows) -> list[Completion]:
+    out, sampling_lp, model_lp = out.tolist(), sampling_lp.tolist(), model_lp.tolist()
+    result = []
+    for i, (n, hit) in enumerate(zip(count.tolist(), stopped.tolist())):
+        if i == rows:
+            break
+        result.append(Completion(out[i][:n], "stop" if hit else "length",
+                                 sampling_lp[i][:n], model_lp[i][:n]))
+    return result
+
+
+# --------------------------------------------------------------------- compiled step
+
+_COMPILED: set = set()  # (rows, cache length, device type) shapes compiled in this process
+
+
+def compiled_shapes() -> int:
+    """How many shapes the compiled decode step has been compiled for so far."""
+    return len(_COMPILED)
+
+
+def _bucket_batch(rows: int) -> int:
+    """The next power of two: at most log2(batch) batch shapes."""
+    return 1 << max(0, rows - 1).bit_length()
+
+
+def _bucket_length(n: int) -> int:
+    """Cache lengths in steps of 256 (at least 256): a step attends over the whole static
+    cache, so finer buckets would save compute but compile more shapes."""
+    return max(256, -(-n // 256) * 256)
+
+
+class _CompiledStep:
+    """The one-token step over static caches: every cache writes at ``columns`` (one
+    tensor they share, updated in place) and returns its whole buffer, so the step's
+    shapes never change while a batch decodes; on CUDA, ``reduce-overhead`` replays it
+    as a CUDA graph."""
+
+    def __init__(self, model, caches: list[KVCache], start: torch.Tensor):
+        self.model, self.caches, self.start = model, caches, start
+        device = start.device
+        self.columns = torch.zeros(1, dtype=torch.long, device=device)
+        for c in caches:
+            torch._dynamo.mark_static_address(c.k)
+            torch._dynamo.mark_static_address(c.v)
+        key = (len(start), caches[0].k.shape[2], device.type)
+        _COMPILED.add(key)
+        self.fn = _compiled(device.type)
+
+    def __call__(self, token, positions, column: int) -> torch.Tensor:
+        for c in self.caches:
+            c.columns = self.columns
+        self.columns.fill_(column)
+        logits = self.fn(self.model, token, positions, self.start, self.columns, self.caches)
+        return logits.clone()  # (a CUDA graph's output is overwritten by its next replay)
+
+
+def _step(model, token, positions, start, columns, caches) -> torch.Tensor:
+    return model(token, positions, DecodeMask(start, columns), caches)[:, -1].float()
+
+
+_COMPILED_FNS: dict = {}
+
+
+def _compiled(device_type: str):
+    if device_type not in _COMPILED_FNS:
+        mode = "reduce-overhead" if device_type == "cuda" else None
+        _COMPILED_FNS[device_type] = torch.compile(_step, mode=mode, dynamic=False)
+    return _COMPILED_FNS[device_type]

@@ -23,7 +23,7 @@ from lmforge.data.errors import DataError
 from lmforge.data.sft import held_out_records, iter_jsonl, record_messages
 from lmforge.data.templates import get_template
 from lmforge.data.tokenizer import Tokenizer
-from lmforge.models.generate import generate
+from lmforge.models.generate import Sampling, generate
 
 PREFIX_TOKENS = 16  # of a held-out document: enough to set the topic, short to print
 TEMPERATURE, TOP_K = 0.8, 50
@@ -93,10 +93,11 @@ def write_sample(cfg: JobConfig, model: torch.nn.Module, tokenizer: Tokenizer,
         print(f"no sample: {prompt}", flush=True)
         return None
     with autocast():
-        new = generate(model, prompt.ids, cfg.train.sample_tokens, greedy=False,
-                       temperature=TEMPERATURE, top_k=TOP_K,
+        room = model.args.max_seq_len - 1  # a long prompt's last tokens, room for one more
+        new = generate(model, [prompt.ids[-room:]], cfg.train.sample_tokens,
+                       Sampling(temperature=TEMPERATURE, top_k=TOP_K),
                        stop_ids=tuple(tokenizer.eos_ids) + prompt.stop_ids,
-                       generator=torch.Generator().manual_seed(cfg.train.seed))
+                       seeds=cfg.train.seed)[0].ids
     text = prompt.text + tokenizer.decode(new)
     print(f"sample ({cfg.train.sample_tokens} tokens, temperature {TEMPERATURE}, prompt "
           f"from {prompt.source}):\n{text}", flush=True)

@@ -90,10 +90,12 @@ def gate_up_fused(args: Phi3Args) -> Fused:
 
 # ------------------------------------------------------------------------------ RoPE
 
-def rope_cos_sin(args: Phi3Args, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(args: Phi3Args, positions: torch.Tensor,
+                 per_row: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables (batch, seq, rotary_dim) in the rotate-half layout. With LongRoPE
     the long factors apply when the batch reaches past the pretraining length (the
-    largest position, as transformers decides), and cos and sin are scaled."""
+    largest position, as transformers decides), and cos and sin are scaled. ``per_row``
+    (batched decoding): each row by its own largest position, as that prompt alone."""
     d = args.rotary_dim
     inv_freq = 1.0 / (args.rope_theta ** (
         torch.arange(0, d, 2, dtype=torch.int64, device=positions.device).float() / d))
@@ -102,7 +104,8 @@ def rope_cos_sin(args: Phi3Args, positions: torch.Tensor) -> tuple[torch.Tensor,
     if rope is not None:
         short = torch.tensor(rope.short_factor, device=positions.device)
         long = torch.tensor(rope.long_factor, device=positions.device)
-        beyond = positions.max() + 1 > rope.original_max_position_embeddings
+        largest = positions.amax(-1, keepdim=True)[..., None] if per_row else positions.max()
+        beyond = largest + 1 > rope.original_max_position_embeddings  # (batch, 1, 1) or ()
         inv_freq = inv_freq / torch.where(beyond, long, short)  # no host sync
         scale = rope.attention_factor
     angles = positions.float()[..., None] * inv_freq  # (batch, seq, rotary_dim/2)
@@ -135,7 +138,7 @@ class Attention(nn.Module):
         past = cache.length if cache is not None else 0
         if positions is None:
             positions = torch.arange(past, past + seq, device=x.device).expand(batch, seq)
-        cos, sin = rope_cos_sin(self.args, positions)  # (batch, seq, rotary_dim)
+        cos, sin = rope_cos_sin(self.args, positions, per_row=cache is not None)  # (b, s, rd)
         # One group per kv head: its queries, its key, its value (-1: this rank's groups).
         qkv = self.qkv_proj(x).view(batch, seq, -1, self.queries_per_kv + 2, self.head_dim)
         q = qkv[:, :, :, :-2].reshape(batch, seq, -1, self.head_dim)  # (b, s, h, hd)
