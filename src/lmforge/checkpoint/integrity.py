@@ -103,7 +103,7 @@ def read_manifest(path: Path) -> Optional[dict[str, dict]]:
         return None
     manifest = json.loads(manifest_path.read_text())
     files = manifest.get("files") if isinstance(manifest, dict) else None
-    if manifest.get("algorithm") != ALGORITHM or not isinstance(files, dict):
+    if not isinstance(files, dict) or manifest.get("algorithm") != ALGORITHM:  # (a list)
         raise ValueError(f"not a {ALGORITHM} manifest")
     for name, recorded in files.items():
         # Only names inside the directory: a crafted manifest must not make verification

@@ -34,7 +34,8 @@ from lmforge.train.optim import Optimizers
 from lmforge.train.precision import LossScaler, device_notes
 from lmforge.train.preempt import StopSignals
 from lmforge.train.preference import mean_stats
-from lmforge.train.reference import attach_reference_model, precompute_reference
+from lmforge.train.reference import (attach_reference_model, check_reference,
+                                     precompute_reference)
 from lmforge.train.progress import Progress, evaluation_plan, summary_lines
 from lmforge.train.run_dir import CHECKPOINTS
 from lmforge.train.setup import (Runtime, check_resume_path, data_source, init_runtime,
@@ -66,6 +67,7 @@ def check_job(cfg: JobConfig, env: DistEnv) -> Job:
     job = resolve(cfg, env.world_size,
                   distributed=runs_distributed(cfg.parallel, env.world_size, env.torchrun))
     check_resume_path(cfg.train.resume, Path(cfg.train.output_dir) / CHECKPOINTS)
+    check_reference(job)  # a resumed preference run's precomputed reference/
     tasks = harness_task_names(cfg.eval.harness_tasks)
     if tasks:  # not hours later, after the last step
         check_tasks(tasks, cfg.eval.harness_include_path,
@@ -113,8 +115,8 @@ def _run_in(job: Job, rt: Runtime, out_dir: Path) -> dict:
         say(rt, offload_summary(rt.device, cfg.train.activation_checkpointing))
     say(rt, evaluation_plan(cfg, data))
     # (before a resume loads trained weights: the reference is the starting model)
-    precompute_reference(model, {"train": data.train, "eval": data.held_out}, out_dir,
-                         rt.device, rt.autocast, rt.is_logging_rank)
+    precompute_reference(model, cfg, {"train": data.train, "eval": data.held_out},
+                         out_dir, rt.device, rt.autocast, rt.is_logging_rank)
     checkpoints = Checkpoints(cfg, rt, out_dir)
     start_step = checkpoints.resume(model, optimizers, data)
     logger = M.MetricsLogger(out_dir, cfg.metrics, enabled=rt.is_logging_rank,
