@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmforge.data.tokenizer import Tokenizer
-from lmforge.models.generate import generate
+from lmforge.models.generate import generate_in_batches
 
 LOCAL_DATA_HINT = ("point the task's YAML at local files (dataset_path: json, "
                    "dataset_kwargs: {data_files: {test: /path/test.jsonl}}) and give its "
@@ -59,8 +59,7 @@ def harness_model(model: nn.Module, tokenizer: Tokenizer, device: torch.device,
             return out
 
         def generate_until(self, requests) -> list[str]:
-            return [_generate_until(model, tokenizer, context, kwargs)
-                    for context, kwargs in (r.args for r in requests)]
+            return _generate_until(model, tokenizer, [r.args for r in requests], batch_size)
 
     return LmforgeLM()
 
@@ -108,18 +107,25 @@ def _score(model: nn.Module, pairs: list[tuple[list[int], list[int]]], device,
     return out
 
 
-def _generate_until(model: nn.Module, tok: Tokenizer, context: str, kwargs: dict) -> str:
-    """Greedy continuation of ``context``, cut at the first of ``until``."""
-    until = kwargs.get("until") or []
-    until = [until] if isinstance(until, str) else list(until)
-    ids = tok.encode(context) or [_prefix(tok)]
-    max_new = int(kwargs.get("max_gen_toks", 256))
-    new = generate(model, ids[-(model.args.max_seq_len - 1):], max_new, greedy=True,
-                   stop_ids=tuple(tok.eos_ids))
-    text = tok.decode(new)
-    for stop in until:
-        text = text.split(stop)[0]
-    return text
+def _generate_until(model: nn.Module, tok: Tokenizer, requests: list, batch_size: int
+                    ) -> list[str]:
+    """Greedy continuations of each (context, kwargs), in batches (the batched decoder),
+    each cut at the first of its ``until``."""
+    prompts, limits, untils = [], [], []
+    for context, kwargs in requests:
+        until = kwargs.get("until") or []
+        untils.append([until] if isinstance(until, str) else list(until))
+        ids = tok.encode(context) or [_prefix(tok)]
+        prompts.append(ids[-(model.args.max_seq_len - 1):])
+        limits.append(int(kwargs.get("max_gen_toks", 256)))
+    done = generate_in_batches(model, prompts, limits, batch_size, stop_ids=tuple(tok.eos_ids))
+    out = []
+    for c, until in zip(done, untils):
+        text = tok.decode(c.ids)
+        for stop in until:
+            text = text.split(stop)[0]
+        out.append(text)
+    return out
 
 
 def run_harness(model: nn.Module, tokenizer: Tokenizer, device, tasks: list[str],
