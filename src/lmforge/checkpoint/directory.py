@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -27,6 +28,7 @@ META_NAME = "meta.json"  # step, world size, model architecture
 CONFIG_NAME = "config.yaml"  # the resolved job config
 _STEP_DIR = re.compile(r"^step-(\d{7,})$")
 _TMP_SUFFIX = ".tmp"
+_NAMED = 3  # checkpoints whose problem the "none verifies" error names
 
 
 def checkpoint_dir(root: str | Path, step: int) -> Path:
@@ -102,15 +104,21 @@ def resolve_resume(resume: Optional[str], root: str | Path, *, verify: bool = Tr
 
 
 def _newest_verified(root: str | Path, verify: bool, process_group) -> Optional[Path]:
-    found = list_checkpoints(root)
+    """The newest checkpoint that verifies; those skipped are named in one plain line
+    each, or, when none verifies, in the error."""
+    found, skipped = list_checkpoints(root), []
     for path in reversed(found):
         problem = _verify(path, verify, process_group)
         if not problem:
+            for earlier, why in skipped:
+                _say(f"train.resume=auto: skipping {earlier}: {why}")
             return path
-        _warn(f"train.resume=auto: skipping {path}: {problem}")
+        skipped.append((path, problem))
     if found:
+        causes = "; ".join(f"{path.name}: {why}" for path, why in skipped[:_NAMED])
         raise CheckpointError(f"train.resume=auto: none of the {len(found)} checkpoints "
-                              f"under {root} verifies (see the warnings above)")
+                              f"under {root} verifies ({causes}"
+                              f"{'; ...' if len(skipped) > _NAMED else ''})")
     return None
 
 
@@ -118,14 +126,16 @@ def _verify(path: Path, verify: bool, process_group) -> Optional[str]:
     if not verify:
         return None
     if not has_checksums(path):
-        _warn(f"{path}: no checksums recorded (saved before they were); only checking "
-              f"that its shards are there")
+        _say(f"{path}: no checksums recorded (saved before they were); only checking "
+             f"that its shards are there")
     return verify_checkpoint(path, process_group)
 
 
-def _warn(message: str) -> None:
-    if global_rank() == 0:  # the same on every rank: said once
-        warnings.warn(message, stacklevel=3)
+def _say(message: str) -> None:
+    """One plain line on stderr (not a UserWarning with a source line), said once: the
+    same on every rank."""
+    if global_rank() == 0:
+        print(message, file=sys.stderr, flush=True)
 
 
 def _why_not_a_checkpoint(path: Path) -> str:

@@ -7,14 +7,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from lmforge.checkpoint import (AsyncCheckpointer, capture_rng, clean_stale_tmp,
-                                load_checkpoint, read_meta, resolve_resume, restore_rng)
+from lmforge.checkpoint import (AsyncCheckpointer, capture_rng, load_checkpoint, read_meta,
+                                resolve_resume, restore_rng)
 from lmforge.config import JobConfig, samples_per_step
 from lmforge.data.build import DataBundle
+from lmforge.job import Job
 from lmforge.train.model_setup import TrainModel
 from lmforge.train.optim import Optimizers
+from lmforge.train.resume_check import check_resume
 from lmforge.train.run_dir import CHECKPOINTS
 
 
@@ -29,22 +30,22 @@ class Checkpoints:
 
     def __init__(self, cfg: JobConfig, rt, out_dir: Path):
         self.cfg, self.rt = cfg, rt
-        self.root = out_dir / CHECKPOINTS
-        if rt.is_logging_rank:
-            clean_stale_tmp(self.root)
-        if dist.is_initialized():
-            dist.barrier()
+        self.root = out_dir / CHECKPOINTS  # (cleaned of crashed saves when the run starts)
         self.writer = AsyncCheckpointer(self.root, keep_last=cfg.train.keep_last,
                                         use_async=cfg.train.async_checkpoint)
         self.tokens = 0  # positions the run's steps ran over, up to the resumed one
 
-    def resume(self, model: TrainModel, optimizers: Optimizers, data: DataBundle) -> int:
-        """Loads ``train.resume`` (auto: the newest complete checkpoint) on any layout;
-        returns the step to continue after (0 for a fresh start)."""
+    def resume(self, model: TrainModel, optimizers: Optimizers, data: DataBundle,
+               job: Job) -> int:
+        """Loads ``train.resume`` (auto: the newest complete checkpoint that verifies) on
+        any layout; returns the step to continue after (0 for a fresh start). ``job``: the
+        run as its tokenizer sized it, checked against the checkpoint again (auto may
+        fall back to an older one; a tokenizer trained since sizes the vocabulary)."""
         path = resolve_resume(self.cfg.train.resume, self.root,
                               verify=self.cfg.train.verify_checkpoint)
         if path is None:
             return 0
+        check_resume(job, path)
         extra, rank_state = load_checkpoint(path, model.parts, optimizers.optimizers)
         optimizers.load_scheduler_state(extra["scheduler"])
         optimizers.scaler.load_state_dict(extra.get("loss_scale"))

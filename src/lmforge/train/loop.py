@@ -37,9 +37,10 @@ from lmforge.train.preference import mean_stats
 from lmforge.train.reference import (attach_reference_model, check_reference,
                                      precompute_reference)
 from lmforge.train.progress import Progress, evaluation_plan, summary_lines
-from lmforge.train.run_dir import CHECKPOINTS
+from lmforge.train.resume_check import resume_changes
+from lmforge.train.run_dir import CHECKPOINTS, RunClaim
 from lmforge.train.setup import (Runtime, check_resume_path, data_source, init_runtime,
-                                 prepare_output_dir, prepare_tokenizer, say)
+                                 prepare_output_dir, prepare_tokenizer, say, start_run)
 from lmforge.train.step import (StepResult, check_finite, global_step_loss, sample_ids,
                                 step_counts)
 from lmforge.train.trackers import check_trackers
@@ -68,6 +69,9 @@ def check_job(cfg: JobConfig, env: DistEnv) -> Job:
                   distributed=runs_distributed(cfg.parallel, env.world_size, env.torchrun))
     check_resume_path(cfg.train.resume, Path(cfg.train.output_dir) / CHECKPOINTS)
     check_reference(job)  # a resumed preference run's precomputed reference/
+    for line in resume_changes(job):  # (a changed model or objective is refused)
+        if env.rank == 0:
+            print(line, file=sys.stderr, flush=True)
     tasks = harness_task_names(cfg.eval.harness_tasks)
     if tasks:  # not hours later, after the last step
         check_tasks(tasks, cfg.eval.harness_include_path,
@@ -78,15 +82,20 @@ def check_job(cfg: JobConfig, env: DistEnv) -> Job:
 
 
 def _run(job: Job, rt: Runtime) -> dict:
-    out_dir, lock = prepare_output_dir(job.config, rt)
+    out_dir, claim = prepare_output_dir(job.config, rt)
     try:
-        return _run_in(job, rt, out_dir)
+        return _run_in(job, rt, out_dir, claim)
+    except BaseException:
+        if claim is not None and not claim.started:
+            claim.undo()  # refused before it started: the run directory as it was
+        raise
     finally:
-        if lock is not None:
-            lock.release()
+        if claim is not None:
+            claim.release()
 
 
-def _run_in(job: Job, rt: Runtime, out_dir: Path) -> dict:
+def _run_in(job: Job, rt: Runtime, out_dir: Path, claim: Optional[RunClaim]) -> dict:
+    """Set-up, then (once nothing is left to refuse: ``start_run``) the run."""
     cfg = job.config
     tokenizer = prepare_tokenizer(cfg, out_dir, rt)
     job = job.with_tokenizer(tokenizer.vocab_size)
@@ -118,10 +127,11 @@ def _run_in(job: Job, rt: Runtime, out_dir: Path) -> dict:
     precompute_reference(model, cfg, {"train": data.train, "eval": data.held_out},
                          out_dir, rt.device, rt.autocast, rt.is_logging_rank)
     checkpoints = Checkpoints(cfg, rt, out_dir)
-    start_step = checkpoints.resume(model, optimizers, data)
+    start_step = checkpoints.resume(model, optimizers, data, job)
     logger = M.MetricsLogger(out_dir, cfg.metrics, enabled=rt.is_logging_rank,
                              config=cfg.to_dict(), start_step=start_step)
     try:
+        start_run(cfg, rt, claim)  # config.yaml
         return _train_and_finish(job, rt, model, optimizers, tokenizer, data, out_dir,
                                  checkpoints, logger, start_step)
     finally:

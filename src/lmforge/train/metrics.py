@@ -107,14 +107,17 @@ class MetricsLogger:
         self.metrics = metrics or MetricsConfig()
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.earlier = keep_records_until(out_dir / METRICS_FILE, start_step)
-        self._jsonl = open(out_dir / METRICS_FILE, "a")
+        self.earlier = records_until(out_dir / METRICS_FILE, start_step)
+        self._path, self._start_step = out_dir / METRICS_FILE, start_step  # (see log)
         self.trackers = start_trackers(out_dir, self.metrics, config or {}, start_step)
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
             return
         record = {"step": step, **metrics}
+        if self._jsonl is None:  # written from the first record on: a refused run has none
+            keep_records_until(self._path, self._start_step)
+            self._jsonl = open(self._path, "a")
         self._jsonl.write(json.dumps(record, default=_json_default) + "\n")
         self._jsonl.flush()
         numbers = {tensorboard_tag(k): float(v) for k, v in metrics.items()
@@ -134,7 +137,8 @@ class MetricsLogger:
     def close(self) -> None:
         if not self.enabled:
             return
-        self._jsonl.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
         self._each("close")
         self.enabled = False
 
@@ -154,6 +158,17 @@ def keep_records_until(path: Path, step: int) -> list[dict]:
     returns them. A torn last line, left by a killed run, is dropped with the rest."""
     if not path.is_file():
         return []
+    kept, lines = _records_until(path, step)
+    fsio.atomic_write_bytes(path, "".join(lines).encode())
+    return kept
+
+
+def records_until(path: Path, step: int) -> list[dict]:
+    """The records of steps up to ``step`` in ``path`` (none when it does not exist)."""
+    return _records_until(path, step)[0] if path.is_file() else []
+
+
+def _records_until(path: Path, step: int) -> tuple[list[dict], list[str]]:
     kept, lines = [], []
     for line in path.read_text().splitlines():
         try:
@@ -164,8 +179,7 @@ def keep_records_until(path: Path, step: int) -> list[dict]:
                 and record["step"] <= step:
             kept.append(record)
             lines.append(line + "\n")
-    fsio.atomic_write_bytes(path, "".join(lines).encode())
-    return kept
+    return kept, lines
 
 
 def _json_default(value: Any):

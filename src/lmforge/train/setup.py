@@ -15,14 +15,14 @@ import torch.distributed as dist
 
 from lmforge.checkpoint import (CheckpointError, checkpoint_step, is_complete,
                                 list_checkpoints, resolve_resume, resume_is_auto)
-from lmforge.config import ConfigError, JobConfig, resolve_device, save_config
+from lmforge.config import ConfigError, JobConfig, resolve_device
 from lmforge.data.build import train_corpus_tokenizer
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
 from lmforge.job import Job
 from lmforge.parallel.mesh import DistEnv, ParallelDims, build_parallel_dims, init_distributed
 from lmforge.train.checkpoints import seed_everything
 from lmforge.train.precision import mixed_precision
-from lmforge.train.run_dir import RunLock, claim_run_dir
+from lmforge.train.run_dir import TOKENIZER_DIR, RunClaim, claim_run_dir, resumed_tokenizer
 
 
 @dataclass
@@ -66,26 +66,37 @@ def init_runtime(job: Job, env: DistEnv) -> Runtime:
                    world_size=env.world_size, dims=dims, param_dtype=param_dtype)
 
 
-def prepare_output_dir(cfg: JobConfig, rt: Runtime) -> tuple[Path, Optional[RunLock]]:
+def prepare_output_dir(cfg: JobConfig, rt: Runtime) -> tuple[Path, Optional[RunClaim]]:
     """Rank 0 claims ``train.output_dir`` (its lock and the fresh-run rule, see
-    ``run_dir``) and writes the config there; every rank raises the same one-line error
-    when that fails. Returns the directory and, on rank 0, the held lock."""
+    ``run_dir``); every rank raises the same one-line error when that fails. Returns the
+    directory and, on rank 0, the claim (``start_run`` once the run is past its checks,
+    ``RunClaim.undo`` if it is refused before)."""
     out = Path(cfg.train.output_dir)
-    lock, error = None, None
+    claim, error = None, None
     if rt.is_logging_rank:
         try:
-            lock = claim_run_dir(cfg, out)
-            save_config(cfg, out / "config.yaml")
+            claim = claim_run_dir(cfg, out)
         except ConfigError as e:
             error = str(e)
-        except OSError as e:
-            error = f"train.output_dir: cannot write to {out} ({e.strerror or e})"
-        if error and lock is not None:
-            lock.release()
     error = from_rank0(rt, error)
     if error:
         raise ConfigError(error)
-    return out, lock
+    return out, claim
+
+
+def start_run(cfg: JobConfig, rt: Runtime, claim: Optional[RunClaim]) -> None:
+    """The run is past every check: rank 0 writes ``config.yaml`` (and ends what
+    ``train.overwrite`` set aside); every rank raises the same error when that fails."""
+    error = None
+    if claim is not None:
+        try:
+            claim.start(cfg)
+        except OSError as e:
+            error = (f"train.output_dir: cannot write to {claim.run_dir} "
+                     f"({e.strerror or e})")
+    error = from_rank0(rt, error)
+    if error:
+        raise ConfigError(error)
 
 
 def check_resume_path(resume: Optional[str], root: Path) -> None:
@@ -114,9 +125,8 @@ def prepare_tokenizer(cfg: JobConfig, out_dir: Path, rt: Runtime) -> Tokenizer:
     source = cfg.model.tokenizer or cfg.model.init_from
     if source:
         return load_tokenizer(source)
-    saved = out_dir / "tokenizer"
-    reuse = (saved / "tokenizer.json").is_file() and cfg.train.resume
-    if rt.is_logging_rank and not reuse:  # one rank trains it, all load the same file
+    saved = out_dir / TOKENIZER_DIR
+    if rt.is_logging_rank and resumed_tokenizer(cfg) is None:  # one rank trains it
         say(rt, f"tokenizer: training a {cfg.data.tokenizer_vocab_size}-token BPE "
                  f"tokenizer on {data_source(cfg)}, saved in {saved}")
         train_corpus_tokenizer(cfg).save(saved)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import re
 
 import pytest
 from helpers.tiny_checkpoints import assert_loads, make_model, save, weights
@@ -53,12 +54,12 @@ def test_an_async_save_records_checksums_too(tmp_path):
     assert verify_checkpoint(path) is None
 
 
-def test_flipped_bits_make_auto_fall_back_to_the_previous_checkpoint(tmp_path):
+def test_flipped_bits_make_auto_fall_back_to_the_previous_checkpoint(tmp_path, capsys):
     older, newest, saved = _two_checkpoints(tmp_path)
     _flip_a_bit(newest / "__0_0.distcp")
-    with pytest.warns(UserWarning, match=f"skipping {newest}: checksum mismatch in "
-                                         r"__0_0\.distcp"):
-        assert resolve_resume("auto", tmp_path) == older
+    assert resolve_resume("auto", tmp_path) == older
+    assert capsys.readouterr().err == (f"train.resume=auto: skipping {newest}: checksum "
+                                       f"mismatch in __0_0.distcp\n")  # a plain line
     assert_loads(older, saved)
     with pytest.raises(CheckpointError) as err:
         resolve_resume(str(newest), tmp_path)  # asked for by name: an error, no fallback
@@ -68,16 +69,19 @@ def test_flipped_bits_make_auto_fall_back_to_the_previous_checkpoint(tmp_path):
         read_model_state(newest)  # what export reads: damaged weights are not exported
 
 
-def test_unreadable_metadata_and_missing_shards_are_skipped_with_the_cause(tmp_path):
+def test_unreadable_metadata_and_missing_shards_are_skipped_with_the_cause(tmp_path,
+                                                                          capsys):
     older, newest, _ = _two_checkpoints(tmp_path)
     (newest / ".metadata").write_bytes(b"\x80\x04garbage")
-    with pytest.warns(UserWarning, match=r"skipping .*step-0000004: unreadable \.metadata"):
-        assert resolve_resume("auto", tmp_path) == older
+    assert resolve_resume("auto", tmp_path) == older
+    assert re.match(r"train.resume=auto: skipping .*step-0000004: unreadable \.metadata",
+                    capsys.readouterr().err)
     (older / "__0_0.distcp").unlink()
-    with pytest.warns(UserWarning, match=r"step-0000002: missing shard __0_0\.distcp "
-                                         r"\(written by rank 0\)"):
-        with pytest.raises(CheckpointError, match="none of the 2 checkpoints"):
-            resolve_resume("auto", tmp_path)
+    with pytest.raises(CheckpointError, match=r"none of the 2 checkpoints .*verifies "
+                       r"\(step-0000004: unreadable \.metadata.*; step-0000002: missing "
+                       r"shard __0_0\.distcp \(written by rank 0\)\)"):
+        resolve_resume("auto", tmp_path)
+    assert capsys.readouterr().err == ""  # the error names them all, in one line
     assert missing_file("__1_0.distcp") == "missing shard __1_0.distcp (written by rank 1)"
 
 
@@ -99,13 +103,13 @@ def test_a_missing_shard_is_named_by_load_without_verification(tmp_path):
     assert str(err.value) == f"{path}: missing shard __0_0.distcp (written by rank 0)"
 
 
-def test_checkpoints_without_checksums_still_resume(tmp_path):
+def test_checkpoints_without_checksums_still_resume(tmp_path, capsys):
     model, optimizer = make_model()
     path = save(tmp_path, 2, model, optimizer)
     expected = weights(model)
     (path / MANIFEST_NAME).unlink()  # as saved before checksums were recorded
-    with pytest.warns(UserWarning, match="no checksums recorded"):
-        assert resolve_resume("auto", tmp_path) == path
+    assert resolve_resume("auto", tmp_path) == path
+    assert "no checksums recorded" in capsys.readouterr().err
     assert_loads(path, expected)
 
 

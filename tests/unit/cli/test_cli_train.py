@@ -22,9 +22,10 @@ def test_print_config_prints_what_the_run_saves_and_exits(capsys, tmp_path, monk
     assert resolved["optim"]["lr"] == 1e-3 and resolved["train"]["max_steps"] == 7
     assert resolved["lora"]["enabled"] is True and resolved["model"]["preset"] == "tiny"
     # byte for byte what a run writes as config.yaml
-    _, lock = prepare_output_dir(load_config(recipe, overrides),
-                                 Runtime(device=torch.device("cpu"), autocast=None))
-    lock.release()
+    cfg = load_config(recipe, overrides)
+    _, claim = prepare_output_dir(cfg, Runtime(device=torch.device("cpu"), autocast=None))
+    claim.start(cfg)  # (config.yaml is written once the run is past its checks)
+    claim.release()
     assert (tmp_path / "run" / "config.yaml").read_text() == printed
 
 

@@ -88,10 +88,54 @@ def test_resume_auto_continues_and_overwrite_starts_over(tmp_path):
     (tmp_path / "hf").mkdir()
     (tmp_path / "metrics.jsonl").write_text("{}\n")
     (tmp_path / "cache").mkdir()
-    claim_run_dir(_cfg(overwrite=True), tmp_path).release()
+    claim = claim_run_dir(_cfg(overwrite=True), tmp_path)
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "hf").exists()
     assert not (tmp_path / "metrics.jsonl").exists()
+    claim.start(_cfg(overwrite=True))  # the earlier outputs, set aside until now, go
+    claim.release()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "config.yaml", LOCK_NAME]
     assert (tmp_path / "cache").is_dir()  # keyed by its sources: still valid
+
+
+def test_a_run_refused_before_it_starts_leaves_its_directory_as_it_was(tmp_path):
+    """An earlier run's outputs (set aside by train.overwrite), its lock file, and what
+    set-up wrote: the undo puts everything back byte for byte."""
+    step = _checkpoint(tmp_path, 20)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 20}\n')
+    (tmp_path / LOCK_NAME).write_text('{"released": "earlier"}\n')
+    (tmp_path / "notes.txt").write_text("mine\n")
+    before = _tree(tmp_path)
+    claim = claim_run_dir(_cfg(overwrite=True), tmp_path)
+    (tmp_path / "tokenizer").mkdir()  # what set-up writes before a refusal
+    (tmp_path / "tokenizer" / "tokenizer.json").write_text("{}")
+    (tmp_path / "metrics.jsonl").write_text("")
+    claim.undo()
+    assert _tree(tmp_path) == before
+    assert (step / "__0_0.distcp").read_bytes() == b"weights"
+
+
+def test_a_refused_run_removes_the_directory_it_created(tmp_path):
+    run_dir = tmp_path / "a" / "b" / "run"
+    claim = claim_run_dir(_cfg(), run_dir)
+    (run_dir / "cache").mkdir()
+    claim.undo()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_lock_file_a_refused_run_created_is_removed_and_a_found_one_restored(tmp_path):
+    claim = claim_run_dir(_cfg(), tmp_path / "run")
+    (tmp_path / "run" / "kept.txt").write_text("x")  # the directory is no longer empty
+    claim.created = None  # as if the directory had been there
+    claim.undo()
+    assert not (tmp_path / "run" / LOCK_NAME).exists()
+    (tmp_path / "run" / LOCK_NAME).write_bytes(b"not json at all")
+    claim_run_dir(_cfg(), tmp_path / "run").undo()
+    assert (tmp_path / "run" / LOCK_NAME).read_bytes() == b"not json at all"
+
+
+def _tree(root) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None
+            for p in sorted(root.rglob("*"))}
 
 
 def test_overwrite_with_resume_is_refused():
