@@ -69,15 +69,16 @@ def check_job(cfg: JobConfig, env: DistEnv) -> Job:
                   distributed=runs_distributed(cfg.parallel, env.world_size, env.torchrun))
     check_resume_path(cfg.train.resume, Path(cfg.train.output_dir) / CHECKPOINTS)
     check_reference(job)  # a resumed preference run's precomputed reference/
-    for line in resume_changes(job):  # (a changed model or objective is refused)
-        if env.rank == 0:
-            print(line, file=sys.stderr, flush=True)
+    changes = resume_changes(job)  # (a changed model or objective is refused)
     tasks = harness_task_names(cfg.eval.harness_tasks)
     if tasks:  # not hours later, after the last step
         check_tasks(tasks, cfg.eval.harness_include_path,
                     ("eval.harness_tasks", "eval.harness_include_path"))
     check_trackers(cfg.metrics)  # a required tracker's server: before the run dir
     check_data(cfg)  # last: it may read a whole text corpus
+    if env.rank == 0:  # once every check passed: a refusal stays one line
+        for line in changes:
+            print(line, file=sys.stderr, flush=True)
     return job
 
 
