@@ -133,7 +133,9 @@ def path_specs(shapes: Shapes) -> list[PathSpec]:
         PathSpec("long sequence, document masks, flex", long_sequence + ["model.attention=flex"],
                  gpu_only=FLEX_CPU),
         PathSpec("long sequence, document masks, sdpa", long_sequence),
-        PathSpec("generation, KV cache", kind="generate"),
+        # the batched decoder (models/generate.py), greedy; compiled with CUDA graphs on a GPU
+        PathSpec("generation, batch 1", ["--batch", "1"], kind="generate"),
+        PathSpec("generation, batch 32", ["--batch", "32"], kind="generate"),
         PathSpec("checkpoint save, then resume", kind="resume"),
     ]
 
@@ -199,7 +201,7 @@ def run_path(spec: PathSpec, out: Path, shapes: Shapes, device: str) -> dict:
     start = time.perf_counter()
     try:
         if spec.kind == "generate":
-            result.update(run_generate(out, shapes, device))
+            result.update(run_generate(out, shapes, device, spec.overrides))
         else:
             overrides = with_sft_data(common_overrides(out, shapes, device) + spec.overrides,
                                       out)
@@ -270,9 +272,9 @@ def read_losses(run_dir: Path) -> list[float]:
             (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def run_generate(out: Path, shapes: Shapes, device: str) -> dict:
+def run_generate(out: Path, shapes: Shapes, device: str, extra: list) -> dict:
     cmd = [sys.executable, __file__, "--child-generate", str(out / "base"), "--device", device,
-           "--tokens", str(shapes.generate_tokens)]
+           "--tokens", str(shapes.generate_tokens), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=shapes.timeout_s,
                           env=CHILD_ENV)
     if proc.returncode != 0:
@@ -280,8 +282,9 @@ def run_generate(out: Path, shapes: Shapes, device: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def child_generate(model_dir: str, device: str, tokens: int) -> dict:
-    """Greedy decoding of ``tokens`` new tokens with the KV cache, after one warm-up."""
+def child_generate(model_dir: str, device: str, tokens: int, batch: int) -> dict:
+    """Greedy decoding of ``tokens`` new tokens for each of ``batch`` prompts, after one
+    warm-up; the decode step compiled (CUDA graphs) on a GPU. tokens/s: the batch's."""
     import torch
 
     from lmforge.data.tokenizer import load_tokenizer
@@ -293,17 +296,19 @@ def child_generate(model_dir: str, device: str, tokens: int) -> dict:
     dtype = torch.bfloat16 if dev.type == "cuda" else None
     model = load_hf_model(model_dir, device=dev, dtype=dtype)
     prompt = load_tokenizer(model_dir).encode("def main():\n    ")
-    generate(model, prompt, 4)
+    prompts = [prompt[:len(prompt) - i % 3] for i in range(batch)]  # lengths differ a little
+    compile = dev.type == "cuda"
+    generate(model, prompts, tokens, compile=compile)  # (compiles: same shapes as below)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
     start = time.perf_counter()
-    new = generate(model, prompt, tokens)
+    new = sum(len(c.ids) for c in generate(model, prompts, tokens, compile=compile))
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     seconds = time.perf_counter() - start
     memory = M.memory_metrics(dev)
-    return {"tokens_per_s": len(new) / seconds, "steps": len(new),
+    return {"tokens_per_s": new / seconds, "steps": new // batch, "compiled": compile,
             "peak_allocated_gib": memory["peak_mem_gib"],
             "peak_reserved_gib": memory["peak_reserved_gib"]}
 
@@ -436,13 +441,15 @@ def parse_args(argv=None):
                    "(the rest are rows marked skipped; the report is written after each)")
     p.add_argument("--child-generate", help=argparse.SUPPRESS)
     p.add_argument("--tokens", type=int, default=64, help=argparse.SUPPRESS)
+    p.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.child_generate:
-        print(json.dumps(child_generate(args.child_generate, args.device, args.tokens)))
+        print(json.dumps(child_generate(args.child_generate, args.device, args.tokens,
+                                        args.batch)))
         return 0
     import torch
 
