@@ -4,11 +4,12 @@ large to show (a YAML alias bomb, a long list), each refused in one short line n
 key or the file:line at fault. The harness: tests/helpers/bad_inputs.py."""
 from __future__ import annotations
 
+import shutil
 import time
 
 import pytest
 
-from helpers.bad_inputs import Bad, check_refused, params, write
+from helpers.bad_inputs import Bad, check_refused, copy_asset, fill, params, steps, write
 from lmforge.cli import main
 
 RUN = "train.output_dir={tmp}/run"
@@ -174,6 +175,51 @@ TABLE = [
         ["train", "--dry-run", RUN, "optim." + "n" * 5000 + "=1"],
         r"^optim\.nnn.{0,80}: unknown key \(known in optim: " + r".{0,300}$"),
 ]
+
+
+# --------------------------------------- messages name the user's paths, never a temp copy
+
+def trained(out: str, *overrides: str):
+    """A setup: a one-step run in ``{tmp}/<out>`` (its checkpoint and hf/)."""
+    def setup(tmp, assets) -> None:
+        names = {**{k: str(v) for k, v in assets.items()}, "tmp": str(tmp)}
+        code = main(["train", "data.seq_len=32", "data.micro_batch_size=2",
+                     "train.max_steps=1", "optim.warmup_steps=0", "train.device=cpu",
+                     "train.sample_tokens=0", "metrics.tracker=none",
+                     f"train.output_dir={tmp / out}", *[fill(o, names) for o in overrides]])
+        assert code == 0
+    return setup
+
+
+def removed(path: str):
+    def setup(tmp, assets) -> None:
+        shutil.rmtree(tmp / path)
+    return setup
+
+
+TEMPORARY = [
+    # the checkpoint is exported to HF in a temporary directory beside OUT first
+    Bad("a GGUF export of a GPT-J checkpoint names the checkpoint",
+        ["export", "{tmp}/run", "{tmp}/m.gguf", "--format", "gguf"],
+        r"^{tmp}/run/checkpoints/step-0000001: no GGUF export of the gptj family",
+        setup=trained("run", "model.preset=gptj-tiny")),
+    # the adapter is exported to PEFT in a temporary directory first
+    Bad("a GGUF-LoRA export whose base is gone names the checkpoint",
+        ["export", "{tmp}/run", "{tmp}/a.gguf", "--format", "gguf-lora"],
+        r"^--base: the base model directory of {tmp}/run/checkpoints/step-0000001 ",
+        setup=steps(copy_asset("model"),
+                    trained("run", "model.init_from={tmp}/model", "lora.enabled=true",
+                            "data.kind=sft", "data.path={chat}"),
+                    removed("model"))),
+]
+
+
+@pytest.mark.parametrize("row", params(TEMPORARY))
+def test_a_message_names_the_users_path_not_a_temporary_copy(row, bad_input_assets, tmp_path,
+                                                              capsys, monkeypatch):
+    monkeypatch.delenv("LMFORGE_DEBUG", raising=False)
+    check_refused(row, bad_input_assets, tmp_path, capsys)
+    assert "-hf-" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("row", params(TABLE))

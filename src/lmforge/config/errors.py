@@ -2,8 +2,10 @@
 which every message that quotes a user's value goes through."""
 from __future__ import annotations
 
+import contextlib
 import reprlib
-from typing import Any
+from pathlib import Path
+from typing import Any, Iterator
 
 SHOW_LIMIT = 80  # characters of a value a message quotes
 
@@ -37,3 +39,21 @@ def show_name(name: str, limit: int = SHOW_LIMIT) -> str:
     """A key or a path as a message names it (no quotes), cut to ``limit`` characters."""
     name = " ".join(str(name).split()) if "\n" in str(name) else str(name)
     return name if len(name) <= limit else name[:limit - 3] + "..."
+
+
+@contextlib.contextmanager
+def naming(temporary: str | Path, source: str | Path) -> Iterator[None]:
+    """Errors raised inside the block name ``source`` where they would name
+    ``temporary``: a copy the command made of it (a checkpoint exported to HF for a GGUF
+    conversion), whose path means nothing to the user and is gone once the line prints."""
+    try:
+        yield
+    except (ValueError, OSError) as e:
+        text = str(e)
+        if str(temporary) not in text:
+            raise
+        try:
+            renamed = type(e)(text.replace(str(temporary), str(source)))
+        except Exception:  # an error type built from other arguments: left as it is
+            raise e from None
+        raise renamed from None

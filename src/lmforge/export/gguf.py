@@ -32,6 +32,7 @@ import torch
 
 from lmforge import fsio
 from lmforge.checkpoint import find_checkpoint, model_tensor_metadata
+from lmforge.config.errors import naming
 from lmforge.data.templates import get_template
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
 from lmforge.models.hf import load_hf_model, read_hf_state_dict, read_model_args
@@ -106,7 +107,8 @@ def export_gguf_from(source: str | Path, out: str | Path, dtype: str = "f16",
     path = find_checkpoint(source)
     # from the checkpoint's index: the tensors are read once, by the HF export
     lora = any(is_lora_param(k) for k in model_tensor_metadata(path))
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-hf-") as tmp:
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-hf-") as tmp, \
+            naming(Path(tmp) / "hf", path):
         hf = export_checkpoint(path, Path(tmp) / "hf", "merged" if lora else "hf",
                                tokenizer_dir)
         return export_gguf(hf, out, dtype)
@@ -126,7 +128,8 @@ def export_gguf_merged(model_dir: str | Path, adapter_dir: str | Path, out: str 
     pre_tokenizer(model_dir)
     model = load_hf_model(model_dir)
     load_adapter(model, adapter_dir)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-hf-") as tmp:
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-hf-") as tmp, \
+            naming(Path(tmp) / "hf", model_dir):
         merged = export_merged(model, Path(tmp) / "hf", tokenizer=load_tokenizer(model_dir))
         return export_gguf(merged, out, dtype)
 
@@ -141,7 +144,8 @@ def export_gguf_lora_from(source: str | Path, out: str | Path, base: Optional[st
     if (source / "adapter_config.json").is_file():
         return export_gguf_lora(source, _base_dir(source, base), out, dtype)
     path = find_checkpoint(source)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-peft-") as tmp:
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-peft-") as tmp, \
+            naming(Path(tmp) / "adapter", path):
         adapter = export_checkpoint(path, Path(tmp) / "adapter", "peft")
         return export_gguf_lora(adapter, _base_dir(adapter, base), out, dtype)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lmforge.config import ConfigError, load_config, read_yaml_file
-from lmforge.config.errors import show
+from lmforge.config.errors import naming, show
 from lmforge.config.keys import OBJECTIVE_KEYS, PREFERENCE_OBJECTIVES
 from lmforge.config.loading import MAX_YAML_VALUES, safe_load
 from lmforge.config.schema import ROPE_SCALING_KEYS, rope_scaling_problem
@@ -147,3 +147,18 @@ def test_the_estimate_may_vary_keys_that_leave_a_setting_idle():
                              "train.activation_checkpointing_every=3"])
     cfg.train.activation_checkpointing = "full"
     cfg.validate()
+
+
+# ------------------------------------------------------------- no temporary path shown
+
+def test_naming_puts_the_users_path_where_a_temporary_copys_would_be(tmp_path):
+    copy = tmp_path / ".out.gguf-hf-x1y2" / "hf"
+    with pytest.raises(ValueError, match=r"^run/step-1/config\.json: bad$"):
+        with naming(copy, "run/step-1"):
+            raise ValueError(f"{copy}/config.json: bad")
+    with pytest.raises(FileNotFoundError, match=r"run/step-1/tokenizer\.json"):
+        with naming(copy, "run/step-1"):
+            (copy / "tokenizer.json").read_text()
+    with pytest.raises(KeyError):  # not a user's error: untouched
+        with naming(copy, "run/step-1"):
+            raise KeyError(str(copy))
