@@ -136,6 +136,30 @@ TABLE = [
         ["train", "--dry-run", RUN, "data.blend=[1, a]"],
         r"^data\.blend: data\.kind=stdlib does not use it \(it applies to "
         r"data\.kind=pretrain\)$"),
+    # the same rule for lmforge eval's options on preference pairs
+    Bad("eval: ORPO with label smoothing",
+        ["eval", "--model", "{model}", "--data", "{chat}", "--objective", "orpo",
+         "--label-smoothing", "0.2"],
+        r"^--label-smoothing: orpo does not use it \(it applies to --objective dpo, "
+        r"simpo\)$"),
+    Bad("eval: SimPO with a reference model",
+        ["eval", "--model", "{model}", "--data", "{chat}", "--objective", "simpo",
+         "--reference", "{model}"],
+        r"^--reference: simpo does not use it \(it applies to --objective dpo, ipo\)$"),
+    Bad("eval: IPO with simpo_gamma",
+        ["eval", "--model", "{model}", "--data", "{chat}", "--objective", "ipo",
+         "--reference", "{model}", "--simpo-gamma", "1"],
+        r"^--simpo-gamma: ipo does not use it \(it applies to --objective simpo\)$"),
+    Bad("eval: beta without an objective",
+        ["eval", "--model", "{model}", "--data", "{text}", "--beta", "0.5"],
+        r"^--beta: an evaluation without --objective does not use it \(it applies to "
+        r"--objective dpo, ipo, simpo\)$"),
+    Bad("eval: an adapter without an objective",
+        ["eval", "--model", "{model}", "--data", "{text}", "--adapter", "{adapter}"],
+        r"^--adapter: an evaluation without --objective does not use it"),
+    Bad("eval: a prompt limit without an objective",
+        ["eval", "--model", "{model}", "--data", "{text}", "--max-prompt-len", "8"],
+        r"^--max-prompt-len: an evaluation without --objective does not use it"),
     # ------------------------------------------------ no value is shown unbounded
     Bad("a YAML alias bomb in a config file",
         ["train", "--dry-run", "{tmp}/bomb.yaml", RUN],

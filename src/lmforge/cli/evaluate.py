@@ -13,7 +13,7 @@ from pathlib import Path
 
 from lmforge import fsio
 from lmforge.cli.common import DEVICES, load_scored_model
-from lmforge.config import PREFERENCE_OBJECTIVES, resolve_device
+from lmforge.config import OBJECTIVE_KEYS, PREFERENCE_OBJECTIVES, resolve_device
 from lmforge.data.preference import PreferenceDataset
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.eval.evaluate import eval_batches_for, evaluate, limit_tokens
@@ -66,7 +66,29 @@ def add_parser(sub) -> None:
     p.set_defaults(func=_eval)
 
 
+# Each option of preference pairs: its config key (OBJECTIVE_KEYS says which objectives
+# read it; None: every objective) and its default. Set otherwise where nothing reads it,
+# it is refused as train refuses the key.
+_PAIR_OPTIONS = (("--beta", "train.beta", 0.1),
+                 ("--label-smoothing", "train.label_smoothing", 0.0),
+                 ("--simpo-gamma", "train.simpo_gamma", 0.5),
+                 ("--orpo-lambda", "train.orpo_lambda", 0.1),
+                 ("--reference", "train.reference", None), ("--adapter", None, None),
+                 ("--template", None, "auto"), ("--max-prompt-len", None, None))
+
+
+def _refuse_unused_options(args) -> None:
+    for option, key, default in _PAIR_OPTIONS:
+        users = OBJECTIVE_KEYS[key] if key else PREFERENCE_OBJECTIVES
+        given = getattr(args, option[2:].replace("-", "_"))
+        if given != default and args.objective not in users:
+            who = args.objective or "an evaluation without --objective"
+            raise ValueError(f"{option}: {who} does not use it (it applies to --objective "
+                             f"{', '.join(users)})")
+
+
 def _eval(args) -> int:
+    _refuse_unused_options(args)
     if (args.seq_len is not None and args.seq_len <= 0) or args.batch_size <= 0:
         raise ValueError("--seq-len and --batch-size must be > 0")
     if args.max_tokens is not None and args.max_tokens <= 0:

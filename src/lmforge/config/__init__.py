@@ -11,7 +11,8 @@ from lmforge.config.derived import (check_parallel_fits, compute_dtype,
                                     pipeline_microbatches,
                                     resolve_device, resolve_layout, samples_per_step)
 from lmforge.config.errors import ConfigError, show
-from lmforge.config.keys import DEVICES, PREFERENCE_OBJECTIVES, config_keys, describe_keys
+from lmforge.config.keys import (DEVICES, OBJECTIVE_KEYS, PREFERENCE_OBJECTIVES, config_keys,
+                                 describe_keys)
 from lmforge.config.checks import TRACKERS, harness_task_names, tracker_names
 from lmforge.config.schema import (CHAT_TEMPLATES, DataConfig, EvalConfig, JobConfig,
                                    LoraConfig, MetricsConfig,
@@ -20,7 +21,8 @@ from lmforge.config.schema import (CHAT_TEMPLATES, DataConfig, EvalConfig, JobCo
 
 __all__ = ["CHAT_TEMPLATES", "ConfigError", "DEVICES", "DataConfig", "EvalConfig",
            "JobConfig", "MetricsConfig", "TRACKERS", "tracker_names",
-           "LoraConfig", "ModelConfig", "OptimConfig", "PREFERENCE_OBJECTIVES",
+           "LoraConfig", "ModelConfig", "OBJECTIVE_KEYS", "OptimConfig",
+           "PREFERENCE_OBJECTIVES",
            "ParallelConfig", "QUANTIZE_FORMATS", "TrainConfig", "apply_dict",
            "apply_override", "apply_run_defaults", "check_parallel_fits", "compute_dtype",
            "config_keys", "config_yaml", "describe_keys", "fine_tuning_defaults",
