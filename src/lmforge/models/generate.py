@@ -241,11 +241,13 @@ def _decode(model, prompts, limits, sampling, stops, seeds, compile, sync_every)
     rows, width = len(prompts), max(len(p) for p in prompts)
     steps = max(limits)
     cache_len = _bucket_length(width + steps) if compile else width + steps
+    check_cache_fits(model, rows, cache_len, device)
     start = torch.tensor([width - len(p) for p in prompts], device=device)  # (rows,)
     block = torch.full((rows, width), PAD_ID, dtype=torch.long)
     for i, p in enumerate(prompts):
         block[i, width - len(p):] = torch.tensor(p)
-    caches = new_caches(model, rows, cache_len)
+    caches = _static_caches(model, rows, cache_len) if compile else new_caches(
+        model, rows, cache_len)
     step = _CompiledStep(model, caches, start) if compile else None
     logits = _prefill(model, block.to(device), start, caches, static=step is not None)
 
@@ -281,6 +283,34 @@ def _decode(model, prompts, limits, sampling, stops, seeds, compile, sync_every)
     return _completions(out, sampling_lp, model_lp, count, stopped, real)
 
 
+def cache_bytes(model: nn.Module, rows: int, length: int) -> int:
+    """The KV cache of ``rows`` x ``length`` positions, in the model's dtype."""
+    dtype = next(model.parameters()).dtype
+    return rows * length * KVCache.bytes_per_token(model.args, dtype)
+
+
+def free_bytes(device: torch.device) -> int:
+    """Memory a new allocation can take: the GPU's free memory, or the host's available."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 1 << 62  # (no /proc: nothing to check against)
+
+
+def check_cache_fits(model: nn.Module, rows: int, length: int, device) -> None:
+    """Refuse, before allocating it, a cache the device cannot hold beside the model."""
+    need, free = cache_bytes(model, rows, length), free_bytes(torch.device(device))
+    if need > free:
+        per_row = need / rows / 2**30
+        raise ValueError(
+            f"generate: the KV cache of {rows} rows x {length} positions needs "
+            f"{need / 2**30:.2f} GiB ({per_row:.3f} GiB a row), {free / 2**30:.2f} GiB is "
+            f"free on {device}: lower the batch size or the new tokens (or the prompts' "
+            f"length)")
+
+
 def _prefill(model, block, start, caches, static: bool) -> torch.Tensor:
     """Run the padded prompts through the model, filling the caches; the last column's
     logits (rows, vocab) in fp32. The head is applied to that column only."""
@@ -309,12 +339,15 @@ def _completions(out, sampling_lp, model_lp, count, stopped, rows) -> list[Compl
 
 # --------------------------------------------------------------------- compiled step
 
-_COMPILED: set = set()  # (rows, cache length, device type) shapes compiled in this process
+_SHAPES: set = set()  # (rows, cache length, device type): the buckets decoded so far
+_GRAPHS = [0]  # graphs torch.compile built for the step (a recompile adds one)
+_POOL: dict = {}  # the last static caches, reused: a CUDA graph reads fixed addresses
 
 
 def compiled_shapes() -> int:
-    """How many shapes the compiled decode step has been compiled for so far."""
-    return len(_COMPILED)
+    """How many graphs the compiled decode step has been compiled into in this process
+    (one per bucketed shape; more would mean a recompile the buckets did not prevent)."""
+    return _GRAPHS[0]
 
 
 def _bucket_batch(rows: int) -> int:
@@ -328,6 +361,22 @@ def _bucket_length(n: int) -> int:
     return max(256, -(-n // 256) * 256)
 
 
+def _static_caches(model, rows: int, cache_len: int) -> list[KVCache]:
+    """The static caches of this shape: the last ones if the shape is the same (keys a
+    row has not written are masked, so what an earlier batch left there is never read),
+    else new ones, marked as static inputs for the compiler."""
+    p = next(model.parameters())
+    key = (id(model), rows, cache_len, p.dtype, p.device)
+    if key not in _POOL:
+        _POOL.clear()
+        caches = new_caches(model, rows, cache_len)
+        for c in caches:
+            torch._dynamo.mark_static_address(c.k)
+            torch._dynamo.mark_static_address(c.v)
+        _POOL[key] = caches
+    return _POOL[key]
+
+
 class _CompiledStep:
     """The one-token step over static caches: every cache writes at ``columns`` (one
     tensor they share, updated in place) and returns its whole buffer, so the step's
@@ -336,20 +385,19 @@ class _CompiledStep:
 
     def __init__(self, model, caches: list[KVCache], start: torch.Tensor):
         self.model, self.caches, self.start = model, caches, start
-        device = start.device
-        self.columns = torch.zeros(1, dtype=torch.long, device=device)
-        for c in caches:
-            torch._dynamo.mark_static_address(c.k)
-            torch._dynamo.mark_static_address(c.v)
-        key = (len(start), caches[0].k.shape[2], device.type)
-        _COMPILED.add(key)
-        self.fn = _compiled(device.type)
+        self.columns = torch.zeros(1, dtype=torch.long, device=start.device)
+        _SHAPES.add((len(start), caches[0].k.shape[2], start.device.type))
+        self.fn = _compiled(start.device.type)
 
     def __call__(self, token, positions, column: int) -> torch.Tensor:
         for c in self.caches:
             c.columns = self.columns
         self.columns.fill_(column)
+        from torch._dynamo.utils import counters  # (what the compiler has built)
+
+        before = counters["stats"]["unique_graphs"]
         logits = self.fn(self.model, token, positions, self.start, self.columns, self.caches)
+        _GRAPHS[0] += counters["stats"]["unique_graphs"] - before
         return logits.clone()  # (a CUDA graph's output is overwritten by its next replay)
 
 

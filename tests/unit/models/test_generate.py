@@ -177,3 +177,16 @@ def test_the_compiled_step_decodes_what_the_eager_one_does():
         torch.testing.assert_close(b.model_logprobs, a.model_logprobs, rtol=0, atol=1e-5)
     generate(model, PROMPTS[3:7], 5, compile=True)  # 4 rows: the same bucket as 3
     assert compiled_shapes() == before + 1
+
+
+def test_a_cache_that_cannot_fit_is_refused_before_allocating(monkeypatch):
+    import lmforge.models.generate as G
+
+    model = _model()
+    per_token = 2 * ARGS.n_layers * ARGS.n_kv_heads * ARGS.head_dim * 4
+    assert G.cache_bytes(model, 3, 10) == 3 * 10 * per_token
+    monkeypatch.setattr(G, "free_bytes", lambda device: 8 * 20 * per_token - 1)
+    monkeypatch.setattr(G, "new_caches", lambda *a: pytest.fail("allocated"))
+    with pytest.raises(ValueError, match=r"KV cache of 8 rows x 20 positions needs .* lower "
+                                         r"the batch size or the new tokens"):
+        generate(model, [[1, 2]] * 8, 18)
