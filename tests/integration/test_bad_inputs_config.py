@@ -61,6 +61,10 @@ TABLE = [
         ["train", "--dry-run", RUN, "model.rope_scaling={rope_type: ntk, factor: 4}"],
         r"^model\.rope_scaling\.rope_type: 'ntk' is not one of default, linear, llama3, "
         r"yarn$"),
+    Bad("one key of model.rope_scaling as an override",
+        ["train", "--dry-run", RUN, "model.rope_scaling.factor=4"],
+        r"^model\.rope_scaling\.factor: model\.rope_scaling is set as a whole mapping "
+        r"\(model\.rope_scaling=\{factor: \.\.\., \.\.\.\}\)$"),
     Bad("a rope_scaling that is not a mapping",
         ["train", "--dry-run", RUN, "model.rope_scaling=" + long_list()],
         r"^model\.rope_scaling: \[1, 1, .{0,80} is not a mapping" + SHORT),

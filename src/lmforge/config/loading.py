@@ -177,6 +177,10 @@ def apply_override(cfg: JobConfig, item: str) -> str:
 def set_field(cfg: JobConfig, dotted: str, value: Any) -> str:
     """Sets ``section.key`` to ``value`` coerced to the field's type; returns the key."""
     parts = dotted.split(".")
+    if len(parts) > 2 and _is_mapping_key(cfg, *parts[:2]):
+        whole = ".".join(parts[:2])
+        raise ConfigError(f"{show_name(dotted)}: {whole} is set as a whole mapping "
+                          f"({whole}={{{show_name(parts[2], 40)}: ..., ...}})")
     if len(parts) != 2:
         raise ConfigError(f"{show_name(dotted)}: keys are written section.key (e.g. "
                           f"optim.lr)")
@@ -192,6 +196,15 @@ def set_field(cfg: JobConfig, dotted: str, value: Any) -> str:
                           f"{known})")
     setattr(section, key, _coerce(dotted, value, hints[key]))
     return dotted
+
+
+def _is_mapping_key(cfg: JobConfig, section: str, key: str) -> bool:
+    """Whether ``section.key`` holds a mapping whose keys are checked (keys.key's mapping)."""
+    values = getattr(cfg, section, None)
+    if not dataclasses.is_dataclass(values):
+        return False
+    f = {f.name: f for f in dataclasses.fields(values)}.get(key)
+    return f is not None and f.metadata.get("mapping") is not None
 
 
 def _coerce(name: str, value: Any, hint: Any) -> Any:
