@@ -190,3 +190,28 @@ def test_a_cache_that_cannot_fit_is_refused_before_allocating(monkeypatch):
     with pytest.raises(ValueError, match=r"KV cache of 8 rows x 20 positions needs .* lower "
                                          r"the batch size or the new tokens"):
         generate(model, [[1, 2]] * 8, 18)
+
+
+@pytest.mark.parametrize("base", ["full", "nf4", "int8"])
+def test_unmerged_lora_on_any_base_decodes_what_its_full_forward_scores(base):
+    """LoRA adapters (non-zero) stay unmerged, on an fp32, NF4 or int8 base: greedy
+    tokens are each full forward's argmax and log-probabilities its log-softmax."""
+    from lmforge.config import LoraConfig
+    from lmforge.peft import apply_lora, lora_layers
+
+    model = _model()
+    apply_lora(model, LoraConfig(enabled=True, rank=4, alpha=8.0, targets="all-linear"))
+    if base != "full":
+        for layer in lora_layers(model).values():
+            layer.quantize_base(base)
+    g = torch.Generator().manual_seed(2)
+    for layer in lora_layers(model).values():
+        layer.lora_b.data.copy_(torch.randn(layer.lora_b.shape, generator=g) * 0.2)
+    for c, p in zip(generate(model, PROMPTS[:3], 8), PROMPTS[:3]):
+        ids = list(p)
+        with torch.no_grad():
+            for _ in range(8):
+                ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+        assert c.ids == ids[len(p):]
+        torch.testing.assert_close(c.model_logprobs, _full_forward_logprobs(model, p, c.ids),
+                                   rtol=0, atol=1e-5)
