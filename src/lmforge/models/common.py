@@ -65,6 +65,10 @@ class KVCache:
                    torch.zeros(shape, device=device, dtype=dtype))
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if k.shape[1] != self.k.shape[1]:  # (once, at the first write)
+            # Tensor parallelism: this rank computes only its share of the kv heads.
+            self.k = self.k.new_zeros(self.k.shape[0], k.shape[1], *self.k.shape[2:])
+            self.v = self.v.new_zeros(self.k.shape)
         if self.columns is not None:
             self.k.index_copy_(2, self.columns, k.to(self.k.dtype))
             self.v.index_copy_(2, self.columns, v.to(self.v.dtype))

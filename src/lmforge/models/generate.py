@@ -31,6 +31,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from lmforge.models.attention import DecodeMask
 from lmforge.models.common import KVCache, new_caches
@@ -248,8 +249,8 @@ def _decode(model, prompts, limits, sampling, stops, seeds, compile, sync_every)
         block[i, width - len(p):] = torch.tensor(p)
     caches = _static_caches(model, rows, cache_len) if compile else new_caches(
         model, rows, cache_len)
+    logits = _prefill(model, block.to(device), start, caches, static=compile)
     step = _CompiledStep(model, caches, start) if compile else None
-    logits = _prefill(model, block.to(device), start, caches, static=step is not None)
 
     limit = torch.tensor(limits, device=device)
     stop_table = torch.tensor([s + [-1] * (max(map(len, stops)) - len(s)) for s in stops]
@@ -279,7 +280,7 @@ def _decode(model, prompts, limits, sampling, stops, seeds, compile, sync_every)
             logits = step(token[:, None], positions, column)
         else:
             mask = DecodeMask(start, torch.tensor([column], device=device))
-            logits = model(token[:, None], positions, mask, caches)[:, -1].float()
+            logits = _last(model(token[:, None], positions, mask, caches))
     return _completions(out, sampling_lp, model_lp, count, stopped, real)
 
 
@@ -321,9 +322,17 @@ def _prefill(model, block, start, caches, static: bool) -> torch.Tensor:
     positions = (columns[None, :] - start[:, None]).clamp(min=0)  # (rows, width)
     mask = DecodeMask(start, columns)
     if isinstance(model, FSDPModule):  # its head's weight is sharded outside its forward
-        return model(block, positions, mask, caches)[:, -1].float()
+        return _last(model(block, positions, mask, caches))
     h = model(block, positions, mask, caches, head=False)
-    return model.output(h[:, -1:])[:, -1].float()
+    return _last(model.output(h[:, -1:]))
+
+
+def _last(logits) -> torch.Tensor:
+    """The last column's logits (rows, vocab) in fp32, whole on every rank (tensor
+    parallelism leaves them sharded over the vocabulary)."""
+    if isinstance(logits, DTensor):
+        logits = logits.full_tensor()
+    return logits[:, -1].float()
 
 
 def _completions(out, sampling_lp, model_lp, count, stopped, rows) -> list[Completion]:
@@ -364,16 +373,12 @@ def _bucket_length(n: int) -> int:
 def _static_caches(model, rows: int, cache_len: int) -> list[KVCache]:
     """The static caches of this shape: the last ones if the shape is the same (keys a
     row has not written are masked, so what an earlier batch left there is never read),
-    else new ones, marked as static inputs for the compiler."""
+    else new ones."""
     p = next(model.parameters())
     key = (id(model), rows, cache_len, p.dtype, p.device)
     if key not in _POOL:
         _POOL.clear()
-        caches = new_caches(model, rows, cache_len)
-        for c in caches:
-            torch._dynamo.mark_static_address(c.k)
-            torch._dynamo.mark_static_address(c.v)
-        _POOL[key] = caches
+        _POOL[key] = new_caches(model, rows, cache_len)
     return _POOL[key]
 
 
@@ -386,6 +391,9 @@ class _CompiledStep:
     def __init__(self, model, caches: list[KVCache], start: torch.Tensor):
         self.model, self.caches, self.start = model, caches, start
         self.columns = torch.zeros(1, dtype=torch.long, device=start.device)
+        for c in caches:  # (after the prefill, which may have sized them: see KVCache)
+            torch._dynamo.mark_static_address(c.k)
+            torch._dynamo.mark_static_address(c.v)
         _SHAPES.add((len(start), caches[0].k.shape[2], start.device.type))
         self.fn = _compiled(start.device.type)
 
@@ -402,7 +410,7 @@ class _CompiledStep:
 
 
 def _step(model, token, positions, start, columns, caches) -> torch.Tensor:
-    return model(token, positions, DecodeMask(start, columns), caches)[:, -1].float()
+    return _last(model(token, positions, DecodeMask(start, columns), caches))
 
 
 _COMPILED_FNS: dict = {}
