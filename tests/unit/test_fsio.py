@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
+import stat
+import subprocess
 
 import pytest
 
@@ -251,3 +254,120 @@ def test_check_writable_tries_a_file_and_says_in_plain_words_why_it_failed(
     with pytest.raises(PermissionError, match=rf"out.json: cannot write --output: {tmp_path} "
                                               rf"does not accept new files \({why}"):
         fsio.check_writable(tmp_path / "out.json", "--output")
+
+
+# ------------------------------------------- what a writer must never replace or open
+
+def special_files(directory) -> dict:
+    """A FIFO, a character device (the null device's numbers) and a socket's file in
+    ``directory``, by the name a message gives their kind."""
+    os.mkfifo(directory / "fifo")
+    os.mknod(directory / "device", stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    here = os.getcwd()
+    os.chdir(directory)  # bound by a relative name: tmp_path may exceed a socket address
+    try:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind("socket")
+    finally:
+        os.chdir(here)
+    return {"a FIFO": directory / "fifo", "a character device": directory / "device",
+            "a socket": directory / "socket"}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="creating a device node needs root")
+def test_check_writable_refuses_a_device_fifo_or_socket_in_the_way_without_opening_it(
+        tmp_path):
+    for what, path in special_files(tmp_path).items():  # a FIFO opened here would block
+        with pytest.raises(fsio.NotWritable, match=rf"^{path}: --output is a file to write, "
+                                                   rf"but {what} is in the way"):
+            fsio.check_writable(path, "--output")
+        with pytest.raises(fsio.NotWritable, match=rf"^{path}: OUT_DIR is a directory to "
+                                                   rf"write, but {what} is in the way"):
+            fsio.check_writable(path, "OUT_DIR", kind="dir")
+        link = tmp_path / f"link-to-{path.name}"  # an in-place writer writes through it
+        link.symlink_to(path)
+        with pytest.raises(fsio.NotWritable, match=rf"but {what} is in the way"):
+            fsio.check_writable(link, "--output")
+    assert stat.S_ISFIFO(os.lstat(tmp_path / "fifo").st_mode)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="creating a device node needs root")
+def test_check_writable_refuses_an_output_directory_holding_one_anywhere_below(tmp_path):
+    out = tmp_path / "out"
+    (out / "sub").mkdir(parents=True)
+    (out / "config.json").write_text("{}")
+    fsio.check_writable(out, "OUT_DIR", kind="dir")  # regular files and directories: fine
+    (tmp_path / "made").mkdir()
+    for what, made in special_files(tmp_path / "made").items():  # one at a time
+        path = made.rename(out / "sub" / made.name)
+        with pytest.raises(fsio.NotWritable, match=rf"^{out}: cannot write OUT_DIR: {path} "
+                                                   rf"in it is {what}"):
+            fsio.check_writable(out, "OUT_DIR", kind="dir")
+        path.unlink()
+    (out / "tokenizer.json").symlink_to(tmp_path / "nowhere")  # dangling: nothing to open
+    fsio.check_writable(out, "OUT_DIR", kind="dir")
+
+
+def test_check_apart_refuses_an_output_that_is_inside_or_holds_an_input(tmp_path):
+    model, data = tmp_path / "model", tmp_path / "data.jsonl"
+    model.mkdir()
+    data.write_text("{}\n")
+    inputs = [("--model", model), ("--data", data), ("--adapter", None)]
+    fsio.check_apart(tmp_path / "out", "--output", inputs)  # beside them: fine
+    fsio.check_apart(tmp_path / "model-2", "--output", inputs)  # a prefix is not a parent
+    refused = {data: "is the input --data", model / "m.gguf": "lies inside the input --model",
+               tmp_path: "holds the input --model"}
+    (tmp_path / "link").symlink_to(model)
+    os.link(data, tmp_path / "hard.jsonl")
+    refused.update({tmp_path / "link" / "x": "lies inside the input --model",
+                    tmp_path / "hard.jsonl": "is the input --data"})
+    for output, how in refused.items():
+        with pytest.raises(fsio.NotWritable, match=rf"^{output}: --output {how}"):
+            fsio.check_apart(output, "--output", inputs)
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_stale_temporaries_of_this_hosts_dead_processes_are_removed_and_no_others(tmp_path):
+    host, dead = socket.gethostname(), _dead_pid()
+    stale = [tmp_path / f".out.tmp-{host}-{dead}-0123abcd",  # tmp_sibling's, a directory
+             tmp_path / f"out.tmp-{host}-{dead}"]  # tmp_tag's (the indexed writer's)
+    stale[0].mkdir()
+    (stale[0] / "weights").write_bytes(b"\0" * 64)
+    stale[1].write_bytes(b"\0" * 64)
+    kept = [f".out.tmp-{host}-{os.getpid()}-0123abcd",  # alive
+            f".out.tmp-{host}x-{dead}-0123abcd",  # another host whose name starts alike
+            f".out.tmp-other-{dead}-0123abcd", f"out.tmp-other-{dead}",  # another host
+            f".outer.tmp-{host}-{dead}-0123abcd",  # another target
+            f".out.old-0123abcd", "out"]  # not a temporary
+    for name in kept:
+        (tmp_path / name).write_bytes(b"")
+    assert sorted(fsio.remove_stale_temporaries(tmp_path / "out")) == sorted(stale)
+    assert names(tmp_path) == sorted(kept)
+    assert fsio.remove_stale_temporaries(tmp_path / "missing" / "out") == []
+
+
+def test_an_atomic_write_removes_its_targets_stale_temporaries(tmp_path):
+    stale = tmp_path / f".meta.json.tmp-{socket.gethostname()}-{_dead_pid()}-0123abcd"
+    stale.write_bytes(b"half")
+    fsio.atomic_write_bytes(tmp_path / "meta.json", b"{}")
+    with fsio.atomic_dir(tmp_path / "model") as tmp:
+        assert tmp.name.startswith(f".model.tmp-{socket.gethostname()}-{os.getpid()}-")
+    assert names(tmp_path) == ["meta.json", "model"]
+
+
+def test_a_lock_file_is_never_written_through_a_link_or_into_a_fifo(tmp_path):
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me")
+    (tmp_path / "run.lock").symlink_to(precious)
+    os.mkfifo(tmp_path / "fifo.lock")
+    for name, why in (("run.lock", "a symbolic link"), ("fifo.lock", "not a regular file")):
+        with pytest.raises(OSError, match=why):
+            fsio.FileLock(tmp_path / name, remove=True).acquire()
+    assert precious.read_text() == "keep me"
+    assert (tmp_path / "run.lock").is_symlink()
+    assert stat.S_ISFIFO(os.lstat(tmp_path / "fifo.lock").st_mode)

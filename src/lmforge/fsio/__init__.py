@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import uuid
 from pathlib import Path
 from typing import IO, Iterator, Optional
@@ -44,32 +45,76 @@ def tmp_tag() -> str:
 
 
 def tmp_sibling(path: str | Path) -> Path:
-    """A fresh hidden name beside ``path`` to build its new content under."""
+    """A fresh hidden name beside ``path`` to build its new content under
+    (``.NAME.tmp-HOST-PID-XXXXXXXX``). The stale ones a killed process of this host left
+    for the same ``path`` are removed first: a killed export's hundreds of MB are not kept
+    for ever, and the next write of the same target is the one that knows their names."""
     path = Path(path)
+    remove_stale_temporaries(path)
     return path.with_name(f".{path.name}{tmp_tag()}-{uuid.uuid4().hex[:8]}")
+
+
+def remove_stale_temporaries(path: str | Path) -> list[Path]:
+    """Remove the temporaries of ``path`` (``tmp_sibling``'s ``.NAME.tmp-HOST-PID-XXXXXXXX``
+    and the ``NAME.tmp-HOST-PID`` of writers that name theirs with ``tmp_tag``) whose
+    process is gone: recorded on this host, with a pid no longer alive (``holder_alive``'s
+    rule). Another host's, or a live process's, are never touched: they may be mid-write.
+    Returns what was removed."""
+    path = Path(path)
+    host = socket.gethostname()
+    stale = re.compile(rf"^(?:\.{re.escape(path.name)}\.tmp-{re.escape(host)}-(\d+)-"
+                       rf"[0-9a-f]{{8}}|{re.escape(path.name)}\.tmp-{re.escape(host)}-(\d+))$")
+    removed = []
+    try:
+        entries = list(os.scandir(path.parent))
+    except OSError:
+        return removed  # no parent yet (or unreadable): nothing of ours there
+    for entry in entries:
+        match = stale.match(entry.name)
+        if not match or holder_alive({"pid": int(match.group(1) or match.group(2)),
+                                      "host": host}):
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+        removed.append(Path(entry.path))
+    return removed
 
 
 # ------------------------------------------------------------------------ destinations
 
 def check_writable(path: str | Path, what: str, kind: str = "file") -> None:
     """Refuse, before any work, an output ``path`` (a ``kind`` "file" or "dir") that could
-    not be written: the wrong kind of thing in the way, no permission, or a directory that
-    takes no new files. Every writer here creates or renames entries in the parent, so the
-    nearest existing ancestor must be a writable directory; a file is created there and
-    removed to prove it (permission bits do not tell: root passes them, and /proc, /sys
-    or a read-only mount refuse files whatever they say). ``what`` names the option in
-    the message."""
+    not be written, or whose writing would destroy something: the wrong kind of thing in
+    the way (a directory, or a device, FIFO or socket, which a writer would replace, write
+    into, or block on), no permission, or a directory that takes no new files. An
+    existing output directory is replaced as a whole by some writers and filled in place
+    by others, so nothing in it may be a device, FIFO or socket either. Every writer here
+    creates or renames entries in the parent, so the nearest existing ancestor must be a
+    writable directory; a file is created there and removed to prove it (permission bits
+    do not tell: root passes them, and /proc, /sys or a read-only mount refuse files
+    whatever they say). ``what`` names the option in the message. Nothing is opened: a
+    FIFO is never waited on."""
     path = Path(path)
     if kind not in ("file", "dir"):
         raise ValueError(f"kind must be file or dir, got {kind!r}")
-    if kind == "file" and path.is_dir():
+    found = _kind_of(path)
+    if kind == "file" and found == "a directory":
         raise IsADirectoryError(f"{path}: {what} is a file to write, but a directory is "
                                 f"in the way")
-    if kind == "dir" and path.exists() and not path.is_dir():
+    if found not in (None, "a directory", "a regular file"):
+        raise NotWritable(f"{path}: {what} is a {'file' if kind == 'file' else 'directory'} "
+                          f"to write, but {found} is in the way (lmforge writes over "
+                          f"regular files only)")
+    if kind == "dir" and found == "a regular file":
         raise NotADirectoryError(f"{path}: {what} is a directory to write, but a file is "
                                  f"in the way")
-    if path.exists() and not os.access(path, os.W_OK | (os.X_OK if kind == "dir" else 0)):
+    if found and not os.access(path, os.W_OK | (os.X_OK if kind == "dir" else 0)):
         raise PermissionError(f"{path}: {what} is not writable (permission denied)")
+    if found == "a directory":
+        _check_entries(path, what)
     parent = _nearest_existing(path.parent)
     if not parent.is_dir():
         raise NotADirectoryError(f"{path}: cannot write {what}: {parent} is a file, not a "
@@ -83,6 +128,79 @@ def check_writable(path: str | Path, what: str, kind: str = "file") -> None:
         if problem:
             raise PermissionError(f"{path}: cannot write {what}: {directory} does not "
                                   f"accept new files ({problem})")
+
+
+class NotWritable(ValueError):
+    """An output that lmforge refuses to write: something other than a regular file or a
+    directory is in its way, or it is one of the command's own inputs."""
+
+
+# st_mode kind -> its name in a message
+_KINDS = {stat.S_IFREG: "a regular file", stat.S_IFDIR: "a directory",
+          stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
+MAX_ENTRIES_CHECKED = 10_000  # an output directory holds a model, not a file system
+
+
+def _kind_of(path: Path) -> Optional[str]:
+    """What ``path`` is, links followed (a writer in place writes through them), or None
+    when nothing (or a dangling link) is there."""
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return _KINDS.get(stat.S_IFMT(mode), "a special file")
+
+
+def _check_entries(directory: Path, what: str) -> None:
+    """Refuse an existing output directory holding a device, FIFO or socket (itself or
+    behind a link) anywhere below: a writer in place would write into it or block on it,
+    one that replaces the directory would delete it. The first ``MAX_ENTRIES_CHECKED``
+    entries are looked at."""
+    seen = 0
+    for root, dirs, files in os.walk(directory):
+        for name in dirs + files:
+            seen += 1
+            if seen > MAX_ENTRIES_CHECKED:
+                return
+            found = _kind_of(Path(root, name))
+            if found not in (None, "a directory", "a regular file"):
+                raise NotWritable(f"{directory}: cannot write {what}: "
+                                  f"{Path(root, name)} in it is {found} (lmforge writes "
+                                  f"over regular files only)")
+
+
+def check_apart(output: str | Path, what: str, inputs, within: bool = True) -> None:
+    """Refuse an output that is one of the command's own inputs, lies inside one (an
+    input directory the command reads as a whole), or holds one (a directory a writer
+    replaces): writing it would destroy what the command reads, or change the input for
+    the next run. ``inputs``: (option, path) pairs; None paths are skipped. Links are
+    resolved before comparing, and a hard link to an input file is that file.
+    ``within=False``: an output may lie inside an input directory (a writer whose files
+    are never read as that input, as a dataset's .bin/.idx beside its .jsonl), unless
+    the output is a link that leads there."""
+    out = Path(output).resolve()
+    for option, given in inputs:
+        if given is None:
+            continue
+        src = Path(given).resolve()
+        if out == src or _same_file(out, src):
+            how = "is"
+        elif out.is_relative_to(src) and (within or Path(output).is_symlink()):
+            how = "lies inside"
+        elif src.is_relative_to(out):
+            how = "holds"
+        else:
+            continue
+        raise NotWritable(f"{output}: {what} {how} the input {option} {given}; write it "
+                          f"elsewhere (a command never writes over what it reads)")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 # errno -> why, in plain words, a directory refused a new file
@@ -141,9 +259,9 @@ def replace_file(tmp: str | Path, path: str | Path) -> None:
 def atomic_file(path: str | Path) -> Iterator[IO[bytes]]:
     """``with atomic_file(p) as f: f.write(...)``: ``p`` appears, complete, when the block
     ends; an exception leaves ``p`` as it was and removes the temporary file."""
-    tmp = Path(f"{path}{tmp_tag()}")
+    tmp = tmp_sibling(path)
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "xb") as f:
             yield f
         replace_file(tmp, path)
     except BaseException:
@@ -198,6 +316,20 @@ def replace_dir(tmp: Path, path: Path) -> None:
     fsync_path(path.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def temporary_dir(beside: str | Path) -> Iterator[Path]:
+    """A scratch directory named like ``beside``'s temporaries (``tmp_sibling``), removed
+    when the block ends: for a writer that builds an intermediate (a Hugging Face export
+    on the way to one GGUF file) on the output's file system. A kill leaves it under a
+    name the next write of ``beside`` recognises and removes."""
+    tmp = tmp_sibling(beside)
+    tmp.mkdir()
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def remove_dir(path: Path) -> None:

@@ -10,6 +10,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 from typing import Optional
@@ -51,8 +52,9 @@ class FileLock:
         """Take the lock, or raise ``LockHeld`` naming the live process that holds it
         (``OSError`` when the lock file cannot be created)."""
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = _open_lock_file(self.path)
             try:
+                _refuse_odd_file(os.fstat(fd).st_mode, self.path)  # swapped in meanwhile
                 state = _flock(fd)
                 holder = _read_holder(fd)
                 if state == "taken" or (state == "unsupported" and holder_alive(holder)):
@@ -86,6 +88,27 @@ class FileLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _open_lock_file(path: Path) -> int:
+    """The lock file, opened for writing its holder: never through a link (its target
+    would be overwritten), never a FIFO (waited on) or a device (opened at all)."""
+    with contextlib.suppress(FileNotFoundError):
+        _refuse_odd_file(os.lstat(path).st_mode, path)
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # made a link since the lstat
+            _refuse_odd_file(stat.S_IFLNK, path)
+        raise
+
+
+def _refuse_odd_file(mode: int, path: Path) -> None:
+    if stat.S_ISLNK(mode):
+        raise OSError(errno.ELOOP, "a symbolic link, which a lock file never is", str(path))
+    if not stat.S_ISREG(mode):
+        raise OSError(errno.EINVAL, "not a regular file, which a lock file always is",
+                      str(path))
 
 
 def _flock(fd: int) -> str:
