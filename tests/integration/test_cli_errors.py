@@ -176,7 +176,7 @@ def test_eval_refuses_an_unwritable_output_before_evaluating(capsys, tmp_path, m
     for name in ("load_hf_model", "load_tokenizer", "eval_batches_for", "evaluate"):
         monkeypatch.setattr(cli_eval, name, no_work)
     out_file, _ = _unwritable_outputs(tmp_path, how)
-    err = _refused_in_one_line(capsys, ["eval", "--model", str(tmp_path), "--data", "x",
+    err = _refused_in_one_line(capsys, ["eval", "--model", str(tmp_path / "m"), "--data", "x",
                                         "--output", str(out_file)], out_file)
     assert "--output" in err
 
@@ -186,7 +186,8 @@ def test_eval_refuses_a_seq_len_above_the_models_maximum_naming_both(capsys, tmp
     (tmp_path / "config.json").write_text(json.dumps(hf_config_from_args(args)))
     too_long = args.max_seq_len + 1
     code, err = _run(capsys, ["eval", "--model", str(tmp_path), "--data", str(tmp_path),
-                              "--seq-len", str(too_long), "--output", str(tmp_path / "e.json")])
+                              "--seq-len", str(too_long),  # --output beside the model
+                              "--output", str(tmp_path.with_name(f"{tmp_path.name}.json"))])
     assert code == 2 and "\n" not in err
     assert err.startswith(f"lmforge: error: --seq-len: {too_long} is above the model's "
                           f"maximum sequence length {args.max_seq_len}")

@@ -49,6 +49,9 @@ def _bench_eval(args) -> int:
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     output = Path(args.output) if args.output else run_output(args.adapter or args.model, tasks)
     if output is not None:
+        fsio.check_apart(output, "--output", [("--model", args.model),
+                                              ("--adapter", args.adapter),
+                                              ("--include-path", args.include_path)])
         fsio.check_writable(output, "--output")
     if args.include_path and not Path(args.include_path).is_dir():
         raise ValueError(f"--include-path: {args.include_path} is not a directory")

@@ -88,6 +88,7 @@ def _add_tokenizer(sub) -> None:
 def _tokenizer_train(args) -> int:
     if args.vocab_size < 260:
         raise ValueError("--vocab-size must be at least 260 (256 bytes + special tokens)")
+    fsio.check_apart(args.output, "--output", [("--input", i) for i in args.input])
     fsio.check_writable(args.output, "--output", kind="dir")
     files = list(iter_text_files(args.input, CORPUS_SUFFIXES))
     if not files:

@@ -42,6 +42,8 @@ def evaluate_sft(args) -> int:
     if args.max_new_tokens <= 0 or (args.limit is not None and args.limit <= 0):
         raise ValueError("--max-new-tokens and --limit must be > 0")
     output = Path(args.output or "eval-sft.json")
+    fsio.check_apart(output, "--output", [("--model", args.model),
+                                          ("--adapter", args.adapter), ("--data", args.data)])
     fsio.check_writable(output, "--output")  # before the evaluation, not after it
     device = resolve_device(args.device, "--device")
     model = load_scored_model(args.model, args.adapter, device)

@@ -95,6 +95,9 @@ def _eval(args) -> int:
         raise ValueError(f"--max-tokens: {args.max_tokens} must be > 0")
     output = Path(args.output) if args.output else None
     if output is not None:
+        fsio.check_apart(output, "--output", [
+            ("--model", args.model), ("--adapter", args.adapter),
+            ("--reference", args.reference), *[("--data", d) for d in _data_files(args.data)]])
         fsio.check_writable(output, "--output")  # before the evaluation, not after it
     seq_len = _seq_len(args.model, args.seq_len)
     device = resolve_device(args.device, "--device")
@@ -202,3 +205,8 @@ def _seq_len(model_dir: str, seq_len: int | None) -> int:
         raise ValueError(f"--seq-len: {seq_len} is above the model's maximum sequence length "
                          f"{longest} (max_position_embeddings in {Path(model_dir) / 'config.json'})")
     return seq_len
+
+
+def _data_files(data: list[str]) -> list[str]:
+    """--data as read: each path, and an indexed PREFIX's .bin and .idx."""
+    return [f for d in data for f in (d, f"{d}.bin", f"{d}.idx")]

@@ -1,6 +1,10 @@
 """``lmforge export``: a training checkpoint to Hugging Face / PEFT / merged."""
 from __future__ import annotations
 
+from pathlib import Path
+
+from lmforge import fsio
+from lmforge.checkpoint.directory import find_checkpoint
 from lmforge.export import EXPORT_DTYPES, FORMATS, export_checkpoint
 from lmforge.export.gguf import GGUF_DTYPES, export_gguf_from, export_gguf_lora_from
 
@@ -36,6 +40,7 @@ def add_parser(subparsers) -> None:
 
 
 def _export_command(args) -> int:
+    fsio.check_apart(args.out_dir, "OUT", _export_inputs(args))  # before anything is read
     if args.fmt == "gguf-lora":
         out = export_gguf_lora_from(args.checkpoint_dir, args.out_dir, args.base,
                                     args.gguf_dtype)
@@ -50,3 +55,21 @@ def _export_command(args) -> int:
                             tokenizer_dir=args.tokenizer, dtype=args.dtype)
     print(f"exported {args.fmt}: {out}")
     return 0
+
+
+def _export_inputs(args) -> list:
+    """What the export reads, for ``fsio.check_apart``: CHECKPOINT_DIR when it is a
+    model or adapter directory; for a run or a checkpoint, the run's checkpoints root and
+    its tokenizer/ (OUT may be beside them in the run, as RUN/model.gguf is); --tokenizer,
+    --base."""
+    source = Path(args.checkpoint_dir)
+    inputs = [("--tokenizer", args.tokenizer), ("--base", args.base)]
+    if any((source / name).is_file() for name in ("config.json", "adapter_config.json")):
+        return [("CHECKPOINT_DIR", source), *inputs]
+    try:
+        step = find_checkpoint(source)
+    except ValueError:
+        return inputs  # the export refuses CHECKPOINT_DIR itself, in its own words
+    root = step.parent if step.parent.name == "checkpoints" else step
+    run_tokenizer = root.parent / "tokenizer" if root is not step else None
+    return [("CHECKPOINT_DIR", root), ("CHECKPOINT_DIR", run_tokenizer), *inputs]

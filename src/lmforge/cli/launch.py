@@ -62,6 +62,7 @@ def _slurm(args) -> int:
     if args.submit and shutil.which("sbatch") is None:
         raise FileNotFoundError("--submit: sbatch is not on PATH (is this a SLURM login node?)")
     out, log_dir = Path(args.output), Path(LOG_DIR)
+    fsio.check_apart(out, "--output", [("CONFIG", args.config), ("--env", args.env)])
     fsio.check_writable(out, "--output")
     fsio.check_writable(log_dir, f"the log directory {LOG_DIR}", kind="dir")
     config, overrides = config_and_overrides(args.config, args.overrides)

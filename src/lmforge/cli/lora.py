@@ -44,6 +44,8 @@ def add_parser(sub) -> None:
 
 
 def _merge(args) -> int:
+    fsio.check_apart(args.output, "--output", [("--model", args.model),
+                                               ("--adapter", args.adapter)])
     if args.fmt == "gguf":
         out = export_gguf_merged(args.model, args.adapter, args.output, args.gguf_dtype)
         print(f"merged {args.adapter} into {args.model}: {out} (GGUF, {args.gguf_dtype})")

@@ -157,11 +157,15 @@ def _plan(ns) -> int:
 
 def _check_plan_outputs(ns) -> None:
     """Refuse an output that cannot be written before the search (or the runs) start."""
+    config = [("CONFIG", ns.config)]
     if ns.output:
+        fsio.check_apart(ns.output, "--output", config)
         fsio.check_writable(ns.output, "--output")
     if ns.calibrate:
+        fsio.check_apart(ns.calibrate_dir, "--calibrate-dir", config)
         fsio.check_writable(ns.calibrate_dir, "--calibrate-dir", kind="dir")
         if ns.calibration:
+            fsio.check_apart(ns.calibration, "--calibration", config)
             fsio.check_writable(ns.calibration, "--calibration")
 
 

@@ -75,6 +75,9 @@ class IndexedDatasetWriter:
         self._tmp_lengths = f"{self.prefix}.lengths{tag}"
         self._tmp_docs = f"{self.prefix}.docs{tag}"
         self._tmp_pair = pair_path(self.prefix) + tag
+        for tmp in (self._tmp_bin, self._tmp_idx, self._tmp_lengths, self._tmp_docs,
+                    self._tmp_pair):  # a killed writer's, this host's, dead pid's
+            fsio.remove_stale_temporaries(tmp.removesuffix(tag))
         Path(self._tmp_bin).parent.mkdir(parents=True, exist_ok=True)
         self._bin = open(self._tmp_bin, "wb")
         self._lengths_file = open(self._tmp_lengths, "w+b")

@@ -34,7 +34,7 @@ import numpy as np
 from lmforge import fsio
 from lmforge.data.errors import DataError
 from lmforge.data.indexed import IndexedDatasetWriter, token_dtype
-from lmforge.data.indexed_files import bin_path, idx_path
+from lmforge.data.indexed_files import bin_path, idx_path, pair_path
 from lmforge.data.preprocess_work import ChunkResult, init_worker, process_chunk
 from lmforge.data.readers import find_inputs, input_kind, iter_chunks
 from lmforge.data.tokenizer import TokenizerError, load_tokenizer
@@ -114,8 +114,10 @@ def preprocess(inputs: list[str | Path], output_prefix: str | Path, tokenizer_di
     if special_tokens not in ("tokenizer", "none"):
         raise DataError(f"--special-tokens: {special_tokens!r} is not one of tokenizer, none")
     keys = list(dict.fromkeys(json_keys))
+    read = [("--input", i) for i in inputs] + [("--tokenizer", tokenizer_dir)]
     for out in output_prefixes(str(output_prefix), keys):
-        for path in (bin_path(out), idx_path(out)):
+        for path in (bin_path(out), idx_path(out), pair_path(out), f"{out}.lock"):
+            fsio.check_apart(path, "--output-prefix", read, within=False)  # never an input
             fsio.check_writable(path, "--output-prefix")
     files = find_inputs(list(inputs))
     if len(keys) > 1 and any(input_kind(f).startswith(".txt") for f in files):
