@@ -262,6 +262,8 @@ def _decode(model, prompts, limits, sampling, stops, seeds, compile, sync_every)
     done = limit == 0
     stopped = torch.zeros(rows, dtype=torch.bool, device=device)
     uniforms = None if sampling.greedy else _Uniforms(seeds, device, sync_every)
+    columns = torch.zeros(1, dtype=torch.long, device=device)  # (filled in place: a new
+    # tensor from a host value would be a blocking copy, a sync per token on a GPU)
     for t in range(steps):
         token, lp_s, lp_m = sample(logits, sampling,
                                    None if uniforms is None else uniforms.at(t))
@@ -279,7 +281,7 @@ def _decode(model, prompts, limits, sampling, stops, seeds, compile, sync_every)
         if step is not None:
             logits = step(token[:, None], positions, column)
         else:
-            mask = DecodeMask(start, torch.tensor([column], device=device))
+            mask = DecodeMask(start, columns.fill_(column))
             logits = _last(model(token[:, None], positions, mask, caches))
     return _completions(out, sampling_lp, model_lp, count, stopped, real)
 

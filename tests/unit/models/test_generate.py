@@ -215,3 +215,18 @@ def test_unmerged_lora_on_any_base_decodes_what_its_full_forward_scores(base):
         assert c.ids == ids[len(p):]
         torch.testing.assert_close(c.model_logprobs, _full_forward_logprobs(model, p, c.ids),
                                    rtol=0, atol=1e-5)
+
+
+def test_the_host_reads_the_stop_flags_once_every_16_tokens(monkeypatch):
+    """No read of a device value per token: the model and sampling stay on the device,
+    and the host looks at the 'all done' flag after tokens 16 and 32 of 40."""
+    model = _model()
+    reads = []
+    for name in ("__bool__", "item", "__int__", "__float__", "__index__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda self, *a, _real=real, _n=name: reads.append(_n)
+                            or _real(self, *a))
+    out = generate(model, PROMPTS[:2], 40, SAMPLED, seeds=[1, 2])
+    assert len(out[0].ids) == 40
+    assert reads == ["__bool__"] * 2
