@@ -103,11 +103,11 @@ def _eval(args) -> int:
     device = resolve_device(args.device, "--device")
     if args.objective:
         return _eval_pairs(args, seq_len, device, output)
-    _status(f"loading {args.model} on {device}")
-    model = load_hf_model(args.model, device=device)
-    tokenizer = load_tokenizer(args.model)
+    tokenizer = load_tokenizer(args.model)  # the data is read (and refused) first
     batches = limit_tokens(eval_batches_for(args.data, tokenizer, seq_len, args.batch_size,
                                             args.json_key), args.max_tokens)
+    _status(f"loading {args.model} on {device}")
+    model = load_hf_model(args.model, device=device)
     budget = f", at most {args.max_tokens:,} tokens" if args.max_tokens else ""
     _status(f"evaluating on {', '.join(args.data)} (seq_len {seq_len}, batch size "
             f"{args.batch_size}{budget})")
@@ -132,12 +132,12 @@ def _eval_pairs(args, seq_len: int, device, output) -> int:
     if args.objective in NEEDS_REFERENCE and not (args.reference or args.adapter):
         raise ValueError(f"--reference: {args.objective} compares with a reference model: "
                          f"give one, or an --adapter whose base model is the reference")
+    tokenizer = load_tokenizer(args.model)  # the pairs are read (and refused) first
+    pairs = PreferenceDataset(args.data[0], tokenizer, args.template, seq_len,
+                              args.max_prompt_len)
     _status(f"loading {args.model} on {device}")
     model = load_scored_model(args.model, args.adapter, device)
     reference = load_hf_model(args.reference, device=device) if args.reference else None
-    tokenizer = load_tokenizer(args.model)
-    pairs = PreferenceDataset(args.data[0], tokenizer, args.template, seq_len,
-                              args.max_prompt_len)
     rows = pairs.rows.tolist()
     batches = (pairs.pair_batch(rows[i:i + args.batch_size])
                for i in range(0, len(rows), args.batch_size))

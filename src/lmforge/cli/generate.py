@@ -10,6 +10,7 @@ from lmforge import fsio
 from lmforge.cli.common import DEVICES
 from lmforge.config import resolve_device
 from lmforge.data.errors import DataError
+from lmforge.data.records import check_argument_text
 from lmforge.data.sft import iter_jsonl
 from lmforge.data.templates import JinjaTemplate
 from lmforge.data.tokenizer import chat_template_origin, load_tokenizer
@@ -118,6 +119,8 @@ def _check_options(args) -> Sampling:
                    min_p=args.min_p)
     if args.prompts is None and args.output is not None:
         raise ValueError("--output: goes with --prompts (a single --prompt is printed)")
+    if args.prompt is not None:
+        check_argument_text(args.prompt, "--prompt")
     if args.prompts is not None:
         if args.output is None:
             raise ValueError("--prompts: needs --output FILE.jsonl to write the completions to")

@@ -14,6 +14,9 @@ A chunk is a small picklable tuple, one of:
 
 A ``.json`` array with a syntax error always stops (nothing after it can be read
 reliably); for parquet the "line" of a record is its 1-based row.
+
+Every record passes ``lmforge.data.records``' checks (valid JSON that is no text, such
+as a lone surrogate, is a bad record with ``file:line``, like a syntax error).
 """
 from __future__ import annotations
 
@@ -25,6 +28,8 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from lmforge.data.errors import DataError, at
+from lmforge.data.records import (SURROGATE_ESCAPE, BadRecord, check_record, one_line,
+                                  parse_record, unreadable)
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".txt", ".txt.gz", ".parquet")
 _MAX_RECORD_BYTES = 256 << 20  # a single .json element larger than this is refused
@@ -64,12 +69,6 @@ def input_kind(path: Path) -> Optional[str]:
     name = path.name.lower()
     return next((s for s in sorted(SUFFIXES, key=len, reverse=True) if name.endswith(s)),
                 None)
-
-
-def one_line(err: BaseException) -> str:
-    """An exception's message on one line (its type's name when it has none)."""
-    text = " ".join(str(err).split())
-    return text or type(err).__name__
 
 
 # -------------------------------------------------------------------- chunks (main)
@@ -226,7 +225,8 @@ class _JsonArrayCursor:
         return True
 
     def decode_element(self) -> tuple[int, object, int]:
-        """(its line, the element, its length in characters), and moves past it."""
+        """(its line, the element or ``("error", reason)`` if it is no text, its length
+        in characters), and moves past it."""
         while True:
             try:
                 obj, end = self.decoder.raw_decode(self.buf, self.pos)
@@ -236,6 +236,13 @@ class _JsonArrayCursor:
                 if len(self.buf) - self.pos > _MAX_RECORD_BYTES or not self._more():
                     where = self.line + self.buf[self.pos:e.pos].count("\n")
                     raise DataError(f"{self.path}:{where}: not valid JSON ({e.msg})") from None
+            except (RecursionError, ValueError) as e:  # valid JSON Python cannot hold
+                raise self._error(unreadable(e)) from None
+        try:
+            if SURROGATE_ESCAPE.search(self.buf, self.pos, end):
+                check_record(obj)
+        except BadRecord as e:  # a whole element, but no text: a bad record, not a bad file
+            obj = ("error", str(e))
         line, length = self.line, end - self.pos
         self.line += self.buf.count("\n", self.pos, end)
         self.pos = end
@@ -288,10 +295,32 @@ def _parquet_chunks(path: Path, keys: list[str], chunk_bytes: int) -> Iterator[t
     rows = max(1, min(65536, chunk_bytes * max(meta.num_rows, 1) // max(total, 1)))
     row = 1
     for batch in pf.iter_batches(batch_size=rows, columns=keys):
-        values = {k: batch.column(k).to_pylist() for k in keys}
-        records = [(row + i, {k: values[k][i] for k in keys}) for i in range(batch.num_rows)]
+        values = {k: _column_values(batch.column(k), k) for k in keys}
+        records = [(row + i, _parquet_record(values, i)) for i in range(batch.num_rows)]
         row += batch.num_rows
         yield (row - 1) / max(meta.num_rows, 1), ("records", str(path), records)
+
+
+def _column_values(column, key: str) -> list:
+    """A parquet column's values; a string that is not UTF-8 (arrow does not check what
+    another writer stored) becomes ``("error", reason)``, for that row's file:row."""
+    try:
+        return column.to_pylist()
+    except UnicodeDecodeError:
+        values = []
+        for item in column:
+            try:
+                values.append(item.as_py())
+            except UnicodeDecodeError as e:
+                values.append(("error", f"field {key!r} is not valid UTF-8 (byte "
+                                        f"0x{e.object[e.start]:02x} at byte {e.start + 1})"))
+        return values
+
+
+def _parquet_record(values: dict, i: int):
+    """Row ``i`` as a record, or the ``("error", reason)`` of its first bad value."""
+    bad = next((v[i] for v in values.values() if isinstance(v[i], tuple)), None)
+    return bad or {k: v[i] for k, v in values.items()}
 
 
 # ------------------------------------------------------------------- records (workers)
@@ -303,16 +332,9 @@ def parse_lines(block: bytes, first_line: int) -> list:
         if not raw.strip():
             continue
         try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            items.append((first_line + i, ("error", f"not valid UTF-8 (byte 0x"
-                                           f"{e.object[e.start]:02x} at column {e.start + 1})")))
-            continue
-        try:
-            items.append((first_line + i, json.loads(text)))
-        except json.JSONDecodeError as e:
-            items.append((first_line + i, ("error", f"not valid JSON ({e.msg}, column "
-                                           f"{e.colno})")))
+            items.append((first_line + i, parse_record(raw)))
+        except BadRecord as e:
+            items.append((first_line + i, ("error", str(e))))
     return items
 
 

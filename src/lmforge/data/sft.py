@@ -31,9 +31,7 @@ are shared by both parts, a packing plan is named by its part and fraction.
 """
 from __future__ import annotations
 
-import gzip
 import hashlib
-import json
 import warnings
 from pathlib import Path
 from typing import Iterator, Optional
@@ -46,6 +44,7 @@ from lmforge.data.dataset import collate, held_out_documents, rng_for, split_doc
 from lmforge.data.errors import DataError
 from lmforge.data.indexed import IndexedDataset, IndexedDatasetWriter, token_dtype
 from lmforge.data.indexed_files import exists
+from lmforge.data.records import iter_jsonl
 from lmforge.data.sft_rows import PlannedRows, group_by_length, pack_first_fit, sft_row
 from lmforge.data.templates import get_template
 
@@ -71,25 +70,10 @@ def record_messages(obj, where: str) -> list[dict]:
                 raise DataError(f"{where}: {key!r} must be a string")
         messages = [{"role": "user", "content": obj["prompt"]},
                     {"role": "assistant", "content": obj["response"]}]
-        if obj.get("system") is not None:
-            messages.insert(0, {"role": "system", "content": obj["system"]})
+        messages[:0] = system_message(obj, where)
     else:
         raise DataError(f"{where}: expected keys 'prompt' and 'response', or 'messages'")
-    out = []
-    for i, m in enumerate(messages, 1):
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
-            raise DataError(f"{where}: message {i} needs a string 'content'")
-        role = m.get("role")
-        if role not in ROLES:
-            raise DataError(f"{where}: message {i} has role {role!r} (use "
-                            f"{', '.join(ROLES)})")
-        expected = ("system", "user") if not out else \
-            ("assistant",) if out[-1]["role"] == "user" else ("user",)
-        if role not in expected:
-            raise DataError(f"{where}: message {i} is {role!r}, expected "
-                            f"{' or '.join(map(repr, expected))} (a system message first, "
-                            "then user and assistant alternating)")
-        out.append({"role": role, "content": m["content"]})
+    out = checked_messages(messages, where)
     while out and out[-1]["role"] != "assistant":
         out.pop()
     if not out:
@@ -97,26 +81,53 @@ def record_messages(obj, where: str) -> list[dict]:
     return out
 
 
+def system_message(obj: dict, where: str) -> list[dict]:
+    """The optional ``"system"`` of a record of strings, as a message list (maybe empty)."""
+    system = obj.get("system")
+    if system is None:
+        return []
+    if not isinstance(system, str):
+        raise DataError(f"{where}: 'system' must be a string")
+    return [{"role": "system", "content": system}]
+
+
+def checked_messages(messages: list, where: str, name=lambda i: f"message {i}"
+                     ) -> list[dict]:
+    """``messages`` checked (a string 'content', a known role, a system message first,
+    then user and assistant alternating) and copied; a reason names message ``i``
+    (from 1) as ``name(i)`` says."""
+    out = []
+    for i, m in enumerate(messages, 1):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: {name(i)} needs a string 'content'")
+        role = m.get("role")
+        if role not in ROLES:
+            raise DataError(f"{where}: {name(i)} has role {_short(role)} (use "
+                            f"{', '.join(ROLES)})")
+        expected = ("system", "user") if not out else \
+            ("assistant",) if out[-1]["role"] == "user" else ("user",)
+        if role not in expected:
+            raise DataError(f"{where}: {name(i)} is {role!r}, expected "
+                            f"{' or '.join(map(repr, expected))} (a system message first, "
+                            "then user and assistant alternating)")
+        out.append({"role": role, "content": m["content"]})
+    return out
+
+
+def _short(value, limit: int = 40) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a message never holds a whole
+    field of the user's data)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def empty_answer(messages: list[dict]) -> bool:
+    """Whether an assistant message of ``messages`` is empty or blank: it would teach
+    only the end-of-turn token (whitespace-only counts as empty: it trains no text)."""
+    return any(m["role"] == "assistant" and not m["content"].strip() for m in messages)
+
+
 # ---------------------------------------------------------------------------- reading
-
-def iter_jsonl(path: Path) -> Iterator[tuple[int, object]]:
-    """(line number, parsed object) for each non-blank line; DataError file:line."""
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{n}: not valid UTF-8 (byte "
-                                f"0x{e.object[e.start]:02x} at column {e.start + 1})") from None
-            try:
-                yield n, json.loads(text)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{n}: not valid JSON ({e.msg}, column "
-                                f"{e.colno})") from None
-
 
 def tokenizer_fingerprint(tok) -> str:
     inner = getattr(tok, "_tok", None)
@@ -140,7 +151,7 @@ def tokenize_file(path: Path, template, tok, out_dir: Path, batch: int = 256) ->
                 tokens.add_document(ids)
                 trained.add_document(flags.astype(np.uint8))
                 hits = np.flatnonzero(flags[1:])
-                first.append(EMPTY_ANSWER if _empty_answer(messages) else
+                first.append(EMPTY_ANSWER if empty_answer(messages) else
                              int(hits[0]) + 1 if len(hits) else -1)
             pending.clear()
 
@@ -169,10 +180,6 @@ def tokenized(path: Path, kind: str, version: int, template, tok,
     return cache, IndexedDataset(cache / "tokens"), IndexedDataset(cache / "trained")
 
 
-def _empty_answer(messages: list[dict]) -> bool:
-    return any(m["role"] == "assistant" and not m["content"].strip() for m in messages)
-
-
 def check_some_answer(field: str, path: Path) -> None:
     """Refuses (before a run writes anything) an SFT file that is missing or whose every
     record has an empty answer. Reads up to the first record with one: usually one line."""
@@ -181,7 +188,7 @@ def check_some_answer(field: str, path: Path) -> None:
     records = 0
     for n, obj in iter_jsonl(Path(path)):
         records += 1
-        if not _empty_answer(record_messages(obj, f"{path}:{n}")):
+        if not empty_answer(record_messages(obj, f"{path}:{n}")):
             return
     raise DataError(f"{field}: {path}: every record's assistant answer is empty ({records} "
                     f"records): nothing to train on")

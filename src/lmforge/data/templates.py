@@ -252,7 +252,7 @@ class JinjaTemplate:
                     turn_end = len(upto)
             content = m["content"]
             found = text.find(content, start, turn_end)
-            if found < 0 and content.strip():
+            if found < 0:  # a template that trims the content (a blank one to nothing)
                 content = content.strip()
                 found = text.find(content, start, turn_end)
             if found < 0:

@@ -8,7 +8,6 @@ mean of the per-example F1s.
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
+from lmforge.data.records import iter_jsonl
 from lmforge.data.templates import get_template
 from lmforge.eval.evaluate import evaluate
 from lmforge.models.generate import generate_in_batches
@@ -76,20 +76,13 @@ def corpus_rouge_l(predictions: Iterable[str], references: Iterable[str]) -> flo
 def read_prompt_response(path: str | Path, limit: Optional[int] = None) -> list[dict]:
     """``{"prompt", "response"}`` records of a JSONL file (the first ``limit``)."""
     records = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg})") from None
-            if not (isinstance(obj, dict) and isinstance(obj.get("prompt"), str)
-                    and isinstance(obj.get("response"), str)):
-                raise ValueError(f"{path}:{line_no}: expected string 'prompt' and 'response'")
-            records.append(obj)
-            if limit is not None and len(records) >= limit:
-                break
+    for line_no, obj in iter_jsonl(Path(path)):  # a bad line is refused with file:line
+        if not (isinstance(obj, dict) and isinstance(obj.get("prompt"), str)
+                and isinstance(obj.get("response"), str)):
+            raise ValueError(f"{path}:{line_no}: expected string 'prompt' and 'response'")
+        records.append(obj)
+        if limit is not None and len(records) >= limit:
+            break
     if not records:
         raise ValueError(f"{path}: no records")
     return records
