@@ -16,8 +16,13 @@ Length limits, as TRL: a prompt over ``data.max_prompt_len`` tokens keeps its la
 (cut from the left), then the sequence keeps its first ``data.seq_len + 1`` tokens (the
 completion is cut from the right); both are counted and reported. A pair with no
 completion token left on either side is skipped and counted. A record missing a key, or
-whose completion does not end with an assistant turn, is refused with file:line; one
-whose chosen and rejected completions are the same is skipped and counted.
+whose completion does not end with an assistant turn, is refused with file:line and the
+field at fault (``'prompt' message 2``, ``'chosen'``); one whose chosen and rejected
+completions are the same is skipped and counted. A pair whose chosen or rejected
+completion is empty or blank (whitespace only: SFT's rule for an answer) would teach the
+model to prefer, or to avoid, saying nothing: it is skipped and counted, in every format,
+and a file of nothing else is refused (``check_some_pair`` before a run, the dataset
+for each part and for ``lmforge eval --objective``).
 
 A batch of n pairs holds the n chosen sequences then the n rejected ones (TRL's order),
 as rows padded to the longest, or packed (``data.pack``): both sides of several pairs in
@@ -38,18 +43,21 @@ from lmforge.data.cache import save_npy
 from lmforge.data.dataset import collate, rng_for, split_documents
 from lmforge.data.errors import DataError
 from lmforge.data.indexed import IndexedDatasetWriter, token_dtype
-from lmforge.data.sft import iter_jsonl, record_messages, tokenized
+from lmforge.data.sft import (checked_messages, empty_answer, iter_jsonl, system_message,
+                              tokenized)
 from lmforge.data.sft_rows import PlannedRows, pack_first_fit, sft_row
 from lmforge.data.templates import get_template
 
-PREFERENCE_CACHE_VERSION = 1
+PREFERENCE_CACHE_VERSION = 2  # 2: EMPTY_COMPLETION marks
 SAME_COMPLETIONS = -3  # first_trained of a pair whose chosen and rejected are the same
+EMPTY_COMPLETION = -2  # first_trained of a pair with an empty (or blank) completion
 
 
 # --------------------------------------------------------------------------- records
 
 def record_pair(obj, where: str) -> tuple[list[dict], list[dict], list[dict]]:
-    """(prompt, chosen, rejected) messages of one record; DataError ``where: reason``."""
+    """(prompt, chosen, rejected) messages of one record; DataError ``where: reason``,
+    the reason naming the field at fault."""
     if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a JSON object")
     for key in ("chosen", "rejected"):
@@ -59,12 +67,15 @@ def record_pair(obj, where: str) -> tuple[list[dict], list[dict], list[dict]]:
                             f"conversations)")
     prompt, chosen, rejected = obj.get("prompt"), obj["chosen"], obj["rejected"]
     if isinstance(prompt, str) or (prompt is None and isinstance(chosen, str)):
-        if not all(isinstance(v, str) for v in (prompt, chosen, rejected)):
-            raise DataError(f"{where}: 'prompt', 'chosen' and 'rejected' must all be "
-                            f"strings (or all lists of messages)")
-        prompt = [{"role": "user", "content": prompt}]
-        if obj.get("system") is not None:
-            prompt.insert(0, {"role": "system", "content": obj["system"]})
+        if prompt is None:
+            raise DataError(f"{where}: missing key 'prompt' (string 'chosen' and "
+                            f"'rejected' need one; without it both must be whole "
+                            f"conversations, lists of messages)")
+        for key, value in (("chosen", chosen), ("rejected", rejected)):
+            if not isinstance(value, str):
+                raise DataError(f"{where}: {key!r} must be a string, as 'prompt' is (or "
+                                f"all three lists of messages)")
+        prompt = system_message(obj, where) + [{"role": "user", "content": prompt}]
         chosen = [{"role": "assistant", "content": chosen}]
         rejected = [{"role": "assistant", "content": rejected}]
     elif prompt is None:
@@ -76,19 +87,44 @@ def record_pair(obj, where: str) -> tuple[list[dict], list[dict], list[dict]]:
         last = completion[-1]
         if not isinstance(last, dict) or last.get("role") != "assistant":
             raise DataError(f"{where}: {side!r} must end with an assistant message")
-        record_messages({"messages": prompt + completion}, f"{where} ({side})")
+        checked_messages(prompt + completion, where, _message_names(len(prompt), side))
     return prompt, chosen, rejected
 
 
+def _message_names(prompt_len: int, side: str):
+    """Message i of prompt + completion, named by its own field: "'prompt' message 2",
+    "'chosen' message 1"."""
+    return lambda i: (f"'prompt' message {i}" if i <= prompt_len else
+                      f"{side!r} message {i - prompt_len}")
+
+
+def empty_completion(chosen: list[dict], rejected: list[dict]) -> bool:
+    """Whether a side's completion is empty or blank (SFT's rule for an answer): the
+    pair would teach the model to prefer, or to avoid, saying nothing."""
+    return empty_answer(chosen) or empty_answer(rejected)
+
+
 def check_some_pair(field: str, path) -> None:
-    """Refuses (before a run writes anything) a preference file that is missing, or whose
-    first record is bad; the rest are read when the pairs are tokenized."""
+    """Refuses (before a run writes anything) a preference file that is missing, or
+    whose first records are bad, or whose every pair has an empty completion. Reads up to
+    the first pair with both completions (usually one line); the rest are read when the
+    pairs are tokenized."""
     if not Path(path).is_file():
         raise DataError(f"{field}: {path}: no such file (preference data is JSON Lines)")
+    records = 0
     for n, obj in iter_jsonl(Path(path)):
-        record_pair(obj, f"{path}:{n}")
-        return
-    raise DataError(f"{field}: {path}: no records")
+        records += 1
+        _, chosen, rejected = record_pair(obj, f"{path}:{n}")
+        if not empty_completion(chosen, rejected):
+            return
+    if not records:
+        raise DataError(f"{field}: {path}: no records")
+    raise DataError(f"{field}: {path}: {_all_empty(records)}")
+
+
+def _all_empty(pairs: int) -> str:
+    return (f"every pair has an empty chosen or rejected completion ({pairs} pairs): "
+            f"nothing to train on")
 
 
 def _split_shared_prefix(chosen, rejected, where: str):
@@ -109,8 +145,9 @@ def _split_shared_prefix(chosen, rejected, where: str):
 def tokenize_pairs(path: Path, template, tok, out_dir: Path) -> None:
     """Writes ``tokens`` (two documents per pair: chosen, then rejected), ``trained``
     (their completion flags) and ``first_trained.npy`` (per sequence: the index of its
-    first completion token, -1 if none, ``SAME_COMPLETIONS`` for both sides of a pair
-    whose completions are the same)."""
+    first completion token, -1 if none, ``EMPTY_COMPLETION`` for both sides of a pair
+    with an empty completion, else ``SAME_COMPLETIONS`` for both sides of a pair whose
+    completions are the same)."""
     dtype = token_dtype(tok.vocab_size)
     first: list[int] = []
     with IndexedDatasetWriter(out_dir / "tokens", dtype) as tokens, \
@@ -119,7 +156,8 @@ def tokenize_pairs(path: Path, template, tok, out_dir: Path) -> None:
             where = f"{path}:{n}"
             prompt, chosen, rejected = record_pair(obj, where)
             prompt_ids = template.prompt_ids(prompt, tok)
-            same = chosen == rejected
+            mark = (EMPTY_COMPLETION if empty_completion(chosen, rejected) else
+                    SAME_COMPLETIONS if chosen == rejected else None)
             for completion in (chosen, rejected):
                 ids, flags = template.encode(prompt + completion, tok, where)
                 start = _divergence(ids, prompt_ids)
@@ -127,7 +165,7 @@ def tokenize_pairs(path: Path, template, tok, out_dir: Path) -> None:
                 tokens.add_document(ids)
                 trained.add_document(flags.astype(np.uint8))
                 hits = np.flatnonzero(flags)
-                first.append(SAME_COMPLETIONS if same else int(hits[0]) if len(hits) else -1)
+                first.append(mark if mark is not None else int(hits[0]) if len(hits) else -1)
     save_npy(out_dir / "first_trained.npy", np.asarray(first, dtype=np.int64))
 
 
@@ -190,23 +228,28 @@ class PreferenceDataset(PlannedRows):
                 raise DataError(f"{self.path}: too few pairs ({len(first)}) to hold out "
                                 f"data.eval_fraction={fraction} of them and train on the rest")
         same = (first[ids] == SAME_COMPLETIONS).all(axis=1)
+        empty = (first[ids] == EMPTY_COMPLETION).all(axis=1)
         fits = ((first[ids] >= 1) & (first[ids] - self.cut[ids] < kept[ids])).all(axis=1)
-        self.rows = ids[fits & ~same]
+        self.rows = ids[fits]  # (a marked pair has no first token >= 1)
         self.sizes = (kept - 1).sum(axis=1)  # positions a pair fills, both sides
         self._kept = kept
-        self.same_completions = int(same.sum())
-        self.skipped_pairs = int((~fits & ~same).sum())
+        self.same_completions, self.empty_completions = int(same.sum()), int(empty.sum())
+        self.skipped_pairs = int((~fits & ~same & ~empty).sum())
         rows = self.rows
         self.truncated_prompts = int((self.cut[rows] > 0).any(axis=1).sum())
         self.truncated_completions = int((lengths[rows] - self.cut[rows]
                                           > self.seq_len + 1).any(axis=1).sum())
+        if self.empty_completions == len(ids):
+            raise DataError(f"{self.path}{which}: {_all_empty(len(ids))}")
         if not len(rows):
             raise DataError(f"{self.path}{which}: no pair keeps a completion token within "
                             f"data.seq_len + 1 = {self.seq_len + 1} tokens "
-                            f"({self.same_completions} with the same completions)")
-        if self.same_completions or self.skipped_pairs:
+                            f"({self.same_completions} with the same completions, "
+                            f"{self.empty_completions} with an empty one)")
+        if self.same_completions or self.skipped_pairs or self.empty_completions:
             warnings.warn(f"{self.path}{which}: {self.same_completions} pairs skipped for "
-                          f"the same chosen and rejected completion, {self.skipped_pairs} "
+                          f"the same chosen and rejected completion, "
+                          f"{self.empty_completions} for an empty one, {self.skipped_pairs} "
                           f"for no completion token within data.seq_len", stacklevel=3)
 
     @property
@@ -288,10 +331,11 @@ class PreferenceDataset(PlannedRows):
                  "preference_truncated_prompts": self.truncated_prompts,
                  "preference_truncated_completions": self.truncated_completions,
                  "preference_skipped_pairs": self.skipped_pairs,
-                 "preference_same_completions": self.same_completions}
+                 "preference_same_completions": self.same_completions,
+                 "preference_empty_completions": self.empty_completions}
         notes = [f"preference: {len(self.rows):,} pairs; {self.truncated_prompts:,} prompts "
                  f"cut to data.max_prompt_len, {self.truncated_completions:,} pairs cut to "
                  f"data.seq_len + 1 tokens; skipped: {self.skipped_pairs:,} with no "
                  f"completion token left, {self.same_completions:,} with the same chosen and "
-                 f"rejected"]
+                 f"rejected, {self.empty_completions:,} with an empty chosen or rejected"]
         return notes, stats

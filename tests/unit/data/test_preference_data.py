@@ -1,8 +1,9 @@
 """Preference pairs: TRL's three record formats render with the model's own chat template
 as transformers renders them, labels cover the completion only, length limits cut as TRL
 does (prompt from the left, completion from the right) and are counted, bad records are
-refused naming file:line, pairs with the same completions are skipped and counted, and a
-packed batch keeps each sequence's labels in its own slot."""
+refused naming file:line and the field at fault, pairs with the same completions or an
+empty (or blank) one are skipped and counted (a file of nothing but empty ones is
+refused), and a packed batch keeps each sequence's labels in its own slot."""
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ import torch
 from helpers.preference_data import model_dir, pairs, write_pairs
 from lmforge import IGNORE_INDEX
 from lmforge.data.errors import DataError
-from lmforge.data.preference import PreferenceDataset
+from lmforge.data.preference import PreferenceDataset, check_some_pair
 from lmforge.data.tokenizer import load_tokenizer
 
 
@@ -116,7 +117,24 @@ def test_length_limits_cut_as_trl_does_and_are_counted(model, tmp_path):
       "chosen": [{"role": "user", "content": "a"}],
       "rejected": [{"role": "assistant", "content": "b"}]},
      "'chosen' must end with an assistant message"),
-    ({"prompt": "hi", "chosen": "a", "rejected": 3}, "must all be strings"),
+    ({"prompt": "hi", "chosen": "a", "rejected": 3}, "'rejected' must be a string, as "
+     "'prompt' is"),
+    ({"chosen": "a", "rejected": "b"}, "missing key 'prompt'"),
+    ({"prompt": "hi", "system": 3, "chosen": "a", "rejected": "b"},
+     "'system' must be a string"),
+    ({"prompt": [{"role": "user"}], "chosen": [{"role": "assistant", "content": "a"}],
+      "rejected": [{"role": "assistant", "content": "b"}]},
+     "'prompt' message 1 needs a string 'content'"),
+    ({"prompt": [{"role": "user", "content": "q"}],
+      "chosen": [{"role": "assistant", "content": "a"}],
+      "rejected": [{"role": "assistant", "content": "b"}, {"role": "tool", "content": "c"},
+                   {"role": "assistant", "content": "d"}]},
+     "'rejected' message 2 has role 'tool'"),
+    ({"chosen": [{"role": "user", "content": "q"}, {"role": "user", "content": "q"},
+                 {"role": "assistant", "content": "a"}],
+      "rejected": [{"role": "user", "content": "q"}, {"role": "user", "content": "q"},
+                   {"role": "assistant", "content": "b"}]},
+     "'prompt' message 2 is 'user', expected 'assistant'"),
     ({"chosen": [{"role": "assistant", "content": "a"}],
       "rejected": [{"role": "assistant", "content": "b"}]}, "share no prompt message"),
 ])
@@ -132,6 +150,43 @@ def test_pairs_with_the_same_completions_are_skipped_and_counted(model, tmp_path
     with pytest.warns(UserWarning, match="1 pairs skipped for the same chosen"):
         ds = dataset(model, path, tmp_path)
     assert ds.same_completions == 1 and 4 not in ds.rows.tolist() and len(ds) == 4
+
+
+def _empty_in_each_format(blank: str) -> list[dict]:
+    """A pair with an empty (or blank) completion in each of TRL's three formats."""
+    user = {"role": "user", "content": "hi"}
+    return [{"prompt": "hi", "chosen": blank, "rejected": "no"},
+            {"prompt": [user], "chosen": [{"role": "assistant", "content": "yes"}],
+             "rejected": [{"role": "assistant", "content": blank}]},
+            {"chosen": [user, {"role": "assistant", "content": blank}],
+             "rejected": [user, {"role": "assistant", "content": "no"}]}]
+
+
+@pytest.mark.parametrize("blank", ["", " \n\t"])
+def test_pairs_with_an_empty_or_blank_completion_are_skipped_and_counted_in_every_format(
+        model, tmp_path, blank):
+    both = {"prompt": "hi", "chosen": blank, "rejected": blank}  # empty, not "the same"
+    path = write_pairs(tmp_path / "p.jsonl", [*pairs(4), *_empty_in_each_format(blank), both])
+    with pytest.warns(UserWarning, match="4 for an empty one"):
+        ds = dataset(model, path, tmp_path)
+    assert ds.empty_completions == 4 and ds.same_completions == 0
+    assert ds.rows.tolist() == [0, 1, 2, 3]
+    notes, stats = ds.report()
+    assert stats["preference_empty_completions"] == 4
+    assert "4 with an empty chosen or rejected" in notes[0]
+
+
+def test_a_file_of_empty_completions_only_is_refused_before_a_run_and_by_the_dataset(
+        model, tmp_path):
+    path = write_pairs(tmp_path / "p.jsonl", _empty_in_each_format(""))
+    message = r"every pair has an empty chosen or rejected completion \(3 pairs\)"
+    with pytest.raises(DataError, match=rf"^data\.path: {path}: {message}"):
+        check_some_pair("data.path", path)
+    with pytest.raises(DataError, match=rf"^{path}: {message}"):
+        dataset(model, path, tmp_path)
+    # a usable pair after empty ones: the check reads on to it, and stops there
+    write_pairs(path, [*_empty_in_each_format(""), pairs(1)[0], "not a record"])
+    check_some_pair("data.path", path)
 
 
 def test_held_out_pairs_are_a_fixed_share_apart_from_the_training_ones(model, tmp_path):
