@@ -400,6 +400,21 @@ def test_the_next_export_removes_a_killed_exports_temporaries_and_no_live_ones(
         ["merged"] + [p.name for p in kept])
 
 
+def test_the_next_gguf_export_removes_a_killed_ones_temporaries(bad_input_assets, tmp_path,
+                                                                capsys):
+    pytest.importorskip("gguf")
+    host = socket.gethostname()
+    stale = [tmp_path / f".m.gguf.tmp-{host}-{dead_pid()}-0123abcd",  # the half-written file
+             tmp_path / f".m.gguf.tmp-{host}-{dead_pid()}-4567cdef"]  # the HF copy of a run
+    stale[0].write_bytes(b"GGUF" + b"\0" * 4096)
+    (stale[1] / "hf").mkdir(parents=True)
+    live = tmp_path / f".m.gguf.tmp-{host}-{os.getppid()}-89abcdef"
+    live.write_bytes(b"")
+    code = main(["export", str(bad_input_assets["model"]), str(tmp_path / "m.gguf"), *GGUF])
+    assert code == 0, capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["m.gguf", live.name])
+
+
 def test_the_next_preprocess_removes_a_killed_ones_temporaries(bad_input_assets, tmp_path,
                                                                capsys):
     host = socket.gethostname()

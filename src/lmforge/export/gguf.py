@@ -23,7 +23,6 @@ import contextlib
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -79,7 +78,7 @@ def export_gguf(model_dir: str | Path, out: str | Path, dtype: str = "f16") -> P
 def gguf_file(out: Path, arch: str):
     """A ``GGUFWriter`` for ``out``: the file is written beside it and moved into place
     once the block has added everything (nothing is left behind when it raises)."""
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp = fsio.tmp_sibling(out)  # a killed export's is removed by the next one
     writer = _gguf().GGUFWriter(str(tmp), arch)
     try:
         yield writer
@@ -107,7 +106,7 @@ def export_gguf_from(source: str | Path, out: str | Path, dtype: str = "f16",
     path = find_checkpoint(source)
     # from the checkpoint's index: the tensors are read once, by the HF export
     lora = any(is_lora_param(k) for k in model_tensor_metadata(path))
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-hf-") as tmp, \
+    with fsio.temporary_dir(out) as tmp, \
             naming(Path(tmp) / "hf", path):
         hf = export_checkpoint(path, Path(tmp) / "hf", "merged" if lora else "hf",
                                tokenizer_dir)
@@ -128,7 +127,7 @@ def export_gguf_merged(model_dir: str | Path, adapter_dir: str | Path, out: str 
     pre_tokenizer(model_dir)
     model = load_hf_model(model_dir)
     load_adapter(model, adapter_dir)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-hf-") as tmp, \
+    with fsio.temporary_dir(out) as tmp, \
             naming(Path(tmp) / "hf", model_dir):
         merged = export_merged(model, Path(tmp) / "hf", tokenizer=load_tokenizer(model_dir))
         return export_gguf(merged, out, dtype)
@@ -144,7 +143,7 @@ def export_gguf_lora_from(source: str | Path, out: str | Path, base: Optional[st
     if (source / "adapter_config.json").is_file():
         return export_gguf_lora(source, _base_dir(source, base), out, dtype)
     path = find_checkpoint(source)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-peft-") as tmp, \
+    with fsio.temporary_dir(out) as tmp, \
             naming(Path(tmp) / "adapter", path):
         adapter = export_checkpoint(path, Path(tmp) / "adapter", "peft")
         return export_gguf_lora(adapter, _base_dir(adapter, base), out, dtype)
