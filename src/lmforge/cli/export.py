@@ -30,16 +30,21 @@ def add_parser(subparsers) -> None:
     p.add_argument("--base", metavar="DIR", default=None,
                    help="gguf-lora: the base model directory (default: the adapter's "
                    "base_model_name_or_path)")
-    p.add_argument("--gguf-dtype", choices=GGUF_DTYPES, default="f16",
-                   help="gguf: the matrices' type (vectors stay f32)")
+    p.add_argument("--gguf-dtype", choices=GGUF_DTYPES, default=None,
+                   help="gguf, gguf-lora: the matrices' type (vectors stay f32; default "
+                   "f16)")
     p.add_argument("--tokenizer", metavar="DIR", default=None,
-                   help="tokenizer directory (default: the run's tokenizer/)")
+                   help="tokenizer directory of a checkpoint's export (default: the run's "
+                   "tokenizer/; not gguf-lora, nor gguf from a model directory)")
     p.add_argument("--dtype", choices=tuple(EXPORT_DTYPES), default=None,
-                   help="weight dtype of the export (default: as trained)")
+                   help="hf, peft, merged: weight dtype of the export (default: as "
+                   "trained; gguf: --gguf-dtype)")
     p.set_defaults(func=_export_command)
 
 
 def _export_command(args) -> int:
+    _refuse_unread_options(args)
+    args.gguf_dtype = args.gguf_dtype or "f16"
     fsio.check_apart(args.out_dir, "OUT", _export_inputs(args))  # before anything is read
     if args.fmt == "gguf-lora":
         out = export_gguf_lora_from(args.checkpoint_dir, args.out_dir, args.base,
@@ -73,3 +78,25 @@ def _export_inputs(args) -> list:
     root = step.parent if step.parent.name == "checkpoints" else step
     run_tokenizer = root.parent / "tokenizer" if root is not step else None
     return [("CHECKPOINT_DIR", root), ("CHECKPOINT_DIR", run_tokenizer), *inputs]
+
+
+def _refuse_unread_options(args) -> None:
+    """An option the chosen format would ignore is refused, naming it: a GGUF's type is
+    --gguf-dtype, a model directory's GGUF holds that directory's own tokenizer, a LoRA
+    GGUF none, and only gguf-lora reads --base."""
+    gguf = args.fmt in ("gguf", "gguf-lora")
+    if gguf and args.dtype is not None:
+        raise ValueError(f"--dtype: --format {args.fmt} does not read it (the GGUF's "
+                         f"matrices' type is --gguf-dtype)")
+    if not gguf and args.gguf_dtype is not None:
+        raise ValueError(f"--gguf-dtype: --format {args.fmt} does not read it (it applies "
+                         f"to --format gguf and gguf-lora; {args.fmt}: --dtype)")
+    if args.base is not None and args.fmt != "gguf-lora":
+        raise ValueError(f"--base: --format {args.fmt} does not read it (it applies to "
+                         f"--format gguf-lora)")
+    model_dir = (Path(args.checkpoint_dir) / "config.json").is_file()
+    if args.tokenizer is not None and (args.fmt == "gguf-lora" or args.fmt == "gguf"
+                                       and model_dir):
+        why = ("a LoRA GGUF holds no tokenizer" if args.fmt == "gguf-lora" else
+               "the GGUF of a model directory holds that directory's own tokenizer")
+        raise ValueError(f"--tokenizer: --format {args.fmt} does not read it here ({why})")

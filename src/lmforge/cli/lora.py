@@ -32,10 +32,10 @@ def add_parser(sub) -> None:
     m.add_argument("--format", dest="fmt", choices=("hf", "gguf"), default="hf",
                    help="hf: a Hugging Face model directory; gguf: one file for llama.cpp "
                    "and Ollama (the base's tokenizer and chat template in it)")
-    m.add_argument("--dtype", default="auto", choices=_DTYPES,
-                   help="hf: stored dtype (auto: the base model's)")
-    m.add_argument("--gguf-dtype", choices=GGUF_DTYPES, default="f16",
-                   help="gguf: the matrices' type (vectors stay f32)")
+    m.add_argument("--dtype", default=None, choices=_DTYPES,
+                   help="hf: stored dtype (default auto: the base model's)")
+    m.add_argument("--gguf-dtype", choices=GGUF_DTYPES, default=None,
+                   help="gguf: the matrices' type (vectors stay f32; default f16)")
     m.set_defaults(func=_merge)
 
     eval_sft.add_arguments(lsub.add_parser("eval", help="alias of lmforge eval-sft",
@@ -44,6 +44,13 @@ def add_parser(sub) -> None:
 
 
 def _merge(args) -> int:
+    # an option the other format reads is refused, not ignored
+    for option, value, fmt in (("--dtype", args.dtype, "hf"),
+                               ("--gguf-dtype", args.gguf_dtype, "gguf")):
+        if value is not None and args.fmt != fmt:
+            raise ValueError(f"{option}: --format {args.fmt} does not read it (it applies "
+                             f"to --format {fmt})")
+    args.dtype, args.gguf_dtype = args.dtype or "auto", args.gguf_dtype or "f16"
     fsio.check_apart(args.output, "--output", [("--model", args.model),
                                                ("--adapter", args.adapter)])
     if args.fmt == "gguf":

@@ -9,9 +9,14 @@ What goes in:
 * the weights as ``f32``, ``f16``, ``bf16`` or ``q8_0`` (matrices; norms and other
   vectors stay f32, as llama.cpp's own converter keeps them, and a matrix whose rows are
   not whole q8_0 blocks of 32 is stored in f16);
+* the keys llama.cpp's own converter (convert_hf_to_gguf.py) writes for the same
+  directory: ``general.*`` (name, size label, model card, recommended sampling) by the
+  gguf package's ``Metadata``, the architecture's shape keys, the file type;
 * the tokenizer: a byte-level BPE vocabulary with its merges, token types (special
-  added tokens are control tokens), the pre-tokenizer llama.cpp must apply, BOS and
-  whether to add it, as the tokenizer's post-processor does;
+  added tokens are control tokens), the pre-tokenizer llama.cpp must apply (named by
+  how the tokenizer splits a probe text, as the converter names it by what the tokenizer
+  produces), BOS and whether to add it, as the tokenizer's post-processor does, and the
+  unknown and padding tokens the tokenizer's files name;
 * the chat template, and as EOS its end-of-turn token (``<|im_end|>``, ``<|eot_id|>``),
   so that llama.cpp and Ollama stop where the template stops.
 
@@ -20,6 +25,7 @@ The file is written beside its destination and moved into place once complete.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -31,30 +37,32 @@ import torch
 
 from lmforge import fsio
 from lmforge.checkpoint import find_checkpoint, model_tensor_metadata
-from lmforge.config.errors import naming
+from lmforge.config.errors import naming, show
 from lmforge.data.templates import get_template
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
-from lmforge.models.hf import load_hf_model, read_hf_state_dict, read_model_args
+from lmforge.models.hf import (from_hf_state_dict, load_hf_model, read_hf_config,
+                               read_hf_state_dict, read_model_args, stop_token_ids)
 from lmforge.models.registry import family_of
+from lmforge.peft.adapter_spec import (ADAPTER_WEIGHTS, adapter_linears, adapter_pairs,
+                                      check_against_base)
 from lmforge.peft.adapters import export_merged, load_adapter, read_adapter_config
 from lmforge.peft.lora import is_lora_param
 from lmforge.export import export_checkpoint
 
 GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0")
-# Pre-tokenizer regexes of tokenizer.json -> the name llama.cpp gives that pre-tokenizer
-LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?"
-                r"[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?"
-               r"[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-PRE_TOKENIZERS = {LLAMA3_SPLIT: "llama-bpe", QWEN2_SPLIT: "qwen2"}
 
 
 class GGUFError(ValueError):
     """What a GGUF export cannot hold; the message names the model, field or dtype."""
 
 
-def export_gguf(model_dir: str | Path, out: str | Path, dtype: str = "f16") -> Path:
-    """``model_dir`` (config.json, safetensors, tokenizer.json) as the GGUF file ``out``."""
+def export_gguf(model_dir: str | Path, out: str | Path, dtype: str = "f16",
+                name: Optional[str] = None) -> Path:
+    """``model_dir`` (config.json, safetensors, tokenizer.json) as the GGUF file ``out``.
+    The directory is checked as generate checks it (config.json against the weights'
+    names and shapes, no NaN or Inf, generation_config.json, the tokenizer) before
+    anything is written. ``name``: general.name (default: as llama.cpp's converter
+    derives it, from the model card or the directory's name)."""
     gguf = _gguf()
     model_dir, out = Path(model_dir), Path(out)
     if dtype not in GGUF_DTYPES:
@@ -62,16 +70,113 @@ def export_gguf(model_dir: str | Path, out: str | Path, dtype: str = "f16") -> P
     args, family = gguf_family(model_dir)
     tokenizer = load_tokenizer(model_dir)
     pre = pre_tokenizer(model_dir)  # refuses a tokenizer llama.cpp would split otherwise
+    hf_sd = checked_state_dict(model_dir, args)
+    stop_token_ids(model_dir)  # (generation_config.json, checked as generate reads it)
     arch = family.gguf.architecture(args)
     with gguf_file(out, arch) as writer:
-        writer.add_name(model_dir.name)
-        writer.add_file_type(_file_type(gguf, dtype))
-        family.gguf.write_hparams(writer, args)
-        write_tokenizer(writer, model_dir, tokenizer, args.vocab_size, pre)
         name_map = gguf.get_tensor_name_map(_arch_enum(gguf, arch), args.n_layers)
-        for name, tensor in family.gguf.tensors(read_hf_state_dict(model_dir), args, name_map):
-            _add_tensor(gguf, writer, name, tensor, dtype)
+        for gguf_name, tensor in family.gguf.tensors(hf_sd, args, name_map):
+            _add_tensor(gguf, writer, gguf_name, tensor, dtype)
+        # the keys in the order llama.cpp's converter writes them (the file holds them
+        # apart from the tensors, whatever the order they were added in)
+        write_general(writer, model_dir, name)
+        family.gguf.write_hparams(writer, args)
+        _add_head_size(writer, model_dir, args)
+        writer.add_file_type(_file_type(gguf, dtype))
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        write_tokenizer(writer, model_dir, tokenizer, args.vocab_size, pre)
     return out
+
+
+def checked_state_dict(model_dir: Path, args) -> dict[str, torch.Tensor]:
+    """The directory's tensors under their Hugging Face names, refused as generate refuses
+    them: a name or shape config.json does not give, a missing tensor, NaN or Inf."""
+    hf_sd = read_hf_state_dict(model_dir)
+    weights = model_dir / ("model.safetensors" if (model_dir / "model.safetensors").is_file()
+                           else "model.safetensors.index.json")
+    from_hf_state_dict(hf_sd, args, source=str(weights))  # (its checks; the result unused)
+    return hf_sd
+
+
+def _add_head_size(writer, model_dir: Path, args) -> None:
+    """key_length / value_length where config.json states head_dim, as llama.cpp's
+    converter writes them (a family writes them itself where heads are not dim / n_heads)."""
+    if read_hf_config(model_dir).get("head_dim") is None:
+        return
+    arch = writer.arch
+    if f"{arch}.attention.key_length" not in writer.kv_data[0]:
+        writer.add_key_length(args.head_dim)
+        writer.add_value_length(args.head_dim)
+
+
+def write_general(writer, model_dir: Path, name: Optional[str] = None) -> None:
+    """``general.*`` as llama.cpp's converter writes them, by the gguf package's own
+    ``Metadata`` (name, size label, base model, license, tags... from the model card
+    (README.md) and the directory's name; recommended sampling from
+    generation_config.json). Called once the tensors are added: the size label counts
+    them."""
+    gguf = _gguf()
+    total, shared, expert, experts = writer.get_total_parameter_count()
+    try:
+        meta = gguf.Metadata.load(None, model_dir, name, total)
+    except Exception as e:  # noqa: BLE001 (YAML's errors, and the heuristics' own)
+        raise GGUFError(f"{model_dir / 'README.md'}: its model card cannot be read "
+                        f"({_first_line(e)})") from None
+    if meta.name is None:
+        meta.name = model_dir.name
+    if meta.size_label is None and total > 0:
+        meta.size_label = gguf.size_label(total, shared, expert, experts)
+    _check_metadata(meta, model_dir)
+    writer.add_type(gguf.GGUFType.MODEL)
+    meta.set_gguf_meta_model(writer)
+
+
+# generation_config.json's key for each sampling field the gguf package reads from it
+_SAMPLING_KEYS = {"sampling_temp": "temperature", "sampling_penalty_last_n": "penalty_last_n"}
+
+
+def _check_metadata(meta, model_dir: Path) -> None:
+    """Every value read from the model card or generation_config.json has the type its
+    GGUF key holds (a file is refused naming the field, not failed half-written)."""
+    for field in dataclasses.fields(meta):
+        value = getattr(meta, field.name)
+        if value is None or _fits(value, str(field.type), field.name):
+            continue
+        if field.name.startswith("sampling_"):
+            where = model_dir / "generation_config.json"
+            key = _SAMPLING_KEYS.get(field.name, field.name.removeprefix("sampling_"))
+        else:
+            where, key = model_dir / "README.md", field.name
+        raise GGUFError(f"{where}: {key}: {show(value, 60)} is not {_kind(str(field.type))}")
+
+
+def _fits(value, annotation: str, field: str) -> bool:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if "list[dict]" in annotation:
+        return isinstance(value, list) and all(
+            isinstance(d, dict) and all(isinstance(v, str) for v in d.values()) for d in value)
+    if "list[str]" in annotation or field == "license" and isinstance(value, list):
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+    if "int" in annotation:
+        return number and isinstance(value, int) and -2**31 <= value < 2**31
+    if "float" in annotation:
+        return number and math.isfinite(value)
+    return isinstance(value, str)
+
+
+def _kind(annotation: str) -> str:
+    for part, kind in (("list[dict]", "a list of mappings of strings"),
+                       ("list[str]", "a list of strings"), ("int", "an integer"),
+                       ("float", "a finite number")):
+        if part in annotation:
+            return kind
+    return "a string"
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    line = text[0] if text else type(error).__name__
+    return line if len(line) <= 120 else line[:117] + "..."
 
 
 @contextlib.contextmanager
@@ -107,8 +212,9 @@ def export_gguf_from(source: str | Path, out: str | Path, dtype: str = "f16",
     # from the checkpoint's index: the tensors are read once, by the HF export
     lora = any(is_lora_param(k) for k in model_tensor_metadata(path))
     with fsio.temporary_dir(out) as tmp, \
-            naming(Path(tmp) / "hf", path):
-        hf = export_checkpoint(path, Path(tmp) / "hf", "merged" if lora else "hf",
+            naming(Path(tmp) / run_name(path), path):
+        # named after the run: llama.cpp's general.name is read off the directory's name
+        hf = export_checkpoint(path, Path(tmp) / run_name(path), "merged" if lora else "hf",
                                tokenizer_dir)
         return export_gguf(hf, out, dtype)
 
@@ -128,8 +234,9 @@ def export_gguf_merged(model_dir: str | Path, adapter_dir: str | Path, out: str 
     model = load_hf_model(model_dir)
     load_adapter(model, adapter_dir)
     with fsio.temporary_dir(out) as tmp, \
-            naming(Path(tmp) / "hf", model_dir):
-        merged = export_merged(model, Path(tmp) / "hf", tokenizer=load_tokenizer(model_dir))
+            naming(Path(tmp) / out.stem, model_dir):
+        # named as the output file: llama.cpp's general.name is read off the directory's
+        merged = export_merged(model, Path(tmp) / out.stem, tokenizer=load_tokenizer(model_dir))
         return export_gguf(merged, out, dtype)
 
 
@@ -171,14 +278,14 @@ def export_gguf_lora(adapter_dir: str | Path, base_dir: str | Path, out: str | P
     if dtype not in ("f32", "f16"):
         raise GGUFError(f"--gguf-dtype: a LoRA GGUF holds f32 or f16, not {dtype!r}")
     args, family = gguf_family(base_dir)
-    config, weights = read_adapter_config(adapter_dir)
+    pairs, config = checked_adapter(adapter_dir, args)
     arch = family.gguf.architecture(args)
     name_map = gguf.get_tensor_name_map(_arch_enum(gguf, arch), args.n_layers)
     with gguf_file(out, arch) as writer:
         writer.add_type("adapter")
         writer.add_string("adapter.type", "lora")
         writer.add_float32("adapter.lora.alpha", 0.0)
-        for module, (a, b) in adapter_pairs(weights).items():
+        for module, (a, b) in pairs.items():
             hf_name = f"{module}.weight"
             scaling = config.alpha(module) / (math.sqrt(config.rank(module))
                                               if config.use_rslora else config.rank(module))
@@ -189,13 +296,24 @@ def export_gguf_lora(adapter_dir: str | Path, base_dir: str | Path, out: str | P
     return out
 
 
-def adapter_pairs(weights: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """HF module name -> (A, B) of a PEFT adapter's weights."""
-    pairs: dict = {}
-    for key, tensor in weights.items():
-        module, _, which = key.removeprefix("base_model.model.").rpartition(".lora_")
-        pairs.setdefault(module, {})[which.split(".")[0]] = tensor
-    return {module: (p["A"], p["B"]) for module, p in pairs.items()}
+def checked_adapter(adapter_dir: Path, args):
+    """(HF module name -> (A, B), the adapter's config) of a PEFT adapter, checked
+    against the base model's shape as lora merge checks it (adapter_config.json, target
+    modules and layers the base has, each A and B's shape and rank, no NaN or Inf)."""
+    config, weights = read_adapter_config(adapter_dir)
+    linears = adapter_linears(args)
+    check_against_base(config, linears, args.n_layers)
+    pairs = adapter_pairs(config, weights, linears, Path(adapter_dir) / ADAPTER_WEIGHTS)
+    return pairs, config
+
+
+def run_name(checkpoint: Path) -> str:
+    """The name of the run a checkpoints/step-NNNNNNN directory belongs to (else the
+    checkpoint's own)."""
+    checkpoint = Path(checkpoint).resolve()
+    if checkpoint.parent.name == "checkpoints":
+        return checkpoint.parent.parent.name
+    return checkpoint.name
 
 
 def gguf_family(model_dir: Path):
@@ -256,26 +374,128 @@ def q8_0_fits(shape) -> bool:
 
 # ------------------------------------------------------------------------- tokenizer
 
+# The regular expressions llama.cpp splits text with, by the name a GGUF gives them
+# (``tokenizer.ggml.pre``), written as tokenizer.json writes regexes. llama.cpp applies
+# each in turn to the pieces the one before left, then maps bytes to byte-level symbols.
+GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?"
+                r"[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?"
+               r"[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaCppSplit:
+    """One way llama.cpp pre-tokenizes: its regexes, whether it takes a whole piece that
+    is in the vocabulary without merging (tokenizer.json's ``model.ignore_merges``), and
+    its name with and without the decoder's space clean-up (llama.cpp's detokenizer
+    removes " ?", " ." ... spaces where ``clean_up_tokenization_spaces`` is true)."""
+    regexes: tuple[str, ...]
+    ignore_merges: bool
+    name_clean: str
+    name_plain: str
+
+    def name(self, clean_up: bool) -> str:
+        return self.name_clean if clean_up else self.name_plain
+
+
+LLAMA_CPP_SPLITS = (
+    LlamaCppSplit((GPT2_SPLIT,), False, "gpt-2", "gpt-2"),
+    LlamaCppSplit((r"\p{N}", GPT2_SPLIT), False, "starcoder", "smollm"),  # digits apart
+    LlamaCppSplit((LLAMA3_SPLIT,), True, "llama-bpe", "llama-bpe"),
+    LlamaCppSplit((QWEN2_SPLIT,), False, "qwen2", "qwen2"),
+)
+
+# Text a pre-tokenizer is identified by: what splits it into pieces differs between the
+# regex sets above (runs of digits, contractions in either case, newlines, runs of spaces
+# and tabs, punctuation runs, letters and numbers of other scripts, emoji sequences), and
+# a first word without a space before it (a pre-tokenizer that adds one is not llama.cpp's).
+PROBE_TEXT = (
+    "Hello world! It's 2024: we'RE testing 7 digits 1234567 and 3.14, 3..3, -42% off.\n"
+    "  two spaces\tTab\t\tand\r\nCRLF\n\n\n   indented   \n \n"
+    "naïve café e\u0301 Ærøskøbing straße ﬁnal ÀÉÎ\n"
+    "日本語のテキスト 中文123 한국어 Привет, мир! Ελληνικά العربية हिन्दी ខ្មែរ\n"
+    "emoji 🚀🦙 😶\u200d🌫️ ✅ 1️⃣ ½ ² Ⅻ ١٢٣ ５６\n"
+    "code: foo_bar(x)=[1,2]; // ?!... \'\'\' \"\"\" ``` ---=== I'M 'tis he'll 'D we'Ve a'lL\n"
+    "ends with spaces   ")
+
+# Normalizers llama.cpp's BPE tokenizer does without (it normalizes nothing): NFC leaves
+# text that is already composed, as text usually is, unchanged.
+HARMLESS_NORMALIZERS = (None, "NFC")
+
+
 def pre_tokenizer(model_dir: Path) -> str:
-    """The name llama.cpp gives the tokenizer's pre-tokenizer; refused when the tokenizer
-    is not byte-level BPE or splits by a rule llama.cpp does not know by name."""
-    spec = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
-    if spec.get("model", {}).get("type") != "BPE":
-        raise GGUFError(f"{model_dir}/tokenizer.json: a {spec.get('model', {}).get('type')} "
-                        f"tokenizer; the GGUF export writes byte-level BPE tokenizers only")
-    pre = spec.get("pre_tokenizer") or {}
-    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
-    kinds = [s.get("type") for s in steps]
-    if kinds == ["ByteLevel"] and steps[0].get("use_regex", True):
-        return "gpt-2"
-    if kinds == ["Split", "ByteLevel"]:
-        name = PRE_TOKENIZERS.get(steps[0].get("pattern", {}).get("Regex"))
-        if name is not None:
-            return name
-    steps_text = " + ".join(map(str, kinds))
-    raise GGUFError(f"{model_dir}/tokenizer.json: a pre-tokenizer ({steps_text}) llama.cpp "
-                    f"does not know by name; the GGUF export writes GPT-2, "
-                    f"Llama 3 and Qwen2 byte-level BPE tokenizers")
+    """The name llama.cpp gives the tokenizer's pre-tokenizer, found by what it does: the
+    pieces it splits ``PROBE_TEXT`` into are those of one of llama.cpp's regex sets
+    (``LLAMA_CPP_SPLITS``), byte-level mapped. Refused when the tokenizer is not
+    byte-level BPE, or when llama.cpp would split or merge text differently."""
+    import tokenizers
+
+    load_tokenizer(model_dir)  # (refuses a file tokenizers cannot read, naming it)
+    path = model_dir / "tokenizer.json"
+    spec = json.loads(path.read_text(encoding="utf-8"))
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE":
+        raise GGUFError(f"{path}: a {model.get('type')} tokenizer; the GGUF export writes "
+                        f"byte-level BPE tokenizers only")
+    normalizer = (spec.get("normalizer") or {}).get("type")
+    if normalizer not in HARMLESS_NORMALIZERS:
+        raise GGUFError(f"{path}: normalizer: {normalizer}; llama.cpp normalizes nothing "
+                        f"before a BPE vocabulary, so it would tokenize text differently")
+    tok = tokenizers.Tokenizer.from_file(str(path))
+    if tok.pre_tokenizer is None:
+        raise GGUFError(f"{path}: no pre_tokenizer; llama.cpp splits text before BPE, so "
+                        f"it would tokenize text differently")
+    pieces = tok.pre_tokenizer.pre_tokenize_str(PROBE_TEXT)
+    split = next((s for s in LLAMA_CPP_SPLITS if _pieces(s, PROBE_TEXT) == pieces), None)
+    if split is None:
+        raise GGUFError(f"{path}: its pre_tokenizer splits text unlike any pre-tokenizer "
+                        f"llama.cpp knows by name ({_first_difference(pieces)}); the GGUF "
+                        f"export writes byte-level BPE tokenizers that split as GPT-2, "
+                        f"StarCoder/SmolLM, Llama 3 or Qwen2 do")
+    name = split.name(_clean_up(model_dir))
+    if bool(model.get("ignore_merges", False)) != split.ignore_merges:
+        raise GGUFError(f"{path}: model.ignore_merges is {bool(model.get('ignore_merges'))}"
+                        f" where llama.cpp's {name!r} pre-tokenizer, which splits text as "
+                        f"this one, has it {split.ignore_merges}: it would merge some words "
+                        f"differently")
+    return name
+
+
+def _pieces(split: LlamaCppSplit, text: str) -> list:
+    """``text`` split by ``split``'s regexes and byte-level mapped, as tokenizers reports
+    pieces: (piece, (start, end))."""
+    from tokenizers import Regex, pre_tokenizers
+
+    steps = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in split.regexes]
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+    return pre_tokenizers.Sequence(steps).pre_tokenize_str(text)
+
+
+def _first_difference(pieces: list) -> str:
+    """Where the tokenizer's pieces first differ from llama.cpp's GPT-2 split's."""
+    gpt2 = _pieces(LLAMA_CPP_SPLITS[0], PROBE_TEXT)
+    shown = lambda p: f"{PROBE_TEXT[p[1][0]:p[1][1]][:20]!r} as {p[0][:20]!r}"  # noqa: E731
+    for ours, theirs in zip(pieces, gpt2):
+        if ours != theirs:
+            return f"its first piece unlike GPT-2's split: {shown(ours)}, where GPT-2's " \
+                   f"is {shown(theirs)}"
+    return f"{len(pieces)} pieces where GPT-2's split makes {len(gpt2)}"
+
+
+def _clean_up(model_dir: Path) -> bool:
+    """tokenizer_config.json's ``clean_up_tokenization_spaces`` (transformers' default,
+    false, where it is not set)."""
+    config = _tokenizer_config(model_dir)
+    return config.get("clean_up_tokenization_spaces") is True
+
+
+def _tokenizer_config(model_dir: Path) -> dict:
+    path = model_dir / "tokenizer_config.json"
+    if not path.is_file():
+        return {}
+    config = json.loads(path.read_text(encoding="utf-8"))
+    return config if isinstance(config, dict) else {}
 
 
 def write_tokenizer(writer, model_dir: Path, tok: Tokenizer, n_vocab: int, pre: str) -> None:
@@ -305,10 +525,26 @@ def write_tokenizer(writer, model_dir: Path, tok: Tokenizer, n_vocab: int, pre: 
     eos = end_of_turn(tok)
     if eos is not None:
         writer.add_eos_token_id(eos)
-    if tok.pad_id is not None:
-        writer.add_pad_token_id(tok.pad_id)
+    for role, add in (("unk", writer.add_unk_token_id), ("pad", writer.add_pad_token_id)):
+        i = named_token(model_dir, tok, role, n_vocab)
+        if i is not None:
+            add(i)
     if tok.chat_template:
         writer.add_chat_template(tok.chat_template)
+
+
+def named_token(model_dir: Path, tok: Tokenizer, role: str, n_vocab: int) -> Optional[int]:
+    """The id of the ``role`` ("unk", "pad") token the tokenizer's files name, as llama.cpp's
+    converter finds it: tokenizer_config.json's ``<role>_token``, else config.json's
+    ``<role>_token_id``; None where neither names one (nothing is guessed)."""
+    named = _tokenizer_config(model_dir).get(f"{role}_token")
+    named = named.get("content") if isinstance(named, dict) else named
+    if isinstance(named, str) and tok.token_to_id(named) is not None:
+        return tok.token_to_id(named)
+    i = read_hf_config(model_dir).get(f"{role}_token_id")
+    if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n_vocab:
+        return i
+    return None
 
 
 def end_of_turn(tok: Tokenizer) -> Optional[int]:

@@ -8,6 +8,10 @@ end-of-turn token as EOS), refusals before anything is written, and a checkpoint
 LoRA adapters exported merged."""
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -15,7 +19,8 @@ from helpers.hf_models import hf_model_dir
 from helpers.real_tokenizers import CHATML_TEMPLATE, save_tokenizer
 from lmforge.cli import main
 from lmforge.data.tokenizer import load_tokenizer
-from lmforge.export.gguf import GGUFError, export_gguf, export_gguf_merged
+from lmforge.export.gguf import (LLAMA3_SPLIT, QWEN2_SPLIT, GGUFError, export_gguf,
+                                 export_gguf_merged, pre_tokenizer)
 from lmforge.models.hf import load_hf_model
 
 gguf = pytest.importorskip("gguf")
@@ -219,3 +224,141 @@ def test_a_yarn_extended_model_is_refused_before_anything_is_written(tmp_path):
     with pytest.raises(GGUFError, match="YaRN RoPE scaling is not written to GGUF yet"):
         export_gguf(src, tmp_path / "m.gguf")
     assert not list(tmp_path.glob("*.gguf*"))
+
+
+# ------------------------------------------------------------ llama.cpp's metadata
+
+GPT2_BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                   "use_regex": True}
+
+
+def with_pre_tokenizer(model: Path, out: Path, pre_tokenizer: dict, clean_up: bool = False,
+                       **bpe) -> Path:
+    """A copy of ``model`` whose tokenizer.json splits text with ``pre_tokenizer`` (its BPE
+    model's fields updated by ``bpe``) and whose tokenizer_config.json sets
+    clean_up_tokenization_spaces."""
+    shutil.copytree(model, out)
+    spec = json.loads((out / "tokenizer.json").read_text())
+    spec["pre_tokenizer"] = pre_tokenizer
+    spec["model"].update(bpe)
+    (out / "tokenizer.json").write_text(json.dumps(spec))
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config["clean_up_tokenization_spaces"] = clean_up
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
+def regex_then_bytes(*regexes: str) -> dict:
+    """A Sequence pre-tokenizer: each regex splits in turn, then bytes map to symbols."""
+    splits = [{"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated",
+               "invert": False} for r in regexes]
+    return {"type": "Sequence", "pretokenizers": [*splits, {**GPT2_BYTE_LEVEL,
+                                                            "use_regex": False}]}
+
+
+DIGITS_THEN_GPT2 = {"type": "Sequence", "pretokenizers": [
+    {"type": "Digits", "individual_digits": True}, GPT2_BYTE_LEVEL]}
+NAMED_SPLITS = {  # id -> (pre_tokenizer, clean_up_tokenization_spaces, BPE fields, name)
+    "gpt2": (GPT2_BYTE_LEVEL, False, {}, "gpt-2"),
+    "digits-then-gpt2 (SmolLM)": (DIGITS_THEN_GPT2, False, {}, "smollm"),
+    "digits-then-gpt2 cleaned (StarCoder)": (DIGITS_THEN_GPT2, True, {}, "starcoder"),
+    "llama3": (regex_then_bytes(LLAMA3_SPLIT), True, {"ignore_merges": True}, "llama-bpe"),
+    "qwen2": (regex_then_bytes(QWEN2_SPLIT), False, {}, "qwen2"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NAMED_SPLITS))
+def test_the_pre_tokenizer_is_named_by_how_it_splits_text(tmp_path, case):
+    """Identified from the pieces the tokenizer makes of a probe text, not from its
+    family: the same name llama.cpp's converter finds for SmolLM2 (smollm), Llama 3
+    (llama-bpe), Qwen2 (qwen2) and GPT-2 (gpt-2)."""
+    pre, clean_up, bpe, name = NAMED_SPLITS[case]
+    src = with_pre_tokenizer(model_dir(tmp_path / "src", "llama"), tmp_path / "m", pre,
+                             clean_up, **bpe)
+    assert pre_tokenizer(src) == name
+    reader = gguf.GGUFReader(export_gguf(src, tmp_path / "m.gguf", "f32"))
+    assert _field(reader, "tokenizer.ggml.pre") == name
+
+
+@pytest.mark.parametrize("kind", ["chatml", "llama3", "lmforge-trained"])
+def test_the_test_tokenizers_split_as_gpt2(tmp_path, kind):
+    if kind == "lmforge-trained":
+        from helpers.real_tokenizers import corpus
+        from lmforge.data.tokenizer import train_bpe
+
+        train_bpe(corpus(), 300).save(tmp_path)
+    else:
+        save_tokenizer(kind, tmp_path)
+    assert pre_tokenizer(tmp_path) == "gpt-2"
+
+
+REFUSED_SPLITS = {  # id -> (pre_tokenizer, BPE fields, what the refusal says)
+    "a space added before the text": ({**GPT2_BYTE_LEVEL, "add_prefix_space": True}, {},
+                                      r"'Hello' as 'ĠHello', where GPT-2's is 'Hello'"),
+    "digits in runs": ({"type": "Sequence", "pretokenizers": [
+        {"type": "Digits", "individual_digits": False}, GPT2_BYTE_LEVEL]}, {},
+        r"' ' as 'Ġ', where GPT-2's is ' 2024' as 'Ġ2024'"),
+    "a regex llama.cpp has no name for": (regex_then_bytes(r"\p{N}{1,2}|\p{L}+|\s+|[^\s]"),
+                                          {}, r"splits text unlike any pre-tokenizer"),
+    "no byte-level symbols": ({"type": "Split", "pattern": {"Regex": QWEN2_SPLIT},
+                               "behavior": "Isolated", "invert": False}, {},
+                              r"' world' as ' world', where GPT-2's is ' world' as 'Ġworld'"),
+    "sentencepiece-style": ({"type": "Metaspace", "replacement": "\u2581",
+                             "prepend_scheme": "first", "split": True}, {},
+                            r"'Hello' as '▁Hello'"),
+    "llama3's split without ignore_merges": (
+        regex_then_bytes(LLAMA3_SPLIT), {"ignore_merges": False},
+        r"model\.ignore_merges is False where llama\.cpp's 'llama-bpe' pre-tokenizer"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED_SPLITS))
+def test_a_tokenizer_llama_cpp_would_split_otherwise_is_refused_before_writing(tmp_path,
+                                                                              case):
+    pre, bpe, message = REFUSED_SPLITS[case]
+    src = with_pre_tokenizer(model_dir(tmp_path / "src", "llama"), tmp_path / "m", pre,
+                             **bpe)
+    with pytest.raises(GGUFError, match=message):
+        export_gguf(src, tmp_path / "m.gguf")
+    assert not list(tmp_path.glob("*.gguf*"))
+
+
+def test_general_keys_head_size_and_special_tokens_are_written_as_llama_cpps_converter(
+        tmp_path):
+    """general.* from the directory's name and model card, the size label from the
+    tensors, recommended sampling from generation_config.json (all through the gguf
+    package's Metadata, as the converter); llama's vocab_size and key/value length; the
+    unknown token the tokenizer names, and no padding token where none is named.
+    tests/deploy compares every key with the converter's own file."""
+    src = model_dir(tmp_path / "SmolLM2-135M-Instruct", "llama")
+    (src / "README.md").write_text("---\nlicense: apache-2.0\ntags: [chat]\n---\n# card\n")
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    (src / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                           "unk_token": "<|endoftext|>"}))
+    (src / "generation_config.json").write_text(json.dumps({"temperature": 0.2,
+                                                            "top_p": 0.9}))
+    reader = gguf.GGUFReader(export_gguf(src, tmp_path / "m.gguf", "q8_0"))
+    assert list(reader.fields)[3:5] == ["general.architecture", "general.type"]
+    assert _field(reader, "general.type") == "model"
+    assert _field(reader, "general.name") == "SmolLM2 135M Instruct"
+    n = sum(int(t.n_elements) for t in reader.tensors)  # (the name's "135M" is not this)
+    assert _field(reader, "general.size_label") == gguf.size_label(n, n, 0, 0) == "151K"
+    assert _field(reader, "general.license") == "apache-2.0"
+    assert _field(reader, "general.quantization_version") == gguf.GGML_QUANT_VERSION
+    assert _field(reader, "general.sampling.temp") == pytest.approx(0.2)
+    assert _field(reader, "general.file_type") == gguf.LlamaFileType.MOSTLY_Q8_0
+    args = load_hf_model(src).args
+    assert _field(reader, "llama.vocab_size") == args.vocab_size
+    assert _field(reader, "llama.attention.key_length") == args.head_dim
+    assert _field(reader, "llama.attention.value_length") == args.head_dim
+    tok = load_tokenizer(src)
+    assert _field(reader, "tokenizer.ggml.unknown_token_id") == tok.token_to_id("<|endoftext|>")
+    assert "tokenizer.ggml.padding_token_id" not in reader.fields
+
+
+def test_a_size_label_is_counted_from_the_tensors_where_the_name_has_none(tmp_path):
+    src = model_dir(tmp_path / "model", "llama")
+    reader = gguf.GGUFReader(export_gguf(src, tmp_path / "m.gguf", "f32"))
+    n = sum(int(t.n_elements) for t in reader.tensors)
+    assert _field(reader, "general.name") == "Model"  # (the converter's title case)
+    assert _field(reader, "general.size_label") == gguf.size_label(n, n, 0, 0)

@@ -38,6 +38,8 @@ def unsupported(args: LlamaArgs) -> str:
 def write_hparams(writer, args: LlamaArgs) -> None:
     """The shape keys llama.cpp reads for this architecture."""
     write_gguf_shape(writer, args, args.head_dim)
+    if architecture(args) == "llama":  # as llama.cpp's converter writes Llama's
+        writer.add_vocab_size(args.vocab_size)
     if args.head_dim != args.dim // args.n_heads:  # Qwen3: heads sized apart from dim
         writer.add_key_length(args.head_dim)
         writer.add_value_length(args.head_dim)
