@@ -18,6 +18,10 @@ checked, command arguments (config, overrides, --env) are shell-quoted and must 
 line, and each ``--setup`` line, the user's own shell code, runs as given through
 ``eval`` of one quoted word, so it cannot open a quote, a here-document or a line
 continuation that swallows the script after it.
+
+A set-up line or an activation that fails ends the job before it trains (``set -e``, a
+message naming the failed command): a ``module load`` or ``conda activate`` that failed
+would otherwise train in the wrong environment.
 """
 from __future__ import annotations
 
@@ -45,9 +49,14 @@ SLURM_TEMPLATE = Template("""#!/bin/bash
 #SBATCH --signal=B:USR1@$stop_before
 $extra_sbatch
 
+# Set-up and environment under errexit and pipefail: a line that fails stops the job
+# here, with one line saying which, before it trains in the wrong environment. Not yet
+# -u: activation and module scripts (conda's, Lmod's) read variables that may be unset.
+set -eo pipefail
+trap 'echo "lmforge: set-up failed (status $$?): $$BASH_COMMAND" >&2' ERR
 $environment
-# (Set after the environment: activation and module scripts may read unset variables.)
-set -euo pipefail
+trap - ERR
+set -u
 
 # The first node of the allocation hosts the rendezvous; every node runs one torchrun
 # that starts $procs_per_node worker(s), and lmforge reads RANK/WORLD_SIZE from torchrun.
@@ -133,7 +142,7 @@ def train_arguments(config: Optional[str], overrides: list[str]) -> list[str]:
 
 def environment_lines(env: Optional[str], setup: tuple[str, ...]) -> str:
     """The set-up lines, each run as given by ``eval`` of one quoted word, then the
-    environment's activation."""
+    environment's activation (the script runs them under ``set -eo pipefail``)."""
     lines = []
     if setup:
         for line in setup:

@@ -119,3 +119,53 @@ def test_without_a_warning_the_job_ends_with_the_run_and_is_not_requeued(tmp_pat
                                                                         srun_status):
     status, log = run_job(tmp_path, warn=False, srun_status=srun_status)
     assert status == srun_status and "requeue" not in log
+
+
+def run_set_up(tmp_path, setup: tuple[str, ...], env=None) -> subprocess.CompletedProcess:
+    """The generated script with these ``--setup`` lines (and ``env``), under bash with
+    the stand-ins; srun's stand-in exits at once, leaving ``log.started``."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    script = tmp_path / "job.sbatch"
+    script.write_text(render_slurm_script(None, LAYOUT, 1, 8, env=env, setup=setup))
+    environ = {k: v for k, v in os.environ.items() if k != "UNSET_BY_THE_TEST"}
+    environ.update(PATH=f"{bin_dir}:{os.environ['PATH']}", LOG=str(tmp_path / "log"),
+                   SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node001", FAKE_SRUN_STATUS="0")
+    return subprocess.run(["bash", str(script)], env=environ, capture_output=True, text=True,
+                          timeout=30)
+
+
+@pytest.mark.parametrize("failing", ["false", "false | cat", "module_that_is_not_there x"])
+def test_a_failed_set_up_line_stops_the_job_before_it_trains(tmp_path, failing):
+    """A failed `module load` or `conda activate` used to go on and train in the wrong
+    environment: the set-up lines ran before `set -euo pipefail`."""
+    done = tmp_path / "after"
+    job = run_set_up(tmp_path, ("echo set-up starts", failing, f"touch {done}"))
+    assert job.returncode != 0
+    assert not (tmp_path / "log.started").exists()  # srun (the training) never ran
+    assert not done.exists()  # nor the set-up line after the failed one
+    assert job.stdout.splitlines() == ["set-up starts"]
+    command = failing.split(" | ")[-1] if "|" in failing else failing
+    assert f"lmforge: set-up failed (status {job.returncode}): {command}" in job.stderr
+
+
+def test_a_failed_activation_stops_the_job_and_set_up_may_read_unset_variables(tmp_path):
+    """Set-up runs without -u (activation and module scripts read variables that may be
+    unset, as "$UNSET_BY_THE_TEST" here), the rest of the script with it."""
+    job = run_set_up(tmp_path, ('echo "[${UNSET_BY_THE_TEST}]"',))
+    assert job.returncode == 0 and (tmp_path / "log.started").exists(), job.stderr
+    assert job.stdout.splitlines()[0] == "[]"
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "activate").write_text("return 3\n")  # an activation that fails
+    (tmp_path / "log.started").unlink()
+    job = run_set_up(tmp_path, (), env=str(venv))
+    assert job.returncode == 3 and not (tmp_path / "log.started").exists()
+    assert f"lmforge: set-up failed (status 3): source {venv}/bin/activate" in job.stderr
+    script = render_slurm_script(None, LAYOUT, 1, 8, env=str(venv), setup=("module load x",))
+    order = [script.index(text) for text in ("\nset -eo pipefail\n", "\neval ",
+                                             "\nsource ", "\nset -u\n", "\nsrun ")]
+    assert order == sorted(order)

@@ -51,7 +51,8 @@ def add_parser(sub) -> None:
                    "running this command, if any; 'none': use the submitting shell's PATH)")
     s.add_argument("--setup", action="append", default=[], metavar="LINE",
                    help="a shell line to run before training, e.g. 'module load cuda' "
-                   "(repeatable; one line each, run as given by the batch shell)")
+                   "(repeatable; one line each, run as given by the batch shell; one "
+                   "that fails stops the job before it trains)")
     s.add_argument("--output", default="lmforge.sbatch", help="script path to write")
     s.add_argument("--submit", action="store_true", help="run sbatch on the script")
     s.set_defaults(func=_slurm)
