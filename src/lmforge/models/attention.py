@@ -99,6 +99,12 @@ class DecodeMask:
         self.start, self.columns = start, columns  # (batch,), (seq,)
         self._built: dict = {}
 
+    def memo(self, key, make):
+        """``make()`` once per forward (one DecodeMask per step), shared by the layers."""
+        if key not in self._built:
+            self._built[key] = make()
+        return self._built[key]
+
     def dense(self, window: Optional[int], keys: int) -> torch.Tensor:
         """(batch, 1, seq, keys) bool, True = may attend; built once per window."""
         if (window, keys) not in self._built:
@@ -109,6 +115,12 @@ class DecodeMask:
                 allowed &= k > q - window
             self._built[(window, keys)] = (allowed | (k == q))[:, None]
         return self._built[(window, keys)]
+
+
+def per_forward(mask, key, make):
+    """``make()`` (rotary tables from the positions), computed once per decoder step and
+    shared by every layer when the mask is a ``DecodeMask``; else once per call."""
+    return mask.memo(key, make) if isinstance(mask, DecodeMask) else make()
 
 
 class ContextParallel:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmforge.models.attention import attend
+from lmforge.models.attention import attend, per_forward
 from lmforge.models.common import DecoderStack, GatedMLP, KVCache, Projections
 from lmforge.models.family import BlockSpec
 from lmforge.models.llama.model import apply_rope
@@ -126,7 +126,8 @@ class Attention(nn.Module):
         past = cache.length if cache is not None else 0
         if positions is None:
             positions = torch.arange(past, past + seq, device=x.device).expand(batch, seq)
-        cos, sin = rope_cos_sin(self.args, positions, self.sliding)  # (batch, seq, hd)
+        cos, sin = per_forward(mask, ("rope", self.sliding),  # (batch, seq, hd) each
+                               lambda: rope_cos_sin(self.args, positions, self.sliding))
         q = self.q_norm(self.q_proj(x).view(batch, seq, -1, self.head_dim))  # (b, s, h, hd)
         k = self.k_norm(self.k_proj(x).view(batch, seq, -1, self.head_dim))  # (b, s, kv, hd)
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)  # (b, kv, s, hd)

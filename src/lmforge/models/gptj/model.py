@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmforge.models.attention import attend
+from lmforge.models.attention import attend, per_forward
 from lmforge.models.common import DecoderStack, KVCache, Projections
 from lmforge.models.family import BlockSpec
 
@@ -96,7 +96,8 @@ class Attention(nn.Module):
         past = cache.length if cache is not None else 0
         if positions is None:
             positions = torch.arange(past, past + seq, device=x.device).expand(batch, seq)
-        cos, sin = rotary_cos_sin(self.args, positions)  # (batch, seq, rotary_features)
+        cos, sin = per_forward(mask, "rope", lambda: rotary_cos_sin(self.args, positions))
+        # (batch, seq, rotary_features) each
         # -1 instead of the head count: under tensor parallelism each rank holds a slice.
         q = apply_rotary(self.q_proj(x).view(batch, seq, -1, self.head_dim), cos, sin)
         k = apply_rotary(self.k_proj(x).view(batch, seq, -1, self.head_dim), cos, sin)

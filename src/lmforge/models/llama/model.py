@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmforge.models.attention import attend
+from lmforge.models.attention import attend, per_forward
 from lmforge.models.common import DecoderStack, GatedMLP, KVCache, Projections
 from lmforge.models.family import BlockSpec
 
@@ -209,7 +209,8 @@ class Attention(nn.Module):
             positions = torch.arange(past, past + seq, device=x.device).expand(batch, seq)
         # Computed here, from the full sequence, because under sequence parallelism the
         # block's input is only this rank's slice of it.
-        cos, sin = rope_cos_sin(self.args, positions)  # (batch, seq, head_dim)
+        cos, sin = per_forward(mask, "rope", lambda: rope_cos_sin(self.args, positions))
+        # (batch, seq, head_dim) each
         # -1 instead of the head counts: under tensor parallelism each rank holds a slice.
         q = self.q_proj(x).view(batch, seq, -1, self.head_dim)  # (b, s, h, hd)
         k = self.k_proj(x).view(batch, seq, -1, self.head_dim)  # (b, s, kv, hd)

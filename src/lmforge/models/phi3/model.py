@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmforge.models.attention import attend
+from lmforge.models.attention import attend, per_forward
 from lmforge.models.common import DecoderStack, KVCache, Projections
 from lmforge.models.family import BlockSpec, Fused
 from lmforge.models.llama.model import RMSNorm, rotate_half
@@ -138,7 +138,8 @@ class Attention(nn.Module):
         past = cache.length if cache is not None else 0
         if positions is None:
             positions = torch.arange(past, past + seq, device=x.device).expand(batch, seq)
-        cos, sin = rope_cos_sin(self.args, positions, per_row=cache is not None)  # (b, s, rd)
+        cos, sin = per_forward(mask, "rope", lambda: rope_cos_sin(  # (b, s, rd) each
+            self.args, positions, per_row=cache is not None))
         # One group per kv head: its queries, its key, its value (-1: this rank's groups).
         qkv = self.qkv_proj(x).view(batch, seq, -1, self.queries_per_kv + 2, self.head_dim)
         q = qkv[:, :, :, :-2].reshape(batch, seq, -1, self.head_dim)  # (b, s, h, hd)
