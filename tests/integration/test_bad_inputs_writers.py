@@ -91,6 +91,9 @@ PREPROCESS = ["preprocess", "--input", "{text}", "--tokenizer", "{tokenizer}",
               "--output-prefix", "{tmp}/p"]
 TOKENIZER = ["tokenizer", "train", "--input", "{text}", "--vocab-size", "300", "--output"]
 REPORT = ["report", "{tmp}/run", "--output"]
+GENERATE = ["generate", "--model", "{model}", "--prompts", "{tmp}/p.jsonl", "--output"]
+PROMPTS = write("p.jsonl", '{"prompt": "hi"}\n')
+TRAIN = ["train", "train.max_steps=1", "optim.warmup_steps=0"]
 FILE_IN_WAY = r"is a file to write, but {what} is in the way"
 DIR_IN_WAY = r"is a directory to write, but {what} is in the way"
 
@@ -196,6 +199,20 @@ SPECIAL_TARGETS = [
         [*PREPROCESS, "--json-key", "text", "body"],
         in_way("--output-prefix", r"p_body_document\.bin", "a socket"),
         setup=unix_socket("p_body_document.bin")),
+    # generated text, the run directory
+    Bad("generate output onto a fifo", [*GENERATE, "{tmp}/out.jsonl"],
+        in_way("--output", r"out\.jsonl", "a FIFO"), setup=steps(PROMPTS, fifo("out.jsonl"))),
+    Bad("generate output onto a device", [*GENERATE, "{tmp}/out.jsonl"],
+        in_way("--output", r"out\.jsonl", "a character device"),
+        setup=steps(PROMPTS, device("out.jsonl"))),
+    Bad("train output_dir a fifo", [*TRAIN, "train.output_dir={tmp}/run"],
+        in_way("train.output_dir", "run", "a FIFO", "dir"), setup=fifo("run")),
+    Bad("train output_dir whose config.yaml is a fifo", [*TRAIN, "train.output_dir={tmp}/run"],
+        inside("train.output_dir", "run", r"config\.yaml"), setup=fifo("run/config.yaml")),
+    Bad("train output_dir whose metrics are a device", [*TRAIN, "train.output_dir={tmp}/run"],
+        inside("train.output_dir", "run", r"metrics\.jsonl", "a character device"),
+        setup=special_in("run", "metrics.jsonl", device)),
+    # tokens and tokenizers
     Bad("tokenizer output onto a fifo", [*TOKENIZER, "{tmp}/tok"],
         in_way("--output", "tok", "a FIFO", "dir"), setup=fifo("tok")),
     Bad("tokenizer output directory whose tokenizer.json is a fifo", [*TOKENIZER, "{tmp}/tok"],
@@ -313,6 +330,10 @@ OWN_INPUTS = [
          "--output", "{tmp}/c.yaml"],
         apart("--output", r"{tmp}/c\.yaml", "is", "CONFIG", r"{tmp}/c\.yaml"),
         setup=write("c.yaml", "train:\n  seed: 1\n")),
+    Bad("generate output onto its prompts",
+        [*GENERATE, "{tmp}/p.jsonl"],
+        apart("--output", r"{tmp}/p\.jsonl", "is", "--prompts", r"{tmp}/p\.jsonl"),
+        setup=PROMPTS),
     Bad("plan output over its config",
         ["plan", "{tmp}/c.yaml", "--gpus", "8", "--output", "{tmp}/c.yaml"],
         apart("--output", r"{tmp}/c\.yaml", "is", "CONFIG", r"{tmp}/c\.yaml"),

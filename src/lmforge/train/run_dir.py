@@ -126,6 +126,10 @@ def claim_run_dir(cfg: JobConfig, run_dir: Path) -> RunClaim:
     """Rank 0, before anything is written there: lock ``run_dir`` and apply the fresh-run
     rule. Returns the claim; raises ``ConfigError`` with one line otherwise, leaving the
     directory as it was."""
+    try:  # a device, FIFO or socket in it would be written into, or block the run
+        fsio.check_writable(run_dir, "train.output_dir", kind="dir")
+    except (OSError, ValueError) as e:
+        raise ConfigError(str(e)) from None
     created = _outermost_missing(run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
