@@ -230,3 +230,35 @@ def test_the_host_reads_the_stop_flags_once_every_16_tokens(monkeypatch):
     out = generate(model, PROMPTS[:2], 40, SAMPLED, seeds=[1, 2])
     assert len(out[0].ids) == 40
     assert reads == ["__bool__"] * 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma3", "phi3-longrope"])
+def test_the_compiled_step_decodes_gemma3s_and_phi3s_special_layers(family, tmp_path):
+    """Gemma 3's local and global layers (window 4 of a 19-token prompt), Phi-3's
+    LongRoPE past its pretraining length (16): compiled equals eager."""
+    from helpers.hf_models import random_hf_causal_lm
+    from lmforge.models.hf import load_hf_model
+
+    if family == "gemma3":
+        config = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                      vocab_size=97, sliding_window=4, layer_types=["sliding_attention",
+                                                                    "full_attention"])
+        hf = random_hf_causal_lm("gemma3_text", seed=4, **config)
+    else:
+        rotary = 8  # partial_rotary_factor 0.5 of 16 features per head
+        factors = [1.0 + i / 4 for i in range(rotary // 2)]
+        hf = random_hf_causal_lm("phi3", seed=3, partial_rotary_factor=0.5,
+                                 original_max_position_embeddings=16,
+                                 rope_scaling={"rope_type": "longrope", "short_factor": factors,
+                                               "long_factor": [2 * f for f in factors],
+                                               "original_max_position_embeddings": 16})
+    hf.save_pretrained(tmp_path)
+    model = load_hf_model(tmp_path)
+    assert family == "gemma3" or model.args.rope_scaling is not None
+    prompts = [[5, 6, 7], list(range(1, 20)), [9]]
+    eager, compiled = generate(model, prompts, 12), generate(model, prompts, 12, compile=True)
+    assert [c.ids for c in compiled] == [c.ids for c in eager]
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(b.model_logprobs, a.model_logprobs, rtol=0, atol=1e-5)
