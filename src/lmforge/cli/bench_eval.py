@@ -10,7 +10,7 @@ from lmforge import fsio
 from lmforge.cli.common import DEVICES, load_scored_model
 from lmforge.config import resolve_device
 from lmforge.data.tokenizer import load_tokenizer
-from lmforge.eval.harness import headline_scores, run_harness
+from lmforge.eval.harness import check_tasks, headline_scores, offline, run_harness
 from lmforge.perf.records import HARNESS_DIR, METRICS_FILE
 
 
@@ -26,7 +26,9 @@ def add_parser(sub) -> None:
     p.add_argument("--tasks", required=True,
                    help="comma-separated task names (lm-eval's, or from --include-path)")
     p.add_argument("--include-path", default=None, metavar="DIR",
-                   help="a folder of task YAML files to add to lm-eval's")
+                   help="a folder of task YAML files to add to lm-eval's. It is code: "
+                   "a !function in a YAML imports and runs the Python file beside it "
+                   "(docs/security.md); give only a folder you would execute")
     p.add_argument("--limit", type=float, default=None,
                    help="score the first N documents of each task (a fraction if < 1)")
     p.add_argument("--num-fewshot", type=int, default=None,
@@ -42,6 +44,7 @@ def add_parser(sub) -> None:
 
 
 def _bench_eval(args) -> int:
+    offline()  # first: the hub's and datasets' switches are read when they are imported
     if args.batch_size <= 0 or (args.limit is not None and args.limit <= 0):
         raise ValueError("--batch-size and --limit must be > 0")
     if args.num_fewshot is not None and args.num_fewshot < 0:
@@ -55,10 +58,12 @@ def _bench_eval(args) -> int:
         fsio.check_writable(output, "--output")
     if args.include_path and not Path(args.include_path).is_dir():
         raise ValueError(f"--include-path: {args.include_path} is not a directory")
+    manager = check_tasks(tasks, args.include_path)  # the data, before the model loads
     device = resolve_device(args.device, "--device")
     model = load_scored_model(args.model, args.adapter, device)
     results = run_harness(model, load_tokenizer(args.model), device, tasks,
-                          args.include_path, args.limit, args.num_fewshot, args.batch_size)
+                          args.include_path, args.limit, args.num_fewshot, args.batch_size,
+                          manager=manager)
     result = {"model": str(args.model), "adapter": args.adapter, "tasks": tasks,
               "limit": args.limit, "num_fewshot": args.num_fewshot,
               "scores": headline_scores(results), **results}
