@@ -277,7 +277,8 @@ class EvalConfig:
     harness_tasks: Any = key(None, "lm-eval tasks scored after the last step (a list, or "
                              "names separated by commas); their data must be local")
     harness_include_path: Optional[str] = key(None, "a folder of task YAMLs (lm-eval's "
-                                              "--include-path)")
+                                              "--include-path); code: a !function runs its "
+                                              "Python file (docs/security.md)")
     harness_limit: Optional[float] = key(None, "samples per task (a fraction when < 1)",
                                          bound="> 0")
     harness_num_fewshot: Optional[int] = key(None, "few-shot examples (default: the "
