@@ -1,0 +1,266 @@
+"""Reward functions for GRPO (rl.rewards): the built-ins that need no code (``exact_answer``,
+``format``, ``length``) and the user's own functions, named ``path/to/file.py:function``.
+
+Every reward has TRL's signature, so a function written for TRL runs here unchanged:
+``f(prompts=[...], completions=[...], completion_ids=[[...], ...], **fields)`` where each
+field (``answer``, ``tests``, ...) is a list holding that field of each completion's record;
+it returns one float per completion, or None where the reward does not apply (TRL's
+meaning: a None is left out of the weighted sum, and a completion no reward applies to gets
+no advantage). ``score`` runs them all and refuses, naming the function and the record, a
+reward that raises, returns the wrong count or a value that is not a finite number.
+
+A user's reward function is the user's code: loading it executes that file, with the
+rights of the training process (docs/security.md).
+"""
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import math
+import re
+import sys
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from lmforge.config.errors import ConfigError, show, show_name
+
+BUILTINS = ("exact_answer", "format", "length")
+_NUMBER = re.compile(r"[-+]?(?:\d[\d,]*(?:\.\d*)?|\.\d+)(?:/\d+)?")
+_PROMPT_SHOWN = 40  # characters of a prompt an error quotes
+
+
+class RewardError(ValueError):
+    """A reward function failed on a batch: the message names it and the record."""
+
+
+# ---------------------------------------------------------------- answers
+def extract_answer(text: str) -> Optional[str]:
+    """The final answer a completion states: the content of its last ``\\boxed{...}``
+    (braces balanced), else the line after its last ``####``, else its last number; None
+    when it states none."""
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return boxed.strip()
+    if "####" in text:
+        after = text.rsplit("####", 1)[1].strip()
+        return after.splitlines()[0].strip() if after else None
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def _last_boxed(text: str) -> Optional[str]:
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 1, start + len("\\boxed{")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None  # unclosed: no boxed answer
+
+
+def normalize_answer(answer: Any) -> Any:
+    """A number as an exact ``Fraction`` (``1,000`` = ``1000``, ``2.50`` = ``2.5``,
+    ``1/2`` = ``0.5``, a leading ``$`` or trailing ``.``/``%`` dropped), anything else as
+    its text with whitespace collapsed and case kept."""
+    if isinstance(answer, bool):
+        return str(answer)
+    if isinstance(answer, (int, float)):
+        return Fraction(answer).limit_denominator(10**12) if math.isfinite(answer) else None
+    text = " ".join(str(answer).split())
+    number = text.strip("$").rstrip(".%").replace(",", "").replace(" ", "")
+    if re.fullmatch(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?", number):
+        try:
+            return Fraction(number)
+        except ZeroDivisionError:  # "1/0": not a number, compared as text
+            return text
+    return text
+
+
+def answers_equal(completion: str, expected: Any) -> bool:
+    found = extract_answer(completion)
+    return found is not None and normalize_answer(found) == normalize_answer(expected)
+
+
+# ---------------------------------------------------------------- built-ins
+def exact_answer_reward(answer_field: str) -> Callable:
+    """1.0 when the completion's final answer (``extract_answer``) equals the record's
+    ``answer_field`` after ``normalize_answer``, else 0.0; None for a record without it."""
+    def exact_answer(prompts, completions, **fields):
+        expected = fields.get(answer_field) or [None] * len(completions)
+        return [None if want is None else float(answers_equal(_text(c), want))
+                for c, want in zip(completions, expected)]
+    return exact_answer
+
+
+def format_reward(pattern: str) -> Callable:
+    """1.0 when the whole completion matches ``pattern`` (``re.fullmatch`` with DOTALL, so
+    ``.`` crosses lines and the pattern describes the completion from its first character
+    to its last), else 0.0."""
+    compiled = re.compile(pattern, re.DOTALL)
+
+    def format_reward(prompts, completions, **fields):
+        return [float(compiled.fullmatch(_text(c)) is not None) for c in completions]
+    format_reward.__name__ = "format"  # its metric: rewards/format/mean
+    return format_reward
+
+
+def length_reward(max_completion_length: int) -> Callable:
+    """A length penalty: -(completion tokens) / rl.max_completion_length, in [-1, 0]: 0 for
+    an empty completion, -1 for one cut at the limit."""
+    def length(prompts, completions, completion_ids=None, **fields):
+        return [-len(ids) / max_completion_length for ids in completion_ids]
+    return length
+
+
+def _text(completion: Any) -> str:
+    """A completion's text: a string, or the content of chat messages (TRL's
+    conversational form: ``[{"role": "assistant", "content": ...}]``)."""
+    if isinstance(completion, list):
+        return "".join(str(m.get("content", "")) for m in completion if isinstance(m, dict))
+    return str(completion)
+
+
+# ---------------------------------------------------------------- loading
+@dataclass(frozen=True)
+class Reward:
+    name: str  # the metric's name: rewards/<name>/mean
+    func: Callable
+    weight: float
+
+
+def load_rewards(specs: Sequence[str], weights: Optional[Sequence[float]] = None, *,
+                 answer_field: str = "answer", format_pattern: Optional[str] = None,
+                 max_completion_length: int = 256) -> list[Reward]:
+    """The rewards rl.rewards names, with rl.reward_weights (default: 1 each)."""
+    if not specs:
+        raise ConfigError("rl.rewards: name at least one reward (exact_answer, format, "
+                          "length or path/to/file.py:function)")
+    if weights is not None and len(weights) != len(specs):
+        raise ConfigError(f"rl.reward_weights: {len(weights)} weights for {len(specs)} "
+                          f"rewards (rl.rewards); give one per reward")
+    rewards = []
+    for i, spec in enumerate(specs):
+        weight = 1.0 if weights is None else float(weights[i])
+        if not math.isfinite(weight):
+            raise ConfigError(f"rl.reward_weights: {show(weights[i])} is not a finite number")
+        if spec == "exact_answer":
+            func = exact_answer_reward(answer_field)
+        elif spec == "format":
+            func = format_reward(_pattern(format_pattern))
+        elif spec == "length":
+            func = length_reward(max_completion_length)
+        else:
+            func = load_user_function(spec)
+        rewards.append(Reward(getattr(func, "__name__", spec), func, weight))
+    return rewards
+
+
+def _pattern(pattern: Optional[str]) -> str:
+    if not pattern:
+        raise ConfigError("rl.format_pattern: the format reward needs a regular expression "
+                          "(rl.format_pattern=...)")
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise ConfigError(f"rl.format_pattern: {show(pattern)} is not a regular expression "
+                          f"({e})") from None
+    return pattern
+
+
+def load_user_function(spec: str) -> Callable:
+    """``path/to/file.py:function`` (the path relative to the working directory): that
+    file executed as a module, and its function, checked to take TRL's arguments."""
+    path, sep, name = str(spec).rpartition(":")
+    if not sep or not path.endswith(".py") or not name.isidentifier():
+        raise ConfigError(f"rl.rewards: {show(spec)} is neither a built-in reward "
+                          f"({', '.join(BUILTINS)}) nor path/to/file.py:function")
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"rl.rewards: {show_name(file)}: no such file (from {show(spec)})")
+    module_name = f"lmforge_rewards_{abs(hash(str(file.resolve())))}"
+    try:
+        module_spec = importlib.util.spec_from_file_location(module_name, file)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[module_name] = module
+        module_spec.loader.exec_module(module)
+    except Exception as e:  # the user's file: any error it raises is theirs to fix
+        sys.modules.pop(module_name, None)
+        raise ConfigError(f"rl.rewards: loading {show_name(file)} failed: "
+                          f"{type(e).__name__}: {e}") from None
+    func = getattr(module, name, None)
+    if not callable(func):
+        raise ConfigError(f"rl.rewards: {show_name(file)} defines no function {name!r}")
+    _check_signature(spec, func)
+    return func
+
+
+def _check_signature(spec: str, func: Callable) -> None:
+    """TRL calls ``func(prompts=..., completions=..., completion_ids=..., **fields)``:
+    it must take ``prompts`` and ``completions`` by name and any other keyword."""
+    try:
+        params = inspect.signature(func).parameters
+    except (TypeError, ValueError):
+        return  # (a builtin without a signature: its first call says what is wrong)
+    kinds = {p.kind for p in params.values()}
+    named = {n for n, p in params.items()
+             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    if not {"prompts", "completions"} <= named or inspect.Parameter.VAR_KEYWORD not in kinds:
+        raise ConfigError(f"rl.rewards: {show(spec)} takes {inspect.signature(func)}; a reward "
+                          f"takes (prompts, completions, **kwargs) as in TRL")
+
+
+# ---------------------------------------------------------------- scoring
+def score(rewards: Sequence[Reward], prompts: list, completions: list,
+          completion_ids: list, fields: dict[str, list]) -> torch.Tensor:
+    """(completions, rewards) float32: each reward's value per completion, NaN where it
+    returned None. ``fields``: each record field, one value per completion."""
+    columns = []
+    for reward in rewards:
+        try:
+            values = reward.func(prompts=prompts, completions=completions,
+                                 completion_ids=completion_ids, **fields)
+        except Exception as e:
+            raise RewardError(f"reward {reward.name}: raised {type(e).__name__}: {e} "
+                              f"(on the batch starting at {_record(prompts, 0)})") from None
+        columns.append(_check_values(reward.name, values, prompts))
+    return torch.tensor(columns, dtype=torch.float32).T.reshape(len(prompts), len(rewards))
+
+
+def _check_values(name: str, values: Any, prompts: list) -> list[float]:
+    try:
+        values = list(values)
+    except TypeError:
+        raise RewardError(f"reward {name}: returned {show(values)}, not a list with one "
+                          f"float or None per completion") from None
+    if len(values) != len(prompts):
+        raise RewardError(f"reward {name}: returned {len(values)} values for "
+                          f"{len(prompts)} completions (one float or None per completion)")
+    out = []
+    for i, v in enumerate(values):
+        if v is None:
+            out.append(math.nan)
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise RewardError(f"reward {name}: {show(v)} is not a finite number or None "
+                              f"(for {_record(prompts, i)})")
+        out.append(float(v))
+    return out
+
+
+def _record(prompts: list, i: int) -> str:
+    """Completion ``i``'s record, as an error names it: its index and its prompt's start."""
+    prompt = _text(prompts[i]) if i < len(prompts) else ""
+    return f"completion {i}, prompt {show(prompt, _PROMPT_SHOWN)}"
+
+
+def weighted_sum(per_reward: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each completion's reward: the weighted sum of the rewards that apply (a None is
+    left out: a NaN-aware sum); NaN where none applies (TRL's "unscorable")."""
+    total = (per_reward * weights[None, :]).nansum(dim=1)
+    return total.masked_fill(torch.isnan(per_reward).all(dim=1), math.nan)

@@ -1,0 +1,135 @@
+"""GRPO's rewards (train/rewards.py): the built-ins' answers, format and length, user
+functions loaded from their file with TRL's signature, the weighted NaN-aware sum, and the
+refusals that name the function and the record."""
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+
+from lmforge.config.errors import ConfigError
+from lmforge.train.rewards import (RewardError, extract_answer, load_rewards,
+                                   normalize_answer, score, weighted_sum)
+
+
+@pytest.mark.parametrize("text,answer", [
+    ("so the sum is \\boxed{\\frac{1}{2}} and 7", "\\frac{1}{2}"),
+    ("first \\boxed{3} then \\boxed{ 4 }", "4"),
+    ("work 12 + 30\n#### 42\nmore text 9", "42"),
+    ("I think 3 apples, then 1,250.5 pears", "1,250.5"),
+    ("no number here", None),
+    ("an unclosed \\boxed{12 then 5", "5"),
+])
+def test_the_final_answer_is_boxed_then_after_hashes_then_the_last_number(text, answer):
+    assert extract_answer(text) == answer
+
+
+@pytest.mark.parametrize("a,b", [("1,000", "1000"), ("2.50", "2.5"), ("1/2", "0.5"),
+                                 ("$12", "12."), ("-3", "-3.0"), (7, "7"), (0.5, "1/2")])
+def test_numbers_compare_by_value(a, b):
+    assert normalize_answer(a) == normalize_answer(b)
+    assert isinstance(normalize_answer(a), Fraction)
+
+
+def test_text_answers_compare_with_whitespace_collapsed_and_case_kept():
+    assert normalize_answer("New  York") == normalize_answer(" New York ")
+    assert normalize_answer("yes") != normalize_answer("Yes")
+    assert normalize_answer("1/0") == "1/0"
+
+
+def _one(reward_list, completions, **fields):
+    prompts = [f"p{i}" for i in range(len(completions))]
+    ids = [[1] * len(c) for c in completions]
+    return score(reward_list, prompts, completions, ids, fields)[:, 0].tolist()
+
+
+def test_exact_answer_reads_the_records_answer_field_and_skips_a_record_without_it():
+    rewards = load_rewards(["exact_answer"], answer_field="solution")
+    got = _one(rewards, ["#### 1,000", "\\boxed{0.5}", "it is 3", "x 4"],
+               solution=["1000", "1/2", 4, None])
+    assert got[:3] == [1.0, 1.0, 0.0] and math.isnan(got[3])
+    assert rewards[0].name == "exact_answer"
+
+
+def test_exact_answer_reads_chat_completions_as_trl_passes_them():
+    rewards = load_rewards(["exact_answer"])
+    chat = [[{"role": "assistant", "content": "the answer is 12"}]]
+    assert _one(rewards, chat, answer=["12"]) == [1.0]
+
+
+def test_the_format_reward_is_a_full_match_across_lines():
+    rewards = load_rewards(["format"], format_pattern=r"<think>.*</think>\s*<answer>.*</answer>")
+    got = _one(rewards, ["<think>a\nb</think>\n<answer>3</answer>",
+                         "<think>a</think><answer>3</answer> trailing",
+                         "before <think>a</think><answer>3</answer>"])
+    assert got == [1.0, 0.0, 0.0]
+    assert rewards[0].name == "format"
+
+
+def test_the_length_penalty_is_minus_tokens_over_the_completion_limit():
+    rewards = load_rewards(["length"], max_completion_length=8)
+    assert _one(rewards, ["", "abcd", "abcdefgh"]) == [0.0, -0.5, -1.0]
+
+
+def test_a_user_function_with_trls_signature_gets_the_record_fields(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(
+        "def has_tests(prompts, completions, completion_ids, tests, **kwargs):\n"
+        "    return [None if t is None else float(len(c) > t) for c, t in zip(completions, tests)]\n")
+    monkeypatch.chdir(tmp_path)
+    rewards = load_rewards(["my_rewards.py:has_tests"])
+    got = _one(rewards, ["abc", "a", "z"], tests=[2, 2, None])
+    assert got[:2] == [1.0, 0.0] and math.isnan(got[2])
+    assert rewards[0].name == "has_tests"
+
+
+def test_several_rewards_are_summed_with_weights_leaving_out_none():
+    per_reward = torch.tensor([[1.0, 0.5], [math.nan, 2.0], [math.nan, math.nan]])
+    total = weighted_sum(per_reward, torch.tensor([2.0, -1.0]))
+    assert total[:2].tolist() == [1.5, -2.0] and math.isnan(total[2])
+
+
+@pytest.mark.parametrize("spec,source,match", [
+    ("missing.py:f", None, r"rl.rewards: missing.py: no such file"),
+    ("r.py:absent", "def f(prompts, completions, **kw): return []\n", r"defines no function 'absent'"),
+    ("r.py:f", "def f(completions): return []\n", r"takes \(completions\); a reward takes"),
+    ("r.py:f", "def f(prompts, completions): return []\n", r"a reward takes \(prompts, completions, \*\*kwargs\)"),
+    ("r.py:f", "raise RuntimeError('boom')\n", r"loading r.py failed: RuntimeError: boom"),
+    ("r.py", None, r"neither a built-in reward"),
+    ("exact", None, r"neither a built-in reward"),
+])
+def test_a_reward_that_cannot_load_is_a_config_error_naming_rl_rewards(tmp_path, monkeypatch,
+                                                                       spec, source, match):
+    monkeypatch.chdir(tmp_path)
+    if source is not None:
+        (tmp_path / "r.py").write_text(source)
+    with pytest.raises(ConfigError, match=match):
+        load_rewards([spec])
+
+
+def test_reward_settings_are_checked():
+    with pytest.raises(ConfigError, match=r"rl.reward_weights: 1 weights for 2 rewards"):
+        load_rewards(["length", "length"], [1.0])
+    with pytest.raises(ConfigError, match=r"rl.format_pattern: the format reward needs"):
+        load_rewards(["format"])
+    with pytest.raises(ConfigError, match=r"rl.format_pattern: '\(' is not a regular"):
+        load_rewards(["format"], format_pattern="(")
+
+
+@pytest.mark.parametrize("body,match", [
+    ("raise KeyError('answer')", r"reward bad: raised KeyError: 'answer' \(on the batch starting at completion 0, prompt 'What is 2\+2"),
+    ("return [1.0]", r"reward bad: returned 1 values for 2 completions"),
+    ("return [1.0, float('nan')]", r"reward bad: nan is not a finite number or None \(for completion 1, prompt 'Name the"),
+    ("return [1.0, float('inf')]", r"reward bad: inf is not a finite number"),
+    ("return [1.0, 'high']", r"reward bad: 'high' is not a finite number"),
+    ("return 3.0", r"reward bad: returned 3.0, not a list"),
+])
+def test_a_reward_that_fails_names_the_function_and_the_record(tmp_path, monkeypatch, body,
+                                                               match):
+    (tmp_path / "r.py").write_text(f"def bad(prompts, completions, **kw):\n    {body}\n")
+    monkeypatch.chdir(tmp_path)
+    rewards = load_rewards(["r.py:bad"])
+    with pytest.raises(RewardError, match=match):
+        score(rewards, ["What is 2+2? Think step by step.", "Name the capital"], ["4", "x"],
+              [[1], [2]], {})
