@@ -204,8 +204,9 @@ def params(table: list) -> list:
     return [pytest.param(r, id=r.name, marks=r.marks) for r in table]
 
 
-def check_refused(row: Bad, assets: dict, tmp_path: Path, capsys) -> None:
-    """Runs ``row`` and asserts the one-line refusal and the untouched directory."""
+def check_refused(row: Bad, assets: dict, tmp_path: Path, capsys) -> str:
+    """Runs ``row`` and asserts the one-line refusal and the untouched directory; returns
+    the line, for a caller that checks more of it."""
     if row.setup:
         row.setup(tmp_path, assets)
     names = {**{k: str(v) for k, v in assets.items()}, "tmp": str(tmp_path)}
@@ -220,6 +221,7 @@ def check_refused(row: Bad, assets: dict, tmp_path: Path, capsys) -> None:
     after = snapshot(tmp_path)
     changed = sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
     assert not changed, "changed: " + ", ".join(changed)
+    return err
 
 
 def snapshot(root: Path) -> dict:

@@ -246,8 +246,8 @@ TEMPORARY = [
 def test_a_message_names_the_users_path_not_a_temporary_copy(row, bad_input_assets, tmp_path,
                                                               capsys, monkeypatch):
     monkeypatch.delenv("LMFORGE_DEBUG", raising=False)
-    check_refused(row, bad_input_assets, tmp_path, capsys)
-    assert "-hf-" not in capsys.readouterr().err
+    err = check_refused(row, bad_input_assets, tmp_path, capsys)
+    assert "-hf-" not in err and ".tmp-" not in err
 
 
 @pytest.mark.parametrize("row", params(TABLE))

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from lmforge.cli import main
+from lmforge.data.tokenizer import train_bpe
 from lmforge.models.hf import hf_config_from_args
 
 from helpers.tiny_models import tiny_llama_args
@@ -71,8 +72,13 @@ def test_malformed_or_incomplete_config_json_exits_naming_it(capsys, tmp_path):
 
 
 def test_model_dir_without_weights_exits_naming_the_weights_file(capsys, tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(hf_config_from_args(tiny_llama_args())))
-    code, err = _run(capsys, ["eval", "--model", str(tmp_path), "--data", str(tmp_path)])
+    model = tmp_path / "model"
+    lines = [f"line {i} about tensors" for i in range(50)]
+    train_bpe(lines, 300).save(model)  # config and tokenizer, but no weights
+    (model / "config.json").write_text(json.dumps(hf_config_from_args(tiny_llama_args())))
+    (tmp_path / "text.txt").write_text("\n".join(lines))
+    code, err = _run(capsys, ["eval", "--model", str(model), "--data",
+                              str(tmp_path / "text.txt")])
     assert code == 2 and "model.safetensors" in err
 
 
