@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from importlib.metadata import PackageNotFoundError, version
 
 from lmforge.cli import (bench_eval, data, eval_sft, evaluate, export, generate, launch, lora,
@@ -23,6 +24,7 @@ COMMAND_MODULES = (train, evaluate, eval_sft, bench_eval, generate, data, export
 
 
 def main(argv: list[str] | None = None) -> int:
+    warnings.formatwarning = plain_warning
     parser = build_parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "func"):
@@ -62,6 +64,18 @@ def _fail(error: Exception, code: int) -> int:
     message = " ".join(str(error).split()) or type(error).__name__
     print(f"lmforge: error: {message}", file=sys.stderr)
     return code
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_python_format = warnings.formatwarning
+
+
+def plain_warning(message, category, filename, lineno, line=None) -> str:
+    """lmforge's own warnings as one plain line (``lmforge: warning: ...``), not Python's
+    ``File:LINE: UserWarning:`` with the source line; other packages' keep Python's form."""
+    if os.path.abspath(filename).startswith(_PACKAGE_DIR + os.sep):
+        return f"lmforge: warning: {' '.join(str(message).split())}\n"
+    return _python_format(message, category, filename, lineno, line)
 
 
 def build_parser() -> argparse.ArgumentParser:
