@@ -81,7 +81,7 @@ class MLflow:
 
     def _start(self, out_dir: Path, metrics, config: dict, parent: Path) -> None:
         """The MLflow run: a new one with the config, or the resumed run's, running."""
-        from mlflow.entities import Param
+        from mlflow.entities import Param  # (only when asked for)
 
         if self.run_id is None:
             experiment = self.client.get_experiment_by_name(metrics.mlflow_experiment)
