@@ -244,7 +244,17 @@ class MemoryEstimate:
             "overhead_gib": {k: v / GiB for k, v in self.overhead.items()},
             "total_gib": self.total_bytes / GiB,
             "host_offloaded_gib": self.host_bytes / GiB,
+            "kv_cache_bytes_per_token_per_row": kv_cache_bytes_per_token(s),
         }
+
+
+def kv_cache_bytes_per_token(setup: Setup) -> int:
+    """What generating with the run's model (the end-of-run sample, ``lmforge generate``
+    on its export) holds per token of each row: every layer's keys and values, in the
+    weights' dtype (the decoder's cache is; ``models.common.KVCache``)."""
+    args = setup.args
+    return 2 * args.n_layers * args.n_kv_heads * args.head_dim * DTYPE_BYTES[
+        setup.cfg.train.param_dtype]
 
 
 def describe_model(args) -> str:
@@ -334,6 +344,10 @@ def format_table(est: MemoryEstimate, device_memory_gib: Optional[float] = None,
     lines.append(f"  {'total':44s}{est.total_bytes / GiB:10.3f}")
     if t.activation_offload:
         lines.append(f"host (pinned): offloaded activations {est.host_bytes / GiB:.3f} GiB")
+    per_token = kv_cache_bytes_per_token(s)
+    lines.append(f"generation: the KV cache holds {per_token / 1024:.1f} KiB per token per row "
+                 f"({s.cfg.train.param_dtype}); {s.micro_batch} rows x {s.batch.seq_len} "
+                 f"tokens: {per_token * s.micro_batch * s.batch.seq_len / GiB:.3f} GiB")
     for note in s.notes:
         lines.append(f"note: {note}")
     if device_memory_gib is not None:

@@ -272,3 +272,18 @@ def test_cli_bad_input_names_the_field(capsys):
     with pytest.raises(ConfigError, match="parallel.tp"):
         setup_from_config(load_config(None, ["parallel.tp=3", "parallel.dp_shard=1"]),
                           world_size=3)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "qwen3-0.6b", "gemma3-1b"])
+def test_the_estimates_kv_cache_is_what_the_decoder_allocates(preset):
+    import torch
+    from lmforge.models.common import new_caches
+    from lmforge.perf.estimate import kv_cache_bytes_per_token
+
+    args = dataclasses.replace(PRESETS[preset], n_layers=2)
+    setup = setup_for(args)
+    with torch.device("meta"):
+        model = build_model(args)
+    rows, length = 3, 40
+    allocated = sum(c.k.nbytes + c.v.nbytes for c in new_caches(model, rows, length))
+    assert kv_cache_bytes_per_token(setup) * rows * length == allocated
