@@ -4,10 +4,17 @@ llama.cpp's 32 greedy tokens after a prompt equal lmforge's greedy decode of the
 model, from the f32 and the f16 export; a LoRA GGUF on its base's GGUF gives the merged
 model's tokens; a ChatML model fine-tuned to answer and stop
 ends llama.cpp's chat completion on <|im_end|> with lmforge's answer, the template in
-the file being the model's own. Skipped, saying why, where llama_cpp is not installed."""
+the file being the model's own; llama.cpp tokenizes text as transformers does for each
+test tokenizer; llama.cpp's own converter, run on the same directory, writes no key the
+export lacks or holds otherwise, and the same tensors. Skipped, saying why, where
+llama_cpp (or, for the comparison, the converter make test-deploy keeps) is absent."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -192,3 +199,225 @@ def test_the_chatml_export_stops_on_im_end_with_lmforges_answer(chat_model, tmp_
     choice = reply["choices"][0]
     assert ours[-1] == tok.token_to_id("<|im_end|>") and answer == "hello there"
     assert choice["finish_reason"] == "stop" and choice["message"]["content"] == answer
+
+
+# ------------------------------------------------- tokenization and the converter's keys
+
+# Texts llama.cpp must tokenize as transformers does: digits alone, in runs and in
+# numbers, runs of spaces, tabs and newlines, punctuation runs, contractions, and letters,
+# numbers and emoji of other scripts.
+TEXTS = [
+    "Prices rose 12.5% to $1,234,567 in 2024 (up from 987) -- 3..3, 42!!",
+    "naïve café e\u0301 Ærø straße: 東京タワー 中文123 한국어 Привет, мир! ١٢٣ ５６ ½ ²",
+    "  two spaces\tTab\t\tand\r\nCRLF\n\n\n   indented   \n \nend  ",
+    "I'm sure they'RE here; we'Ve 'told' him -- he'll say \"no\"... ?!?! ``` ---=== ",
+    "emoji 🚀🦙 😶\u200d🌫️ ✅ 1️⃣ code: foo_bar(x)=[1,2]; // done",
+]
+CORPUS_EXTRA = [t * 3 for t in TEXTS] + [f"{i} {i * 37} {i / 7:.3f} Zahl {i}ä" for i in range(300)]
+DIGITS = {"type": "Digits", "individual_digits": True}
+
+
+def _train_tokenizer(out, pre_tokenizer, ignore_merges: bool, clean_up: bool):
+    """A byte-level BPE tokenizer that splits text with ``pre_tokenizer``, trained on the
+    test corpus plus digits and other scripts (so that merges cross them), with ChatML's
+    special tokens: a model directory's tokenizer.json and tokenizer_config.json."""
+    from tokenizers import (Tokenizer, decoders, models, pre_tokenizers, processors,
+                            trainers)
+
+    from helpers.real_tokenizers import corpus
+
+    tok = Tokenizer(models.BPE(ignore_merges=ignore_merges))
+    tok.pre_tokenizer = pre_tokenizer
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=700, min_frequency=2, show_progress=False,
+                                  special_tokens=["<|endoftext|>", "<|im_start|>",
+                                                  "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus() + CORPUS_EXTRA, trainer=trainer)
+    out.mkdir(parents=True)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>", "unk_token": "<|endoftext|>", "pad_token": "<|im_end|>",
+        "clean_up_tokenization_spaces": clean_up, "model_max_length": 2048}))
+
+
+def _split_kinds():
+    """Tokenizer kind -> (pre_tokenizer, ignore_merges, clean-up) of the splits llama.cpp
+    names (SmolLM's, StarCoder's, Llama 3's, Qwen2's)."""
+    from tokenizers import Regex, pre_tokenizers as pre
+
+    from lmforge.export.gguf import LLAMA3_SPLIT, QWEN2_SPLIT
+
+    byte_level = pre.ByteLevel(add_prefix_space=False, use_regex=False)
+    regex = lambda r: pre.Sequence([pre.Split(Regex(r), behavior="isolated"),  # noqa: E731
+                                    byte_level])
+    digits_then_gpt2 = pre.Sequence([pre.Digits(individual_digits=True),
+                                     pre.ByteLevel(add_prefix_space=False)])
+    return {"smollm": (digits_then_gpt2, False, False),
+            "starcoder": (digits_then_gpt2, False, True),
+            "llama-bpe": (regex(LLAMA3_SPLIT), True, True),
+            "qwen2": (regex(QWEN2_SPLIT), False, False)}
+
+
+TOKENIZER_KINDS = ("chatml", "llama3", "lmforge-trained", "smollm", "starcoder",
+                   "llama-bpe", "qwen2")
+
+
+def tokenizer_model_dir(root, kind: str):
+    """A tiny random Llama with a tokenizer of ``kind``: the test tokenizers in real
+    checkpoints' shapes (helpers.real_tokenizers), lmforge's own trained one, and one
+    trained with each other split llama.cpp names."""
+    from helpers.hf_models import random_hf_llama
+    from helpers.real_tokenizers import corpus, save_tokenizer
+    from lmforge.data.tokenizer import train_bpe
+
+    if kind in ("chatml", "llama3"):
+        save_tokenizer(kind, root)
+    elif kind == "lmforge-trained":
+        train_bpe(corpus() + CORPUS_EXTRA, 600).save(root)
+    else:
+        _train_tokenizer(root, *_split_kinds()[kind])
+    random_hf_llama(0, vocab_size=load_tokenizer(root).vocab_size).save_pretrained(root)
+    return root
+
+
+@pytest.mark.parametrize("kind", TOKENIZER_KINDS)
+def test_llama_cpp_tokenizes_text_as_transformers_does(tmp_path, kind):
+    """Digits, spaces, punctuation and other scripts give the same ids in llama.cpp (the
+    exported GGUF's tokenizer, pre-tokenizer and BOS rule) as in transformers, with and
+    without the special tokens the tokenizer adds."""
+    import transformers
+
+    from lmforge.export.gguf import pre_tokenizer
+
+    src = tokenizer_model_dir(tmp_path / "model", kind)
+    out = export_gguf(src, tmp_path / "model.gguf", "f32")
+    expected_pre = kind if kind in _split_kinds() else "gpt-2"
+    assert pre_tokenizer(src) == expected_pre
+    hf = transformers.AutoTokenizer.from_pretrained(src)
+    llm = llama_cpp.Llama(model_path=str(out), vocab_only=True, verbose=False)
+    assert llm.metadata["tokenizer.ggml.pre"] == expected_pre
+    add_bos = bool(load_tokenizer(src).affixes[0])
+    for text in TEXTS:
+        ids = hf(text, add_special_tokens=False)["input_ids"]
+        assert llm.tokenize(text.encode(), add_bos=False, special=False) == ids, text
+        full = hf(text)["input_ids"]
+        assert llm.tokenize(text.encode(), add_bos=add_bos, special=False) == full, text
+
+
+def test_a_sentencepiece_style_tokenizer_is_refused_saying_so(tmp_path):
+    from lmforge.export.gguf import GGUFError
+
+    src = tmp_path / "model"
+    hf_model_dir(src, tokenizer="llama2")
+    with pytest.raises(GGUFError, match=r"tokenizer\.json: its pre_tokenizer splits text "
+                                        r"unlike any pre-tokenizer llama\.cpp knows"):
+        export_gguf(src, tmp_path / "model.gguf")
+
+
+# llama.cpp's converter, from the same llama-cpp-python source release the deploy extra
+# builds (scripts/setup_deploy.sh keeps its Python files beside the built tool).
+CONVERTER = Path(os.environ.get(
+    "LMFORGE_LLAMA_CPP_CONVERTER",
+    Path(os.environ.get("LMFORGE_WHEELS", Path.home() / ".cache/lmforge/wheels"))
+    / f"llama.cpp-{llama_cpp.__version__}" / "converter"))
+# Run in its own process. The converter names a BPE pre-tokenizer by a hash of the ids a
+# published tokenizer gives its reference text; a test vocabulary is in none of its
+# lists, so it is handed the name ours found, and everything else is its own. It reaches
+# for sentencepiece (not in the pinned set; these directories hold no tokenizer.model)
+# before it reads tokenizer.json, and its Phi-3 reads tokenizer.json only for a
+# GPT2Tokenizer class: those two paths go straight to its tokenizer.json reader.
+CONVERT = """
+import runpy, sys
+root, pre = sys.argv.pop(1), sys.argv.pop(1)
+sys.path.insert(0, root)
+import conversion.base as base, conversion.phi as phi
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+def no_sentencepiece(self, *args, **kwargs):
+    raise FileNotFoundError("no tokenizer.model")
+base.TextModel._set_vocab_sentencepiece = no_sentencepiece
+phi.Phi3MiniModel.set_vocab = base.TextModel._set_vocab_gpt2
+sys.argv[0] = root + "/convert_hf_to_gguf.py"
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+# Where ours differs from the converter's on purpose, by key: EOS is the chat template's
+# end-of-turn token where there is a template (so that llama.cpp stops where the template
+# stops), and the converter writes two Phi-3 defaults that llama.cpp reads as absent
+# (no sliding window; the original context, used only with LongRoPE factors).
+DIFFERENT_ON_PURPOSE = {"tokenizer.ggml.eos_token_id", "phi3.attention.sliding_window",
+                        "phi3.rope.scaling.original_context_length"}
+# and by tensor: Gemma 3's query norm carries the model's query scale where it is not
+# 1 / sqrt(head_dim) (query_pre_attn_scalar), which the converter's file leaves out
+TENSORS_DIFFERENT_ON_PURPOSE = {"gemma3": ".attn_q_norm.weight"}
+
+
+def _converted(src, out, pre: str):
+    if not (CONVERTER / "convert_hf_to_gguf.py").is_file():
+        pytest.skip(f"llama.cpp's converter is not at {CONVERTER} (make test-deploy keeps "
+                    f"it there)")
+    done = subprocess.run([sys.executable, "-c", CONVERT, str(CONVERTER), pre, str(src),
+                           "--outtype", "f16", "--outfile", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def _keys(path) -> dict:
+    import gguf
+
+    reader, out = gguf.GGUFReader(path), {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        values = [field.parts[i] for i in field.data]
+        if field.types[-1] == gguf.GGUFValueType.STRING:
+            values = [bytes(v).decode() for v in values]
+        else:
+            values = [v.tolist()[0] for v in values]
+        out[key] = values if field.types[0] == gguf.GGUFValueType.ARRAY else values[0]
+    return out
+
+
+def test_every_key_and_tensor_of_llama_cpps_converter_is_in_our_f16_export(family_dir,
+                                                                           tmp_path):
+    """The same model directory through llama.cpp's convert_hf_to_gguf.py --outtype f16
+    and through lmforge: the converter's every metadata key is in ours with its value
+    (but DIFFERENT_ON_PURPOSE), and the tensors are the same, byte for byte. Ours may
+    write more (what the converter leaves to defaults that lmforge's models do not use:
+    Gemma 3's per-layer kinds, an explicit RoPE dimension count)."""
+    import gguf
+    import numpy as np
+
+    ours = export_gguf(family_dir, tmp_path / "ours.gguf", "f16")
+    theirs = _converted(family_dir, tmp_path / "theirs.gguf",
+                        _keys(ours)["tokenizer.ggml.pre"])
+    ours_keys, their_keys = _keys(ours), _keys(theirs)
+    differing = {k for k in their_keys if ours_keys.get(k) != their_keys[k]}
+    assert differing <= DIFFERENT_ON_PURPOSE, {k: (ours_keys.get(k), their_keys[k])
+                                               for k in differing - DIFFERENT_ON_PURPOSE}
+    ours_t = {t.name: t for t in gguf.GGUFReader(ours).tensors}
+    theirs_t = {t.name: t for t in gguf.GGUFReader(theirs).tensors}
+    assert ours_t.keys() == theirs_t.keys()
+    scaled = TENSORS_DIFFERENT_ON_PURPOSE.get(their_keys["general.architecture"], "-")
+    for name, t in theirs_t.items():
+        if name.endswith(scaled):
+            continue
+        assert ours_t[name].tensor_type == t.tensor_type, name
+        assert np.array_equal(ours_t[name].data, t.data), name
+
+
+def test_a_smollm2_shaped_directory_gets_exactly_the_converters_metadata(tmp_path):
+    """SmolLM2-135M-Instruct's shape of tokenizer (digits split apart, then GPT-2's split;
+    its unknown, padding and end-of-turn tokens named in tokenizer_config.json) in a
+    directory of that name with a model card: every key the converter writes, with its
+    value, smollm as the pre-tokenizer and general.* from the name and the card."""
+    src = tokenizer_model_dir(tmp_path / "SmolLM2-135M-Instruct", "smollm")
+    (src / "README.md").write_text("---\nlicense: apache-2.0\nlanguage: [en]\n"
+                                   "base_model: [HuggingFaceTB/SmolLM2-135M]\n---\n# card\n")
+    ours = _keys(export_gguf(src, tmp_path / "ours.gguf", "f16"))
+    theirs = _keys(_converted(src, tmp_path / "theirs.gguf", "smollm"))
+    assert {k: ours.get(k) for k in theirs} == theirs
+    assert theirs["tokenizer.ggml.pre"] == "smollm"
+    assert theirs["general.basename"] == "SmolLM2" and "general.base_model.count" in theirs
