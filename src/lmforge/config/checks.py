@@ -10,8 +10,9 @@ from typing import Collection, Optional
 
 from lmforge.config.derived import objective_name, pipeline_microbatches, resolve_layout
 from lmforge.config.errors import ConfigError, show, show_name
-from lmforge.config.keys import (OBJECTIVE_KEYS, PREFERENCE_OBJECTIVES, allowed,
-                                 config_keys, mapping_problem)
+from lmforge.config.keys import (OBJECTIVE_KEYS, PREFERENCE_OBJECTIVES, RL_OBJECTIVES,
+                                 allowed, config_keys, mapping_problem)
+from lmforge.config.rl import rl_key_users, validate_rl
 
 
 def validate(cfg: "JobConfig", world_size: int = 1, distributed: Optional[bool] = None) -> None:
@@ -25,6 +26,7 @@ def validate(cfg: "JobConfig", world_size: int = 1, distributed: Optional[bool] 
         raise ConfigError("train.overwrite: cannot be combined with train.resume (one starts "
                           "over, the other continues)")
     _validate_preference(cfg)
+    validate_rl(cfg)
     _validate_cp(cfg)  # (before the layout's sizes: why a cp layout cannot run comes first)
     _validate_batch(cfg, world_size)
     _validate_grouping(cfg.data)
@@ -245,9 +247,10 @@ def _key_users(cfg: "JobConfig", lora_switched: bool) -> list[tuple[str, str, Op
         return None if used else this
 
     rows = []
-    if objective in ("next_token", *PREFERENCE_OBJECTIVES):
+    if objective in ("next_token", *PREFERENCE_OBJECTIVES, *RL_OBJECTIVES):
         rows += [(k, ", ".join(users), unless(objective in users, objective))
                  for k, users in OBJECTIVE_KEYS.items()]
+    rows += rl_key_users(cfg, objective)
     rows.append(("data.max_prompt_len", "data.kind=preference",
                  unless(d.kind == "preference", f"data.kind={d.kind}")))
     rows.append(("data.blend", "data.kind=pretrain",

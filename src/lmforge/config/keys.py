@@ -13,6 +13,9 @@ from lmforge.config.errors import show, show_name
 DEVICES = ("auto", "cpu", "cuda")  # train.device, and every command's --device
 # train.objective values that compare a chosen and a rejected completion
 PREFERENCE_OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
+RL_OBJECTIVES = ("grpo",)  # train.objective values that learn from sampled completions
+RL_LOSS_TYPES = ("grpo", "dr_grpo", "dapo")  # rl.loss_type (models/grpo.py)
+RL_SCALE_REWARDS = ("group", "batch", "none")  # rl.scale_rewards
 # Each preference setting and the objectives whose loss reads it (models/preference.py):
 # set on another objective it would change nothing, so it is refused (checks.py).
 OBJECTIVE_KEYS = {"train.beta": ("dpo", "ipo", "simpo"),
@@ -26,6 +29,8 @@ BOUNDS: dict[str, Callable[[Any], bool]] = {
     "> 0": lambda v: v > 0,
     ">= 0": lambda v: v >= 0,
     ">= 1": lambda v: v >= 1,
+    ">= 2": lambda v: v >= 2,
+    "in (0, 1]": lambda v: 0 < v <= 1,
     "-1 (the rest of the world size) or >= 1": lambda v: v == -1 or v >= 1,
     # Seeds offset by the step and the rank must stay below torch's limit, 2^64.
     "in [0, 2^63)": lambda v: 0 <= v < 2**63,

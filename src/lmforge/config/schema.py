@@ -10,7 +10,8 @@ from typing import Any, Optional
 
 from lmforge.config.checks import validate
 from lmforge.config.errors import show
-from lmforge.config.keys import DEVICES, PREFERENCE_OBJECTIVES, key
+from lmforge.config.keys import (DEVICES, PREFERENCE_OBJECTIVES, RL_LOSS_TYPES,
+                                 RL_OBJECTIVES, RL_SCALE_REWARDS, key)
 
 CHAT_TEMPLATES = ("auto", "chatml", "plain", "llama2", "llama3")
 QUANTIZE_FORMATS = ("nf4", "int8")  # lora.quantize: storage of a frozen (QLoRA) base
@@ -210,8 +211,11 @@ class TrainConfig:
                                  "(0: all at once)", bound=">= 0")
     objective: str = key("auto", "what a step minimises: next_token (pretraining, text, "
                          "SFT's completions) or a preference loss on chosen/rejected pairs; "
-                         "auto: dpo for data.kind=preference, else next_token",
-                         choices=("auto", "next_token", *PREFERENCE_OBJECTIVES))
+                         "auto: dpo for data.kind=preference, else next_token; grpo: "
+                         "completions sampled from prompts, scored by rl.rewards (rl.*, "
+                         "docs/rl.md)",
+                         choices=("auto", "next_token", *PREFERENCE_OBJECTIVES,
+                                  *RL_OBJECTIVES))
     beta: float = key(0.1, "dpo, ipo, simpo: the preference loss's beta (IPO's tau)",
                       bound="> 0")
     label_smoothing: float = key(0.0, "dpo, simpo: the share of pairs taken to be "
@@ -309,6 +313,44 @@ class MetricsConfig:
 
 
 @dataclass
+class RLConfig:
+    """GRPO (train.objective=grpo): TRL's GRPOConfig names, so a TRL recipe translates key
+    for key (docs/rl.md; the loss: models/grpo.py, the rewards: train/rewards.py)."""
+    # typed Any so that a comma-separated string is accepted on the command line
+    rewards: Any = key(None, "the rewards, summed with rl.reward_weights: exact_answer, "
+                       "format, length, or path/to/file.py:function (user code, run as "
+                       "such: docs/security.md); a list, or names separated by commas")
+    reward_weights: Any = key(None, "one weight per reward (default 1 each)")
+    answer_field: str = key("answer", "exact_answer: the record field holding the answer")
+    format_pattern: Optional[str] = key(None, "format: a regular expression the whole "
+                                        "completion must match (re.fullmatch, DOTALL)")
+    num_generations: int = key(8, "completions sampled per prompt (the group whose mean "
+                               "reward is the baseline)", bound=">= 2")
+    max_completion_length: int = key(128, "tokens sampled per completion at most (TRL: "
+                                     "512; a prompt has data.seq_len minus this)",
+                                     bound="> 0")
+    temperature: float = key(1.0, "sampling temperature (the log-probabilities the loss "
+                             "uses are of the same tempered distribution)", bound="> 0")
+    top_p: float = key(1.0, "nucleus sampling's probability mass", bound="in (0, 1]")
+    beta: float = key(0.0, "weight of the KL to the reference model (0: no reference)",
+                      bound=">= 0")
+    epsilon: float = key(0.2, "clipping: the ratio is kept above 1 - epsilon",
+                         bound="in [0, 1)")
+    epsilon_high: Optional[float] = key(None, "clipping: the ratio is kept below 1 + "
+                                        "epsilon_high (default rl.epsilon; DAPO: 0.28)",
+                                        bound="> 0")
+    num_iterations: int = key(1, "optimizer steps on each rollout (the ratio to the "
+                              "rollout's policy corrects the later ones)", bound=">= 1")
+    scale_rewards: str = key("group", "advantages divided by the reward std of the group, "
+                             "of the batch, or none (Dr. GRPO)", choices=RL_SCALE_REWARDS)
+    loss_type: str = key("dapo", "per-token losses averaged per completion (grpo), over "
+                         "completions x max_completion_length (dr_grpo) or over tokens "
+                         "(dapo)", choices=RL_LOSS_TYPES)
+    mask_truncated_completions: bool = key(False, "a completion cut at "
+                                           "max_completion_length counts for nothing")
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -318,6 +360,7 @@ class JobConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

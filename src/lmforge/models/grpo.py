@@ -33,8 +33,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
-SCALE_REWARDS = ("group", "batch", "none")
+from lmforge.config.keys import RL_LOSS_TYPES as LOSS_TYPES
+from lmforge.config.keys import RL_SCALE_REWARDS as SCALE_REWARDS
+
 STD_EPS = 1e-4  # added to the reward std (TRL's)
 
 

@@ -1,0 +1,121 @@
+"""The rules between the ``rl`` section's keys and the rest of a config (GRPO,
+``train.objective=grpo``): what ``validate`` refuses, and which ``rl.*`` keys a run uses
+(``refuse_ignored`` refuses one set on a run that does not). Each key's own default, help
+and range are in ``schema.RLConfig``. Nothing here runs a reward: a user's reward file is
+only looked for (it is executed when the run starts, train/rewards.py)."""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+from lmforge.config.errors import ConfigError, show, show_name
+from lmforge.config.keys import RL_OBJECTIVES
+
+BUILTIN_REWARDS = ("exact_answer", "format", "length")  # (train/rewards.py)
+# the data kind GRPO samples from; not readable yet: until it is, grpo trains nothing
+PROMPTS_KIND = "prompts"
+
+
+def reward_names(value: Any) -> list[str]:
+    """rl.rewards as a list of names (a comma-separated string is split)."""
+    if isinstance(value, str):
+        value = value.split(",")
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"rl.rewards: {show(value)} is not a list of rewards")
+    return [v.strip() for v in value if v.strip()]
+
+
+def reward_weights(value: Any, count: int) -> Optional[list[float]]:
+    """rl.reward_weights as floats, one per reward (None: 1 each)."""
+    if value is None:
+        return None
+    given = value
+    if isinstance(value, str):
+        value = value.split(",")
+    elif isinstance(value, (int, float)):  # (one reward's weight, as an override gives it)
+        value = [value]
+    try:
+        if any(isinstance(v, bool) for v in value):
+            raise TypeError
+        weights = [float(v) for v in value]
+    except (TypeError, ValueError):
+        raise ConfigError(f"rl.reward_weights: {show(given)} is not a list of "
+                          f"numbers") from None
+    if len(weights) != count:
+        raise ConfigError(f"rl.reward_weights: {len(weights)} weights for {count} rewards "
+                          f"(rl.rewards); give one per reward")
+    bad = next((w for w in weights if not math.isfinite(w)), None)
+    if bad is not None:
+        raise ConfigError(f"rl.reward_weights: {show(bad)} is not a finite number")
+    return weights
+
+
+def validate_rl(cfg) -> None:
+    """GRPO needs prompts, and its rewards must be ones that exist."""
+    if cfg.train.objective not in RL_OBJECTIVES:
+        return
+    rl = cfg.rl
+    names = reward_names(rl.rewards) if rl.rewards is not None else []
+    if not names:
+        raise ConfigError("rl.rewards: required with train.objective=grpo (exact_answer, "
+                          "format, length or path/to/file.py:function)")
+    for name in names:
+        _check_reward(name)
+    reward_weights(rl.reward_weights, len(names))
+    if "format" in names:
+        _check_pattern(rl.format_pattern)
+    if rl.max_completion_length >= cfg.data.seq_len:
+        raise ConfigError(f"rl.max_completion_length: {rl.max_completion_length} leaves no "
+                          f"room for a prompt in data.seq_len={cfg.data.seq_len}")
+    if cfg.parallel.pp > 1 or cfg.parallel.cp > 1:
+        raise ConfigError("parallel.pp: GRPO samples with the whole model on each rank; use "
+                          "parallel.dp_shard and parallel.tp" if cfg.parallel.pp > 1 else
+                          "parallel.cp: GRPO needs each completion's log-probabilities on "
+                          "one rank; use parallel.dp_shard")
+    if cfg.data.kind != PROMPTS_KIND:  # (last: what is wrong with the rl keys comes first)
+        raise ConfigError(f"train.objective: grpo samples completions of prompts; it needs "
+                          f"data.kind={PROMPTS_KIND} (data.kind is {cfg.data.kind}), which "
+                          f"lmforge does not read yet (docs/rl.md)")
+
+
+def _check_reward(name: str) -> None:
+    if name in BUILTIN_REWARDS:
+        return
+    path, sep, func = name.rpartition(":")
+    if not sep or not path.endswith(".py") or not func.isidentifier():
+        raise ConfigError(f"rl.rewards: {show(name)} is neither a built-in reward "
+                          f"({', '.join(BUILTIN_REWARDS)}) nor path/to/file.py:function")
+    if not Path(path).is_file():
+        raise ConfigError(f"rl.rewards: {show_name(path)}: no such file (from {show(name)})")
+
+
+def _check_pattern(pattern: Optional[str]) -> None:
+    if not pattern:
+        raise ConfigError("rl.format_pattern: the format reward needs a regular expression "
+                          "(rl.format_pattern=...)")
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise ConfigError(f"rl.format_pattern: {show(pattern)} is not a regular expression "
+                          f"({e})") from None
+
+
+def rl_key_users(cfg, objective: str) -> list[tuple[str, str, Optional[str]]]:
+    """``refuse_ignored``'s rows for the rl section: (key, what uses it, what this run is
+    where it does not use it, else None). Every rl.* key is GRPO's; rl.format_pattern is
+    read by the format reward, rl.answer_field by exact_answer."""
+    grpo = objective in RL_OBJECTIVES
+    rows = [(f"rl.{name}", "train.objective=grpo", None if grpo else objective)
+            for name in cfg.rl.__dataclass_fields__]
+    if not grpo:
+        return rows
+    try:
+        names = reward_names(cfg.rl.rewards) if cfg.rl.rewards is not None else []
+    except ConfigError:
+        return rows  # (validate names it)
+    for key, reward in (("rl.format_pattern", "format"), ("rl.answer_field", "exact_answer")):
+        rows.append((key, f"the {reward} reward", None if reward in names else
+                     f"rl.rewards={','.join(names) or 'none'}"))
+    return rows

@@ -1,0 +1,45 @@
+"""The rl section (GRPO): its keys carry TRL's GRPOConfig names, each is declared once with
+its help, a recipe that uses them is accepted as far as the data kind GRPO needs, and the
+ones a run does not read are refused (the refusals themselves: the bad-input table,
+tests/integration/test_bad_inputs_rl.py)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from lmforge.config import ConfigError, JobConfig, describe_keys, load_config
+from lmforge.config.schema import RLConfig
+
+OURS_ONLY = {"rewards", "answer_field", "format_pattern"}  # (TRL: reward_funcs, code)
+
+
+def test_every_rl_key_but_the_reward_choice_is_a_trl_grpo_config_field():
+    trl = pytest.importorskip("trl")
+    theirs = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
+    ours = {f.name for f in dataclasses.fields(RLConfig)}
+    assert ours - OURS_ONLY <= theirs, sorted(ours - OURS_ONLY - theirs)
+    defaults = trl.GRPOConfig.__dataclass_fields__
+    for name in ("beta", "epsilon", "epsilon_high", "num_iterations", "scale_rewards",
+                 "loss_type", "mask_truncated_completions", "temperature", "top_p",
+                 "num_generations"):
+        assert getattr(RLConfig(), name) == defaults[name].default, name
+
+
+def test_every_rl_key_is_listed_with_its_help():
+    text = describe_keys(JobConfig())
+    for f in dataclasses.fields(RLConfig):
+        assert f"  rl.{f.name} (default" in text
+        assert f.metadata["help"]
+
+
+def test_a_grpo_recipe_is_accepted_up_to_the_prompts_it_needs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.py").write_text("def r(prompts, completions, **kw):\n    return []\n")
+    cfg = load_config(None, ["train.objective=grpo", "rl.rewards=exact_answer,format,mine.py:r",
+                             "rl.reward_weights=[1, 0.5, 2]", "rl.format_pattern=<a>.*</a>",
+                             "rl.answer_field=solution", "rl.beta=0.04",
+                             "rl.loss_type=dr_grpo", "rl.num_iterations=2"])
+    assert cfg.rl.beta == 0.04 and cfg.rl.loss_type == "dr_grpo"
+    with pytest.raises(ConfigError, match=r"^train\.objective: grpo .* needs data\.kind=prompts"):
+        cfg.validate()  # (the only refusal left: lmforge reads no prompts yet)
