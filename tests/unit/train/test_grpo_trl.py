@@ -14,6 +14,8 @@ log-probabilities. Those two are moved off the policy's own values (otherwise th
 both sides; ``compute_loss`` then gives TRL's loss, and its backward the gradients.
 lmforge's side scores the same ids with its own model loaded from the same directory, its
 advantages from the same rewards by ``rewards.weighted_sum`` and ``group_advantages``.
+A rollout trained as two micro-batches (TRL's gradient accumulation) checks the trainer's
+normalisation: each micro-batch's ``loss_sum`` over the step's ``units``.
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ import torch
 
 from helpers.hf_models import hf_model_dir
 from lmforge.models.grpo import (GRPOParams, completion_logps, completion_mask,
-                                 grpo_loss, group_advantages)
+                                 grpo_loss, group_advantages, loss_sum, per_token_loss,
+                                 units)
 from lmforge.models.hf import load_hf_model, to_hf_state_dict
 from lmforge.train.rewards import weighted_sum
 
@@ -67,12 +70,14 @@ def _reward_b(prompts, completions, **kwargs):
     return list(REWARDS_B)
 
 
-def _trainer(model_dir, tmp_path, *, loss_type, beta, num_iterations, scale_rewards):
+def _trainer(model_dir, tmp_path, *, loss_type, beta, num_iterations, scale_rewards,
+             accumulation=1):
     from datasets import Dataset
 
     args = trl.GRPOConfig(
         output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, logging_steps=1,
-        per_device_train_batch_size=2 * G, gradient_accumulation_steps=1,
+        per_device_train_batch_size=2 * G // accumulation,
+        gradient_accumulation_steps=accumulation,
         num_generations=G, max_completion_length=WIDTH, temperature=TEMPERATURE,
         beta=beta, epsilon=0.2, epsilon_high=0.28, num_iterations=num_iterations,
         scale_rewards=scale_rewards, loss_type=loss_type, mask_truncated_completions=True,
@@ -165,3 +170,52 @@ def test_loss_and_every_gradient_equal_trls_grpo_trainer(model_dir, tmp_path, lo
         assert metrics[name] == pytest.approx(logged[name][-1], abs=1e-5), name
     if num_iterations > 1:  # the off-policy log-probabilities clip on both sides
         assert metrics["clip_ratio/low_mean"] > 0 and metrics["clip_ratio/high_mean"] > 0
+
+
+def _rows(inputs: dict, part: slice) -> dict:
+    """TRL's inputs for the completions ``part`` (its micro-batch of the rollout)."""
+    n = inputs["advantages"].shape[0]
+    return {k: v[part] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == n else v
+            for k, v in inputs.items()}
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+def test_micro_batches_of_a_step_give_trls_gradient_accumulation(model_dir, tmp_path,
+                                                                 loss_type):
+    """One rollout of 6 completions trained as 2 micro-batches of 3 (TRL:
+    gradient_accumulation_steps=2, steps_per_generation=2, each micro-batch's
+    compute_loss; lmforge: each micro-batch's loss_sum over the step's units): the summed
+    gradients are equal, so the trainer's normalisation is TRL's for every loss_type."""
+    trainer, holder = _trainer(model_dir, tmp_path, loss_type=loss_type, beta=0.04,
+                               num_iterations=2, scale_rewards="group", accumulation=2)
+    hf = trainer.model
+    hf.train()
+    inputs = trainer._generate_and_score_completions([{"prompt": "a"}] * (2 * G))
+    inputs["old_per_token_logps"] = _off_policy(inputs["old_per_token_logps"], 1, 0.4)
+    inputs["ref_per_token_logps"] = _off_policy(inputs["ref_per_token_logps"], 2, 0.5)
+    trainer.current_gradient_accumulation_steps = 2
+    hf.zero_grad()
+    halves = (slice(0, G), slice(G, 2 * G))
+    their_loss = sum(trainer.compute_loss(hf, _rows(inputs, h)) for h in halves)
+    their_loss.backward()
+
+    ours = load_hf_model(model_dir)
+    tokens = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = inputs["completion_mask"].float()
+    params = GRPOParams(beta=0.04, epsilon=0.2, epsilon_high=0.28, loss_type=loss_type,
+                        max_completion_length=WIDTH)
+    step_units = sum(units(mask[h], loss_type) for h in halves)
+    loss = 0.0
+    for h in halves:
+        logits = ours(tokens[h])[:, PROMPT - 1:-1]
+        logps, _ = completion_logps(logits, inputs["completion_ids"][h], TEMPERATURE)
+        token_loss, _ = per_token_loss(logps, inputs["old_per_token_logps"][h],
+                                       inputs["ref_per_token_logps"][h],
+                                       inputs["advantages"][h], params)
+        part = loss_sum(token_loss, mask[h], params) / step_units
+        part.backward()
+        loss = loss + part.detach()
+    torch.testing.assert_close(loss, their_loss.detach(), rtol=1e-5, atol=1e-5)
+    grads = to_hf_state_dict({n: p.grad for n, p in ours.named_parameters()}, ours.args)
+    for name, p in hf.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
