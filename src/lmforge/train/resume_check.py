@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from lmforge.checkpoint import (CheckpointError, latest_checkpoint, read_job_config, read_meta,
                                 resume_is_auto)
-from lmforge.config import ConfigError, JobConfig, objective_name, show
+from lmforge.config import OBJECTIVE_KEYS, ConfigError, JobConfig, objective_name, show
 from lmforge.config.errors import show_name
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.job import Job
@@ -38,9 +38,9 @@ MODEL_ARG_KEYS = ("preset", "dim", "n_layers", "n_heads", "n_kv_heads", "vocab_s
                   "family", "head_dim", "sliding_window", "rotary_dim", "rope_scaling")
 # What the adapters are: their shapes, where they sit, their scale, the base's storage.
 LORA_KEYS = ("enabled", "rank", "alpha", "rslora", "targets", "quantize")
-# The keys each objective's loss reads (models/preference.py).
-LOSS_KEYS = {"next_token": (), "dpo": ("beta", "label_smoothing"), "ipo": ("beta",),
-             "simpo": ("beta", "simpo_gamma", "label_smoothing"), "orpo": ("orpo_lambda",)}
+# Settings that choose how a loss is computed, not what it is (a precomputed reference
+# holds the values a live one would give): announced like any intended change.
+NOT_LOSS_KEYS = ("train.reference",)
 # How or where this invocation runs, not what the run is (a run directory may move):
 # never announced.
 INVOCATION_KEYS = ("train.resume", "train.stop_at_step", "train.progress_bar",
@@ -154,15 +154,21 @@ def _objective_differences(saved: JobConfig, job: Job) -> list[tuple]:
     before, now = objective_name(saved), job.objective
     if before != now:
         return [("train.objective", before, now)]
-    keys = [f"train.{k}" for k in LOSS_KEYS.get(now, ())]
+    keys = loss_keys(now)
     return _differences(_flat(saved, keys), _flat(job.config, keys))
+
+
+def loss_keys(objective: str) -> list[str]:
+    """The keys ``objective``'s loss reads (``config.OBJECTIVE_KEYS``, defined once)."""
+    return [key for key, users in OBJECTIVE_KEYS.items()
+            if objective in users and key not in NOT_LOSS_KEYS]
 
 
 def _intended(saved: JobConfig, job: Job) -> list[tuple]:
     """Every other key of the config that changed."""
     compared = {*INVOCATION_KEYS, *(f"model.{k}" for k in MODEL_ARG_KEYS),
                 *(f"lora.{k}" for k in LORA_KEYS), "train.objective", "train.seed",
-                *(f"train.{k}" for k in LOSS_KEYS.get(job.objective, ()))}
+                *loss_keys(job.objective)}
     before, now = _flat(saved), _flat(job.config)
     return _differences({k: v for k, v in before.items() if k not in compared},
                         {k: v for k, v in now.items() if k not in compared})

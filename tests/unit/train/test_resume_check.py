@@ -92,3 +92,14 @@ def test_a_checkpoint_without_recorded_model_args_compares_its_config_only(tmp_p
                                           "step-0000004 but dpo now"):
         check_resume(_job("train.objective=dpo", "data.kind=preference",
                           "data.path=pairs.jsonl"), path)
+
+
+def test_the_keys_a_resume_holds_are_the_ones_each_loss_reads():
+    from lmforge.train.resume_check import loss_keys
+
+    assert loss_keys("next_token") == []
+    assert sorted(loss_keys("dpo")) == ["train.beta", "train.label_smoothing"]
+    assert loss_keys("ipo") == ["train.beta"]
+    assert sorted(loss_keys("simpo")) == ["train.beta", "train.label_smoothing",
+                                          "train.simpo_gamma"]
+    assert loss_keys("orpo") == ["train.orpo_lambda"]
