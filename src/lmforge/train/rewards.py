@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import math
+import numbers
 import re
 import sys
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from lmforge.config.errors import ConfigError, show, show_name
 
 BUILTINS = ("exact_answer", "format", "length")
 _NUMBER = re.compile(r"[-+]?(?:\d[\d,]*(?:\.\d*)?|\.\d+)(?:/\d+)?")
+_LATEX_FRAC = re.compile(r"^\\[dt]?frac\{\s*([-+]?\d+)\s*\}\{\s*(\d+)\s*\}$")
 _PROMPT_SHOWN = 40  # characters of a prompt an error quotes
 
 
@@ -66,13 +68,14 @@ def _last_boxed(text: str) -> Optional[str]:
 
 def normalize_answer(answer: Any) -> Any:
     """A number as an exact ``Fraction`` (``1,000`` = ``1000``, ``2.50`` = ``2.5``,
-    ``1/2`` = ``0.5``, a leading ``$`` or trailing ``.``/``%`` dropped), anything else as
-    its text with whitespace collapsed and case kept."""
+    ``1/2`` = ``0.5`` = ``\frac{1}{2}``, a leading ``$`` or trailing ``.``/``%``
+    dropped), anything else as its text with whitespace collapsed and case kept."""
     if isinstance(answer, bool):
         return str(answer)
     if isinstance(answer, (int, float)):
         return Fraction(answer).limit_denominator(10**12) if math.isfinite(answer) else None
     text = " ".join(str(answer).split())
+    text = _LATEX_FRAC.sub(r"\1/\2", text)
     number = text.strip("$").rstrip(".%").replace(",", "").replace(" ", "")
     if re.fullmatch(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?", number):
         try:
@@ -83,8 +86,14 @@ def normalize_answer(answer: Any) -> Any:
 
 
 def answers_equal(completion: str, expected: Any) -> bool:
+    """Whether the completion's final answer is ``expected``; an expected answer that is a
+    worked solution (GSM8K's "... #### 72", or one with a ``\boxed{}``) is read for its
+    final answer the same way."""
     found = extract_answer(completion)
-    return found is not None and normalize_answer(found) == normalize_answer(expected)
+    if isinstance(expected, str) and ("####" in expected or "\\boxed{" in expected):
+        expected = extract_answer(expected)
+    return (found is not None and expected is not None
+            and normalize_answer(found) == normalize_answer(expected))
 
 
 # ---------------------------------------------------------------- built-ins
@@ -226,10 +235,25 @@ def score(rewards: Sequence[Reward], prompts: list, completions: list,
             values = reward.func(prompts=prompts, completions=completions,
                                  completion_ids=completion_ids, **fields)
         except Exception as e:
+            where = _failing_record(reward, prompts, completions, completion_ids, fields)
             raise RewardError(f"reward {reward.name}: raised {type(e).__name__}: {e} "
-                              f"(on the batch starting at {_record(prompts, 0)})") from None
+                              f"({where})") from None
         columns.append(_check_values(reward.name, values, prompts))
     return torch.tensor(columns, dtype=torch.float32).T.reshape(len(prompts), len(rewards))
+
+
+def _failing_record(reward: Reward, prompts, completions, completion_ids, fields) -> str:
+    """Which record a reward raised on: the batch is called again one completion at a
+    time (a reward is a function of its inputs), and the first that raises is named;
+    the whole batch when each alone passes."""
+    for i in range(len(prompts)):
+        try:
+            reward.func(prompts=prompts[i:i + 1], completions=completions[i:i + 1],
+                        completion_ids=completion_ids[i:i + 1],
+                        **{k: v[i:i + 1] for k, v in fields.items()})
+        except Exception:
+            return f"for {_record(prompts, i)}"
+    return f"on the batch of {len(prompts)} starting at {_record(prompts, 0)}"
 
 
 def _check_values(name: str, values: Any, prompts: list) -> list[float]:
@@ -246,7 +270,8 @@ def _check_values(name: str, values: Any, prompts: list) -> list[float]:
         if v is None:
             out.append(math.nan)
             continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        # (numbers.Real: numpy's scalars too, as TRL's torch.tensor(values) takes them)
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
             raise RewardError(f"reward {name}: {show(v)} is not a finite number or None "
                               f"(for {_record(prompts, i)})")
         out.append(float(v))

@@ -27,7 +27,8 @@ def test_the_final_answer_is_boxed_then_after_hashes_then_the_last_number(text, 
 
 
 @pytest.mark.parametrize("a,b", [("1,000", "1000"), ("2.50", "2.5"), ("1/2", "0.5"),
-                                 ("$12", "12."), ("-3", "-3.0"), (7, "7"), (0.5, "1/2")])
+                                 ("$12", "12."), ("-3", "-3.0"), (7, "7"), (0.5, "1/2"),
+                                 ("\\frac{1}{2}", "0.5"), ("\\dfrac{-3}{4}", "-0.75")])
 def test_numbers_compare_by_value(a, b):
     assert normalize_answer(a) == normalize_answer(b)
     assert isinstance(normalize_answer(a), Fraction)
@@ -51,6 +52,21 @@ def test_exact_answer_reads_the_records_answer_field_and_skips_a_record_without_
                solution=["1000", "1/2", 4, None])
     assert got[:3] == [1.0, 1.0, 0.0] and math.isnan(got[3])
     assert rewards[0].name == "exact_answer"
+
+
+def test_an_expected_answer_that_is_a_worked_solution_is_read_for_its_final_answer():
+    rewards = load_rewards(["exact_answer"])
+    got = _one(rewards, ["so 72", "\\boxed{3/4}", "so 71"],
+               answer=["48 + 24 = 72\n#### 72", "it is \\boxed{0.75}", "#### 72"])
+    assert got == [1.0, 1.0, 0.0]
+
+
+def test_numpy_scalars_are_numbers_as_in_trl():
+    np = pytest.importorskip("numpy")
+    rewards = load_rewards(["exact_answer"])
+    rewards[0] = type(rewards[0])("np", lambda prompts, completions, **kw:
+                                  [np.float32(0.5), np.int64(2)], 1.0)
+    assert score(rewards, ["a", "b"], ["x", "y"], [[1], [2]], {})[:, 0].tolist() == [0.5, 2.0]
 
 
 def test_exact_answer_reads_chat_completions_as_trl_passes_them():
@@ -118,7 +134,8 @@ def test_reward_settings_are_checked():
 
 
 @pytest.mark.parametrize("body,match", [
-    ("raise KeyError('answer')", r"reward bad: raised KeyError: 'answer' \(on the batch starting at completion 0, prompt 'What is 2\+2"),
+    ("raise KeyError('answer')", r"reward bad: raised KeyError: 'answer' \(for completion 0, prompt 'What is 2\+2"),
+    ("return [1.0 / (c != 'x') for c in completions]", r"reward bad: raised ZeroDivisionError: float division by zero \(for completion 1, prompt 'Name the capital'\)$"),
     ("return [1.0]", r"reward bad: returned 1 values for 2 completions"),
     ("return [1.0, float('nan')]", r"reward bad: nan is not a finite number or None \(for completion 1, prompt 'Name the"),
     ("return [1.0, float('inf')]", r"reward bad: inf is not a finite number"),
@@ -127,9 +144,22 @@ def test_reward_settings_are_checked():
 ])
 def test_a_reward_that_fails_names_the_function_and_the_record(tmp_path, monkeypatch, body,
                                                                match):
+    """A raise names the first record that raises alone (the batch is called again one
+    completion at a time)."""
     (tmp_path / "r.py").write_text(f"def bad(prompts, completions, **kw):\n    {body}\n")
     monkeypatch.chdir(tmp_path)
     rewards = load_rewards(["r.py:bad"])
     with pytest.raises(RewardError, match=match):
         score(rewards, ["What is 2+2? Think step by step.", "Name the capital"], ["4", "x"],
               [[1], [2]], {})
+
+
+def test_a_reward_that_raises_only_on_the_whole_batch_names_the_batch(tmp_path, monkeypatch):
+    (tmp_path / "r.py").write_text("def pair(prompts, completions, **kw):\n"
+                                   "    assert len(completions) == 1, 'one at a time'\n"
+                                   "    return [1.0]\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RewardError, match=r"reward pair: raised AssertionError: one at a "
+                                          r"time \(on the batch of 2 starting at completion "
+                                          r"0, prompt 'p0'\)$"):
+        score(load_rewards(["r.py:pair"]), ["p0", "p1"], ["a", "b"], [[1], [2]], {})
