@@ -6,13 +6,19 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.bad_inputs import Bad, check_refused, params, write
+from helpers.bad_inputs import Bad, check_refused, params, steps, write
 
 RUN = "train.output_dir={tmp}/run"
 GRPO = ["train", "--dry-run", RUN, "train.objective=grpo"]
 EXACT = [*GRPO, "rl.rewards=exact_answer"]
 PAIRS = ["data.kind=preference", "data.path={chat}"]
 REWARD_FILE = write("r.py", "def f(prompts, completions, **kwargs):\n    return []\n")
+ON_PROMPTS = ["train", RUN, "model.init_from={model}", "data.kind=prompts",
+              "data.path={tmp}/p.jsonl", "data.seq_len=64", "data.micro_batch_size=2",
+              "train.max_steps=1", "optim.warmup_steps=0", "train.device=cpu"]
+PROMPTS = [*ON_PROMPTS, "rl.max_completion_length=8", "rl.num_generations=2"]
+GOOD_PROMPTS = write("p.jsonl", "".join('{"prompt": "say %d", "answer": "%d"}\n' % (i, i)
+                                        for i in range(8)))
 
 TABLE = [
     # ------------------------------------------- rl.* with another objective, and back
@@ -81,6 +87,36 @@ TABLE = [
     Bad("grpo on the demo corpus", EXACT,
         r"^train\.objective: grpo samples completions of prompts; it needs "
         r"data\.kind=prompts \(data\.kind is stdlib\)"),
+    Bad("prompts with a preference objective", [*ON_PROMPTS, "train.objective=dpo"],
+        r"^train\.objective: dpo compares chosen and rejected completions; it needs "
+        r"data\.kind=preference \(data\.kind is prompts\)$", setup=GOOD_PROMPTS),
+    Bad("prompts with the next-token objective", [*ON_PROMPTS, "train.objective=next_token"],
+        r"^train\.objective: next_token does not train on prompts alone \(data\.kind=prompts\); "
+        r"use grpo \(or auto\)$", setup=GOOD_PROMPTS),
+    Bad("two rollouts per step", [*PROMPTS, "rl.rewards=exact_answer", "rl.num_iterations=2"],
+        r"^rl\.num_iterations: 2: the trainer trains each rollout once for now",
+        setup=GOOD_PROMPTS),
+    # ---------------------------------------------------------------- the prompts file
+    Bad("a prompts file with a bad line", [*PROMPTS, "rl.rewards=exact_answer"],
+        r"^.*p\.jsonl:2: ", setup=write("p.jsonl", '{"prompt": "a"}\n{"prompt": "b"\n')),
+    Bad("a prompt record without a prompt", [*PROMPTS, "rl.rewards=exact_answer"],
+        r"^.*p\.jsonl:2: the record has no 'prompt'$",
+        setup=write("p.jsonl", '{"prompt": "a"}\n{"question": "b"}\n')),
+    Bad("a prompts file that does not exist", [*PROMPTS, "rl.rewards=exact_answer"],
+        r"^data\.path: .*p\.jsonl: no such file \(prompts are JSON Lines\)$"),
+    Bad("a prompt longer than the context", [*PROMPTS, "rl.rewards=exact_answer",
+                                            "data.seq_len=64", "rl.max_completion_length=16"],
+        r"^.*p\.jsonl:3: the prompt has \d+ tokens; data\.seq_len - rl\.max_completion_length "
+        r"leaves 48$",
+        setup=write("p.jsonl", '{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "'
+                    + "line of a small corpus " * 20 + '"}\n')),
+    Bad("a reward function with the wrong signature", [*PROMPTS, "rl.rewards={tmp}/r.py:f"],
+        r"^rl\.rewards: '.*r\.py:f' takes \(completions\); a reward takes \(prompts, "
+        r"completions, \*\*kwargs\) as in TRL$",
+        setup=steps(GOOD_PROMPTS, write("r.py", "def f(completions):\n    return []\n"))),
+    Bad("a reward file that fails as it loads", [*PROMPTS, "rl.rewards={tmp}/r.py:f"],
+        r"^rl\.rewards: loading .*r\.py failed: ImportError: no such module$",
+        setup=steps(GOOD_PROMPTS, write("r.py", "raise ImportError('no such module')\n"))),
 ]
 
 
@@ -89,3 +125,36 @@ def test_rl_input_is_refused_in_one_line(row, bad_input_assets, tmp_path, capsys
                                          monkeypatch):
     monkeypatch.delenv("LMFORGE_DEBUG", raising=False)
     check_refused(row, bad_input_assets, tmp_path, capsys)
+
+
+@pytest.mark.parametrize("body,message", [
+    ("return [1.0]", r"reward flaky: returned 1 values for 4 completions \(one float or None "
+                     r"per completion\)"),
+    ("return [float('nan')] * len(completions)",
+     r"reward flaky: nan is not a finite number or None \(for completion 0, prompt 'say "),
+    ("raise KeyError('tests')", r"reward flaky: raised KeyError: 'tests' \(for completion 0, "
+                                r"prompt 'say "),
+])
+def test_a_reward_that_fails_mid_run_stops_it_in_one_line_and_the_checkpoint_stays(
+        bad_input_assets, tmp_path, capsys, monkeypatch, body, message):
+    """Step 1 scores, step 2's reward fails: exit 2, one line naming the function and the
+    record, and step 1's checkpoint is still there."""
+    from lmforge.cli import main
+
+    monkeypatch.delenv("LMFORGE_DEBUG", raising=False)
+    (tmp_path / "p.jsonl").write_text("".join('{"prompt": "say %d", "answer": "%d"}\n' % (i, i)
+                                              for i in range(8)))
+    (tmp_path / "r.py").write_text(
+        "calls = []\n"
+        "def flaky(prompts, completions, **kwargs):\n"
+        "    calls.append(1)\n"
+        "    if len(calls) > 1:\n"
+        f"        {body}\n"
+        "    return [0.0] * len(completions)\n")
+    argv = [a.format(tmp=tmp_path, model=bad_input_assets["model"]) for a in PROMPTS]
+    code = main([*argv, f"rl.rewards={tmp_path}/r.py:flaky", "train.max_steps=3",
+                 "train.checkpoint_every=1", "train.eval_every=0", "data.eval_fraction=0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "Traceback" not in "\n".join(err)
+    assert err[-1].startswith("lmforge: error: ") and __import__("re").search(message, err[-1])
+    assert (tmp_path / "run" / "checkpoints" / "step-0000001").is_dir()

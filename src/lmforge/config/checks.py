@@ -20,13 +20,14 @@ def validate(cfg: "JobConfig", world_size: int = 1, distributed: Optional[bool] 
     ``distributed``: see ``parallel.mesh.runs_distributed`` (default: several processes)."""
     distributed = world_size > 1 if distributed is None else distributed
     _check_each_key(cfg)
-    if cfg.data.kind in ("text", "pretrain", "sft", "preference") and not cfg.data.path:
+    if cfg.data.kind in ("text", "pretrain", "sft", "preference", "prompts") \
+            and not cfg.data.path:
         raise ConfigError(f"data.path: required when data.kind is {cfg.data.kind}")
     if cfg.train.overwrite and cfg.train.resume:
         raise ConfigError("train.overwrite: cannot be combined with train.resume (one starts "
                           "over, the other continues)")
     _validate_preference(cfg)
-    validate_rl(cfg)
+    validate_rl(cfg, world_size)
     _validate_cp(cfg)  # (before the layout's sizes: why a cp layout cannot run comes first)
     _validate_batch(cfg, world_size)
     _validate_grouping(cfg.data)

@@ -106,11 +106,11 @@ def _microbatch_problem(p: ParallelConfig, count: int, sequences: int) -> Option
 
 
 def objective_name(cfg: JobConfig) -> str:
-    """What a step minimises: train.objective, where auto is dpo for preference pairs and
-    the next-token loss for every other data kind."""
+    """What a step minimises: train.objective, where auto is dpo for preference pairs,
+    grpo for prompts and the next-token loss for every other data kind."""
     if cfg.train.objective != "auto":
         return cfg.train.objective
-    return "dpo" if cfg.data.kind == "preference" else "next_token"
+    return {"preference": "dpo", "prompts": "grpo"}.get(cfg.data.kind, "next_token")
 
 
 def compute_dtype(cfg: JobConfig, device_type: str) -> str:

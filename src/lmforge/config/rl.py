@@ -10,12 +10,12 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
+from lmforge.config.derived import objective_name
 from lmforge.config.errors import ConfigError, show, show_name
 from lmforge.config.keys import RL_OBJECTIVES
 
 BUILTIN_REWARDS = ("exact_answer", "format", "length")  # (train/rewards.py)
-# the data kind GRPO samples from; not readable yet: until it is, grpo trains nothing
-PROMPTS_KIND = "prompts"
+PROMPTS_KIND = "prompts"  # the data kind GRPO samples from (data/prompts.py)
 
 
 def reward_names(value: Any) -> list[str]:
@@ -52,9 +52,14 @@ def reward_weights(value: Any, count: int) -> Optional[list[float]]:
     return weights
 
 
-def validate_rl(cfg) -> None:
-    """GRPO needs prompts, and its rewards must be ones that exist."""
-    if cfg.train.objective not in RL_OBJECTIVES:
+def validate_rl(cfg, world_size: int = 1) -> None:
+    """GRPO needs prompts and prompts GRPO, its rewards must be ones that exist, and it
+    runs where its rollout does for now: one process, each rollout trained once."""
+    objective = objective_name(cfg)
+    if cfg.data.kind == PROMPTS_KIND and objective not in RL_OBJECTIVES:
+        raise ConfigError(f"train.objective: {objective} does not train on prompts alone "
+                          f"(data.kind=prompts); use grpo (or auto)")
+    if objective not in RL_OBJECTIVES:
         return
     rl = cfg.rl
     names = reward_names(rl.rewards) if rl.rewards is not None else []
@@ -74,10 +79,17 @@ def validate_rl(cfg) -> None:
                           "parallel.dp_shard and parallel.tp" if cfg.parallel.pp > 1 else
                           "parallel.cp: GRPO needs each completion's log-probabilities on "
                           "one rank; use parallel.dp_shard")
+    if rl.num_iterations > 1:
+        raise ConfigError(f"rl.num_iterations: {rl.num_iterations}: the trainer trains each "
+                          f"rollout once for now (the loss itself is TRL's for any "
+                          f"num_iterations, models/grpo.py)")
+    if world_size > 1:
+        raise ConfigError(f"train.objective: grpo runs in one process for now ({world_size} "
+                          f"processes: a sharded rollout needs every rank to decode the same "
+                          f"prompts, not wired yet)")
     if cfg.data.kind != PROMPTS_KIND:  # (last: what is wrong with the rl keys comes first)
         raise ConfigError(f"train.objective: grpo samples completions of prompts; it needs "
-                          f"data.kind={PROMPTS_KIND} (data.kind is {cfg.data.kind}), which "
-                          f"lmforge does not read yet (docs/rl.md)")
+                          f"data.kind={PROMPTS_KIND} (data.kind is {cfg.data.kind})")
 
 
 def _check_reward(name: str) -> None:
@@ -106,7 +118,7 @@ def rl_key_users(cfg, objective: str) -> list[tuple[str, str, Optional[str]]]:
     """``refuse_ignored``'s rows for the rl section: (key, what uses it, what this run is
     where it does not use it, else None). Every rl.* key is GRPO's; rl.format_pattern is
     read by the format reward, rl.answer_field by exact_answer."""
-    grpo = objective in RL_OBJECTIVES
+    grpo = objective in RL_OBJECTIVES  # (objective_name: auto is grpo for prompts)
     rows = [(f"rl.{name}", "train.objective=grpo", None if grpo else objective)
             for name in cfg.rl.__dataclass_fields__]
     if not grpo:

@@ -88,8 +88,9 @@ class DataConfig:
                     "demo); text: local files or directories (.jsonl/.json/.parquet by "
                     "data.json_key, other files whole); pretrain: .bin/.idx prefixes "
                     "(lmforge preprocess); sft: chat or prompt/response records; "
-                    "preference: prompt, chosen and rejected records (docs/preference.md)",
-                    choices=("stdlib", "text", "pretrain", "sft", "preference"))
+                    "preference: prompt, chosen and rejected records (docs/preference.md); "
+                    "prompts: prompt records with the rewards' fields (GRPO, docs/rl.md)",
+                    choices=("stdlib", "text", "pretrain", "sft", "preference", "prompts"))
     path: Optional[Any] = key(None, "a path or a list of paths (required but for stdlib)")
     eval_path: Optional[Any] = key(None, "held-out data (default: data.eval_fraction of "
                                    "data.path)")
@@ -211,9 +212,9 @@ class TrainConfig:
                                  "(0: all at once)", bound=">= 0")
     objective: str = key("auto", "what a step minimises: next_token (pretraining, text, "
                          "SFT's completions) or a preference loss on chosen/rejected pairs; "
-                         "auto: dpo for data.kind=preference, else next_token; grpo: "
-                         "completions sampled from prompts, scored by rl.rewards (rl.*, "
-                         "docs/rl.md)",
+                         "auto: dpo for data.kind=preference, grpo for data.kind=prompts, "
+                         "else next_token; grpo: completions sampled from the prompts, "
+                         "scored by rl.rewards (rl.*, docs/rl.md)",
                          choices=("auto", "next_token", *PREFERENCE_OBJECTIVES,
                                   *RL_OBJECTIVES))
     beta: float = key(0.1, "dpo, ipo, simpo: the preference loss's beta (IPO's tau)",

@@ -10,6 +10,7 @@ from lmforge.data.errors import DataError
 from lmforge.data.indexed import IndexedDataset
 from lmforge.data.loader import BatchLoader, build_dataset_loader, pretrain_sources
 from lmforge.data.preference import check_some_pair
+from lmforge.data.prompts import check_prompts
 from lmforge.data.sft import check_some_answer
 from lmforge.data.text import (check_corpus, corpus_documents, corpus_files, split_tokens,
                                tokenize_files)
@@ -38,7 +39,7 @@ def check_data(cfg: JobConfig) -> None:
     d = cfg.data
     check = {"text": lambda field, path: check_corpus(field, path, d.json_key),
              "sft": check_some_answer, "pretrain": _open_prefixes,
-             "preference": check_some_pair}.get(d.kind)
+             "preference": check_some_pair, "prompts": check_prompts}.get(d.kind)
     if check is None:
         return
     if d.kind == "pretrain" and d.blend:
@@ -121,7 +122,8 @@ def _dataset_loaders(cfg, tokenizer, dp_rank, dp_size, cache_dir
 def _keeps_a_micro_batch(train_dataset, d) -> None:
     """SFT: the training part must fill one micro-batch with distinct samples (a
     pretraining part keeps a window at least, checked by PretrainDataset)."""
-    if d.kind in ("sft", "preference") and train_dataset.num_samples < d.micro_batch_size:
+    if d.kind in ("sft", "preference", "prompts") \
+            and train_dataset.num_samples < d.micro_batch_size:
         raise DataError(f"{d.path}: {train_dataset.num_samples} training samples would be "
                         f"left by data.eval_fraction={d.eval_fraction}, fewer than "
                         f"data.micro_batch_size={d.micro_batch_size}")
@@ -129,8 +131,8 @@ def _keeps_a_micro_batch(train_dataset, d) -> None:
 
 def _held_out_note(d, dataset) -> str:
     """"12 documents (3,456 tokens) of PATH (data.eval_fraction=0.05)"."""
-    if d.kind in ("sft", "preference"):
-        unit = "samples" if d.kind == "sft" else "pairs"
+    if d.kind in ("sft", "preference", "prompts"):
+        unit = {"sft": "samples", "preference": "pairs"}.get(d.kind, d.kind)
         count, tokens, source = dataset.num_samples, dataset.num_tokens, d.path
     else:
         parts = getattr(dataset, "datasets", [dataset])  # a blend, or one dataset

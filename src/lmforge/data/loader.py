@@ -42,6 +42,7 @@ from lmforge.data.indexed_files import exists, strip_suffix
 from lmforge.data.pretrain import BlendedDataset, PretrainDataset
 from lmforge.data.sampler import MicroBatchSampler
 from lmforge.data.preference import PreferenceDataset
+from lmforge.data.prompts import PromptDataset
 from lmforge.data.sft import SFTDataset
 
 STATE_VERSION = 1
@@ -277,6 +278,9 @@ def build_dataset_loader(cfg, tokenizer, dp_rank: int, dp_size: int, split: str 
         dataset = PreferenceDataset(_one_file(value, field, d.kind), tokenizer, d.template,
                                     d.seq_len, d.max_prompt_len, seed, d.pack, cache_dir,
                                     held, sft_pad_multiple(cfg))
+    elif d.kind == "prompts":  # (GRPO's rollout makes the rows: train/grpo.py)
+        dataset = PromptDataset(_one_file(value, field, d.kind), tokenizer, d.template,
+                                d.seq_len - cfg.rl.max_completion_length, seed, held)
     else:
         raise DataError(f"data.kind: {d.kind!r} is not pretrain, sft or preference")
     return BatchLoader(dataset, d.micro_batch_size, dp_rank, dp_size, seed, d.num_workers)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import gc
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -196,7 +197,13 @@ def run_loop(job: Job, rt: Runtime, model: TrainModel, optimizers: Optimizers,
     tokens = checkpoints.tokens  # positions the run's steps ran over (metrics "tokens")
     for step in range(start_step + 1, end_step + 1):
         micro_batches = [data.train.next_batch() for _ in range(accum)]
+        # (GRPO: its rollout, the completions of these prompts; the others: as read)
+        micro_batches, made = model.objective.prepare(model, micro_batches, step, rt.device,
+                                                      rt.autocast)
+        started = time.perf_counter()
         result = train_step(cfg, rt, model, optimizers, micro_batches, step, flops_per_token)
+        if made:  # the split users ask for: generating, scoring, training
+            made = {**made, "time/train_s": time.perf_counter() - started}
         nonfinite_steps += not result.finite
         throughput.add(result.counts.positions, result.counts.flops)
         tokens += result.counts.positions
@@ -212,7 +219,7 @@ def run_loop(job: Job, rt: Runtime, model: TrainModel, optimizers: Optimizers,
                       "tokens": tokens,
                       model.objective.unit: result.n_valid, "nonfinite_steps": nonfinite_steps,
                       "consumed_samples": data.train.consumed_samples,
-                      **optimizers.scaler.metrics(), **result.metrics,
+                      **optimizers.scaler.metrics(), **result.metrics, **made,
                       **(sample_ids(micro_batches) if t.log_sample_ids else {})}
             if evaluate_now:
                 record.update(evaluate_held_out(rt, model, data))

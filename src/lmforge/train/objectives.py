@@ -19,8 +19,13 @@ from torch import nn
 
 from lmforge import IGNORE_INDEX
 from lmforge.job import Job
+from lmforge.config.rl import reward_names, reward_weights
+from lmforge.models.grpo import GRPOParams
 from lmforge.models.loss import micro_batch_loss_sum, token_loss_sum
+from lmforge.models.sampling import Sampling
 from lmforge.models.preference import NEEDS_REFERENCE, PreferenceParams
+from lmforge.train.grpo import GRPO
+from lmforge.train.rewards import load_rewards
 from lmforge.train.preference import Preference
 
 
@@ -34,6 +39,12 @@ class NextToken:
 
     def count(self, batch: dict) -> int:
         return int((batch["labels"] != IGNORE_INDEX).sum())
+
+    def prepare(self, tm, micro_batches: list[dict], step: int, device: torch.device,
+                autocast=contextlib.nullcontext) -> tuple[list[dict], dict]:
+        """The step's micro-batches as it trains on them, and metrics of making them:
+        the data's own here (GRPO samples completions of its prompts: train/grpo.py)."""
+        return micro_batches, {}
 
     def loss_sum(self, model: nn.Module, batch: dict, device: torch.device,
                  autocast=contextlib.nullcontext, loss_chunk_tokens: int = 0,
@@ -52,13 +63,16 @@ class NextToken:
 NEXT_TOKEN = NextToken()
 
 
-def objective_for(job: Job) -> "NextToken | Preference":
-    """The objective a job trains (``Job.objective`` names it): the next-token loss, or a
+def objective_for(job: Job) -> "NextToken | Preference | GRPO":
+    """The objective a job trains (``Job.objective`` names it): the next-token loss, a
     preference loss whose reference is the adapters-off model (LoRA), the pairs' stored
     log-probabilities (train.reference=precomputed) or a frozen copy, set by the caller
-    (``Preference.reference_model``)."""
+    (``Preference.reference_model``), or GRPO (its rewards loaded: a user's reward file
+    runs here)."""
     if job.objective == NEXT_TOKEN.name:
         return NEXT_TOKEN
+    if job.objective == "grpo":
+        return grpo_objective(job)
     t = job.config.train
     params = PreferenceParams(beta=t.beta, label_smoothing=t.label_smoothing,
                               gamma=t.simpo_gamma, lam=t.orpo_lambda)
@@ -66,3 +80,20 @@ def objective_for(job: Job) -> "NextToken | Preference":
                  "batch" if t.reference == "precomputed" else
                  "adapters_off" if job.config.lora.enabled else "model")
     return Preference(job.objective, params, reference)
+
+
+def grpo_objective(job: Job) -> GRPO:
+    """GRPO from the rl section; its reference (rl.beta > 0) is the adapters-off model
+    (LoRA) or a frozen copy set by the caller (``GRPO.reference_model``)."""
+    rl = job.config.rl
+    names = reward_names(rl.rewards)
+    rewards = load_rewards(names, reward_weights(rl.reward_weights, len(names)),
+                           answer_field=rl.answer_field, format_pattern=rl.format_pattern,
+                           max_completion_length=rl.max_completion_length)
+    params = GRPOParams(beta=rl.beta, epsilon=rl.epsilon, epsilon_high=rl.epsilon_high,
+                        loss_type=rl.loss_type, max_completion_length=rl.max_completion_length)
+    reference = ("none" if not rl.beta else
+                 "adapters_off" if job.config.lora.enabled else "model")
+    return GRPO(params, rewards, rl.num_generations,
+                Sampling(temperature=rl.temperature, top_p=rl.top_p), rl.scale_rewards,
+                int(job.config.train.seed), reference)

@@ -40,6 +40,10 @@ class Preference:
     def count(self, batch: dict) -> int:
         return int(batch["n_pairs"])
 
+    def prepare(self, tm, micro_batches: list[dict], step: int, device: torch.device,
+                autocast=contextlib.nullcontext) -> tuple[list[dict], dict]:
+        return micro_batches, {}  # (pairs train as they are read)
+
     def loss_sum(self, model: nn.Module, batch: dict, device: torch.device,
                  autocast=contextlib.nullcontext, loss_chunk_tokens: int = 0,
                  stats: Optional[dict] = None) -> torch.Tensor:

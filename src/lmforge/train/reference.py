@@ -58,8 +58,8 @@ class ReferenceFileError(ValueError):
 
 def attach_reference_model(tm: TrainModel, job, device, dims, param_dtype=None) -> None:
     """Gives a full-weight live run's objective its frozen copy of the starting weights."""
-    objective = tm.objective
-    if not isinstance(objective, Preference) or objective.reference != "model":
+    objective = tm.objective  # (a preference loss's, or GRPO's with rl.beta > 0)
+    if getattr(objective, "reference", None) != "model":
         return
     reference = build_train_model(job, device, dims, param_dtype)
     for p in reference.parameters():

@@ -193,6 +193,9 @@ def load_user_function(spec: str) -> Callable:
     if not file.is_file():
         raise ConfigError(f"rl.rewards: {show_name(file)}: no such file (from {show(spec)})")
     module_name = f"lmforge_rewards_{abs(hash(str(file.resolve())))}"
+    module = sys.modules.get(module_name)  # executed once a process (the policy and its
+    if module is not None:                 # reference copy both build the objective)
+        return _function(spec, file, module, name)
     try:
         module_spec = importlib.util.spec_from_file_location(module_name, file)
         module = importlib.util.module_from_spec(module_spec)
@@ -202,6 +205,10 @@ def load_user_function(spec: str) -> Callable:
         sys.modules.pop(module_name, None)
         raise ConfigError(f"rl.rewards: loading {show_name(file)} failed: "
                           f"{type(e).__name__}: {e}") from None
+    return _function(spec, file, module, name)
+
+
+def _function(spec: str, file: Path, module, name: str) -> Callable:
     func = getattr(module, name, None)
     if not callable(func):
         raise ConfigError(f"rl.rewards: {show_name(file)} defines no function {name!r}")

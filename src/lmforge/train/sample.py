@@ -80,6 +80,10 @@ def _held_out_prefix(tokenizer: Tokenizer, data: DataBundle) -> Union[SampleProm
     if batch is None:
         return ("no held-out data (data.eval_path, data.eval_fraction) to take a prompt "
                 "from; set train.sample_prompt")
+    if "prompts" in batch:  # (data.kind=prompts: the first held-out prompt, whole)
+        prompts = batch["prompts"]
+        return SamplePrompt(prompts.ids[0], tokenizer.decode(prompts.ids[0], skip_special=False),
+                            "the held-out prompts", prompts.stop_ids)
     ids = batch["input_ids"][0, :PREFIX_TOKENS].tolist()
     return SamplePrompt(ids, tokenizer.decode(ids), "the held-out data")
 

@@ -1,5 +1,5 @@
 """The rl section (GRPO): its keys carry TRL's GRPOConfig names, each is declared once with
-its help, a recipe that uses them is accepted as far as the data kind GRPO needs, and the
+its help, a recipe that uses them on prompts is accepted (elsewhere refused), and the
 ones a run does not read are refused (the refusals themselves: the bad-input table,
 tests/integration/test_bad_inputs_rl.py)."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from lmforge.config import ConfigError, JobConfig, describe_keys, load_config
+from lmforge.config import ConfigError, JobConfig, describe_keys, load_config, objective_name
 from lmforge.config.schema import RLConfig
 
 OURS_ONLY = {"rewards", "answer_field", "format_pattern"}  # (TRL: reward_funcs, code)
@@ -33,13 +33,17 @@ def test_every_rl_key_is_listed_with_its_help():
         assert f.metadata["help"]
 
 
-def test_a_grpo_recipe_is_accepted_up_to_the_prompts_it_needs(tmp_path, monkeypatch):
+def test_a_grpo_recipe_on_prompts_is_accepted(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mine.py").write_text("def r(prompts, completions, **kw):\n    return []\n")
-    cfg = load_config(None, ["train.objective=grpo", "rl.rewards=exact_answer,format,mine.py:r",
-                             "rl.reward_weights=[1, 0.5, 2]", "rl.format_pattern=<a>.*</a>",
-                             "rl.answer_field=solution", "rl.beta=0.04",
-                             "rl.loss_type=dr_grpo", "rl.num_iterations=2"])
+    keys = ["rl.rewards=exact_answer,format,mine.py:r", "rl.reward_weights=[1, 0.5, 2]",
+            "rl.format_pattern=<a>.*</a>", "rl.answer_field=solution", "rl.beta=0.04",
+            "rl.loss_type=dr_grpo"]
+    cfg = load_config(None, ["data.kind=prompts", "data.path=p.jsonl", *keys]).validate()
     assert cfg.rl.beta == 0.04 and cfg.rl.loss_type == "dr_grpo"
-    with pytest.raises(ConfigError, match=r"^train\.objective: grpo .* needs data\.kind=prompts"):
-        cfg.validate()  # (the only refusal left: lmforge reads no prompts yet)
+    assert objective_name(cfg) == "grpo"  # (auto, for prompts)
+    with pytest.raises(ConfigError, match=r"^train\.objective: grpo .* needs data\.kind=prompts "
+                                          r"\(data\.kind is stdlib\)$"):
+        load_config(None, ["train.objective=grpo", *keys]).validate()
+    with pytest.raises(ConfigError, match=r"^train\.objective: grpo runs in one process"):
+        load_config(None, ["data.kind=prompts", "data.path=p.jsonl", *keys]).validate(2)

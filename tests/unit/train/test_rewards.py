@@ -163,3 +163,15 @@ def test_a_reward_that_raises_only_on_the_whole_batch_names_the_batch(tmp_path, 
                                           r"time \(on the batch of 2 starting at completion "
                                           r"0, prompt 'p0'\)$"):
         score(load_rewards(["r.py:pair"]), ["p0", "p1"], ["a", "b"], [[1], [2]], {})
+
+
+def test_a_reward_file_is_executed_once_a_process(tmp_path, monkeypatch):
+    """The policy and its frozen reference copy both build the objective: the user's file
+    runs once (its module state, a counter here, is kept)."""
+    (tmp_path / "r.py").write_text("loads = []\nloads.append(1)\n"
+                                   "def f(prompts, completions, **kw):\n"
+                                   "    return [float(len(loads))] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    first, second = load_rewards(["r.py:f"])[0], load_rewards(["r.py:f"])[0]
+    assert first.func is second.func
+    assert _one([second], ["a"]) == [1.0]

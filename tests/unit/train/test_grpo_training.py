@@ -1,0 +1,155 @@
+"""GRPO in the trainer, on the CPU with a tiny ChatML model: prompts (text and chat
+messages, with their fields) become rollouts through the batched decoder, the step trains
+on them and logs TRL's metrics with the seconds generating, scoring and training; a run
+stopped and resumed gives the uninterrupted run's losses and rewards exactly; full weights
+and LoRA with a reference (rl.beta > 0); and the prompts reader's refusals."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers.preference_data import model_dir
+from lmforge.config import load_config
+from lmforge.data.errors import DataError
+from lmforge.data.prompts import PromptDataset, check_prompts
+from lmforge.data.tokenizer import load_tokenizer
+from lmforge.train.loop import train
+
+ROLLOUT_METRICS = ("reward", "reward_std", "rewards/exact_answer/mean",
+                   "rewards/length/mean", "frac_reward_zero_std", "completions/mean_length",
+                   "completions/clipped_ratio", "entropy", "clip_ratio/region_mean",
+                   "time/generate_s", "time/score_s", "time/train_s")
+
+
+def _records(n: int) -> list[dict]:
+    out = []
+    for i in range(n):
+        a, b = i % 5, (i * 3) % 7
+        prompt = f"What is {a} plus {b}?"
+        out.append({"prompt": prompt if i % 2 else [{"role": "user", "content": prompt}],
+                    "answer": str(a + b), "id": i})
+    return out
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("grpo-train")
+    model = model_dir(root)
+    data = root / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _records(24)))
+    return model, data
+
+
+def _run(setup, out, *extra):
+    model, data = setup
+    cfg = load_config(None, [f"model.init_from={model}", "data.kind=prompts",
+                             f"data.path={data}", "data.seq_len=48",
+                             "data.micro_batch_size=2", "rl.num_generations=3",
+                             "rl.max_completion_length=8", "rl.rewards=exact_answer,length",
+                             "rl.reward_weights=[1.0, 0.1]", "train.max_steps=3",
+                             "train.log_every=1", "train.eval_every=3", "train.eval_batches=2",
+                             "train.save=false", f"train.output_dir={out}", "optim.lr=1e-2",
+                             "train.device=cpu", "train.sample_tokens=4", *extra])
+    summary = train(cfg)
+    return summary, [json.loads(line) for line in (out / "metrics.jsonl").open()]
+
+
+def test_a_grpo_run_trains_on_its_rollouts_and_logs_trls_metrics(setup, tmp_path):
+    _, history = _run(setup, tmp_path / "run", "rl.beta=0.04")
+    assert [r["step"] for r in history] == [1, 2, 3]
+    for record in history:
+        for name in ROLLOUT_METRICS + ("kl", "loss", "completion_tokens"):
+            assert name in record, name
+        assert record["completions/max_length"] <= 8
+        assert record["time/generate_s"] > 0 and record["time/train_s"] > 0
+    assert history[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # (the policy is the reference)
+    assert "eval_reward" in history[-1] and history[-1]["eval_prompts"] == 1  # (5% of 24)
+
+
+@pytest.mark.parametrize("extra", [(), ("lora.enabled=true", "lora.rank=4", "rl.beta=0.1")])
+def test_a_stopped_and_resumed_run_samples_scores_and_trains_as_one(setup, tmp_path, extra):
+    _, whole = _run(setup, tmp_path / "whole", *extra)
+    out = tmp_path / "parts"
+    _run(setup, out, *extra, "train.save=true", "train.checkpoint_every=1",
+         "train.stop_at_step=2")
+    _, resumed = _run(setup, out, *extra, "train.save=true", "train.checkpoint_every=1",
+                      "train.resume=auto")
+    for a, b in zip(whole, resumed):
+        for key in ("loss", "reward", "completions/mean_length", "grad_norm"):
+            assert a[key] == b[key], (a["step"], key)
+
+
+def test_prompt_records_keep_their_fields_and_render_chat_messages(setup):
+    model, data = setup
+    tok = load_tokenizer(model)
+    ds = PromptDataset(data, tok, "auto", 40, seed=0)
+    batch = ds.batch([0, 1, 2])["prompts"]
+    for ids, record in zip(batch.ids, batch.records):
+        text = tok.decode(ids, skip_special=False)
+        if isinstance(record["prompt"], list):  # the template's user turn and generation prompt
+            assert "<|im_start|>assistant" in text and record["prompt"][0]["content"] in text
+        else:
+            assert text == record["prompt"]
+        assert "answer" in record and "id" in record
+    assert batch.stop_ids  # (the end of turn and EOS)
+
+
+@pytest.mark.parametrize("line,match", [
+    ('["not", "an", "object"]', r"p\.jsonl:2: a prompt record is a JSON object"),
+    ('{"answer": 3}', r"p\.jsonl:2: the record has no 'prompt'$"),
+    ('{"prompt": "  "}', r"p\.jsonl:2: 'prompt' is empty"),
+    ('{"prompt": 7}', r"p\.jsonl:2: 'prompt' must be a string or a list of messages"),
+    ('{"prompt": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}',
+     r"p\.jsonl:2: 'prompt' must end with a user message"),
+    ('{"prompt": [{"role": "robot", "content": "a"}]}', r"p\.jsonl:2: 'prompt' message 1 has role"),
+    ('{"prompt": "a" ', r"p\.jsonl:2: "),
+])
+def test_a_bad_prompt_record_is_refused_naming_its_line(tmp_path, line, match):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "fine"}\n' + line + "\n")
+    with pytest.raises(DataError, match=match):
+        check_prompts("data.path", path)
+
+
+def test_a_prompt_too_long_for_its_completion_is_refused_naming_its_line(setup, tmp_path):
+    model, _ = setup
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "short"}\n' + json.dumps({"prompt": "word " * 60}) + "\n")
+    with pytest.raises(DataError, match=r"p\.jsonl:2: the prompt has \d+ tokens; data\.seq_len "
+                                         r"- rl\.max_completion_length leaves 20$"):
+        PromptDataset(path, load_tokenizer(model), "auto", 20)
+
+
+def test_the_trainers_rows_score_what_the_completion_aligned_layout_scores(setup):
+    """Prompts of different lengths right-padded with their completions (the trainer's
+    rows: ``completion_rows``, ``label_logps``) give each completion token the
+    log-probability and entropy it has scored alone (``completion_logps``, the layout the
+    TRL comparison uses), and the loss of those rows is the rows' own losses' mean."""
+    import torch
+
+    from lmforge.models.grpo import GRPOParams, completion_logps, grpo_loss
+    from lmforge.models.hf import load_hf_model
+    from lmforge.train.grpo import completion_rows, label_logps
+
+    model = load_hf_model(setup[0])
+    prompts, completions = [[5, 6, 7], [8, 9], [10, 11, 12, 13]], [[20, 21], [22, 23, 24], []]
+    adv = torch.tensor([0.5, -1.0, 0.3])
+    p = GRPOParams(beta=0.2, loss_type="grpo", max_completion_length=4)
+    rows = completion_rows(prompts, completions, adv, torch.arange(3))
+    logps, entropy = label_logps(model(rows["input_ids"]), rows["labels"], 0.7)
+    mask = rows["completion_mask"]
+    loss, _ = grpo_loss(logps, None, logps.detach() - 0.3 * mask, adv, mask, p)
+    apart = []
+    for r, (pr, c, a) in enumerate(zip(prompts, completions, adv)):
+        assert int(mask[r].sum()) == len(c)
+        if not c:
+            apart.append(torch.zeros(()))
+            continue
+        logits = model(torch.tensor([pr + c]))[:, len(pr) - 1:-1]
+        lp, ent = completion_logps(logits, torch.tensor([c]), 0.7)
+        torch.testing.assert_close(logps[r][mask[r].bool()], lp[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(entropy[r][mask[r].bool()], ent[0], rtol=1e-5, atol=1e-6)
+        apart.append(grpo_loss(lp, None, lp.detach() - 0.3, a[None], torch.ones(1, len(c)),
+                               p)[0])
+    torch.testing.assert_close(loss, torch.stack(apart).mean(), rtol=1e-5, atol=1e-6)
