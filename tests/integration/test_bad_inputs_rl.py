@@ -36,6 +36,9 @@ TABLE = [
     Bad("a format pattern without the format reward", [*EXACT, "rl.format_pattern=x"],
         r"^rl\.format_pattern: rl\.rewards=exact_answer does not use it \(it applies to the "
         r"format reward\)$"),
+    Bad("a chunked loss with grpo", [*EXACT, "train.loss_chunk_tokens=1024"],
+        r"^train\.loss_chunk_tokens: train\.objective=grpo does not use it \(it applies to "
+        r"the next-token and preference objectives\)$"),
     Bad("an answer field without exact_answer", [*GRPO, "rl.rewards=length",
                                                  "rl.answer_field=solution"],
         r"^rl\.answer_field: rl\.rewards=length does not use it"),

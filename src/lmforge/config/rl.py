@@ -123,6 +123,8 @@ def rl_key_users(cfg, objective: str) -> list[tuple[str, str, Optional[str]]]:
             for name in cfg.rl.__dataclass_fields__]
     if not grpo:
         return rows
+    rows.append(("train.loss_chunk_tokens", "the next-token and preference objectives",
+                 "train.objective=grpo"))  # (its loss scores whole rollout rows)
     try:
         names = reward_names(cfg.rl.rewards) if cfg.rl.rewards is not None else []
     except ConfigError:
