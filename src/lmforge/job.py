@@ -62,7 +62,8 @@ class Batch:
     accumulation: int  # data.micro_batch_size micro-batches each rank runs per step
     # pp > 1: the pieces the schedule splits a rank's sequences of a step into (else None)
     pipeline_microbatches: Optional[int] = None
-    sequences_per_sample: int = 1  # a preference pair is two (chosen, rejected)
+    # a preference pair is two (chosen, rejected), a GRPO prompt rl.num_generations
+    sequences_per_sample: int = 1
 
     @property
     def microbatches(self) -> int:
@@ -161,7 +162,13 @@ def _batch(cfg: JobConfig, layout: Layout) -> Batch:
                  per_step=samples_per_step(cfg, dp),
                  accumulation=grad_accumulation_steps(cfg, dp),
                  pipeline_microbatches=pipeline_microbatches(cfg, dp) if layout.pp > 1 else None,
-                 sequences_per_sample=2 if cfg.data.kind == "preference" else 1)
+                 sequences_per_sample=_sequences_per_sample(cfg))
+
+
+def _sequences_per_sample(cfg: JobConfig) -> int:
+    """The rows one sample trains as: a preference pair's two sides, a GRPO prompt's
+    rl.num_generations completions."""
+    return {"preference": 2, "prompts": cfg.rl.num_generations}.get(cfg.data.kind, 1)
 
 
 def _device_type(name: str) -> str:

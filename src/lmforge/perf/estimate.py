@@ -324,7 +324,10 @@ def format_table(est: MemoryEstimate, device_memory_gib: Optional[float] = None,
         f"model: {describe_model(s.args)}",
         f"run: seq {s.batch.seq_len} x micro-batch {s.micro_batch}"
         + (f" ({s.micro_batch // 2} pair{'s' if s.micro_batch != 2 else ''})"
-           if s.batch.sequences_per_sample == 2 else "")
+           if s.cfg.data.kind == "preference" else
+           f" ({s.micro_batch // s.batch.sequences_per_sample} prompts x "
+           f"{s.batch.sequences_per_sample} completions)" if s.cfg.data.kind == "prompts"
+           else "")
         + f", {s.compute} compute, "
         f"{lora}, {s.cfg.optim.name}, checkpointing {t.activation_checkpointing}"
         + (f" (every {every})" if t.activation_checkpointing == "selective" else "")

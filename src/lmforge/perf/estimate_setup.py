@@ -67,7 +67,10 @@ class Setup:
         """What a preference run's reference costs: "copy" (a frozen copy of the weights
         and a no-grad pass), "pass" (LoRA: the same weights, a no-grad pass), or "" (none
         during training: precomputed, or an objective without one)."""
-        if self.job.objective not in NEEDS_REFERENCE or self.cfg.train.reference != "live":
+        if self.job.objective == "grpo":  # (rl.beta > 0: the KL's reference)
+            if not self.cfg.rl.beta:
+                return ""
+        elif self.job.objective not in NEEDS_REFERENCE or self.cfg.train.reference != "live":
             return ""
         return "pass" if self.lora is not None else "copy"
 

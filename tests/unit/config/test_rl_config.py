@@ -47,3 +47,19 @@ def test_a_grpo_recipe_on_prompts_is_accepted(tmp_path, monkeypatch):
         load_config(None, ["train.objective=grpo", *keys]).validate()
     with pytest.raises(ConfigError, match=r"^train\.objective: grpo runs in one process"):
         load_config(None, ["data.kind=prompts", "data.path=p.jsonl", *keys]).validate(2)
+
+
+def test_the_estimate_counts_a_rollouts_completions_and_its_reference():
+    """A GRPO micro-batch of prompts trains as prompts x rl.num_generations rows (and its
+    KV cache holds as many); rl.beta > 0 adds the reference's pass (LoRA) or copy."""
+    from lmforge.perf.estimate_setup import setup_from_config
+
+    base = ["data.kind=prompts", "data.path=p.jsonl", "rl.rewards=exact_answer",
+            "data.micro_batch_size=4", "rl.num_generations=6"]
+    setup = setup_from_config(load_config(None, base), device="cpu", world_size=1)
+    assert setup.micro_batch == 24 and setup.reference == ""
+    full = setup_from_config(load_config(None, [*base, "rl.beta=0.04"]), device="cpu",
+                             world_size=1)
+    lora = setup_from_config(load_config(None, [*base, "rl.beta=0.04", "lora.enabled=true"]),
+                             device="cpu", world_size=1)
+    assert (full.reference, lora.reference) == ("copy", "pass")
