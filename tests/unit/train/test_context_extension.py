@@ -70,7 +70,7 @@ def test_a_sequence_past_the_models_positions_is_refused_naming_both_fields(base
 
 
 @pytest.mark.parametrize("value,match", [
-    ("{rope_type: dynamic, factor: 2.0}", "model.rope_scaling.rope_type = 'dynamic'"),
+    ("{rope_type: dynamic, factor: 2.0}", "model.rope_scaling.rope_type: 'dynamic' is not one of"),
     ("yarn", "model.rope_scaling: 'yarn' is not a mapping"),
     ("{rope_type: yarn}", "model.rope_scaling: factor")])
 def test_a_bad_rope_scaling_is_refused_naming_the_field(base, tmp_path, value, match):
