@@ -9,7 +9,7 @@ demo: setup
 
 # A line per test file with the share done and the time taken so far (-v cancels the
 # -q of pyproject's addopts), then the ten slowest tests. The few runs marked long (minutes
-# each) wait for test-long, which CI runs too: make test stays within its 30 minutes.
+# each) wait for test-long, which CI runs too: make test stays within 15 minutes on a quiet 2-core machine.
 test: setup
 	.venv/bin/python -m pytest -v --durations=10 -m "not long and not cluster" tests
 

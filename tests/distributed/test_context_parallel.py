@@ -70,6 +70,7 @@ PEAK_BASE = ["data.global_batch_size=8", "data.eval_fraction=0", "parallel.cp=2"
              "parallel.dp_shard=1", "model.tie_embeddings=false"]
 
 
+@pytest.mark.long  # (a minute in all: make test-long)
 @pytest.mark.parametrize("layout", sorted(CP_LAYOUTS))
 def test_the_estimate_of_a_cp_layout_is_within_tolerance_of_its_measured_peak(layout,
                                                                              tmp_path):

@@ -23,7 +23,7 @@ import torch
 
 from helpers import family_training as ft
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # make test-long: kept out of make test's 15 minutes
 WORKER = Path(ft.__file__)
 SRC = Path(__file__).resolve().parents[2] / "src"
 

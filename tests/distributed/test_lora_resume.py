@@ -25,7 +25,7 @@ from helpers.runs import read_metrics
 from lmforge.checkpoint import read_model_state
 from lmforge.checkpoint.safe_load import read_metadata_file
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # make test-long: kept out of make test's 15 minutes
 TESTS = Path(__file__).resolve().parents[1]
 SRC = TESTS.parent / "src"
 

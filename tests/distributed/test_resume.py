@@ -97,6 +97,7 @@ def _tree_digest(root) -> dict:
 RESHARD_MODEL = ["model.n_heads=4", "model.n_kv_heads=4"]  # tp=4 divides the heads
 
 
+@pytest.mark.long  # (a minute: make test-long)
 def test_resume_on_other_layouts_reshards_model_and_optimizer(tiny_corpus, tmp_path):
     base = tiny_overrides(tiny_corpus, 3) + RESHARD_MODEL
     saved = tmp_path / "saved"
