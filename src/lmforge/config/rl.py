@@ -67,7 +67,7 @@ def validate_rl(cfg, world_size: int = 1) -> None:
         raise ConfigError("rl.rewards: required with train.objective=grpo (exact_answer, "
                           "format, length or path/to/file.py:function)")
     for name in names:
-        _check_reward(name)
+        user_reward(name)
     reward_weights(rl.reward_weights, len(names))
     if "format" in names:
         _check_pattern(rl.format_pattern)
@@ -92,15 +92,19 @@ def validate_rl(cfg, world_size: int = 1) -> None:
                           f"data.kind={PROMPTS_KIND} (data.kind is {cfg.data.kind})")
 
 
-def _check_reward(name: str) -> None:
+def user_reward(name: str) -> Optional[tuple[Path, str]]:
+    """An ``rl.rewards`` entry: None for a built-in, else (the file, the function) of
+    ``path/to/file.py:function``; anything else, or a file that is not there, is refused
+    (the file is looked for, not run: train/rewards.py loads it)."""
     if name in BUILTIN_REWARDS:
-        return
+        return None
     path, sep, func = name.rpartition(":")
     if not sep or not path.endswith(".py") or not func.isidentifier():
         raise ConfigError(f"rl.rewards: {show(name)} is neither a built-in reward "
                           f"({', '.join(BUILTIN_REWARDS)}) nor path/to/file.py:function")
     if not Path(path).is_file():
         raise ConfigError(f"rl.rewards: {show_name(path)}: no such file (from {show(name)})")
+    return Path(path), func
 
 
 def _check_pattern(pattern: Optional[str]) -> None:

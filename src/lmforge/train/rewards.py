@@ -28,8 +28,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from lmforge.config.errors import ConfigError, show, show_name
+from lmforge.config.rl import user_reward
 
-BUILTINS = ("exact_answer", "format", "length")
+
 _NUMBER = re.compile(r"[-+]?(?:\d[\d,]*(?:\.\d*)?|\.\d+)(?:/\d+)?")
 _LATEX_FRAC = re.compile(r"^\\[dt]?frac\{\s*([-+]?\d+)\s*\}\{\s*(\d+)\s*\}$")
 _PROMPT_SHOWN = 40  # characters of a prompt an error quotes
@@ -185,13 +186,9 @@ def _pattern(pattern: Optional[str]) -> str:
 def load_user_function(spec: str) -> Callable:
     """``path/to/file.py:function`` (the path relative to the working directory): that
     file executed as a module, and its function, checked to take TRL's arguments."""
-    path, sep, name = str(spec).rpartition(":")
-    if not sep or not path.endswith(".py") or not name.isidentifier():
-        raise ConfigError(f"rl.rewards: {show(spec)} is neither a built-in reward "
-                          f"({', '.join(BUILTINS)}) nor path/to/file.py:function")
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"rl.rewards: {show_name(file)}: no such file (from {show(spec)})")
+    file, name = user_reward(str(spec)) or (None, None)
+    if file is None:
+        raise ConfigError(f"rl.rewards: {show(spec)} is a built-in reward, not a file")
     module_name = f"lmforge_rewards_{abs(hash(str(file.resolve())))}"
     module = sys.modules.get(module_name)  # executed once a process (the policy and its
     if module is not None:                 # reference copy both build the objective)
