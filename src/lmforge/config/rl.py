@@ -70,7 +70,7 @@ def validate_rl(cfg, world_size: int = 1) -> None:
         user_reward(name)
     reward_weights(rl.reward_weights, len(names))
     if "format" in names:
-        _check_pattern(rl.format_pattern)
+        check_pattern(rl.format_pattern)
     if rl.max_completion_length >= cfg.data.seq_len:
         raise ConfigError(f"rl.max_completion_length: {rl.max_completion_length} leaves no "
                           f"room for a prompt in data.seq_len={cfg.data.seq_len}")
@@ -107,7 +107,8 @@ def user_reward(name: str) -> Optional[tuple[Path, str]]:
     return Path(path), func
 
 
-def _check_pattern(pattern: Optional[str]) -> None:
+def check_pattern(pattern: Optional[str]) -> str:
+    """``rl.format_pattern``, refused unless it is a regular expression; returned."""
     if not pattern:
         raise ConfigError("rl.format_pattern: the format reward needs a regular expression "
                           "(rl.format_pattern=...)")
@@ -116,6 +117,7 @@ def _check_pattern(pattern: Optional[str]) -> None:
     except re.error as e:
         raise ConfigError(f"rl.format_pattern: {show(pattern)} is not a regular expression "
                           f"({e})") from None
+    return pattern
 
 
 def rl_key_users(cfg, objective: str) -> list[tuple[str, str, Optional[str]]]:

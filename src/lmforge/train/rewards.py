@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from lmforge.config.errors import ConfigError, show, show_name
-from lmforge.config.rl import user_reward
+from lmforge.config.rl import check_pattern, user_reward
 
 
 _NUMBER = re.compile(r"[-+]?(?:\d[\d,]*(?:\.\d*)?|\.\d+)(?:/\d+)?")
@@ -162,25 +162,13 @@ def load_rewards(specs: Sequence[str], weights: Optional[Sequence[float]] = None
         if spec == "exact_answer":
             func = exact_answer_reward(answer_field)
         elif spec == "format":
-            func = format_reward(_pattern(format_pattern))
+            func = format_reward(check_pattern(format_pattern))
         elif spec == "length":
             func = length_reward(max_completion_length)
         else:
             func = load_user_function(spec)
         rewards.append(Reward(getattr(func, "__name__", spec), func, weight))
     return rewards
-
-
-def _pattern(pattern: Optional[str]) -> str:
-    if not pattern:
-        raise ConfigError("rl.format_pattern: the format reward needs a regular expression "
-                          "(rl.format_pattern=...)")
-    try:
-        re.compile(pattern)
-    except re.error as e:
-        raise ConfigError(f"rl.format_pattern: {show(pattern)} is not a regular expression "
-                          f"({e})") from None
-    return pattern
 
 
 def load_user_function(spec: str) -> Callable:
