@@ -46,6 +46,9 @@ def validate(cfg: "JobConfig", world_size: int = 1, distributed: Optional[bool] 
         # stage's schedule owns the loss
         raise ConfigError("train.loss_chunk_tokens: supported with data parallelism / FSDP "
                           "only (set it to 0 with parallel.tp > 1 or parallel.pp > 1)")
+    if cfg.train.fused_loss and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
+        raise ConfigError("train.fused_loss: supported with data parallelism / FSDP only "
+                          "(set it to false with parallel.tp > 1 or parallel.pp > 1)")
 
 
 def _check_each_key(cfg: "JobConfig") -> None:

@@ -210,6 +210,12 @@ class TrainConfig:
     loss_chunk_tokens: int = key(0, "apply the output layer and the loss this many tokens "
                                  "at a time, recomputing each chunk's logits in backward "
                                  "(0: all at once)", bound=">= 0")
+    fused_loss: bool = key(False, "the output layer and the loss fused, over chunks of "
+                           "train.loss_chunk_tokens tokens (0: 1024): each chunk's logits "
+                           "made and dropped, the summed losses' gradients computed in "
+                           "the forward pass, per-token ones (preference, grpo) "
+                           "recomputed in backward; no (tokens x vocab) tensor is kept "
+                           "(models/fused_loss.py)")
     objective: str = key("auto", "what a step minimises: next_token (pretraining, text, "
                          "SFT's completions) or a preference loss on chosen/rejected pairs; "
                          "auto: dpo for data.kind=preference, grpo for data.kind=prompts, "

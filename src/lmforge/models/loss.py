@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lmforge import IGNORE_INDEX
 from lmforge.models.attention import DocumentMask
+from lmforge.models.fused_loss import FUSED_CHUNK_TOKENS, fused_loss_sum, fused_token_logps
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -55,8 +56,14 @@ def chunked_loss_sum(output: nn.Module, hidden: torch.Tensor, labels: torch.Tens
 def micro_batch_loss_sum(model: nn.Module, batch: dict, device: torch.device,
                          autocast=contextlib.nullcontext, loss_chunk_tokens: int = 0
                          ) -> torch.Tensor:
-    """Forward one micro-batch and return the sum of its valid tokens' losses."""
+    """Forward one micro-batch and return the sum of its valid tokens' losses: from the
+    fused head (train.fused_loss, ``fused_head``), chunked, or from the whole logits."""
     labels = batch["labels"].to(device)
+    if fused_head(model):
+        with autocast():
+            hidden = model(**model_inputs(batch, device), head=False)  # (batch, seq, dim)
+        return fused_loss_sum(model.output, hidden, labels,
+                              loss_chunk_tokens or FUSED_CHUNK_TOKENS, autocast)
     if loss_chunk_tokens:
         with autocast():
             hidden = model(**model_inputs(batch, device), head=False)  # (batch, seq, dim)
@@ -64,6 +71,24 @@ def micro_batch_loss_sum(model: nn.Module, batch: dict, device: torch.device,
     with autocast():
         logits = model(**model_inputs(batch, device))  # (batch, seq, vocab)
     return token_loss_sum(logits, labels)
+
+
+def fused_head(model: nn.Module) -> bool:
+    """train.fused_loss, set on the model by the trainer (``build_train_model``): its
+    output layer and loss run as one fused, chunked function (``models/fused_loss.py``)."""
+    return bool(getattr(model, "fused_loss", False))
+
+
+def fused_label_logps(model: nn.Module, batch: dict, device: torch.device, autocast,
+                      temperature: float, chunk_tokens: int = 0
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO's (log-probability of each label, entropy at its position) under the logits
+    / ``temperature`` (``train.grpo.label_logps``), from the fused head: no logits kept."""
+    with autocast():
+        hidden = model(**model_inputs(batch, device), head=False)  # (batch, seq, dim)
+    return fused_token_logps(model.output, hidden, batch["labels"].to(device),
+                             chunk_tokens or FUSED_CHUNK_TOKENS, autocast,
+                             scale=1.0 / temperature, entropy=True)
 
 
 def model_inputs(batch: dict, device: torch.device) -> dict:

@@ -25,7 +25,8 @@ from torch.utils.checkpoint import checkpoint
 
 from lmforge import IGNORE_INDEX
 from lmforge.config import PREFERENCE_OBJECTIVES
-from lmforge.models.loss import model_inputs
+from lmforge.models.fused_loss import FUSED_CHUNK_TOKENS, fused_token_logps
+from lmforge.models.loss import fused_head, model_inputs
 
 NEEDS_REFERENCE = ("dpo", "ipo")  # the objectives that compare with a reference model
 # TRL's metric names (ORPO adds nll_loss)
@@ -62,9 +63,15 @@ def sequence_logps(model: nn.Module, batch: dict, device: torch.device,
                    autocast=contextlib.nullcontext, chunk_tokens: int = 0) -> PairLogps:
     """The model's summed log-probabilities of each of the batch's 2n completions.
     ``chunk_tokens`` (train.loss_chunk_tokens): the output layer runs that many tokens at
-    a time, each chunk's logits recomputed in backward (``chunked_token_logps``)."""
+    a time, each chunk's logits recomputed in backward (``chunked_token_logps``); with
+    train.fused_loss the fused head's chunks (``fused_token_logps``)."""
     labels = batch["labels"].to(device)
-    if chunk_tokens:
+    if fused_head(model):  # train.fused_loss: the chunks' logits recomputed in backward
+        with autocast():
+            hidden = model(**model_inputs(batch, device), head=False)
+        logps = fused_token_logps(model.output, hidden, labels,
+                                  chunk_tokens or FUSED_CHUNK_TOKENS, autocast)
+    elif chunk_tokens:
         with autocast():
             hidden = model(**model_inputs(batch, device), head=False)
         logps = chunked_token_logps(model.output, hidden, labels, chunk_tokens, autocast)

@@ -33,7 +33,7 @@ from lmforge import IGNORE_INDEX
 from lmforge.models.generate import generate
 from lmforge.models.grpo import (GRPOParams, group_advantages, loss_sum, per_token_loss,
                                  units)
-from lmforge.models.loss import model_inputs
+from lmforge.models.loss import fused_head, fused_label_logps, model_inputs
 from lmforge.models.sampling import GREEDY, Sampling
 from lmforge.peft.lora import adapters_disabled
 from lmforge.train.rewards import Reward, score, weighted_sum
@@ -137,6 +137,9 @@ class GRPO:
         return self._logps(self.reference_model, batch, device, autocast)[0]
 
     def _logps(self, model, batch, device, autocast):
+        if fused_head(model):  # train.fused_loss: no (tokens x vocab) logits kept
+            return fused_label_logps(model, batch, device, autocast,
+                                     self.sampling.temperature or 1.0)
         with autocast():
             logits = model(**model_inputs(batch, device))
         return label_logps(logits, batch["labels"].to(device), self.sampling.temperature

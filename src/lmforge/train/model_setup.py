@@ -224,6 +224,7 @@ def build_train_model(job: Job, device: torch.device, dims: ParallelDims = Paral
                     objective=objective_for(job))
     for part in tm.parts:
         part.attention = cfg.model.attention  # (models/attention.py)
+        part.fused_loss = cfg.train.fused_loss  # (models/loss.py: fused_head)
         if cfg.lora.enabled:  # module swap on the meta model, before any sharding
             prepare_model_for_lora(part, cfg.lora)
         apply_model_parallel(part, dims, cfg)
