@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from lmforge.config import (ConfigError, JobConfig, compute_dtype, grad_accumulation_steps,
-                            objective_name, pipeline_microbatches, resolve_device,
-                            resolve_layout, samples_per_step)
+from lmforge.config import (AUTO, ConfigError, JobConfig, compute_dtype,
+                            grad_accumulation_steps, objective_name, pipeline_microbatches,
+                            resolve_device, resolve_layout, samples_per_step)
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.models.attention import FLEX_MIN_HEAD_DIM
 from lmforge.models.presets import (check_layout_fits, check_model_args, resolve_model_args,
@@ -120,6 +120,10 @@ def resolve(cfg: JobConfig, world_size: int = 1, *, distributed: Optional[bool] 
     (default: read from model.tokenizer / model.init_from, else the one the run will
     train); ``args``: the model, where the caller holds it already (a test's shapes)."""
     distributed = world_size > 1 if distributed is None else distributed
+    if cfg.data.micro_batch_size == AUTO:  # a number from perf.auto_batch first
+        raise ConfigError("data.micro_batch_size: auto is sized to a device's memory by "
+                          "lmforge train and lmforge plan (lmforge estimate: with "
+                          "--device-memory-gib); give a number here")
     notes: list[str] = []
     if args is None:
         validate_job(cfg, world_size=world_size, distributed=distributed)

@@ -202,6 +202,38 @@ TABLE = [
     Bad("an unknown key with a long name",
         ["train", "--dry-run", RUN, "optim." + "n" * 5000 + "=1"],
         r"^optim\.nnn.{0,80}: unknown key \(known in optim: " + r".{0,300}$"),
+    # ------------------------------------ data.micro_batch_size: an integer or auto (issue 40)
+    Bad("a micro-batch of 0",
+        ["train", "--dry-run", RUN, "data.micro_batch_size=0"],
+        r"^data\.micro_batch_size: must be > 0, or auto, got 0$"),
+    Bad("a micro-batch of -1",
+        ["train", "--dry-run", RUN, "data.micro_batch_size=-1"],
+        r"^data\.micro_batch_size: must be > 0, or auto, got -1$"),
+    Bad("a micro-batch that is almost auto",
+        ["train", "--dry-run", RUN, "data.micro_batch_size=autox"],
+        r"^data\.micro_batch_size: expected an integer or auto, got 'autox'$"),
+    Bad("a micro-batch of Auto in a YAML file",
+        ["train", "--dry-run", "{tmp}/c.yaml", RUN],
+        r"^data\.micro_batch_size: expected an integer or auto, got 'Auto'$",
+        setup=write("c.yaml", "data:\n  micro_batch_size: Auto\n")),
+    Bad("a fractional micro-batch",
+        ["train", "--dry-run", RUN, "data.micro_batch_size=2.5"],
+        r"^data\.micro_batch_size: expected an integer or auto, got 2\.5$"),
+    Bad("a micro-batch of true",
+        ["train", "--dry-run", RUN, "data.micro_batch_size=true"],
+        r"^data\.micro_batch_size: expected an integer or auto, got True$"),
+    Bad("auto on the CPU",
+        ["train", "--dry-run", RUN, "train.device=cpu", "data.micro_batch_size=auto"],
+        r"^data\.micro_batch_size: auto sizes the micro-batch to a GPU's memory, and this "
+        r"run is on the CPU"),
+    Bad("auto with a global batch no rank count divides",
+        ["train", "--dry-run", "--world-size", "2", RUN, "train.device=cpu",
+         "data.micro_batch_size=auto", "data.global_batch_size=5"],
+        r"^data\.global_batch_size: 5 must be a positive multiple of the data-parallel size "
+        r"2 \(data\.micro_batch_size=auto divides each rank's share\)$"),
+    Bad("auto in lmforge estimate without a device memory",
+        ["estimate", "data.micro_batch_size=auto"],
+        r"^data\.micro_batch_size: auto is sized to a device's memory"),
 ]
 
 

@@ -13,6 +13,7 @@ from lmforge.cli.common import config_and_overrides
 from lmforge.config import load_config
 from lmforge.job import resolve
 from lmforge.launch import processes_per_node, render_slurm_script
+from lmforge.perf.auto_batch import checked_as_number
 
 LOG_DIR = "slurm-logs"  # the jobs' logs, relative to the directory sbatch is run from
 
@@ -82,7 +83,8 @@ def _slurm(args) -> int:
                          "into <train.output_dir>/checkpoints/ instead")
     # Refuse a layout that cannot run on this many processes before writing anything.
     procs = processes_per_node(args.gpus_per_node, args.procs_per_node)
-    resolve(cfg, args.nodes * procs, device="cuda" if args.gpus_per_node else "cpu")
+    resolve(checked_as_number(cfg), args.nodes * procs,  # (auto: sized on the nodes)
+            device="cuda" if args.gpus_per_node else "cpu")
     log_dir.mkdir(exist_ok=True)  # sbatch does not create the directory of #SBATCH --output
     out.write_text(script)
     out.chmod(0o755)

@@ -9,7 +9,9 @@ from pathlib import Path
 
 from lmforge import fsio
 from lmforge.cli.common import config_and_overrides
-from lmforge.config import load_config, save_config
+from lmforge.config import AUTO, load_config, save_config
+from lmforge.perf.auto_batch import describe, pick_micro_batch, plan_auto, with_micro_batch
+from lmforge.perf.budget import Budget
 from lmforge.perf.estimate import GiB, estimate_memory, format_table, max_micro_batch
 from lmforge.perf.calibrate import (fit_columns, fit_constants, fitted_device,
                                     load_calibration, measure, prior_constants,
@@ -58,6 +60,8 @@ def _estimate(ns) -> int:
         raise ValueError(f"--world-size: must be >= 1, got {ns.world_size}")
     if ns.device_memory_gib is not None and not ns.device_memory_gib > 0:
         raise ValueError(f"--device-memory-gib: must be > 0, got {ns.device_memory_gib}")
+    if cfg.data.micro_batch_size == AUTO and ns.device_memory_gib is not None:
+        cfg = _size_for(cfg, ns)
     setup = setup_from_config(cfg, device=ns.device, world_size=ns.world_size,
                               attention=ns.attention, base_dtype=ns.base_dtype)
     est = estimate_memory(setup)
@@ -80,6 +84,17 @@ def _estimate(ns) -> int:
           f"it fit: {'; '.join(changes) or 'none of one step (see lmforge plan)'}",
           file=sys.stderr)
     return 1
+
+
+def _size_for(cfg, ns):
+    """data.micro_batch_size=auto sized to --device-memory-gib (as ``lmforge train``
+    sizes it to its GPU), with the line that says so."""
+    p = cfg.parallel
+    world = ns.world_size or p.dp_replicate * p.tp * p.pp * p.cp * max(p.dp_shard, 1)
+    budget = Budget(ns.device_memory_gib * GiB, "--device-memory-gib")
+    auto = pick_micro_batch(cfg, world, budget, device=ns.device)
+    print(describe(auto), file=sys.stderr)
+    return with_micro_batch(cfg, auto.micro_batch)
 
 
 def _add_plan(subparsers) -> None:
@@ -137,7 +152,8 @@ def _plan(ns) -> int:
     name, device = _device(ns)
     per_node = ns.gpus_per_node
     cfg = load_config(*config_and_overrides(ns.config, ns.overrides))
-    result = plan(cfg, ns.gpus, per_node, device)
+    search = plan_auto if cfg.data.micro_batch_size == AUTO else plan  # (auto: the largest)
+    result = search(cfg, ns.gpus, per_node, device)
     if not result.candidates:
         raise ValueError(no_fit_message(cfg, ns.gpus, per_node, device, name))
     if ns.calibrate:

@@ -13,6 +13,7 @@ from lmforge.job import resolve
 from lmforge.models.registry import build_model
 from lmforge.parallel.mesh import DistEnv, read_dist_env
 from lmforge.peft.lora import prepare_model_for_lora, trainable_summary
+from lmforge.perf.auto_batch import size_micro_batch
 from lmforge.perf.budget import check_memory, refusal
 from lmforge.perf.estimate import estimate_memory, format_table
 from lmforge.perf.estimate_setup import Setup
@@ -73,7 +74,8 @@ def _look_before_running(args) -> int:
     cfg = load_config(*config_and_overrides(args.config, args.overrides))
     env = read_dist_env() if args.world_size is None else DistEnv(0, args.world_size, 0)
     if args.print_config:  # as the run resolves it: a config it would refuse is refused
-        print(config_yaml(resolve(cfg, env.world_size).config), end="")
+        sized, _ = size_micro_batch(cfg, env.world_size)  # (auto: the number it would be)
+        print(config_yaml(resolve(sized, env.world_size).config), end="")
         return 0
     job = check_job(cfg, env)
     model = build_model(job.args)  # meta device: nothing allocated
@@ -85,7 +87,7 @@ def _look_before_running(args) -> int:
         print(f"parameters: {trainable_summary(model)}")
         print(format_table(estimate))
         print(memory.describe(), flush=True)
-        _describe_samples(cfg, env)
+        _describe_samples(job.config, env)
     if not memory.fits:  # refused as the run would be: exit 2, one line
         raise ConfigError(refusal(job, memory))
     if env.rank == 0:

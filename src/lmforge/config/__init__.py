@@ -11,15 +11,15 @@ from lmforge.config.derived import (check_parallel_fits, compute_dtype,
                                     pipeline_microbatches,
                                     resolve_device, resolve_layout, samples_per_step)
 from lmforge.config.errors import ConfigError, show
-from lmforge.config.keys import (DEVICES, OBJECTIVE_KEYS, PREFERENCE_OBJECTIVES, config_keys,
-                                 describe_keys)
+from lmforge.config.keys import (AUTO, DEVICES, OBJECTIVE_KEYS, PREFERENCE_OBJECTIVES,
+                                 config_keys, describe_keys)
 from lmforge.config.checks import TRACKERS, harness_task_names, tracker_names
 from lmforge.config.schema import (CHAT_TEMPLATES, DataConfig, EvalConfig, JobConfig,
                                    LoraConfig, MetricsConfig,
                                    ModelConfig, OptimConfig, ParallelConfig,
                                    QUANTIZE_FORMATS, TrainConfig, validate)
 
-__all__ = ["CHAT_TEMPLATES", "ConfigError", "DEVICES", "DataConfig", "EvalConfig",
+__all__ = ["AUTO", "CHAT_TEMPLATES", "ConfigError", "DEVICES", "DataConfig", "EvalConfig",
            "JobConfig", "MetricsConfig", "TRACKERS", "tracker_names",
            "LoraConfig", "ModelConfig", "OBJECTIVE_KEYS", "OptimConfig",
            "PREFERENCE_OBJECTIVES",

@@ -10,7 +10,7 @@ from typing import Collection, Optional
 
 from lmforge.config.derived import objective_name, pipeline_microbatches, resolve_layout
 from lmforge.config.errors import ConfigError, show, show_name
-from lmforge.config.keys import (OBJECTIVE_KEYS, PREFERENCE_OBJECTIVES, RL_OBJECTIVES,
+from lmforge.config.keys import (AUTO, OBJECTIVE_KEYS, PREFERENCE_OBJECTIVES, RL_OBJECTIVES,
                                  allowed, config_keys, mapping_problem)
 from lmforge.config.rl import rl_key_users, validate_rl
 
@@ -74,8 +74,14 @@ def _value_problem(dotted: str, f, value) -> Optional[str]:
 def _validate_batch(cfg: "JobConfig", world_size: int) -> None:
     layout = resolve_layout(cfg.parallel, world_size)
     dp_size = layout["dp_replicate"] * layout["dp_shard"]
-    per_step = cfg.data.micro_batch_size * dp_size
     gbs = cfg.data.global_batch_size
+    if cfg.data.micro_batch_size == AUTO:  # sized by perf/auto_batch.py, then checked below
+        if gbs is not None and (gbs <= 0 or gbs % dp_size):
+            raise ConfigError(f"data.global_batch_size: {gbs} must be a positive multiple of "
+                              f"the data-parallel size {dp_size} (data.micro_batch_size=auto "
+                              f"divides each rank's share)")
+        return
+    per_step = cfg.data.micro_batch_size * dp_size
     if gbs is not None and (gbs <= 0 or gbs % per_step):
         raise ConfigError(f"data.global_batch_size: {gbs} must be a positive multiple of "
                           f"micro_batch_size x data-parallel size = {per_step}")
@@ -108,7 +114,8 @@ def _validate_in_backward(cfg: "JobConfig", world_size: int, distributed: bool) 
         raise ConfigError("optim.grad_clip: must be 0 with optim.in_backward (the total "
                           "gradient norm is not known when each parameter is updated)")
     gbs = cfg.data.global_batch_size
-    if gbs is not None and gbs != cfg.data.micro_batch_size * world_size:
+    if gbs is not None and cfg.data.micro_batch_size != AUTO \
+            and gbs != cfg.data.micro_batch_size * world_size:
         raise ConfigError("data.global_batch_size: gradient accumulation is impossible "
                           "with optim.in_backward (each backward updates the weights)")
     if distributed:

@@ -16,6 +16,12 @@ PREFERENCE_OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
 RL_OBJECTIVES = ("grpo",)  # train.objective values that learn from sampled completions
 RL_LOSS_TYPES = ("grpo", "dr_grpo", "dapo")  # rl.loss_type (models/grpo.py)
 RL_SCALE_REWARDS = ("group", "batch", "none")  # rl.scale_rewards
+AUTO = "auto"  # data.micro_batch_size's word for "the largest that fits" (perf/auto_batch.py)
+
+
+class IntOrAuto:
+    """A key's type: an integer, or the word ``auto`` (a number once the run sizes it);
+    ``loading`` coerces to it, never to a string that merely starts with auto."""
 # Each preference setting and the objectives whose loss reads it (models/preference.py):
 # set on another objective it would change nothing, so it is refused (checks.py).
 OBJECTIVE_KEYS = {"train.beta": ("dpo", "ipo", "simpo"),
@@ -27,6 +33,7 @@ OBJECTIVE_KEYS = {"train.beta": ("dpo", "ipo", "simpo"),
 # A numeric key's range, by the words its error and --help show.
 BOUNDS: dict[str, Callable[[Any], bool]] = {
     "> 0": lambda v: v > 0,
+    "> 0, or auto": lambda v: v == AUTO or v > 0,
     ">= 0": lambda v: v >= 0,
     ">= 1": lambda v: v >= 1,
     ">= 2": lambda v: v >= 2,

@@ -15,6 +15,7 @@ import yaml
 from lmforge.config.checks import refuse_ignored
 from lmforge.config.defaults import apply_run_defaults
 from lmforge.config.errors import ConfigError, show, show_name
+from lmforge.config.keys import AUTO, IntOrAuto
 from lmforge.config.schema import JobConfig
 
 
@@ -243,6 +244,8 @@ _COERCIONS = {
     str: (lambda v: _is_number(v) or isinstance(v, str), str, "a string"),
     list: (lambda v: isinstance(v, list), lambda v: v, "a list"),
 }
+_COERCIONS[IntOrAuto] = (lambda v: v == AUTO or _COERCIONS[int][0](v),
+                         lambda v: v if v == AUTO else int(v), "an integer or auto")
 
 
 def _one_line(err: Exception) -> str:

@@ -11,7 +11,7 @@ from typing import Any, Optional
 from lmforge.config.checks import validate
 from lmforge.config.errors import show
 from lmforge.config.keys import (DEVICES, PREFERENCE_OBJECTIVES, RL_LOSS_TYPES,
-                                 RL_OBJECTIVES, RL_SCALE_REWARDS, key)
+                                 RL_OBJECTIVES, RL_SCALE_REWARDS, IntOrAuto, key)
 
 CHAT_TEMPLATES = ("auto", "chatml", "plain", "llama2", "llama3")
 QUANTIZE_FORMATS = ("nf4", "int8")  # lora.quantize: storage of a frozen (QLoRA) base
@@ -101,7 +101,10 @@ class DataConfig:
     max_prompt_len: Optional[int] = key(None, "preference: a longer prompt keeps its last "
                                         "this many tokens (then the sequence is cut to "
                                         "seq_len + 1)", bound="> 0")
-    micro_batch_size: int = key(8, "sequences per rank per forward pass", bound="> 0")
+    micro_batch_size: IntOrAuto = key(8, "sequences per rank per forward pass; auto: the "
+                                      "largest that the memory estimate fits into the GPU "
+                                      "less a 5% margin, data.global_batch_size kept by "
+                                      "accumulation (docs/estimate.md)", bound="> 0, or auto")
     global_batch_size: Optional[int] = key(None, "sequences per optimizer step over all "
                                            "data-parallel ranks (a multiple of "
                                            "micro_batch_size x dp); default one micro-batch "

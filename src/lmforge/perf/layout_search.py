@@ -146,7 +146,7 @@ def budget_gib(device: Device) -> float:
 def plan(cfg: JobConfig, gpus: int, per_node: int, device: Device) -> PlanResult:
     """The layouts of ``cfg`` on ``gpus`` devices that fit, fastest step first."""
     result = PlanResult()
-    for keys in layouts(cfg, _args(cfg), gpus, per_node):
+    for keys in layouts(cfg, plan_args(cfg), gpus, per_node):
         cand = evaluate(cfg, keys, gpus, per_node, device)
         if cand is None:
             continue
@@ -157,9 +157,10 @@ def plan(cfg: JobConfig, gpus: int, per_node: int, device: Device) -> PlanResult
     return result
 
 
-def _args(cfg: JobConfig):
+def plan_args(cfg: JobConfig):
     """The model's shape, as the estimate reads it (one legal layout: one device)."""
-    return setup_from_config(with_keys(cfg, SINGLE_DEVICE), device="cuda", world_size=1).args
+    single = {**SINGLE_DEVICE, "data.micro_batch_size": 1}  # (auto included)
+    return setup_from_config(with_keys(cfg, single), device="cuda", world_size=1).args
 
 
 SINGLE_DEVICE = {"parallel.dp_shard": 1, "parallel.dp_replicate": 1, "parallel.tp": 1,
@@ -184,7 +185,7 @@ def peak_gib(cfg: JobConfig, keys: dict, gpus: int, device: str = "cuda") -> Opt
 def fits_on(cfg: JobConfig, gpus: int, per_node: int, device: Device) -> bool:
     """Whether any mesh fits at its leanest (ZeRO-3, full checkpointing, micro-batch 1,
     chunked loss where allowed): the cheap test for "how many GPUs would do"."""
-    args = _args(cfg)
+    args = plan_args(cfg)
     lean = {"parallel.zero": 3, "train.activation_checkpointing": "full",
             "data.micro_batch_size": 1, "data.global_batch_size": None,
             "parallel.pp_schedule": "1f1b", "parallel.pp_virtual_stages": 1}

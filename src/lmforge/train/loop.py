@@ -25,6 +25,7 @@ from lmforge.parallel.mesh import DistEnv, read_dist_env, runs_distributed
 from lmforge.parallel.offload import offload_summary
 from lmforge.peft.lora import trainable_summary
 from lmforge.peft.targets import model_projections, resolve_targets
+from lmforge.perf.auto_batch import size_micro_batch
 from lmforge.perf.budget import require_fit
 from lmforge.perf.flops import device_peak_flops, model_flops_per_token
 from lmforge.train import metrics as M
@@ -66,8 +67,10 @@ def train(cfg: JobConfig) -> dict:
 def check_job(cfg: JobConfig, env: DistEnv) -> Job:
     """What ``train`` refuses before any set-up (also ``train --dry-run``'s check), for
     ``env``'s processes: the resolved job (``job.resolve``), the resume path, the data."""
-    job = resolve(cfg, env.world_size,
-                  distributed=runs_distributed(cfg.parallel, env.world_size, env.torchrun))
+    distributed = runs_distributed(cfg.parallel, env.world_size, env.torchrun)
+    # data.micro_batch_size=auto: a number for this device (recorded so in config.yaml)
+    cfg, sized = size_micro_batch(cfg, env.world_size, distributed, env.local_rank)
+    job = resolve(cfg, env.world_size, distributed=distributed)
     check_resume_path(cfg.train.resume, Path(cfg.train.output_dir) / CHECKPOINTS)
     check_reference(job)  # a resumed preference run's precomputed reference/
     changes = resume_changes(job)  # (a changed model or objective is refused)
@@ -78,6 +81,8 @@ def check_job(cfg: JobConfig, env: DistEnv) -> Job:
     check_trackers(cfg.metrics)  # a required tracker's server: before the run dir
     check_data(cfg)  # last: it may read a whole text corpus
     if env.rank == 0:  # once every check passed: a refusal stays one line
+        for line in [sized] if sized else []:
+            print(line, flush=True)
         for line in changes:
             print(line, file=sys.stderr, flush=True)
     return job

@@ -119,6 +119,8 @@ class Progress:
                                                                   last.get("step", 0)),
                 "steps": cfg.train.max_steps, "step": last.get("step", 0),
                 "start_step": self.start_step,
+                # (a number: data.micro_batch_size=auto as the run sized it)
+                "micro_batch_size": cfg.data.micro_batch_size,
                 "wall_time_s": time.perf_counter() - self.invocation_started,
                 "tokens": last.get("tokens", 0),
                 "tokens_per_s": self.tokens / self.loop_s if self.loop_s else None,
