@@ -27,6 +27,7 @@ from lmforge.job import Job
 from lmforge.perf.estimate import GiB, estimate_memory
 from lmforge.perf.estimate_setup import Setup
 from lmforge.perf.layout_search import peak_gib
+from lmforge.perf.rollout import rollout_changes
 
 ESTIMATE_ERROR = 0.05  # docs/estimate.md: the estimate's error, as a share of the peak
 MEMINFO = Path("/proc/meminfo")
@@ -133,7 +134,7 @@ def changes(cfg: JobConfig, world_size: int, device: str, estimate_gib: float,
 
 
 def _single_changes(cfg: JobConfig, device: str) -> list[tuple[str, dict]]:
-    out = []
+    out = rollout_changes(cfg)  # GRPO: a smaller group, a shorter completion
     if cfg.data.micro_batch_size > 1:
         out.append(("data.micro_batch_size=1", {"data.micro_batch_size": 1}))
     if cfg.train.activation_checkpointing != "full":

@@ -29,6 +29,8 @@ from lmforge.perf.buffers import (autocast_copies, dequantization_scratch, fsdp_
                                   optimizer_temporaries, stage_gradients)
 from lmforge.perf.estimate_setup import DTYPE_BYTES, Setup, frozen_weight_dtype
 from lmforge.perf.flops import projection_shapes
+from lmforge.perf.rollout import (ROLLOUT, describe_rollout, kv_cache_bytes_per_token,  # noqa: F401
+                                  rollout_terms)
 from lmforge.perf.weights import Weights, model_parameters, stage_layers, stage_weights
 
 GiB = 2**30
@@ -205,6 +207,7 @@ class MemoryEstimate:
     overhead: dict  # name -> bytes, not tensors
     activations: Activations
     host_bytes: float = 0.0  # offloaded activations in pinned host memory (not on device)
+    rollout: dict = dataclasses.field(default_factory=dict)  # GRPO: the rollout's terms
 
     @property
     def peak_bytes(self) -> float:
@@ -245,16 +248,8 @@ class MemoryEstimate:
             "total_gib": self.total_bytes / GiB,
             "host_offloaded_gib": self.host_bytes / GiB,
             "kv_cache_bytes_per_token_per_row": kv_cache_bytes_per_token(s),
+            "rollout_gib": {k: v / GiB for k, v in self.rollout.items()},
         }
-
-
-def kv_cache_bytes_per_token(setup: Setup) -> int:
-    """What generating with the run's model (the end-of-run sample, ``lmforge generate``
-    on its export) holds per token of each row: every layer's keys and values, in the
-    weights' dtype (the decoder's cache is; ``models.common.KVCache``)."""
-    args = setup.args
-    return 2 * args.n_layers * args.n_kv_heads * args.head_dim * DTYPE_BYTES[
-        setup.cfg.train.param_dtype]
 
 
 def describe_model(args) -> str:
@@ -273,13 +268,17 @@ def estimate_stage(setup: Setup, stage: int) -> MemoryEstimate:
     phases = step_phases(terms)
     if setup.cfg.optim.in_backward:
         step_in_backward_phases(setup, phases)
+    rollout = rollout_terms(setup)
+    if rollout:  # GRPO: before the step's forward, gradients freed (set_to_none)
+        phases[ROLLOUT] = rollout
     totals = {name: sum(static.values()) + sum(parts.values()) for name, parts in phases.items()}
     peak_phase = max(totals, key=totals.get)
     components = {k: v for k, v in {**static, **phases[peak_phase]}.items() if v}
     return MemoryEstimate(setup=setup, stage=stage, phase=peak_phase, components=components,
                           phases=totals,
                           overhead=framework_overhead(setup, sum(components.values())),
-                          activations=act, host_bytes=terms.activations.host * terms.tokens)
+                          activations=act, host_bytes=terms.activations.host * terms.tokens,
+                          rollout=rollout)
 
 
 def estimate_memory(setup: Setup) -> MemoryEstimate:
@@ -351,6 +350,8 @@ def format_table(est: MemoryEstimate, device_memory_gib: Optional[float] = None,
     lines.append(f"generation: the KV cache holds {per_token / 1024:.1f} KiB per token per row "
                  f"({s.cfg.train.param_dtype}); {s.micro_batch} rows x {s.batch.seq_len} "
                  f"tokens: {per_token * s.micro_batch * s.batch.seq_len / GiB:.3f} GiB")
+    if est.rollout:
+        lines.append(describe_rollout(s, est.rollout, est.phases[ROLLOUT], est.phase))
     for note in s.notes:
         lines.append(f"note: {note}")
     if device_memory_gib is not None:

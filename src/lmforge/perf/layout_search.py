@@ -12,6 +12,7 @@ from typing import Iterator, Optional
 
 from lmforge.config import ConfigError, JobConfig, set_field
 from lmforge.perf.estimate import GiB, estimate_memory
+from lmforge.perf.rollout import rollout_changes
 from lmforge.perf.estimate_setup import Setup, setup_from_config
 from lmforge.perf.timing import Device, StepTime, step_time
 
@@ -245,6 +246,8 @@ def single_changes(cfg: JobConfig, gpus: int) -> Iterator[tuple[str, dict, int]]
     if cfg.train.activation_checkpointing != "full":
         yield "train.activation_checkpointing=full", {"train.activation_checkpointing":
                                                        "full"}, gpus
+    for text, keys in rollout_changes(cfg):  # GRPO: a smaller group, a shorter completion
+        yield text, keys, gpus
     for mb in reversed(divisors(cfg.data.micro_batch_size)[:-1]):
         yield f"data.micro_batch_size={mb}", {"data.micro_batch_size": mb}, gpus
     n = gpus * 2
