@@ -19,7 +19,9 @@ is a skipped row on the CPU.
 The benches are ``bench/train_step.py`` runs (each side in its own process): llama3.2-1b
 full bf16 at seq 2048, llama2-7b QLoRA at batch 4 x 2048 (the reference needs
 bitsandbytes), llama2-7b low-memory full fine-tune at batch 1 x 2048. ``--tiny`` runs them
-on the debug preset.
+on the debug preset. Then (not with ``--tiny``; ``--only loss`` picks them with the loss
+paths) bench/loss_heads.py's rows: the 1B's plain, chunked and fused loss at micro-batch 1
+and 8, lmforge alone.
 """
 from __future__ import annotations
 
@@ -114,6 +116,9 @@ def path_specs(shapes: Shapes) -> list[PathSpec]:
         PathSpec("activation checkpointing selective",
                  ["train.activation_checkpointing=selective"]),
         PathSpec("chunked loss", [f"train.loss_chunk_tokens={shapes.loss_chunk_tokens}"]),
+        # against the two rows above: the fused linear + cross-entropy (models/fused_loss.py)
+        PathSpec("fused loss", ["train.fused_loss=true",
+                                 f"train.loss_chunk_tokens={shapes.loss_chunk_tokens}"]),
         PathSpec("low memory (bf16 weights, adamw_bf16, in backward)", low_memory),
         # against "full, eager" (bf16 on a GPU): fp16's speed, memory and loss
         PathSpec("fp16 autocast, dynamic loss scaling", ["train.dtype=fp16"]),
@@ -388,6 +393,7 @@ def markdown(report: dict) -> str:
                           num(r.get("peak_mem_gib"), ".2f")]
         lines.append(f"| `{b['bench']}` | " + " | ".join(cells) +
                      f" | {num(b.get('speed_ratio'), '.2f')} |")
+    lines += loss_head_lines(report.get("loss_heads", []))
     return "\n".join(lines) + "\n"
 
 
@@ -485,8 +491,46 @@ def main(argv=None) -> int:
                 if not out_of_time() else
                 {"bench": " ".join(bench), "ok": None, "skipped": "time budget (--budget-s)"})
             write_report(report, report_dir, start)
+    if not args.no_benches and not args.tiny and wants_loss_heads(args.only):
+        report["loss_heads"] = run_loss_heads(out, args.device, start, args.budget_s)
     print(write_report(report, report_dir, start))
     return 0 if all(r["ok"] is not False for r in report["paths"]) else 1
+
+
+def wants_loss_heads(only) -> bool:
+    return not only or any(w.lower() in "loss heads 1b" for w in only)
+
+
+def run_loss_heads(out: Path, device: str, start: float, budget_s) -> list:
+    """bench/loss_heads.py's 1B rows: plain, chunked and fused loss at micro-batch 1 and 8,
+    seq 2048, compiled (lmforge alone); what is left of --budget-s bounds them."""
+    target = out / "benches" / "loss-heads.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    left = None if budget_s is None else budget_s - (time.perf_counter() - start)
+    if left is not None and left <= 0:
+        return [{"loss": "all", "error": "skipped: time budget (--budget-s)"}]
+    try:
+        subprocess.run([sys.executable, str(ROOT / "bench" / "loss_heads.py"), "steps",
+                        "--device", device, "--json", str(target)], capture_output=True,
+                       text=True, timeout=left, env=CHILD_ENV)
+    except subprocess.TimeoutExpired:
+        pass  # (the rows written so far stay)
+    return json.loads(target.read_text())["rows"] if target.is_file() else []
+
+
+def loss_head_lines(rows: list) -> list:
+    if not rows:
+        return []
+    lines = ["", "| loss (llama3.2-1b, seq 2048, compiled; bench/loss_heads.py) | micro-batch | "
+             "tokens/s | MFU | peak GiB |", "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['loss']} | {r.get('micro_batch', '')} | n/a ({r['error']}) | | |")
+            continue
+        mfu = "" if r.get("mfu") is None else f"{r['mfu']:.1%}"
+        lines.append(f"| {r['loss']} | {r['micro_batch']} | {r['tokens_per_s']:,.0f} | {mfu} "
+                     f"| {r['peak_mem_gib']:.2f} |")
+    return lines
 
 
 def status(result: dict) -> str:

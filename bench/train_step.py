@@ -50,6 +50,9 @@ def parse_args(argv=None):
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--loss-chunk-tokens", type=int, default=0,
                    help="lmforge's train.loss_chunk_tokens (0: whole micro-batch logits)")
+    p.add_argument("--fused-loss", action="store_true",
+                   help="lmforge's train.fused_loss: the fused linear + cross-entropy over "
+                        "chunks of --loss-chunk-tokens (0: 1024; bench/loss_heads.py)")
     p.add_argument("--low-memory", action="store_true",
                    help="full fine-tuning with bf16 weights on both sides; lmforge: bf16 "
                         "AdamW states with stochastic rounding, step fused into backward; "
@@ -91,6 +94,7 @@ def build_lmforge(args, model_args: LlamaArgs, device):
     else:
         materialize(model, device)
     apply_model_parallel(model, ParallelDims(), cfg)
+    model.fused_loss = args.fused_loss  # (as build_train_model sets train.fused_loss)
     from lmforge.models.loss import micro_batch_loss_sum
 
     def step(ids, labels):

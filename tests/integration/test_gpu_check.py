@@ -10,7 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PATHS = ["full, eager", "full, train.compile=true", "activation checkpointing full",
          "activation checkpointing full + activation offload",
-         "activation checkpointing selective", "chunked loss",
+         "activation checkpointing selective", "chunked loss", "fused loss",
          "low memory (bf16 weights, adamw_bf16, in backward)",
          "fp16 autocast, dynamic loss scaling", "FSDP2, one process (torchrun, dp_shard=1)",
          "LoRA", "QLoRA NF4", "LoRA, int8 base",
