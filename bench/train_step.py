@@ -35,12 +35,15 @@ from lmforge.perf.flops import device_peak_flops, flops_per_token  # noqa: E402
 from lmforge.train import metrics as M  # noqa: E402
 
 LORA_TARGETS = list(FAMILY.projections.all)  # all seven, on both sides of the comparison
+QUANTIZE = {"qlora": "nf4", "lora-int8": "int8"}  # --method: lmforge's lora.quantize
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    p.add_argument("--method", default="full", choices=("full", "lora", "qlora"))
+    p.add_argument("--method", default="full", choices=("full", "lora", "qlora", "lora-int8"),
+                   help="lora-int8: LoRA on an int8 base (lmforge's lora.quantize=int8; the "
+                        "reference: bitsandbytes' LLM.int8 Linear8bitLt, as load_in_8bit)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=8, help="timed steps")
@@ -58,6 +61,9 @@ def parse_args(argv=None):
                         "AdamW states with stochastic rounding, step fused into backward; "
                         "reference: torch AdamW on the bf16 weights after backward")
     p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--lora-targets", default=",".join(LORA_TARGETS),
+                   help="projections LoRA adapts on both sides, by commas (default: all "
+                        "seven; peft's own default is q_proj,v_proj)")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--side", choices=("lmforge", "reference"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -86,8 +92,8 @@ def build_lmforge(args, model_args: LlamaArgs, device):
         from lmforge.peft import lora as L
 
         lcfg = LoraConfig(enabled=True, rank=args.lora_rank, alpha=2 * args.lora_rank,
-                          targets=LORA_TARGETS,
-                          quantize="nf4" if args.method == "qlora" else None)
+                          targets=args.lora_targets.split(","),
+                          quantize=QUANTIZE.get(args.method))
         L.prepare_model_for_lora(model, lcfg)
         materialize(model, device)
         L.after_materialize(model, lcfg)
@@ -117,10 +123,12 @@ def build_reference(args, model_args: LlamaArgs, device):
     config._attn_implementation = "sdpa"
     # QLoRA's unquantized parts and the low-memory weights are bf16; otherwise fp32 weights
     # under bf16 autocast, as lmforge's side
-    bf16 = args.method == "qlora" or args.low_memory
+    bf16 = args.method in QUANTIZE or args.low_memory
     model = _hf_llama_on(transformers, config, device, torch.bfloat16 if bf16 else torch.float32)
     if args.method == "qlora":
         quantize_reference_4bit(model, LORA_TARGETS)
+    elif args.method == "lora-int8":
+        quantize_reference_8bit(model)
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable()
         if args.method != "full":  # frozen embeddings: checkpointed blocks need an input
@@ -129,7 +137,7 @@ def build_reference(args, model_args: LlamaArgs, device):
         import peft
 
         lcfg = peft.LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
-                               target_modules=LORA_TARGETS, lora_dropout=0.0)
+                               target_modules=args.lora_targets.split(","), lora_dropout=0.0)
         model = peft.get_peft_model(model, lcfg)
 
     def step(ids, labels):
@@ -180,6 +188,34 @@ def quantize_reference_4bit(model, targets) -> None:
             if child.bias is not None:
                 q.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
             setattr(module, name, q)
+
+
+def quantize_reference_8bit(model) -> None:
+    """An int8 base as transformers' ``load_in_8bit=True`` holds it: each linear layer of
+    the blocks (the head stays bf16, as transformers skips it) becomes bitsandbytes'
+    LLM.int8 Linear8bitLt (threshold 6.0, no fp16 copy kept), quantized as it moves to
+    the GPU."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise RuntimeError("the lora-int8 reference needs bitsandbytes, not installed here "
+                           "(docs/benchmarks.md: how its wheel travels to a GPU machine)"
+                           ) from None
+
+    for module in list(model.model.layers.modules()):
+        for name, child in list(module.named_children()):
+            if not isinstance(child, torch.nn.Linear):
+                continue
+            device = child.weight.device
+            q = bnb.nn.Linear8bitLt(child.in_features, child.out_features,
+                                    bias=child.bias is not None, has_fp16_weights=False,
+                                    threshold=6.0, device="meta")
+            # (Int8Params quantizes on its move from the host to the GPU)
+            q.weight = bnb.nn.Int8Params(child.weight.data.cpu(), requires_grad=False,
+                                         has_fp16_weights=False)
+            if child.bias is not None:
+                q.bias = torch.nn.Parameter(child.bias.data.cpu(), requires_grad=False)
+            setattr(module, name, q.to(device))
 
 
 def run_side(args) -> dict:
