@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lmforge.models.fused_loss import FUSED_CHUNK_TOKENS
 from lmforge.parallel.offload import MIN_OFFLOAD_BYTES
 from lmforge.perf.block_walk import Term, BlockWalk
 from lmforge.perf.estimate_setup import Setup, compute_bytes
@@ -225,7 +226,11 @@ def offloaded_per_layer(setup: Setup, act: Activations, checkpointed: bool) -> f
 
 def loss_chunk_tokens(setup: Setup) -> int:
     """Tokens whose logits exist at once: train.loss_chunk_tokens makes (and recomputes
-    in backward) one chunk's logits at a time; else the whole micro-batch's."""
+    in backward) one chunk's logits at a time, as train.fused_loss does (its default
+    chunk: FUSED_CHUNK_TOKENS), which keeps no logits between forward and backward;
+    else the whole micro-batch's."""
     tokens = setup.tokens
     chunk = setup.cfg.train.loss_chunk_tokens
+    if setup.cfg.train.fused_loss:
+        chunk = chunk or FUSED_CHUNK_TOKENS
     return min(chunk, tokens) if chunk else tokens

@@ -105,7 +105,8 @@ def autocast_copies(setup: Setup, weights: Weights, stage: int) -> AutocastCopie
         kept_for_backward=kept_share * (cache + frozen),
         one_layer=(cache + frozen) / layers,
         mlp_out=weights.mlp_out_copy, head=weights.head_copy,
-        head_in_forward=0.0 if setup.cfg.train.loss_chunk_tokens else weights.head_copy,
+        head_in_forward=(0.0 if setup.cfg.train.loss_chunk_tokens or setup.cfg.train.fused_loss
+                         else weights.head_copy),
         last_block_recomputed=bool(ids) and setup.checkpointed(ids[-1]))
 
 

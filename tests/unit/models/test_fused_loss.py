@@ -253,3 +253,24 @@ def test_a_second_backward_through_the_summed_loss_is_refused():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="retain_graph"):
         loss.backward()
+
+
+# ------------------------------------------------------------------ the memory estimate
+
+def test_the_estimate_counts_one_chunk_of_logits_with_the_fused_loss():
+    from lmforge.config import load_config
+    from lmforge.models.presets import PRESETS
+    from lmforge.perf.estimate import estimate_memory
+    from lmforge.perf.estimate_setup import setup_from_config
+
+    def phases(*overrides):
+        cfg = load_config(None, ["data.seq_len=2048", "data.micro_batch_size=8",
+                                 "train.dtype=bf16", *overrides])
+        return estimate_memory(setup_from_config(cfg, device="cuda",
+                                                 args=PRESETS["llama3.2-1b"])).phases
+
+    plain, fused = phases(), phases("train.fused_loss=true")
+    chunked = phases("train.loss_chunk_tokens=1024")
+    # 16,384 tokens x 128,256 logits: the plain head's fp32 logits alone are 7.8 GiB
+    assert plain["forward end"] - fused["forward end"] > 7.8 * 2**30
+    assert fused["forward end"] == chunked["forward end"]  # (one 1,024-token chunk each)
