@@ -89,6 +89,7 @@ TINY = Shapes(
     ],
     timeout_s=300)
 FLEX_CPU = "FlexAttention has no backward on the CPU"
+PROFILE = "profile: compiled, last 3 steps (torch.profiler)"
 BENCH_STEPS = {"full": ["--steps", "6", "--warmup", "2"], "tiny": ["--steps", "1", "--warmup", "1"]}
 
 
@@ -142,6 +143,9 @@ def path_specs(shapes: Shapes) -> list[PathSpec]:
         PathSpec("generation, batch 1", ["--batch", "1"], kind="generate"),
         PathSpec("generation, batch 32", ["--batch", "32"], kind="generate"),
         PathSpec("checkpoint save, then resume", kind="resume"),
+        # torch.profiler over the compiled path's last 3 steps: where the time goes (the
+        # kernels with the most time, matmul / attention / elementwise / idle shares)
+        PathSpec(PROFILE, ["train.compile=true"], kind="profile"),
     ]
 
 
@@ -215,6 +219,8 @@ def run_path(spec: PathSpec, out: Path, shapes: Shapes, device: str) -> dict:
             shutil.rmtree(run_dir, ignore_errors=True)
             if spec.kind == "resume":
                 result.update(run_resume(overrides, run_dir, shapes))
+            elif spec.kind == "profile":
+                result.update(run_profile(overrides, run_dir, shapes, device))
             else:
                 train(overrides, run_dir, shapes.timeout_s, torchrun=spec.kind == "torchrun")
                 result.update(read_run(run_dir))
@@ -270,6 +276,37 @@ def run_resume(overrides: list[str], run_dir: Path, shapes: Shapes) -> dict:
     if diff > 1e-3:
         out["error"] = f"resumed losses differ from the straight run's (max rel diff {diff:.2e})"
     return out
+
+
+def run_profile(overrides: list[str], run_dir: Path, shapes: Shapes, device: str) -> dict:
+    """The run under bench/profile_step.py (its own process): the row's figures as any
+    path's, and the profile the report's "where the time goes" table shows."""
+    target = run_dir / "profile.json"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "profile_step.py"), "--json",
+                           str(target), "--device", device, "--", *overrides,
+                           f"train.output_dir={run_dir / 'run'}"], capture_output=True,
+                          text=True, timeout=shapes.timeout_s, env=CHILD_ENV)
+    if proc.returncode != 0 or not target.is_file():
+        raise RuntimeError(error_line(proc.stderr) or f"exit status {proc.returncode}")
+    return read_run(run_dir / "run") | {"profile": json.loads(target.read_text())}
+
+
+def profile_lines(paths: list) -> list:
+    """The profile path's tables: the kernels with the most time, and the shares."""
+    row = next((r for r in paths if r.get("profile")), None)
+    if row is None:
+        return []
+    p = row["profile"]
+    what = "kernel" if p["device"] == "cuda" else "operator (self CPU time)"
+    shares = ", ".join(f"{k} {v:.1%}" for k, v in p["shares"].items())
+    lines = ["", f"Where the time goes ({row['path']}, {p['window_ms']:.1f} ms recorded): "
+             f"{shares}.", "", f"| {what} | kind | ms | share of {what.split(' ')[0]} time |",
+             "|---|---|---:|---:|"]
+    for k in p["top"]:
+        name = k["name"].replace("|", "/")
+        lines.append(f"| `{name[:100]}` | {k['kind']} | {k['ms']:.2f} | {k['share']:.1%} |")
+    return lines
 
 
 def read_losses(run_dir: Path) -> list[float]:
@@ -378,6 +415,7 @@ def markdown(report: dict) -> str:
                      f"| {num(r.get('mfu'), '.1%')} | {num(r.get('peak_allocated_gib'), '.2f')} "
                      f"| {num(r.get('peak_reserved_gib'), '.2f')} "
                      f"| {estimate_cell(r)} |")
+    lines += profile_lines(report["paths"])
     lines += ["", "| bench (bench/train_step.py) | lmforge tokens/s | MFU | peak GiB | "
               "reference tokens/s | MFU | peak GiB | speed ratio |",
               "|---|---:|---:|---:|---:|---:|---:|---:|"]

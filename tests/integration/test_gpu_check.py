@@ -16,7 +16,8 @@ PATHS = ["full, eager", "full, train.compile=true", "activation checkpointing fu
          "LoRA", "QLoRA NF4", "LoRA, int8 base",
          "packed SFT, document masks", "packed SFT, document masks, flex",
          "long sequence, document masks, flex", "long sequence, document masks, sdpa",
-         "generation, batch 1", "generation, batch 32", "checkpoint save, then resume"]
+         "generation, batch 1", "generation, batch 32", "checkpoint save, then resume",
+         "profile: compiled, last 3 steps (torch.profiler)"]
 GPU_ONLY = {"packed SFT, document masks, flex", "long sequence, document masks, flex"}
 
 
@@ -41,6 +42,7 @@ def test_gpu_check_runs_every_path_on_tiny_cpu_shapes(tmp_path):
             assert "estimate_gib" in row or "estimate_error" in row, row
     by_name = {r["path"]: r for r in report["paths"]}
     assert by_name["checkpoint save, then resume"]["resume_max_rel_diff"] == 0.0
+    assert len(by_name[PATHS[-1]]["profile"]["top"]) == 15
     # every path starts from the same base and batch: the same first loss, bar quantization
     assert by_name["full, eager"]["first_loss"] == pytest.approx(
         by_name["FSDP2, one process (torchrun, dp_shard=1)"]["first_loss"], rel=1e-5)
@@ -67,3 +69,27 @@ def test_gpu_check_starts_nothing_past_its_budget_and_writes_the_report_anyway(t
         "time budget (--budget-s)"}
     assert "| full, eager | skipped: time budget (--budget-s) |" in (
         tmp_path / "gpu_check.md").read_text()
+
+
+@pytest.mark.slow
+def test_gpu_check_profile_path_writes_where_the_time_goes(tmp_path):
+    """--only profile: torch.profiler over the compiled path's last steps (CPU activities
+    here); the report lists the 15 operators with the most time and the shares of matmul,
+    attention, elementwise, other and idle, which add up to the whole window."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device",
+                           "cpu", "--tiny", "--out", str(tmp_path), "--only", "profile",
+                           "--no-benches"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    (row,) = json.loads((tmp_path / "gpu_check.json").read_text())["paths"]
+    assert row["path"] == PATHS[-1] and row["ok"], row
+    profile = row["profile"]
+    assert profile["device"] == "cpu" and len(profile["top"]) == 15
+    times = [k["ms"] for k in profile["top"]]
+    assert times == sorted(times, reverse=True) and times[0] > 0
+    assert set(profile["shares"]) == {"matmul", "attention", "elementwise", "other", "idle"}
+    assert sum(profile["shares"].values()) == pytest.approx(1.0)
+    assert profile["shares"]["matmul"] > 0 and profile["shares"]["attention"] > 0
+    assert {"aten::mm", "matmul"} <= {v for k in profile["top"] for v in (k["name"], k["kind"])}
+    table = (tmp_path / "gpu_check.md").read_text()
+    assert "Where the time goes (profile: compiled, last 3 steps" in table
+    assert "| `aten::mm` | matmul |" in table
