@@ -90,6 +90,7 @@ TINY = Shapes(
     timeout_s=300)
 FLEX_CPU = "FlexAttention has no backward on the CPU"
 PROFILE = "profile: compiled, last 3 steps (torch.profiler)"
+AUTO_PATH = "data.micro_batch_size=auto"
 BENCH_STEPS = {"full": ["--steps", "6", "--warmup", "2"], "tiny": ["--steps", "1", "--warmup", "1"]}
 
 
@@ -146,6 +147,10 @@ def path_specs(shapes: Shapes) -> list[PathSpec]:
         # torch.profiler over the compiled path's last 3 steps: where the time goes (the
         # kernels with the most time, matmul / attention / elementwise / idle shares)
         PathSpec(PROFILE, ["train.compile=true"], kind="profile"),
+        # the largest micro-batch the estimate fits in the GPU less 5%: its measured peak
+        # against the GPU's memory (perf/auto_batch.py; the CPU refuses auto)
+        PathSpec(AUTO_PATH, ["data.micro_batch_size=auto"],
+                 gpu_only="auto sizes to a GPU's memory (refused on the CPU)"),
     ]
 
 
@@ -224,6 +229,9 @@ def run_path(spec: PathSpec, out: Path, shapes: Shapes, device: str) -> dict:
             else:
                 train(overrides, run_dir, shapes.timeout_s, torchrun=spec.kind == "torchrun")
                 result.update(read_run(run_dir))
+                if spec.name == AUTO_PATH:  # the number it picked (summary.json records it)
+                    summary = json.loads((run_dir / "summary.json").read_text())
+                    result["micro_batch"] = summary["micro_batch_size"]
         result["ok"] = "error" not in result
     except Exception as e:  # one path's failure is a row of the table, not the end
         result["error"] = first_line(e)
@@ -359,10 +367,11 @@ def estimate_peak(overrides: list[str], device: str) -> dict:
     """``lmforge estimate``'s peak allocated memory for the same config."""
     try:
         from lmforge.config import load_config
+        from lmforge.perf.auto_batch import size_micro_batch
         from lmforge.perf.estimate import estimate_memory
         from lmforge.perf.estimate_setup import setup_from_config
 
-        cfg = load_config(None, overrides)
+        cfg, _ = size_micro_batch(load_config(None, overrides), 1)  # (auto: as the run)
         est = estimate_memory(setup_from_config(cfg, device=device))
         return {"estimate_gib": est.peak_bytes / 2**30}
     except Exception as e:  # an estimate that fails is reported beside a run that may not
@@ -409,6 +418,8 @@ def markdown(report: dict) -> str:
     for r in report["paths"]:
         status = ("ok" if r["ok"] else f"skipped: {r['skipped']}" if r["ok"] is None
                   else f"**error**: {r.get('error', '')}")
+        if r["ok"] and r.get("micro_batch"):
+            status += f" (micro-batch {r['micro_batch']})"
         losses = (f"{r['first_loss']:.4f} -> {r['last_loss']:.4f}"
                   if r.get("first_loss") is not None else "")
         lines.append(f"| {r['path']} | {status} | {losses} | {num(r.get('tokens_per_s'), ',.0f')} "
