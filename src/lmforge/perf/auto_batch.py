@@ -149,11 +149,11 @@ def describe(auto: AutoBatch, margin: float = MEMORY_MARGIN) -> str:
     """The one line a run prints: the pick, the estimate against the budget, the global
     batch and how it is made."""
     b = auto.budget
-    fit = (f"{auto.estimate_bytes / GiB:.1f} GiB estimated per device of "
-           f"{b.bytes * (1 - margin) / GiB:.1f} usable ({b.bytes / GiB:.1f} GiB, {b.source}, "
+    fit = (f"{_gib(auto.estimate_bytes)} GiB estimated per device of "
+           f"{_gib(b.bytes * (1 - margin))} usable ({_gib(b.bytes)} GiB, {b.source}, "
            f"less a {margin:.0%} margin)")
     if auto.next_size is not None:
-        fit += f"; {auto.next_size} would need {auto.next_bytes / GiB:.1f}"
+        fit += f"; {auto.next_size} would need {_gib(auto.next_bytes)}"
     if auto.larger_fits:
         fit += (f"; a larger one fits but does not divide the {auto.share} sequences each "
                 f"rank runs per step")
@@ -165,6 +165,11 @@ def describe(auto: AutoBatch, margin: float = MEMORY_MARGIN) -> str:
         batch = (f"global batch {auto.share * auto.dp} (data.global_batch_size) = "
                  f"{auto.micro_batch} x {auto.accumulation} accumulated x {ranks}")
     return f"data.micro_batch_size=auto: {auto.micro_batch} ({fit}); {batch}"
+
+
+def _gib(n: float) -> str:
+    """GiB with the digits that tell neighbouring micro-batches apart on a small model."""
+    return f"{n / GiB:.1f}" if n >= 10 * GiB else f"{n / GiB:.2f}"
 
 
 def size_micro_batch(cfg: JobConfig, world_size: int, distributed: Optional[bool] = None,
