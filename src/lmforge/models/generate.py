@@ -23,6 +23,7 @@ How it works (docs/generation.md):
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
@@ -34,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from lmforge.models.attention import DecodeMask
 from lmforge.models.common import KVCache, new_caches
+from lmforge.models.packed_linear import packed_linears
 from lmforge.models.sampling import (GREEDY, Sampling, Uniforms, check_sampling,  # noqa: F401
                                     sample)
 
@@ -82,7 +84,9 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]],
     was_training = model.training
     model.eval()
     try:
-        return _decode(model, prompts, limits, sampling, stops, seeds, compile, sync_every)
+        with _packed(model, rows, compile):
+            return _decode(model, prompts, limits, sampling, stops, seeds, compile,
+                           sync_every)
     finally:
         model.train(was_training)
 
@@ -105,7 +109,16 @@ def generate_in_batches(model: nn.Module, prompts: Sequence[Sequence[int]],
     stops = _per_row(stop_ids, n, nested=True)
     order = sorted(range(n), key=lambda i: -len(prompts[i]))
     out: list[Optional[Completion]] = [None] * n
-    began, tokens = time.perf_counter(), 0
+    began = time.perf_counter()
+    with torch.no_grad(), _packed(model, min(batch_size, n), compile):  # (once, not per batch)
+        _each_batch(model, prompts, limits, stops, order, batch_size, sampling, seed, compile,
+                    out, progress, began)
+    return out
+
+
+def _each_batch(model, prompts, limits, stops, order, batch_size, sampling, seed, compile,
+                out, progress, began) -> None:
+    n, tokens = len(prompts), 0
     for first in range(0, n, batch_size):
         chunk = order[first:first + batch_size]
         done = generate(model, [prompts[i] for i in chunk], [limits[i] for i in chunk],
@@ -117,7 +130,15 @@ def generate_in_batches(model: nn.Module, prompts: Sequence[Sequence[int]],
         if progress is not None:
             progress(min(first + batch_size, n), n,
                      tokens / max(time.perf_counter() - began, 1e-9))
-    return out
+
+
+def _packed(model: nn.Module, rows: int, compile: bool):
+    """The eager CPU decode reads its linear weights packed (``models.packed_linear``);
+    the compiled step keeps them as they are (the compiler cannot trace a packed tensor)."""
+    if compile:
+        return contextlib.nullcontext(0)
+    device = next(model.parameters()).device
+    return packed_linears(model, rows, free_bytes(device) if device.type == "cpu" else 0)
 
 
 def _per_row(value, rows: int, nested: bool = False) -> list:

@@ -1,0 +1,91 @@
+"""The CPU decode's packed linear weights: the same products and tokens as the plain
+forward, only plain fp32 linears packed, everything put back after, nothing packed when the
+copy would not fit, and one packing per ``generate_in_batches`` call."""
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import lmforge.models.generate as gen
+from helpers.tiny_models import tiny_llama_args
+from lmforge.models.generate import Sampling, generate, generate_in_batches
+from lmforge.models.llama import build_llama, materialize
+from lmforge.models.packed_linear import packed_linears
+from lmforge.peft.lora import LoraLinear
+
+PROMPTS = [[(7 * i + 3 * j) % 50 + 1 for j in range(n)] for i, n in enumerate([5, 1, 9, 12])]
+BIG = 1 << 40
+
+
+def _model(**changes):
+    torch.manual_seed(3)
+    return materialize(build_llama(tiny_llama_args(vocab_size=53, **changes)), "cpu").eval()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 37])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_packed_product_equals_the_plain_one(rows, bias):
+    torch.manual_seed(0)
+    layer = nn.Linear(96, 160, bias=bias)
+    x = torch.randn(rows, 96)
+    with packed_linears(layer, 1, BIG) as packed:
+        assert packed == 1
+        got = layer(x)
+    torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert "forward" not in layer.__dict__
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.9, top_k=20)],
+                         ids=["greedy", "sampled"])
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_packed_decoding_gives_the_plain_decodes_tokens(monkeypatch, sampling, tie):
+    model = _model(tie_embeddings=tie)
+    packed = generate(model, PROMPTS, 10, sampling, seeds=[1, 2, 3, 4])
+    monkeypatch.setattr(gen, "packed_linears",  # (no room: nothing packed)
+                        lambda model, rows, budget: packed_linears(model, rows, 0))
+    plain = generate(model, PROMPTS, 10, sampling, seeds=[1, 2, 3, 4])
+    for a, b in zip(packed, plain):
+        assert a.ids == b.ids
+        torch.testing.assert_close(a.model_logprobs, b.model_logprobs, rtol=0, atol=1e-5)
+
+
+def test_only_plain_fp32_linears_are_packed_and_all_are_put_back():
+    model = _model()
+    lora = LoraLinear.from_linear(model.layers["0"].attention.q_proj, rank=2, alpha=4)
+    model.layers["0"].attention.q_proj = lora
+    model.layers["1"].feed_forward.up_proj.to(torch.bfloat16)
+    plain = [m for m in model.modules() if type(m) is nn.Linear
+             and m.weight.dtype == torch.float32]
+    with pytest.raises(RuntimeError, match="inside"):
+        with packed_linears(model, 4, BIG) as packed:
+            assert packed == len(plain)
+            assert all("forward" in m.__dict__ for m in plain)
+            assert "forward" not in lora.__dict__
+            assert "forward" not in model.layers["1"].feed_forward.up_proj.__dict__
+            raise RuntimeError("inside")
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_nothing_is_packed_when_the_copy_would_not_fit():
+    model = _model()
+    weights = sum(m.weight.numel() * 4 for m in model.modules() if type(m) is nn.Linear)
+    with packed_linears(model, 1, 2 * weights - 1) as packed:
+        assert packed == 0
+        assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_generate_in_batches_packs_the_weights_once(monkeypatch):
+    model = _model()
+    packed = []
+
+    @contextlib.contextmanager
+    def recording(model, rows, budget):
+        with packed_linears(model, rows, budget) as n:
+            packed.append(n)
+            yield n
+    monkeypatch.setattr(gen, "packed_linears", recording)
+    generate_in_batches(model, PROMPTS * 3, 4, batch_size=4)
+    linears = sum(type(m) is nn.Linear for m in model.modules())
+    assert packed == [linears, 0, 0, 0]  # (the batches find them packed already)
