@@ -92,6 +92,10 @@ class StageTerms:
     dequantization_scratch: float
     optimizer_temporaries: float
     reference_pass: bool = False  # a preference run's live reference forward
+    # train.fused_loss with a trainable head: its fp32 weight gradient, made in the forward
+    # pass by the summed loss (held until backward), in backward by the per-token one
+    fused_head_gradient: float = 0.0
+    fused_summed: bool = False  # the summed form (next-token objectives)
 
 
 def stage_terms(setup: Setup, weights: Weights, act: Activations, stage: int) -> StageTerms:
@@ -105,7 +109,18 @@ def stage_terms(setup: Setup, weights: Weights, act: Activations, stage: int) ->
         fsdp=fsdp_buffers(setup, weights, grads, stage),
         dequantization_scratch=dequantization_scratch(setup, weights),
         optimizer_temporaries=optimizer_temporaries(setup, weights),
-        reference_pass=bool(setup.reference))
+        reference_pass=bool(setup.reference),
+        fused_head_gradient=fused_head_gradient(setup),
+        fused_summed=setup.job.objective == "next_token")
+
+
+def fused_head_gradient(setup: Setup) -> float:
+    """The fused loss's fp32 gradient of the whole output weight (models/fused_loss.py
+    sums it over the chunks in fp32; tp, which would shard it, is refused with it)."""
+    args = setup.args
+    if not setup.cfg.train.fused_loss or not setup.trainable.head:
+        return 0.0
+    return 4.0 * args.vocab_size * args.dim
 
 
 def step_phases(t: StageTerms) -> dict[str, dict[str, float]]:
@@ -121,6 +136,7 @@ def step_phases(t: StageTerms) -> dict[str, dict[str, float]]:
             "loss head (logits, log-softmax)":
                 loss_tokens * act.log_softmax if t.reference_pass else head,
             "reference pass (logits, log-softmax)": head if t.reference_pass else 0.0,
+            "fused loss head gradient": t.fused_head_gradient if t.fused_summed else 0.0,
             "autocast weight copies": t.copies.at_forward_end,
             "gradients": grads.accumulated,
             "FSDP unsharded parameters": t.fsdp.params_outside_blocks},
@@ -128,6 +144,7 @@ def step_phases(t: StageTerms) -> dict[str, dict[str, float]]:
             "activations": t.tokens * act.at_forward_end,
             # the log-softmax, its gradient and the logits' gradient (fp32 each)
             "loss head (logits, log-softmax)": loss_tokens * 3 * act.log_softmax,
+            "fused loss head gradient": t.fused_head_gradient,
             "autocast weight copies": t.copies.at_backward_loss,
             "gradients": grads.accumulated,
             "FSDP unsharded parameters": t.fsdp.params_outside_blocks},
