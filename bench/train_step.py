@@ -4,11 +4,15 @@ same shapes, dtype policy and batch, back to back in one invocation.
     python bench/train_step.py --preset tiny --device cpu
     python bench/train_step.py --preset llama3.2-1b --seq-len 2048 --batch 1 --device cuda
     python bench/train_step.py --preset llama2-7b --method qlora --seq-len 2048 --batch 4
+    python bench/train_step.py --preset llama3.2-1b --seq-len 2048 --batch 16,8,4,2,1 \
+        --compile --fused-loss --reference-compile     # each side at its largest that fits
 
 Each side runs in its own child process, so its peak memory is its own: on CUDA the
 allocator's peak (torch.cuda.max_memory_allocated), on CPU the child's peak resident
 set. Steps are timed after warm-up, synchronised with the device, and the median is
-reported. Weights are random (no download). The reference is LlamaForCausalLM with SDPA
+reported. ``--batch`` may list micro-batches: each side then times the largest that fits
+its device (tried largest first in its own process; an out-of-memory step moves to the
+next), which the table names. Weights are random (no download). The reference is LlamaForCausalLM with SDPA
 attention and torch.optim.AdamW; for lora/qlora, peft's LoRA on the same modules
 (qlora's reference: the base's projections as bitsandbytes NF4 Linear4bit with double
 quantization and bf16 compute, QLoRA's setting; it needs bitsandbytes).
@@ -45,11 +49,15 @@ def parse_args(argv=None):
                    help="lora-int8: LoRA on an int8 base (lmforge's lora.quantize=int8; the "
                         "reference: bitsandbytes' LLM.int8 Linear8bitLt, as load_in_8bit)")
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--batch", type=_batches, default=[4],
+                   help="micro-batch, or several by commas: each side times the largest "
+                        "that fits its device")
     p.add_argument("--steps", type=int, default=8, help="timed steps")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--compile", action="store_true", help="torch.compile lmforge's blocks")
+    p.add_argument("--reference-compile", action="store_true",
+                   help="torch.compile the reference model (whole) too")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--loss-chunk-tokens", type=int, default=0,
                    help="lmforge's train.loss_chunk_tokens (0: whole micro-batch logits)")
@@ -67,6 +75,17 @@ def parse_args(argv=None):
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--side", choices=("lmforge", "reference"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+def _batches(text: str) -> list[int]:
+    """``--batch``: one micro-batch or several by commas, largest first."""
+    try:
+        values = sorted({int(v) for v in text.split(",")}, reverse=True)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers by commas, got {text!r}")
+    if not values or values[-1] < 1:
+        raise argparse.ArgumentTypeError(f"micro-batches must be >= 1, got {text!r}")
+    return values
 
 
 def autocast(device: torch.device):
@@ -139,10 +158,11 @@ def build_reference(args, model_args: LlamaArgs, device):
         lcfg = peft.LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
                                target_modules=args.lora_targets.split(","), lora_dropout=0.0)
         model = peft.get_peft_model(model, lcfg)
+    forward = torch.compile(model) if args.reference_compile else model
 
     def step(ids, labels):
         with autocast(device):
-            logits = model(input_ids=ids).logits
+            logits = forward(input_ids=ids).logits
         loss = torch.nn.functional.cross_entropy(
             logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / labels.numel()
         loss.backward()
@@ -229,8 +249,29 @@ def run_side(args) -> dict:
         model.to(torch.bfloat16)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(args, params, device)
+    for batch in args.batch:  # (largest first: the first that fits is timed)
+        try:
+            times = timed_steps(args, model_args, step, optimizer, batch, device)
+            break
+        except torch.OutOfMemoryError:
+            if batch == args.batch[-1]:
+                raise
+            free_after_oom(params, optimizer, device)
+    seconds = statistics.median(times)
+    tokens_per_s = batch * args.seq_len / seconds
+    flops = flops_per_token(model_args, args.seq_len)
+    peak = device_peak_flops(device)
+    return {"side": args.side, "batch": batch, "step_s": seconds, "tokens_per_s": tokens_per_s,
+            "tflops": tokens_per_s * flops / 1e12,
+            "mfu": tokens_per_s * flops / peak if peak else None,
+            "peak_mem_gib": M.peak_memory_gib(device),
+            "trainable": sum(p.numel() for p in params)}
+
+
+def timed_steps(args, model_args, step, optimizer, batch: int, device) -> list[float]:
+    """Warm-up, then the timed steps' seconds, at micro-batch ``batch``."""
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model_args.vocab_size, (args.batch, args.seq_len + 1), generator=g)
+    ids = torch.randint(0, model_args.vocab_size, (batch, args.seq_len + 1), generator=g)
     ids = ids.to(device)
     inputs, labels = ids[:, :-1], ids[:, 1:]
     if device.type == "cuda":
@@ -246,15 +287,20 @@ def run_side(args) -> dict:
         _sync(device)
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
-    seconds = statistics.median(times)
-    tokens_per_s = args.batch * args.seq_len / seconds
-    flops = flops_per_token(model_args, args.seq_len)
-    peak = device_peak_flops(device)
-    return {"side": args.side, "step_s": seconds, "tokens_per_s": tokens_per_s,
-            "tflops": tokens_per_s * flops / 1e12,
-            "mfu": tokens_per_s * flops / peak if peak else None,
-            "peak_mem_gib": M.peak_memory_gib(device),
-            "trainable": sum(p.numel() for p in params)}
+    return times
+
+
+def free_after_oom(params: list, optimizer, device) -> None:
+    """What a failed step left: gradients, optimizer states, the allocator's cache."""
+    import gc
+
+    for p in params:
+        p.grad = None
+    if optimizer is not None:
+        optimizer.state.clear()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def build_optimizer(args, params: list, device: torch.device):
@@ -292,7 +338,8 @@ def main(argv=None) -> int:
     device = resolve_device(args.device, "--device")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     method = args.method + (" (low-memory: bf16 weights and states)" if args.low_memory else "")
-    print(f"{args.preset} {method}, seq {args.seq_len}, batch {args.batch}, "
+    batch = ",".join(map(str, args.batch))
+    print(f"{args.preset} {method}, seq {args.seq_len}, micro-batch {batch}, "
           f"{args.steps} timed steps after {args.warmup} warm-up, on {name}")
     results = [run_child(argv, "lmforge"), run_child(argv, "reference")]
     print(format_table(results))
@@ -307,14 +354,15 @@ def main(argv=None) -> int:
 
 
 def format_table(results: list[dict]) -> str:
-    rows = ["| side | tokens/s | TFLOP/s | MFU | peak mem (GiB) | trainable params |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| side | micro-batch | tokens/s | TFLOP/s | MFU | peak mem (GiB) | trainable params |",
+            "|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
-            rows.append(f"| {r['side']} | n/a ({r['error']}) | | | | |")
+            rows.append(f"| {r['side']} | | n/a ({r['error']}) | | | | |")
             continue
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a (CPU)"
-        rows.append(f"| {r['side']} | {r['tokens_per_s']:.0f} | {r['tflops']:.3f} | {mfu} | "
+        rows.append(f"| {r['side']} | {r['batch']} | {r['tokens_per_s']:.0f} | "
+                    f"{r['tflops']:.3f} | {mfu} | "
                     f"{r['peak_mem_gib']:.2f} | {r['trainable']:,} |")
     return "\n".join(rows)
 

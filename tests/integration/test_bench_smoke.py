@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "train_step.py"
 
@@ -33,3 +34,39 @@ def test_bench_low_memory_and_chunked_loss_options_run(tmp_path):
     results = json.loads(out.read_text())["results"]
     assert [r["side"] for r in results] == ["lmforge", "reference"]
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in results)
+
+
+def _load_bench():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_step_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("side", ["lmforge", "reference"])
+def test_each_side_times_the_largest_listed_micro_batch_that_fits(side, monkeypatch):
+    bench = _load_bench()
+    real, tried = bench.timed_steps, []
+
+    def oom_above_2(args, model_args, step, optimizer, batch, device):
+        tried.append(batch)
+        if batch > 2:  # (what a GPU too small for the micro-batch raises mid-step)
+            step(*[torch.zeros(batch, args.seq_len, dtype=torch.long)] * 2)
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(args, model_args, step, optimizer, batch, device)
+    monkeypatch.setattr(bench, "timed_steps", oom_above_2)
+    args = bench.parse_args(["--preset", "debug", "--device", "cpu", "--seq-len", "16",
+                             "--batch", "1,8,2,4", "--steps", "1", "--warmup", "0",
+                             *(["--reference-compile"] if side == "reference" else []),
+                             "--side", side])
+    result = bench.run_side(args)
+    assert tried == [8, 4, 2] and result["batch"] == 2
+    assert result["tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("text", ["0,2", "a", ""])
+def test_bad_micro_batch_lists_are_refused_by_the_bench(text):
+    with pytest.raises(SystemExit):
+        _load_bench().parse_args(["--batch", text])
