@@ -96,8 +96,15 @@ TABLE = [
     Bad("prompts with the next-token objective", [*ON_PROMPTS, "train.objective=next_token"],
         r"^train\.objective: next_token does not train on prompts alone \(data\.kind=prompts\); "
         r"use grpo \(or auto\)$", setup=GOOD_PROMPTS),
-    Bad("two rollouts per step", [*PROMPTS, "rl.rewards=exact_answer", "rl.num_iterations=2"],
-        r"^rl\.num_iterations: 2: the trainer trains each rollout once for now",
+    Bad("a checkpoint inside a reused rollout", [*PROMPTS, "rl.rewards=exact_answer",
+                                                 "rl.num_iterations=2",
+                                                 "train.checkpoint_every=3"],
+        r"^train\.checkpoint_every: 3 is not a multiple of rl\.num_iterations=2 \(a "
+        r"checkpoint falls after a rollout's last step: a rollout is not saved\)$",
+        setup=GOOD_PROMPTS),
+    Bad("a stop inside a reused rollout", [*PROMPTS, "rl.rewards=exact_answer",
+                                           "rl.num_iterations=3", "train.stop_at_step=4"],
+        r"^train\.stop_at_step: 4 is not a multiple of rl\.num_iterations=3 ",
         setup=GOOD_PROMPTS),
     # ---------------------------------------------------------------- the prompts file
     Bad("a prompts file with a bad line", [*PROMPTS, "rl.rewards=exact_answer"],

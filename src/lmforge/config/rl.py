@@ -54,7 +54,8 @@ def reward_weights(value: Any, count: int) -> Optional[list[float]]:
 
 def validate_rl(cfg, world_size: int = 1) -> None:
     """GRPO needs prompts and prompts GRPO, its rewards must be ones that exist, and it
-    runs where its rollout does for now: one process, each rollout trained once."""
+    runs where its rollout does: one process, FSDP2/DDP and tensor parallelism, not a
+    pipeline or context parallelism (``world_size``: any)."""
     objective = objective_name(cfg)
     if cfg.data.kind == PROMPTS_KIND and objective not in RL_OBJECTIVES:
         raise ConfigError(f"train.objective: {objective} does not train on prompts alone "
@@ -79,17 +80,23 @@ def validate_rl(cfg, world_size: int = 1) -> None:
                           "parallel.dp_shard and parallel.tp" if cfg.parallel.pp > 1 else
                           "parallel.cp: GRPO needs each completion's log-probabilities on "
                           "one rank; use parallel.dp_shard")
-    if rl.num_iterations > 1:
-        raise ConfigError(f"rl.num_iterations: {rl.num_iterations}: the trainer trains each "
-                          f"rollout once for now (the loss itself is TRL's for any "
-                          f"num_iterations, models/grpo.py)")
-    if world_size > 1:
-        raise ConfigError(f"train.objective: grpo runs in one process for now ({world_size} "
-                          f"processes: a sharded rollout needs every rank to decode the same "
-                          f"prompts, not wired yet)")
+    check_rollout_boundaries(cfg)
     if cfg.data.kind != PROMPTS_KIND:  # (last: what is wrong with the rl keys comes first)
         raise ConfigError(f"train.objective: grpo samples completions of prompts; it needs "
                           f"data.kind={PROMPTS_KIND} (data.kind is {cfg.data.kind})")
+
+
+def check_rollout_boundaries(cfg) -> None:
+    """With rl.num_iterations = k > 1 each rollout trains k steps and is not checkpointed:
+    a checkpoint must fall after a rollout's last step (train/grpo.py), so the steps of
+    train.checkpoint_every and train.stop_at_step are multiples of k."""
+    k = cfg.rl.num_iterations
+    for name in ("checkpoint_every", "stop_at_step"):
+        every = getattr(cfg.train, name)
+        if k > 1 and every and every % k:
+            raise ConfigError(f"train.{name}: {every} is not a multiple of "
+                              f"rl.num_iterations={k} (a checkpoint falls after a rollout's "
+                              f"last step: a rollout is not saved)")
 
 
 def user_reward(name: str) -> Optional[tuple[Path, str]]:

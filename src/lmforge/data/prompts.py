@@ -65,11 +65,13 @@ def check_prompts(field: str, path) -> None:
 @dataclass
 class PromptBatch:
     """A micro-batch of prompts: their token ids, records (the reward functions' fields),
-    the ids that end a completion, and the tokenizer that decodes one."""
+    the ids that end a completion, and the tokenizer that decodes one; ``distinct``: the
+    dataset's prompts (a held-out sample id past them is a filler: ``loader.no_targets``)."""
     ids: list[list[int]]
     records: list[dict]
     stop_ids: tuple[int, ...]
     tokenizer: object
+    distinct: int = 0
 
 
 class PromptDataset:
@@ -130,7 +132,7 @@ class PromptDataset:
         records = [self[k] for k in ks]
         return {"prompts": PromptBatch([self.ids[r] for r in records],
                                        [self.records[r] for r in records], self.stop_ids,
-                                       self.tokenizer),
+                                       self.tokenizer, len(self.records)),
                 "sample_ids": torch.tensor(ks, dtype=torch.long)}
 
     def fingerprint(self) -> list:

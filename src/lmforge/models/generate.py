@@ -17,6 +17,8 @@ How it works (docs/generation.md):
   checked on the device; the host looks every ``sync_every`` tokens.
 * **Log-probabilities**: each token's under the sampling distribution (what was drawn
   from: temperature, top-k, top-p, min-p applied; 0 for greedy) and under the model.
+* **Sharded models** (FSDP2, tensor and sequence parallelism) decode as they train; under
+  data parallelism each rank its own prompts, all stepping together (``decode_parallel``).
 * **Compiled** (``compile=True``): the prefill runs eagerly, the one-token step is
   ``torch.compile``d over a static cache (CUDA graphs on a GPU), with batch and cache
   length rounded up to buckets so few shapes compile; ``compiled_shapes()`` counts them.
@@ -35,6 +37,8 @@ from torch.distributed.tensor import DTensor
 
 from lmforge.models.attention import DecodeMask
 from lmforge.models.common import KVCache, new_caches
+from lmforge.models.decode_parallel import (all_done, group_max, sequence_shards,
+                                            sharded_step)
 from lmforge.models.packed_linear import packed_linears
 from lmforge.models.sampling import (GREEDY, Sampling, Uniforms, check_sampling,  # noqa: F401
                                     sample)
@@ -61,10 +65,12 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]],
              max_new_tokens: Union[int, Sequence[int]], sampling: Sampling = GREEDY,
              stop_ids: Union[Sequence[int], Sequence[Sequence[int]]] = (),
              seeds: Union[int, Sequence[int]] = 0, compile: bool = False,
-             sync_every: int = SYNC_EVERY) -> list[Completion]:
+             sync_every: int = SYNC_EVERY, group=None) -> list[Completion]:
     """Decode every prompt (token ids) of one batch. ``max_new_tokens``, ``stop_ids`` and
     ``seeds``: one for all rows, or one per row. A row stops after a stop id (kept as its
-    last token) or at its limit, and never runs past the model's context."""
+    last token) or at its limit, and never runs past the model's context.
+    ``group``: the data-parallel process group whose ranks decode their own prompts with
+    one sharded model (every forward is collective): all step until every rank is done."""
     rows = len(prompts)
     limits = _per_row(max_new_tokens, rows)
     stops = _per_row(stop_ids, rows, nested=True)
@@ -79,14 +85,16 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]],
             raise ValueError(f"generate: prompt {i} has {len(p)} tokens, which leaves no "
                              f"room in the model's context of {context}")
     limits = [max(0, min(n, context - len(p))) for n, p in zip(limits, prompts)]
-    if rows == 0 or max(limits) == 0:
+    if rows == 0 and group is not None:
+        raise ValueError("generate: every rank of the group needs a prompt to decode")
+    if rows == 0 or group_max(max(limits), group, model) == 0:
         return [Completion([], "length", [], []) for _ in prompts]
     was_training = model.training
     model.eval()
     try:
         with _packed(model, rows, compile):
             return _decode(model, prompts, limits, sampling, stops, seeds, compile,
-                           sync_every)
+                           sync_every, group)
     finally:
         model.train(was_training)
 
@@ -158,16 +166,17 @@ def _per_row(value, rows: int, nested: bool = False) -> list:
     return per_row
 
 
-def _decode(model, prompts, limits, sampling, stops, seeds, compile, sync_every):
+def _decode(model, prompts, limits, sampling, stops, seeds, compile, sync_every, group=None):
     device = next(model.parameters()).device
     real = len(prompts)
     if compile:  # dummy rows round the batch up to its bucket; they are done from the start
         extra = _bucket_batch(real) - real
         prompts, limits = list(prompts) + [[PAD_ID]] * extra, list(limits) + [0] * extra
         stops, seeds = list(stops) + [[]] * extra, list(seeds) + [0] * extra
-    rows, width = len(prompts), max(len(p) for p in prompts)
-    steps = max(limits)
-    cache_len = _bucket_length(width + steps) if compile else width + steps
+    shards = sequence_shards(model, compile)  # (the prefill padded to a multiple)
+    rows, width = len(prompts), -(-max(len(p) for p in prompts) // shards) * shards
+    steps = group_max(max(limits), group, model)  # (every rank of a group runs as many)
+    cache_len = _bucket_length(width + steps) if compile else width + steps + shards - 1
     check_cache_fits(model, rows, cache_len, device)
     start = torch.tensor([width - len(p) for p in prompts], device=device)  # (rows,)
     block = torch.full((rows, width), PAD_ID, dtype=torch.long)
@@ -175,7 +184,8 @@ def _decode(model, prompts, limits, sampling, stops, seeds, compile, sync_every)
         block[i, width - len(p):] = torch.tensor(p)
     caches = _static_caches(model, rows, cache_len) if compile else new_caches(
         model, rows, cache_len)
-    logits = _prefill(model, block.to(device), start, caches, static=compile)
+    logits = _prefill(model, block.to(device), start, caches, static=compile,
+                      whole=shards > 1)
     step = _CompiledStep(model, caches, start) if compile else None
 
     limit = torch.tensor(limits, device=device)
@@ -200,12 +210,15 @@ def _decode(model, prompts, limits, sampling, stops, seeds, compile, sync_every)
         hit = live & (token[:, None] == stop_table).any(-1)
         stopped |= hit
         done = done | hit | (count >= limit)
-        if t + 1 == steps or ((t + 1) % sync_every == 0 and bool(done.all())):
+        if t + 1 == steps or ((t + 1) % sync_every == 0 and all_done(done, group)):
             break  # (the host looks every sync_every tokens: one sync, not one per token)
         column = width + t
         positions = (column - start)[:, None]  # (rows, 1)
         if step is not None:
             logits = step(token[:, None], positions, column)
+        elif shards > 1:
+            logits = _last(sharded_step(model, token, positions, start, column, caches,
+                                        shards, PAD_ID), 0)
         else:
             mask = DecodeMask(start, columns.fill_(column))
             logits = _last(model(token[:, None], positions, mask, caches))
@@ -240,27 +253,30 @@ def check_cache_fits(model: nn.Module, rows: int, length: int, device) -> None:
             f"length)")
 
 
-def _prefill(model, block, start, caches, static: bool) -> torch.Tensor:
+def _prefill(model, block, start, caches, static: bool, whole: bool = False
+             ) -> torch.Tensor:
     """Run the padded prompts through the model, filling the caches; the last column's
-    logits (rows, vocab) in fp32. The head is applied to that column only."""
+    logits (rows, vocab) in fp32. The head is applied to that column only (``whole``:
+    to every column, as sequence parallelism needs the sequence split evenly)."""
     width = block.shape[1]
     columns = torch.arange(width, device=block.device)
     for c in caches:
         c.columns = columns if static else None
     positions = (columns[None, :] - start[:, None]).clamp(min=0)  # (rows, width)
     mask = DecodeMask(start, columns)
-    if isinstance(model, FSDPModule):  # its head's weight is sharded outside its forward
+    if whole or isinstance(model, FSDPModule):  # (FSDP: its head's weight is sharded
+        # outside its forward)
         return _last(model(block, positions, mask, caches))
     h = model(block, positions, mask, caches, head=False)
     return _last(model.output(h[:, -1:]))
 
 
-def _last(logits) -> torch.Tensor:
+def _last(logits, column: int = -1) -> torch.Tensor:
     """The last column's logits (rows, vocab) in fp32, whole on every rank (tensor
-    parallelism leaves them sharded over the vocabulary)."""
+    parallelism leaves them sharded over the vocabulary); or ``column``'s."""
     if isinstance(logits, DTensor):
         logits = logits.full_tensor()
-    return logits[:, -1].float()
+    return logits[:, column].float()
 
 
 def _completions(out, sampling_lp, model_lp, count, stopped, rows) -> list[Completion]:

@@ -29,6 +29,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool) ->
     if tied:
         # Both styles shard the (vocab, dim) weight by rows, so one DTensor serves both.
         model.output.weight = model.tok_embeddings.weight
+    # (the decoder pads a forward's tokens to a multiple of this: models/generate.py)
+    model.sequence_shards = tp_mesh.size() if sequence_parallel else 1
 
 
 def _present(module: nn.Module, plan: dict) -> dict:

@@ -201,7 +201,8 @@ def run_loop(job: Job, rt: Runtime, model: TrainModel, optimizers: Optimizers,
     progress.starting(start_step + 1, accum)  # the first step can take minutes: say so
     tokens = checkpoints.tokens  # positions the run's steps ran over (metrics "tokens")
     for step in range(start_step + 1, end_step + 1):
-        micro_batches = [data.train.next_batch() for _ in range(accum)]
+        fresh = model.objective.takes_new_batches(step)  # (GRPO may train a rollout again)
+        micro_batches = [data.train.next_batch() for _ in range(accum if fresh else 0)]
         # (GRPO: its rollout, the completions of these prompts; the others: as read)
         micro_batches, made = model.objective.prepare(model, micro_batches, step, rt.device,
                                                       rt.autocast)
@@ -213,8 +214,10 @@ def run_loop(job: Job, rt: Runtime, model: TrainModel, optimizers: Optimizers,
         throughput.add(result.counts.positions, result.counts.flops)
         tokens += result.counts.positions
         evaluate_now = eval_due(cfg, step, data)
-        # a stop signal: this step is the run's last for now, so it is logged too
-        preempted = stop is not None and stop.should_stop(step)
+        # a stop signal: this step is the run's last for now, so it is logged too (once
+        # the next step reads new data: GRPO checkpoints no rollout it would reuse)
+        preempted = (stop is not None and model.objective.takes_new_batches(step + 1)
+                     and stop.should_stop(step))
         logged = evaluate_now or preempted or step % t.log_every == 0
         if logged or step in (start_step + 1, end_step):
             record = {"loss": float(result.loss), "lr": result.lr,

@@ -46,6 +46,10 @@ class NextToken:
         the data's own here (GRPO samples completions of its prompts: train/grpo.py)."""
         return micro_batches, {}
 
+    def takes_new_batches(self, step: int) -> bool:
+        """Whether step ``step`` reads new micro-batches (GRPO's may reuse its rollout)."""
+        return True
+
     def loss_sum(self, model: nn.Module, batch: dict, device: torch.device,
                  autocast=contextlib.nullcontext, loss_chunk_tokens: int = 0,
                  stats: Optional[dict] = None) -> torch.Tensor:
@@ -96,4 +100,4 @@ def grpo_objective(job: Job) -> GRPO:
                  "adapters_off" if job.config.lora.enabled else "model")
     return GRPO(params, rewards, rl.num_generations,
                 Sampling(temperature=rl.temperature, top_p=rl.top_p), rl.scale_rewards,
-                int(job.config.train.seed), reference)
+                int(job.config.train.seed), reference, num_iterations=rl.num_iterations)

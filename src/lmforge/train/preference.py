@@ -16,6 +16,7 @@ Where the reference log-probabilities come from (``reference``):
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -43,6 +44,9 @@ class Preference:
     def prepare(self, tm, micro_batches: list[dict], step: int, device: torch.device,
                 autocast=contextlib.nullcontext) -> tuple[list[dict], dict]:
         return micro_batches, {}  # (pairs train as they are read)
+
+    def takes_new_batches(self, step: int) -> bool:
+        return True  # (every step reads its pairs)
 
     def loss_sum(self, model: nn.Module, batch: dict, device: torch.device,
                  autocast=contextlib.nullcontext, loss_chunk_tokens: int = 0,
@@ -94,14 +98,28 @@ def add_sums(stats: dict, metrics: dict) -> None:
 
 def mean_stats(stats: dict, dims, units: int) -> dict[str, float]:
     """The step's (or a held-out pass's) metric sums over every data-parallel rank,
-    divided by the global count of pairs ``units``: TRL's means."""
+    divided by the global count of pairs ``units``: TRL's means. A stat named ``..._min``
+    or ``..._max`` is an extreme, reduced as one (GRPO's clip_ratio/low_min; None where
+    no rank had a value: +-inf)."""
     if not stats:
         return {}
-    names = sorted(stats)
-    sums = torch.stack([stats[n].double() for n in names])
+    extremes = sorted(n for n in stats if n.endswith(("_min", "_max")))
+    names = sorted(n for n in stats if n not in extremes)
+    sums = torch.stack([stats[n].double() for n in names]) if names else None
+    out = {}
     if dims.mesh is not None and dims.dp > 1:
-        torch.distributed.all_reduce(sums, group=dims.group("dp"))
-    return {n: float(v) / max(units, 1) for n, v in zip(names, sums.tolist())}
+        if names:
+            torch.distributed.all_reduce(sums, group=dims.group("dp"))
+        for n in extremes:
+            op = torch.distributed.ReduceOp.MIN if n.endswith("_min") else \
+                torch.distributed.ReduceOp.MAX
+            torch.distributed.all_reduce(stats[n], op=op, group=dims.group("dp"))
+    for n in extremes:
+        value = float(stats[n])
+        out[n] = value if math.isfinite(value) else None
+    if names:
+        out.update({n: float(v) / max(units, 1) for n, v in zip(names, sums.tolist())})
+    return out
 
 
 @torch.no_grad()

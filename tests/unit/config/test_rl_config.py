@@ -45,8 +45,11 @@ def test_a_grpo_recipe_on_prompts_is_accepted(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"^train\.objective: grpo .* needs data\.kind=prompts "
                                           r"\(data\.kind is stdlib\)$"):
         load_config(None, ["train.objective=grpo", *keys]).validate()
-    with pytest.raises(ConfigError, match=r"^train\.objective: grpo runs in one process"):
-        load_config(None, ["data.kind=prompts", "data.path=p.jsonl", *keys]).validate(2)
+    # two processes (FSDP2) sample as one; a pipeline or cp cannot (their own line)
+    load_config(None, ["data.kind=prompts", "data.path=p.jsonl", *keys]).validate(2)
+    with pytest.raises(ConfigError, match=r"^parallel\.pp: GRPO samples with the whole model"):
+        load_config(None, ["data.kind=prompts", "data.path=p.jsonl", "parallel.pp=2",
+                           *keys]).validate(2)
 
 
 def test_the_estimate_counts_a_rollouts_completions_and_its_reference():

@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
+from helpers.grpo_prompts import VOWELS
 from helpers.preference_data import model_dir
 from lmforge.config import load_config
 from lmforge.data.errors import DataError
@@ -67,17 +69,75 @@ def test_a_grpo_run_trains_on_its_rollouts_and_logs_trls_metrics(setup, tmp_path
     assert "eval_reward" in history[-1] and history[-1]["eval_prompts"] == 1  # (5% of 24)
 
 
-@pytest.mark.parametrize("extra", [(), ("lora.enabled=true", "lora.rank=4", "rl.beta=0.1")])
+@pytest.mark.parametrize("extra", [
+    (), ("lora.enabled=true", "lora.rank=4", "rl.beta=0.1"),
+    pytest.param(("lora.enabled=true", "lora.rank=4", "lora.quantize=nf4", "rl.beta=0.1"),
+                 marks=pytest.mark.slow),
+    # (its checkpoint after step 2: the next step samples; train.checkpoint_every=2)
+    pytest.param(("rl.num_iterations=2", "rl.beta=0.04", "train.max_steps=4"),
+                 marks=pytest.mark.slow)],
+    ids=["full", "lora", "qlora", "num_iterations_2"])
 def test_a_stopped_and_resumed_run_samples_scores_and_trains_as_one(setup, tmp_path, extra):
     _, whole = _run(setup, tmp_path / "whole", *extra)
     out = tmp_path / "parts"
-    _run(setup, out, *extra, "train.save=true", "train.checkpoint_every=1",
-         "train.stop_at_step=2")
-    _, resumed = _run(setup, out, *extra, "train.save=true", "train.checkpoint_every=1",
-                      "train.resume=auto")
+    every = "train.checkpoint_every=2" if "rl.num_iterations=2" in extra else \
+        "train.checkpoint_every=1"
+    _run(setup, out, *extra, "train.save=true", every, "train.stop_at_step=2")
+    _, resumed = _run(setup, out, *extra, "train.save=true", every, "train.resume=auto")
+    assert [r["step"] for r in resumed] == [r["step"] for r in whole]
     for a, b in zip(whole, resumed):
         for key in ("loss", "reward", "completions/mean_length", "grad_norm"):
-            assert a[key] == b[key], (a["step"], key)
+            assert a.get(key) == b.get(key), (a["step"], key)
+
+
+def test_num_iterations_2_trains_each_rollout_twice_against_its_policy(setup, tmp_path,
+                                                                      monkeypatch):
+    """rl.num_iterations=2: steps 1 and 3 sample (reading prompts), steps 2 and 4 train
+    on the same completions again (no prompts read, no rollout metrics but the times).
+    Step 1's ratio is 1 (the rollout's log-probabilities are the policy's); step 2's is
+    not, and its loss is models/grpo.py's with the old log-probabilities being what the
+    policy gave those tokens in step 1."""
+    from lmforge.models.grpo import loss_sum, units
+    from lmforge.train import grpo as trainer_grpo
+
+    calls = []
+
+    def recording_per_token_loss(logps, old, ref, adv, p):
+        calls.append({"logps": logps.detach().clone(), "old": old, "ref": ref, "adv": adv,
+                      "params": p})
+        return per_token_loss(logps, old, ref, adv, p)
+
+    def recording_loss_sum(token_loss, mask, p):
+        calls[-1]["mask"] = mask
+        return loss_sum(token_loss, mask, p)
+
+    per_token_loss = trainer_grpo.per_token_loss
+    monkeypatch.setattr(trainer_grpo, "per_token_loss", recording_per_token_loss)
+    monkeypatch.setattr(trainer_grpo, "loss_sum", recording_loss_sum)
+    _, history = _run(setup, tmp_path / "run", f"rl.rewards=exact_answer,{VOWELS}",
+                      "rl.reward_weights=1.0,2.0", "rl.num_iterations=2", "rl.beta=0.04",
+                      "rl.epsilon=0.05", "rl.loss_type=grpo", "train.max_steps=4",
+                      "train.eval_every=0")
+    consumed = [r["consumed_samples"] for r in history]
+    assert consumed[0] == consumed[1] > 0 and consumed[2] == consumed[3] == 2 * consumed[0]
+    for r in (history[1], history[3]):
+        assert r["time/generate_s"] == 0 and "reward" not in r
+    assert "reward" in history[0] and "reward" in history[2]
+    accum = len(calls) // 4
+    first, second = calls[:accum], calls[accum:2 * accum]
+    for one, two in zip(first, second):
+        assert one["old"] is not None
+        torch.testing.assert_close(one["logps"], one["old"], rtol=0, atol=1e-6)  # ratio 1
+        assert torch.equal(two["old"], one["old"]) and torch.equal(two["adv"], one["adv"])
+        assert float((two["logps"] - two["old"]).abs().max()) > 1e-3  # ratio != 1
+    p = second[0]["params"]
+    total = sum(loss_sum(per_token_loss(c["logps"], one["logps"], c["ref"], c["adv"], p)[0],
+                         c["mask"], p) for c, one in zip(second, first))
+    count = sum(units(c["mask"], p.loss_type) for c in second)
+    assert history[1]["loss"] == pytest.approx(float(total / count), rel=1e-5)
+    assert history[1]["clip_ratio/region_mean"] > 0  # (epsilon 0.05: some are clipped)
+    assert 0 <= history[1]["clip_ratio/low_min"] <= history[1]["clip_ratio/low_mean"]
+    assert history[1]["clip_ratio/high_max"] >= history[1]["clip_ratio/high_mean"]
 
 
 def test_prompt_records_keep_their_fields_and_render_chat_messages(setup):
