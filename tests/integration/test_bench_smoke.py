@@ -70,3 +70,16 @@ def test_each_side_times_the_largest_listed_micro_batch_that_fits(side, monkeypa
 def test_bad_micro_batch_lists_are_refused_by_the_bench(text):
     with pytest.raises(SystemExit):
         _load_bench().parse_args(["--batch", text])
+
+
+@pytest.mark.slow
+def test_the_compile_and_adamw_options_to_measure_run_on_lmforges_side_alone(tmp_path):
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, str(BENCH), "--preset", "debug", "--device", "cpu",
+                           "--seq-len", "16", "--batch", "2", "--steps", "1", "--warmup", "1",
+                           "--compile-whole", "--adamw", "foreach", "--fused-loss",
+                           "--lmforge-only", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert [r["side"] for r in results] == ["lmforge"] and results[0]["tokens_per_s"] > 0
