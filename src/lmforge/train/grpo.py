@@ -275,7 +275,8 @@ class GRPO:
         per_reward = []
         for prompts in batches:
             rows = self._generate(model, prompts, 0, GREEDY, per_prompt=1, group=group)
-            if not bool((prompts["sample_ids"] < prompts["prompts"].distinct).any()):
+            distinct = prompts["prompts"].distinct
+            if distinct and not bool((prompts["sample_ids"] < distinct).any()):
                 continue  # (a rank past the held-out prompts decodes fillers to keep its
                 # collectives in step: loader.held_out_batches; they are not scored)
             per_reward.append(self._rewards(prompts, rows, per_prompt=1))

@@ -213,3 +213,18 @@ def test_the_trainers_rows_score_what_the_completion_aligned_layout_scores(setup
         apart.append(grpo_loss(lp, None, lp.detach() - 0.3, a[None], torch.ones(1, len(c)),
                                p)[0])
     torch.testing.assert_close(loss, torch.stack(apart).mean(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_rollout_is_reused_num_iterations_steps_and_a_resume_samples_afresh():
+    """Which steps read new prompts (the loop asks before reading; a stop signal takes
+    effect only before such a step): with num_iterations 3, steps 1, 4, 7; a run resumed
+    after step 3 (no rollout held) samples at step 4 as the uninterrupted one does, and
+    one resumed from a final checkpoint inside a rollout samples at once."""
+    from lmforge.models.grpo import GRPOParams
+    from lmforge.models.sampling import GREEDY
+    from lmforge.train.grpo import GRPO
+
+    objective = GRPO(GRPOParams(), [], 2, GREEDY, num_iterations=3)
+    assert objective.takes_new_batches(5)  # (nothing held yet: a resumed run)
+    objective._rollout = [{}]  # (what prepare keeps)
+    assert [s for s in range(1, 10) if objective.takes_new_batches(s)] == [1, 4, 7]
