@@ -8,7 +8,8 @@ matrices took 25 ms packed against 45 ms plain at one row, 23 ms against 70 ms a
 (docs/benchmarks.md, "Greedy decoding").
 
 ``packed_linears`` packs each plain ``nn.Linear``'s weight for the length of one decode and
-puts the plain forward back after. The packed copy is a snapshot: nothing may change the
+puts the plain forward back after; sibling projections of one input (q, k and v; gate and
+up) are packed as one matrix, one product the siblings take their columns of. The packed copy is a snapshot: nothing may change the
 weights while it lives, and nothing does (decoding runs under ``no_grad``; a training step
 comes between two rollouts, never during one). Only exact ``nn.Linear`` modules are packed
 (LoRA's and the quantized layers' forwards do more than a product), with fp32 weights on the
@@ -37,37 +38,85 @@ def packable(module: nn.Module) -> bool:
             and w.dtype == torch.float32)
 
 
+# sibling projections that read the same input: packed as one product (one larger matrix
+# is read faster than two or three smaller ones, and it is one call instead of several)
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
 @contextlib.contextmanager
 def packed_linears(model: nn.Module, rows: int, budget: int) -> Iterator[int]:
     """Pack ``model``'s packable linear layers for products of about ``rows`` rows (oneDNN's
     hint; any number of rows stays correct) while the block runs; yields how many were
     packed (0: none could be, or their copies would not fit in ``budget`` bytes)."""
-    modules = [m for m in model.modules() if packable(m)]
-    weights = {id(m.weight): m.weight for m in modules}  # (a tied head counts once)
-    if not modules or 2 * sum(w.numel() * 4 for w in weights.values()) > budget \
+    groups = _products(model)
+    modules = [m for g in groups for m in g]
+    weights = {id(m.weight): m.weight for m in modules}  # (one weight in two layers: once)
+    if not groups or 2 * sum(w.numel() * 4 for w in weights.values()) > budget \
             or not _available():
         yield 0
         return
-    packed: dict[int, torch.Tensor] = {}
     try:
-        for m in modules:
-            key = id(m.weight)
-            if key not in packed:
-                packed[key] = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(),
-                                                                      max(rows, 1))
-            m.forward = _packed_forward(packed[key], m.bias)
+        for group in groups:
+            _pack(group, rows)
         yield len(modules)
     finally:
         for m in modules:
             m.__dict__.pop("forward", None)
 
 
-def _packed_forward(weight: torch.Tensor, bias):
-    bias = None if bias is None else bias.detach()
+def _products(model: nn.Module) -> list[list[nn.Linear]]:
+    """The products to pack: each set of packable ``SIBLINGS`` of one module as one, every
+    other packable linear layer alone."""
+    groups, grouped = [], set()
+    for parent in model.modules():
+        for names in SIBLINGS:
+            kids = [getattr(parent, name, None) for name in names]
+            if all(packable(k) for k in kids) and len({k.in_features for k in kids}) == 1:
+                groups.append(kids)
+                grouped.update(id(k) for k in kids)
+    return groups + [[m] for m in model.modules() if packable(m) and id(m) not in grouped]
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return forward
+
+def _pack(group: list[nn.Linear], rows: int) -> None:
+    """Give each layer of ``group`` a forward over one packed product of all of them."""
+    weight = torch.cat([m.weight.detach() for m in group]) if len(group) > 1 \
+        else group[0].weight.detach()
+    bias = None
+    if any(m.bias is not None for m in group):
+        bias = torch.cat([m.bias.detach() if m.bias is not None
+                          else m.weight.new_zeros(m.out_features) for m in group])
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, max(rows, 1))
+    if len(group) == 1:
+        group[0].forward = lambda x: _product(x, packed, bias)
+        return
+    shared = _SharedProduct(packed, bias)
+    edges = [0]
+    for m in group:
+        edges.append(edges[-1] + m.out_features)
+    for m, lo, hi in zip(group, edges, edges[1:]):
+        m.forward = shared.part(lo, hi)
+
+
+class _SharedProduct:
+    """One packed product of sibling layers: the first sibling called with an input makes
+    the whole product, and a sibling called with that very tensor takes its columns of it
+    (a view). An input that is not the last one held (``is``, and the last one is held, so
+    its identity cannot be reused) makes a new product: correct whatever the call order."""
+
+    def __init__(self, packed: torch.Tensor, bias):
+        self.packed, self.bias = packed, bias
+        self.input, self.output = None, None
+
+    def part(self, lo: int, hi: int):
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if x is not self.input:
+                self.input, self.output = x, _product(x, self.packed, self.bias)
+            return self.output[..., lo:hi]
+        return forward
+
+
+def _product(x: torch.Tensor, packed: torch.Tensor, bias) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def _available() -> bool:

@@ -89,3 +89,21 @@ def test_generate_in_batches_packs_the_weights_once(monkeypatch):
     generate_in_batches(model, PROMPTS * 3, 4, batch_size=4)
     linears = sum(type(m) is nn.Linear for m in model.modules())
     assert packed == [linears, 0, 0, 0]  # (the batches find them packed already)
+
+
+def test_sibling_projections_share_one_product_and_give_each_its_own_columns():
+    model = _model(attention_bias=True)  # (q, k and v with biases, as Qwen2's)
+    attention = model.layers["0"].attention
+    with torch.no_grad():
+        for p in (attention.q_proj, attention.k_proj, attention.v_proj):
+            p.bias.normal_()
+    x = torch.randn(2, 3, attention.q_proj.in_features)
+    plain = [F.linear(x, p.weight, p.bias) for p in
+             (attention.q_proj, attention.k_proj, attention.v_proj)]
+    with packed_linears(model, 2, BIG):
+        k = attention.k_proj(x)  # (any order: the first call makes the whole product)
+        q, v = attention.q_proj(x), attention.v_proj(x)
+        assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
+        other = attention.v_proj(x.clone())  # (another tensor: a product of its own)
+    for got, want in zip((q, k, v, other), plain + [plain[2]]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
