@@ -60,7 +60,6 @@ class Completion:
 
 # ------------------------------------------------------------------------------ decoder
 
-@torch.no_grad()
 def generate(model: nn.Module, prompts: Sequence[Sequence[int]],
              max_new_tokens: Union[int, Sequence[int]], sampling: Sampling = GREEDY,
              stop_ids: Union[Sequence[int], Sequence[Sequence[int]]] = (),
@@ -92,7 +91,7 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]],
     was_training = model.training
     model.eval()
     try:
-        with _packed(model, rows, compile):
+        with _grad_off(model, compile), _packed(model, rows, compile):
             return _decode(model, prompts, limits, sampling, stops, seeds, compile,
                            sync_every, group)
     finally:
@@ -138,6 +137,15 @@ def _each_batch(model, prompts, limits, stops, order, batch_size, sampling, seed
         if progress is not None:
             progress(min(first + batch_size, n), n,
                      tokens / max(time.perf_counter() - began, 1e-9))
+
+
+def _grad_off(model: nn.Module, compile: bool):
+    """``inference_mode`` for the eager decode of a whole model: less bookkeeping per op
+    than ``no_grad`` (about 5% of a CPU step at batch 1), and nothing it makes leaves the
+    decoder but token ids and floats. ``no_grad`` for the compiled step and for a sharded
+    model, whose graphs and hooks (FSDP2's) are built and tested under it."""
+    sharded = any(isinstance(p, DTensor) for p in model.parameters())
+    return torch.no_grad() if compile or sharded else torch.inference_mode()
 
 
 def _packed(model: nn.Module, rows: int, compile: bool):
