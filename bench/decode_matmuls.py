@@ -23,11 +23,11 @@ SEPARATE = [(DIM, DIM), (KV, DIM), (KV, DIM), (DIM, DIM), (FFN, DIM), (FFN, DIM)
 GROUPED = [(DIM + 2 * KV, DIM), (DIM, DIM), (2 * FFN, DIM), (DIM, FFN)]
 
 
-def one_pass(rows: int, shapes, pack: bool):
+def one_pass(rows: int, shapes, pack: bool, layers: int = LAYERS):
     """A function running every layer's products and the head once, on ``rows`` rows."""
     g = torch.Generator().manual_seed(0)
     inputs = {n: torch.randn(rows, n, generator=g) for n in (DIM, FFN)}
-    weights = [torch.randn(o, i, generator=g) * 0.02 for _ in range(LAYERS) for o, i in shapes]
+    weights = [torch.randn(o, i, generator=g) * 0.02 for _ in range(layers) for o, i in shapes]
     weights.append(torch.randn(VOCAB, DIM, generator=g) * 0.02)
     sizes = [w.shape[1] for w in weights]
     if pack:
@@ -58,15 +58,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="1,8", help="rows per product, by commas")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--layers", type=int, default=LAYERS, help="fewer for a quick check")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     print(f"ms per pass, {a.threads} threads")
     print("| rows | F.linear, row-major | oneDNN, packed | packed, q/k/v and gate/up as one |")
     print("|---:|---:|---:|---:|")
     for rows in [int(r) for r in a.rows.split(",")]:
-        cells = [median_ms(one_pass(rows, SEPARATE, False)),
-                 median_ms(one_pass(rows, SEPARATE, True)),
-                 median_ms(one_pass(rows, GROUPED, True))]
+        cells = [median_ms(one_pass(rows, SEPARATE, False, a.layers)),
+                 median_ms(one_pass(rows, SEPARATE, True, a.layers)),
+                 median_ms(one_pass(rows, GROUPED, True, a.layers))]
         print(f"| {rows} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
     return 0
 
