@@ -89,29 +89,36 @@ def _pack(group: list[nn.Linear], rows: int) -> None:
     if len(group) == 1:
         group[0].forward = lambda x: _product(x, packed, bias)
         return
-    shared = _SharedProduct(packed, bias)
+    shared = _SharedProduct(packed, bias, len(group))
     edges = [0]
     for m in group:
         edges.append(edges[-1] + m.out_features)
-    for m, lo, hi in zip(group, edges, edges[1:]):
-        m.forward = shared.part(lo, hi)
+    for i, (m, lo, hi) in enumerate(zip(group, edges, edges[1:])):
+        m.forward = shared.part(i, lo, hi)
 
 
 class _SharedProduct:
     """One packed product of sibling layers: the first sibling called with an input makes
     the whole product, and a sibling called with that very tensor takes its columns of it
     (a view). An input that is not the last one held (``is``, and the last one is held, so
-    its identity cannot be reused) makes a new product: correct whatever the call order."""
+    its identity cannot be reused) makes a new product: correct whatever the call order.
+    Once every sibling has taken its columns the product is let go, so no layer holds its
+    last product (a prefill's is rows x prompt x the siblings' widths) past its use."""
 
-    def __init__(self, packed: torch.Tensor, bias):
-        self.packed, self.bias = packed, bias
-        self.input, self.output = None, None
+    def __init__(self, packed: torch.Tensor, bias, siblings: int):
+        self.packed, self.bias, self.siblings = packed, bias, siblings
+        self.input, self.output, self.taken = None, None, set()
 
-    def part(self, lo: int, hi: int):
+    def part(self, i: int, lo: int, hi: int):
         def forward(x: torch.Tensor) -> torch.Tensor:
             if x is not self.input:
                 self.input, self.output = x, _product(x, self.packed, self.bias)
-            return self.output[..., lo:hi]
+                self.taken = set()
+            out = self.output[..., lo:hi]
+            self.taken.add(i)
+            if len(self.taken) == self.siblings:
+                self.input, self.output = None, None
+            return out
         return forward
 
 

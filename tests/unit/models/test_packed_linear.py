@@ -107,3 +107,19 @@ def test_sibling_projections_share_one_product_and_give_each_its_own_columns():
         other = attention.v_proj(x.clone())  # (another tensor: a product of its own)
     for got, want in zip((q, k, v, other), plain + [plain[2]]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_shared_product_is_let_go_once_every_sibling_has_taken_its_columns():
+    from lmforge.perf.tracker import TensorMemoryTracker
+
+    model = _model()
+    attention = model.layers["0"].attention
+    x = torch.randn(4, 16, attention.q_proj.in_features)
+    with packed_linears(model, 4, BIG):
+        tracker = TensorMemoryTracker()
+        with tracker:
+            before = tracker.live
+            q, k, v = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
+            assert tracker.live > before
+            del q, k, v  # (the callers' views were the last references to the product)
+            assert tracker.live == before
