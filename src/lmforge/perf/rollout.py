@@ -14,7 +14,11 @@ state (gradients are freed by then):
   up projection, activation and their product (3 x ffn), in the weights' dtype (the
   rollout runs without autocast);
 - the logits of one position per row and the sampler's copies of them (log-softmax,
-  tempered probabilities, top-p's sorted values and their int64 order, the CDF).
+  tempered probabilities, top-p's sorted values and their int64 order, the CDF);
+- on the CPU, the packed copy of the plain fp32 linear weights the eager decoder reads
+  (``models/packed_linear.py``): every block projection and the head with full weights;
+  the head alone with LoRA (an adapted layer is not packed: counted as if every
+  projection were adapted); none when the model is sharded (tp, FSDP).
 The cache is freed before the step's forward, so the rollout is a phase of the step of
 its own: the estimate's peak is the larger of it and the training phases.
 """
@@ -25,6 +29,7 @@ import torch
 from lmforge.config import JobConfig
 from lmforge.models.common import KVCache
 from lmforge.perf.estimate_setup import DTYPE_BYTES, Setup
+from lmforge.perf.weights import model_parameters
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # fp32 (rows, vocab) tensors alive at once while a token is sampled (models/sampling.py):
@@ -60,9 +65,26 @@ def rollout_terms(setup: Setup) -> dict[str, float]:
     args, tp = setup.args, setup.layout.tp
     prefill = (PREFILL_DIMS * args.dim + PREFILL_FFNS * args.ffn_dim / tp) * DTYPE_BYTES[
         setup.cfg.train.param_dtype]
-    return {"rollout KV cache": rows * length * kv_cache_bytes_per_token(setup),
-            "rollout prefill (one block)": rows * prompt * prefill,
-            "rollout logits and sampling": rows * args.vocab_size / tp * 4 * SAMPLING_COPIES}
+    terms = {"rollout KV cache": rows * length * kv_cache_bytes_per_token(setup),
+             "rollout prefill (one block)": rows * prompt * prefill,
+             "rollout logits and sampling": rows * args.vocab_size / tp * 4 * SAMPLING_COPIES}
+    packed = packed_weight_bytes(setup)
+    if packed:
+        terms["rollout packed weights (CPU)"] = packed
+    return terms
+
+
+def packed_weight_bytes(setup: Setup) -> float:
+    """The eager CPU decoder's packed copy of the plain fp32 linear weights (see above)."""
+    if (setup.device != "cpu" or setup.cfg.train.param_dtype != "fp32"
+            or setup.layout.tp > 1 or setup.layout.fsdp_shard > 1):
+        return 0.0
+    args = setup.args
+    head = args.vocab_size * args.dim
+    if setup.lora is not None:
+        return 4.0 * head
+    embedding = 0 if args.tie_embeddings else head  # (the model's count has one of them)
+    return 4.0 * (model_parameters(args) - embedding)
 
 
 def describe_rollout(setup: Setup, terms: dict[str, float], total: float, peak_phase: str) -> str:

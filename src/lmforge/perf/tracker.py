@@ -33,13 +33,14 @@ class TensorMemoryTracker(TorchDispatchMode):
     def _register(self, t: torch.Tensor) -> None:
         if t.device.type == "meta":
             return
-        storage = t.untyped_storage()
-        key, nbytes = id(storage), storage.nbytes()
+        owner = _owner(t)
+        key = id(owner)
+        nbytes = owner.nbytes() if not t.is_mkldnn else t.numel() * t.element_size()
         old = self._sizes.get(key)
         if old is None:
             self._sizes[key] = nbytes
             self.live += nbytes
-            weakref.finalize(storage, self._free, key)
+            weakref.finalize(owner, self._free, key)
         elif old != nbytes:  # resized in place
             self._sizes[key] = nbytes
             self.live += nbytes - old
@@ -49,13 +50,19 @@ class TensorMemoryTracker(TorchDispatchMode):
         self.live -= self._sizes.pop(key, 0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        inputs = {id(t.untyped_storage()) for t in _tensors((args, kwargs))}
+        inputs = {id(_owner(t)) for t in _tensors((args, kwargs))}
         out = func(*args, **(kwargs or {}))
         for t in _tensors(out):
-            key = id(t.untyped_storage())
+            key = id(_owner(t))
             if key not in inputs or key in self._sizes:
                 self._register(t)
         return out
+
+
+def _owner(t: torch.Tensor):
+    """What holds ``t``'s bytes: its storage, or the tensor itself for an opaque one
+    (oneDNN's packed weights, ``models/packed_linear.py``, expose no storage)."""
+    return t if t.is_mkldnn else t.untyped_storage()
 
 
 def _tensors(tree) -> list[torch.Tensor]:
