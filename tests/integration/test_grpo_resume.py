@@ -20,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers.grpo_prompts import sum_records, write_prompts
 from helpers.preference_data import model_dir
 from helpers.runs import read_metrics
 
@@ -39,21 +40,11 @@ def kill_points() -> list[str]:
             + [f"save:{s}:0" for s in saves])
 
 
-def _records(n: int) -> list[dict]:
-    out = []
-    for i in range(n):
-        a, b = i % 5, (i * 3) % 7
-        prompt = f"What is {a} plus {b}?"
-        out.append({"prompt": prompt if i % 2 else [{"role": "user", "content": prompt}],
-                    "answer": str(a + b)})
-    return out
-
-
 @pytest.fixture(scope="module")
 def overrides(tmp_path_factory) -> list[str]:
     root = tmp_path_factory.mktemp("grpo-kill")
     data = root / "prompts.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in _records(24)))
+    write_prompts(data, sum_records(24))
     return [f"model.init_from={model_dir(root)}", "data.kind=prompts", f"data.path={data}",
             "data.seq_len=48", "data.micro_batch_size=2", "data.global_batch_size=4",
             "rl.num_generations=3", f"rl.max_completion_length={COMPLETION_TOKENS}",

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from helpers.grpo_prompts import VOWELS
+from helpers.grpo_prompts import VOWELS, sum_records, write_prompts
 from helpers.preference_data import model_dir
 from lmforge.config import load_config
 from lmforge.data.errors import DataError
@@ -24,22 +24,12 @@ ROLLOUT_METRICS = ("reward", "reward_std", "rewards/exact_answer/mean",
                    "time/generate_s", "time/score_s", "time/train_s")
 
 
-def _records(n: int) -> list[dict]:
-    out = []
-    for i in range(n):
-        a, b = i % 5, (i * 3) % 7
-        prompt = f"What is {a} plus {b}?"
-        out.append({"prompt": prompt if i % 2 else [{"role": "user", "content": prompt}],
-                    "answer": str(a + b), "id": i})
-    return out
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("grpo-train")
     model = model_dir(root)
     data = root / "prompts.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in _records(24)))
+    write_prompts(data, sum_records(24))
     return model, data
 
 
