@@ -80,14 +80,12 @@ LAYOUTS = {  # name: (processes, which one-process run, its keys, the layout)
     "tp2_no_sp_full": (2, "full", FULL, ["parallel.tp=2", "parallel.dp_shard=1",
                                          "parallel.sequence_parallel=false"]),
     "fsdp2_tp2_sp_full": (4, "full", FULL, ["parallel.tp=2", "parallel.dp_shard=2"]),
-    "tp2_sp_lora": (2, "lora", LORA, ["parallel.tp=2", "parallel.dp_shard=1",
-                                      "parallel.sequence_parallel=true"]),
 }
-# make test-long: the other data-parallel wrapper, tp without sp, 4 processes, LoRA under
-# tp and num_iterations 2 (make test holds FSDP2 full and LoRA, and tp + sp; num_iterations
-# 2 in one process: tests/unit/train/test_grpo_training.py)
-LONG = {"ddp_full", "tp2_no_sp_full", "fsdp2_tp2_sp_full", "fsdp2_num_iterations_2",
-        "tp2_sp_lora"}
+# make test-long: the other data-parallel wrapper, tp without sp, 4 processes and
+# num_iterations 2 (make test holds FSDP2 full and LoRA, and tp + sp; num_iterations 2 in
+# one process: tests/unit/train/test_grpo_training.py). LoRA under tp is refused for every
+# objective (parallel.tp), and QLoRA beyond one process.
+LONG = {"ddp_full", "tp2_no_sp_full", "fsdp2_tp2_sp_full", "fsdp2_num_iterations_2"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.long] if n in LONG
