@@ -9,9 +9,10 @@ demo: setup
 
 # A line per test file with the share done and the time taken so far (-v cancels the
 # -q of pyproject's addopts), then the ten slowest tests. The few runs marked long (minutes
-# each) wait for test-long, which CI runs too: make test stays within 15 minutes on a quiet 2-core machine.
+# each) wait for test-long, and the llama.cpp runs (deploy) for test-deploy, which CI runs
+# too: make test stays within 15 minutes on a quiet 2-core machine.
 test: setup
-	.venv/bin/python -m pytest -v --durations=10 -m "not long and not cluster" tests
+	.venv/bin/python -m pytest -v --durations=10 -m "not long and not cluster and not deploy" tests
 
 test-long: setup
 	.venv/bin/python -m pytest -v --durations=10 -m long tests

@@ -10,7 +10,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
-@pytest.mark.slow
+@pytest.mark.long  # (20-30 s: transformers and lmforge each load and decode twice)
 def test_the_decoding_bench_runs_both_sides_and_they_agree(tmp_path):
     out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, str(BENCH / "generate.py"), "--layers", "2",

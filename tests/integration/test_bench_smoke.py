@@ -45,7 +45,7 @@ def _load_bench():
     return module
 
 
-@pytest.mark.parametrize("side", ["lmforge", "reference"])
+@pytest.mark.parametrize("side", ["lmforge", pytest.param("reference", marks=pytest.mark.long)])
 def test_each_side_times_the_largest_listed_micro_batch_that_fits(side, monkeypatch):
     bench = _load_bench()
     real, tried = bench.timed_steps, []
@@ -72,7 +72,7 @@ def test_bad_micro_batch_lists_are_refused_by_the_bench(text):
         _load_bench().parse_args(["--batch", text])
 
 
-@pytest.mark.slow
+@pytest.mark.long  # (a whole-model compile on the CPU)
 def test_the_compile_and_adamw_options_to_measure_run_on_lmforges_side_alone(tmp_path):
     out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, str(BENCH), "--preset", "debug", "--device", "cpu",

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ROWS = ["qlora", "int8-b1", "int8-b4", "int8-b7", "full-low-memory"]
 
 
-@pytest.mark.slow
+@pytest.mark.long  # (50 s: every row's both sides on the debug preset)
 def test_seven_b_writes_one_line_per_row_with_both_sides(tmp_path):
     out = tmp_path / "rows.jsonl"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "seven_b.py"), "--tiny",
