@@ -1,0 +1,147 @@
+"""Issue 40's GPU measurements as one script: every prepared call of docs/benchmarks.md
+("Prepared, not yet measured"), most telling first, each in its own process, as many as
+fit the time given; the rest wait for the next GPU.
+
+    python3 bench/speed_gpu.py --out $OUT --budget-s 540            # on the GPU machine
+    python3 bench/speed_gpu.py --out $OUT --done OLD/speed_gpu.jsonl # skip what ran before
+    python3 bench/speed_gpu.py --dry-run                               # the plan, no run
+
+A step starts only if its expected seconds fit what is left of the budget; it is stopped
+at the budget's end. Each step's output goes to ``OUT/<step>.log`` and one JSON line per
+step to ``OUT/speed_gpu.jsonl`` as it ends (name, exit status, seconds, the command), so a
+call cut short keeps what it measured. The 7B rows' reference needs bitsandbytes: a wheel
+under ``.whl/`` is installed into a private folder first (docs/benchmarks.md).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = "bench"
+ONE_B = ["--preset", "llama3.2-1b", "--compile", "--fused-loss"]
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    argv: tuple  # after the python executable, from the repository root
+    expect_s: int  # what it should take on an H100/H200 (compiles included)
+    bitsandbytes: bool = False
+
+
+def steps(out: str) -> list[Step]:
+    """The calls, most telling first (issue 40's "done when" order)."""
+    train_step = (f"{BENCH}/train_step.py",)
+    seven_b = (f"{BENCH}/seven_b.py", "--out", f"{out}/seven_b.jsonl")
+    return [
+        Step("headline-2048", train_step + (*ONE_B, "--seq-len", "2048", "--batch",
+             "16,8,4,2,1", "--reference-compile", "--steps", "6", "--warmup", "2",
+             "--json", f"{out}/headline-2048.json"), 240),
+        Step("profile-and-auto", (f"{BENCH}/gpu_check.py", "--only", "profile", "micro_batch",
+             "--no-benches", "--out", "/tmp/gc", "--report-dir", f"{out}/gpu_check",
+             "--budget-s", "300"), 300),
+        Step("fused-loss", (f"{BENCH}/loss_heads.py", "steps", "--json",
+             f"{out}/loss_heads.json"), 240),
+        Step("headline-8192", train_step + (*ONE_B, "--seq-len", "8192", "--batch", "4,2,1",
+             "--reference-compile", "--steps", "4", "--warmup", "2",
+             "--json", f"{out}/headline-8192.json"), 240),
+        *[Step(f"compile-{tag}", train_step + (*ONE_B[:2], "--seq-len", "2048", "--batch",
+               "8", "--fused-loss", "--lmforge-only", "--steps", "6", "--warmup", "2",
+               *flags, "--json", f"{out}/compile-{tag}.json"), 120)
+          for tag, flags in (("blocks", ("--compile",)), ("whole", ("--compile-whole",)),
+                             ("foreach-adamw", ("--compile", "--adamw", "foreach")))],
+        Step("7b-qlora", seven_b + ("--rows", "qlora"), 300, bitsandbytes=True),
+        Step("7b-int8-b1-b4", seven_b + ("--rows", "int8-b1", "int8-b4", "--budget-s", "300"),
+             330, bitsandbytes=True),
+        Step("7b-int8-b7", seven_b + ("--rows", "int8-b7"), 240, bitsandbytes=True),
+        Step("7b-full-low-memory", seven_b + ("--rows", "full-low-memory"), 300),
+    ]
+
+
+def runnable(plan: list[Step], done: set[str], budget_s: float) -> list[Step]:
+    """The steps not done before, in order, each as long as the ones before it leave time
+    for its expected seconds (a later, shorter one may still fit)."""
+    chosen, left = [], budget_s
+    for step in plan:
+        if step.name in done or step.expect_s > left:
+            continue
+        chosen.append(step)
+        left -= step.expect_s
+    return chosen
+
+
+def done_before(path) -> set[str]:
+    """Names of the steps that ended with status 0 in an earlier call's speed_gpu.jsonl."""
+    if not path or not Path(path).is_file():
+        return set()
+    lines = (json.loads(line) for line in Path(path).read_text().splitlines() if line.strip())
+    return {r["name"] for r in lines if r.get("rc") == 0}
+
+
+def bitsandbytes_env() -> dict:
+    """The environment for a step that needs bitsandbytes: its wheel from ``.whl/``
+    installed into a private folder on PYTHONPATH (nothing if it is importable already)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
+        str(ROOT / "src"), os.environ.get("PYTHONPATH")])))
+    wheels = sorted((ROOT / ".whl").glob("bitsandbytes*.whl"))
+    if wheels:
+        target = "/tmp/speed_gpu_site"
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index",
+                        "--no-deps", "--target", target, *map(str, wheels)], check=False)
+        env["PYTHONPATH"] = os.pathsep.join([target, env["PYTHONPATH"]])
+    return env
+
+
+def run(step: Step, out: Path, seconds_left: float) -> dict:
+    env = bitsandbytes_env() if step.bitsandbytes else dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"),
+                                                             os.environ.get("PYTHONPATH")])))
+    argv = [sys.executable, *step.argv]
+    began = time.perf_counter()
+    with open(out / f"{step.name}.log", "w") as log:
+        try:
+            rc = subprocess.run(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                timeout=max(1.0, seconds_left)).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    return {"name": step.name, "rc": rc, "seconds": round(time.perf_counter() - began, 1),
+            "command": " ".join(step.argv)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=os.environ.get("OUT", "speed_gpu_out"))
+    p.add_argument("--budget-s", type=float, default=540.0,
+                   help="seconds for every step together (a device call allows 600)")
+    p.add_argument("--done", help="an earlier call's speed_gpu.jsonl: skip its finished steps")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and stop")
+    a = p.parse_args(argv)
+    out = Path(a.out)
+    plan = runnable(steps(str(out)), done_before(a.done), a.budget_s)
+    for step in plan:
+        print(f"{step.name:<22} ~{step.expect_s:>4} s  python3 {' '.join(step.argv)}")
+    if a.dry_run:
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + a.budget_s
+    for step in plan:
+        left = deadline - time.monotonic()
+        if left < step.expect_s:
+            print(f"{step.name}: skipped, {left:.0f} s left of the budget", flush=True)
+            continue
+        row = run(step, out, left)
+        with open(out / "speed_gpu.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
