@@ -39,7 +39,7 @@ from lmforge.models.attention import DecodeMask
 from lmforge.models.common import KVCache, new_caches
 from lmforge.models.decode_parallel import (all_done, group_max, sequence_shards,
                                             sharded_step)
-from lmforge.models.packed_linear import packed_linears
+from lmforge.models.packed_linear import compiled, packed_linears
 from lmforge.models.sampling import (GREEDY, Sampling, Uniforms, check_sampling,  # noqa: F401
                                     sample)
 
@@ -142,10 +142,13 @@ def _each_batch(model, prompts, limits, stops, order, batch_size, sampling, seed
 def _grad_off(model: nn.Module, compile: bool):
     """``inference_mode`` for the eager decode of a whole model: less bookkeeping per op
     than ``no_grad`` (about 5% of a CPU step at batch 1), and nothing it makes leaves the
-    decoder but token ids and floats. ``no_grad`` for the compiled step and for a sharded
-    model, whose graphs and hooks (FSDP2's) are built and tested under it."""
+    decoder but token ids and floats. ``no_grad`` for the compiled step, a model with
+    compiled parts and a sharded one, whose graphs and hooks (FSDP2's) are built and tested
+    under it."""
     sharded = any(isinstance(p, DTensor) for p in model.parameters())
-    return torch.no_grad() if compile or sharded else torch.inference_mode()
+    if compile or sharded or compiled(model):  # (train.compile's blocks: traced under no_grad)
+        return torch.no_grad()
+    return torch.inference_mode()
 
 
 def _packed(model: nn.Module, rows: int, compile: bool):

@@ -13,7 +13,8 @@ up) are packed as one matrix, one product the siblings take their columns of. Th
 weights while it lives, and nothing does (decoding runs under ``no_grad``; a training step
 comes between two rollouts, never during one). Only exact ``nn.Linear`` modules are packed
 (LoRA's and the quantized layers' forwards do more than a product), with fp32 weights on the
-CPU that are not sharded (a DTensor's local shard is not the whole matrix); the copy
+CPU that are not sharded (a DTensor's local shard is not the whole matrix), in a model no
+part of which is compiled (the compiler cannot trace a packed tensor); the copy
 doubles those weights' memory while it lives, so it is skipped when ``budget`` bytes cannot
 hold it. Anything not packed decodes exactly as before. The packed product sums in another
 order than MKL's: results differ from the plain forward's in the last bits (about 1e-6
@@ -48,7 +49,7 @@ def packed_linears(model: nn.Module, rows: int, budget: int) -> Iterator[int]:
     """Pack ``model``'s packable linear layers for products of about ``rows`` rows (oneDNN's
     hint; any number of rows stays correct) while the block runs; yields how many were
     packed (0: none could be, or their copies would not fit in ``budget`` bytes)."""
-    groups = _products(model)
+    groups = [] if compiled(model) else _products(model)
     modules = [m for g in groups for m in g]
     weights = {id(m.weight): m.weight for m in modules}  # (one weight in two layers: once)
     if not groups or 2 * sum(w.numel() * 4 for w in weights.values()) > budget \
@@ -62,6 +63,14 @@ def packed_linears(model: nn.Module, rows: int, budget: int) -> Iterator[int]:
     finally:
         for m in modules:
             m.__dict__.pop("forward", None)
+
+
+def compiled(model: nn.Module) -> bool:
+    """Whether ``torch.compile`` runs any part of ``model`` (``train.compile`` compiles each
+    block): a compiled module traces its layers' forwards, and cannot trace a packed one."""
+    return any(getattr(m, "_compiled_call_impl", None) is not None
+               or isinstance(m, torch._dynamo.eval_frame.OptimizedModule)
+               for m in model.modules())
 
 
 def _products(model: nn.Module) -> list[list[nn.Linear]]:

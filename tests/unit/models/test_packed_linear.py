@@ -123,3 +123,11 @@ def test_a_shared_product_is_let_go_once_every_sibling_has_taken_its_columns():
             assert tracker.live > before
             del q, k, v  # (the callers' views were the last references to the product)
             assert tracker.live == before
+
+
+def test_a_model_with_compiled_blocks_is_not_packed():
+    model = _model()
+    model.layers["1"].compile()  # (as train.compile does; nothing compiles until called)
+    with packed_linears(model, 1, BIG) as packed:
+        assert packed == 0  # (the compiler cannot trace a packed weight)
+        assert not any("forward" in m.__dict__ for m in model.modules())
