@@ -104,7 +104,7 @@ def _run(job: Job, rt: Runtime) -> dict:
 def _run_in(job: Job, rt: Runtime, out_dir: Path, claim: Optional[RunClaim]) -> dict:
     """Set-up, then (once nothing is left to refuse: ``start_run``) the run."""
     cfg = job.config
-    tokenizer = prepare_tokenizer(cfg, out_dir, rt)
+    tokenizer = prepare_tokenizer(cfg, out_dir, rt, claim)
     job = job.with_tokenizer(tokenizer.vocab_size)
     args = job.args
     say(rt, f"data: reading and tokenizing {data_source(cfg)}")

@@ -98,7 +98,7 @@ class RunClaim:
         clean_stale_tmp(self.run_dir / CHECKPOINTS)  # what crashed saves left, before any
         self.set_aside = {}
         for entry in self.run_dir.iterdir():  # also what a killed overwrite left aside
-            if fsio.set_aside_original(entry.name) in RUN_OUTPUTS:
+            if fsio.set_aside_original(entry.name) in (*RUN_OUTPUTS, TOKENIZER_DIR):
                 _remove(entry)
 
     def undo(self) -> None:

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from lmforge import fsio
 from lmforge.checkpoint import (CheckpointError, checkpoint_step, is_complete,
                                 list_checkpoints, resolve_resume, resume_is_auto)
 from lmforge.config import ConfigError, JobConfig, resolve_device
@@ -120,8 +121,11 @@ def check_resume_path(resume: Optional[str], root: Path) -> None:
             f"away, or resume into another train.output_dir")
 
 
-def prepare_tokenizer(cfg: JobConfig, out_dir: Path, rt: Runtime) -> Tokenizer:
-    """The model's tokenizer, or one trained on the corpus (and saved in the run dir)."""
+def prepare_tokenizer(cfg: JobConfig, out_dir: Path, rt: Runtime,
+                      claim: Optional[RunClaim] = None) -> Tokenizer:
+    """The model's tokenizer, or one trained on the corpus (and saved in the run dir). An
+    earlier run's ``tokenizer/`` is set aside with the claim, not overwritten: put back if
+    the run is refused before it starts, deleted once it starts."""
     source = cfg.model.tokenizer or cfg.model.init_from
     if source:
         return load_tokenizer(source)
@@ -129,7 +133,10 @@ def prepare_tokenizer(cfg: JobConfig, out_dir: Path, rt: Runtime) -> Tokenizer:
     if rt.is_logging_rank and resumed_tokenizer(cfg) is None:  # one rank trains it
         say(rt, f"tokenizer: training a {cfg.data.tokenizer_vocab_size}-token BPE "
                  f"tokenizer on {data_source(cfg)}, saved in {saved}")
-        train_corpus_tokenizer(cfg).save(saved)
+        tokenizer = train_corpus_tokenizer(cfg)
+        if claim is not None and os.path.lexists(saved):
+            claim.set_aside[TOKENIZER_DIR] = fsio.set_aside(saved, "deleting")
+        tokenizer.save(saved)
     barrier(rt)
     return load_tokenizer(saved)
 

@@ -170,3 +170,45 @@ def test_resuming_an_older_checkpoint_beside_later_ones_is_refused(tmp_path,
     with pytest.raises(ConfigError, match=r"step-0000020 is older than step-0000050"):
         train_without_set_up(cfg)
     assert (tmp_path / "checkpoints" / "step-0000050" / "__0_0.distcp").is_file()
+
+
+def _train_own_tokenizer(tmp_path, run_dir, monkeypatch, refuse: bool):
+    """A run that trains its tokenizer on the corpus into a run directory holding an
+    earlier run's tokenizer/; ``refuse``: refused right after the tokenizer."""
+    from helpers.tiny_models import tiny_model_overrides
+    from lmforge.config import load_config
+    from lmforge.train import loop
+
+    (tmp_path / "corpus.txt").write_text("\n".join(f"alpha beta {i} gamma delta tensor"
+                                                   for i in range(200)))
+    cfg = load_config(None, [*tiny_model_overrides(n_layers=1, vocab_size=300), "data.kind=text",
+                             f"data.path={tmp_path / 'corpus.txt'}",
+                             "data.tokenizer_vocab_size=280", "data.eval_fraction=0",
+                             "data.seq_len=16", "data.micro_batch_size=2",
+                             "train.max_steps=1", "train.sample_prompt=null",
+                             "train.device=cpu", f"train.output_dir={run_dir}"])
+    if refuse:
+        def refused(*args, **kwargs):
+            raise ConfigError("data.path: refused (test)")
+        monkeypatch.setattr(loop, "build_data", refused)
+    return loop.train(cfg)
+
+
+def test_a_refused_run_puts_back_the_tokenizer_it_would_have_retrained(tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    (run_dir / "tokenizer").mkdir(parents=True)
+    (run_dir / "tokenizer" / "tokenizer.json").write_text('{"an earlier run": 1}')
+    before = _tree(run_dir)
+    with pytest.raises(ConfigError, match="refused"):
+        _train_own_tokenizer(tmp_path, run_dir, monkeypatch, refuse=True)
+    assert _tree(run_dir) == before
+
+
+def test_a_run_that_starts_replaces_the_earlier_tokenizer_and_keeps_no_copy(tmp_path,
+                                                                            monkeypatch):
+    run_dir = tmp_path / "run"
+    (run_dir / "tokenizer").mkdir(parents=True)
+    (run_dir / "tokenizer" / "tokenizer.json").write_text('{"an earlier run": 1}')
+    _train_own_tokenizer(tmp_path, run_dir, monkeypatch, refuse=False)
+    assert (run_dir / "tokenizer" / "tokenizer.json").read_text() != '{"an earlier run": 1}'
+    assert not [p for p in run_dir.iterdir() if p.name.startswith(".tokenizer.")]
