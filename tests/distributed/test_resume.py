@@ -12,19 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers.runs import read_metrics, run_lmforge, tiny_overrides
+from helpers.runs import read_metrics, run_lmforge, tiny_overrides, weights_digest
 from helpers.hf_models import load_reference
 
 pytestmark = pytest.mark.slow
-
-
-def _weights_digest(out) -> str:
-    sd = load_file(out / "hf" / "model.safetensors")
-    h = hashlib.sha256()
-    for key in sorted(sd):
-        h.update(key.encode())
-        h.update(sd[key].contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 @pytest.mark.parametrize("nproc, layout", [(1, []), (2, ["parallel.dp_shard=2"])],
@@ -41,7 +32,7 @@ def test_resume_is_bit_exact(tiny_corpus, tmp_path, nproc, layout):
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
     assert [r["sample_ids"] for r in a] == [r["sample_ids"] for r in b]
-    assert _weights_digest(straight) == _weights_digest(split)
+    assert weights_digest(straight) == weights_digest(split)
 
 
 def test_sigkill_during_checkpoint_write_keeps_the_previous_one(tiny_corpus, tmp_path):

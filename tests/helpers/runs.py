@@ -107,3 +107,19 @@ def free_port() -> int:
 
 def read_metrics(out) -> list[dict]:
     return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights_digest(out: Path) -> str:
+    """A run's exported weights (``out/hf/model.safetensors``) as one SHA-256: the tensors'
+    names and bytes, in name order."""
+    import hashlib
+
+    import torch
+    from safetensors.torch import load_file
+
+    sd = load_file(out / "hf" / "model.safetensors")
+    h = hashlib.sha256()
+    for key in sorted(sd):
+        h.update(key.encode())
+        h.update(sd[key].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

@@ -8,7 +8,6 @@ step's update, and the middle of a checkpoint's write; the assertion messages na
 and ``LMFORGE_TEST_KILL=WHERE:STEP:N`` replays it."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -17,12 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from helpers.grpo_prompts import sum_records, write_prompts
 from helpers.preference_data import model_dir
-from helpers.runs import read_metrics
+from helpers.runs import read_metrics, weights_digest
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).parents[1] / "helpers" / "grpo_kill_worker.py"
@@ -78,15 +75,6 @@ def _completions(out: Path) -> dict:
     return seen
 
 
-def _weights_digest(out: Path) -> str:
-    sd = load_file(out / "hf" / "model.safetensors")
-    h = hashlib.sha256()
-    for key in sorted(sd):
-        h.update(key.encode())
-        h.update(sd[key].contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
 def _run_values(record: dict) -> dict:
     return {k: v for k, v in record.items() if not any(m in k for m in MACHINE)}
 
@@ -119,7 +107,7 @@ def test_a_grpo_run_killed_at_a_random_point_resumes_to_the_uninterrupted_run(
     assert set(got) == set(expected), where
     for key in expected:
         assert got[key] == expected[key], f"{where}: the completions of step {key[0]} differ"
-    assert _weights_digest(out) == _weights_digest(uninterrupted), where
+    assert weights_digest(out) == weights_digest(uninterrupted), where
 
 
 def test_every_kill_point_is_a_point_of_the_run():
