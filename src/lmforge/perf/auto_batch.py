@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 from lmforge.config import (AUTO, ConfigError, JobConfig, resolve_device, resolve_layout,
                             set_field)
 from lmforge.job import Job, resolve
 from lmforge.perf.budget import Budget, changes, device_budget, one_of
-from lmforge.perf.estimate import GiB, estimate_memory
+from lmforge.perf.estimate import GiB, estimate_memory, largest_fitting
 from lmforge.perf.estimate_setup import setup_from_config
 from lmforge.perf.layout_search import (MEMORY_MARGIN, PlanResult, budget_gib, divisors,
                                         evaluate, layouts, plan_args, with_keys)
@@ -57,17 +57,6 @@ def with_micro_batch(cfg: JobConfig, size) -> JobConfig:
     out = copy.deepcopy(cfg)
     set_field(out, KEY, size)
     return out
-
-
-def largest_fitting(candidates: list[int], fits: Callable[[int], bool]) -> Optional[int]:
-    """The largest of ``candidates`` (ascending) that ``fits``, None if none does; ``fits``
-    must hold for every candidate below one it holds for (the estimate grows with the
-    micro-batch), so a binary search suffices."""
-    lo, hi = -1, len(candidates)  # candidates[lo] fits, candidates[hi] does not
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(candidates[mid]) else (lo, mid)
-    return candidates[lo] if lo >= 0 else None
 
 
 def micro_batch_choices(cfg: JobConfig, dp: int) -> list[int]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 from lmforge.perf.activations import (Activations, StageActivations, activation_model,
                                       loss_chunk_tokens, stage_activations)
@@ -315,16 +315,18 @@ def max_micro_batch(setup: Setup, device_memory_gib: float, limit: int = 1 << 16
         trial = dataclasses.replace(setup, micro_batch_override=b)
         return estimate_memory(trial).total_bytes <= budget
 
-    if not fits(1):
-        return 0
-    lo, hi = 1, 2
-    while hi <= limit and fits(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, limit + 1)
+    return largest_fitting(range(1, limit + 1), fits) or 0
+
+
+def largest_fitting(candidates: Sequence[int], fits: Callable[[int], bool]) -> Optional[int]:
+    """The largest of ``candidates`` (ascending) that ``fits``, None if none does; ``fits``
+    must hold for every candidate below one it holds for (the estimate grows with the
+    micro-batch), so a binary search suffices."""
+    lo, hi = -1, len(candidates)  # candidates[lo] fits, candidates[hi] does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+        lo, hi = (mid, hi) if fits(candidates[mid]) else (lo, mid)
+    return candidates[lo] if lo >= 0 else None
 
 
 def format_table(est: MemoryEstimate, device_memory_gib: Optional[float] = None,
