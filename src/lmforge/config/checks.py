@@ -41,14 +41,12 @@ def validate(cfg: "JobConfig", world_size: int = 1, distributed: Optional[bool] 
     if cfg.lora.quantize and distributed:
         raise ConfigError("lora.quantize: quantized (QLoRA) bases train in one plain process "
                           "(no FSDP2)")
-    if cfg.train.loss_chunk_tokens and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
-        # tp: the vocab-parallel loss already splits the logits tp ways; pp: the last
-        # stage's schedule owns the loss
-        raise ConfigError("train.loss_chunk_tokens: supported with data parallelism / FSDP "
-                          "only (set it to 0 with parallel.tp > 1 or parallel.pp > 1)")
-    if cfg.train.fused_loss and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
-        raise ConfigError("train.fused_loss: supported with data parallelism / FSDP only "
-                          "(set it to false with parallel.tp > 1 or parallel.pp > 1)")
+    for name, off in (("loss_chunk_tokens", "0"), ("fused_loss", "false")):
+        # the head run in chunks: tp's vocab-parallel loss already splits the logits tp
+        # ways; pp: the last stage's schedule owns the loss
+        if getattr(cfg.train, name) and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
+            raise ConfigError(f"train.{name}: supported with data parallelism / FSDP only "
+                              f"(set it to {off} with parallel.tp > 1 or parallel.pp > 1)")
 
 
 def _check_each_key(cfg: "JobConfig") -> None:
