@@ -23,6 +23,7 @@ relative), as any change of kernel or batch shape makes them.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Iterator
 
 import torch
@@ -51,8 +52,7 @@ def packed_linears(model: nn.Module, rows: int, budget: int) -> Iterator[int]:
     packed (0: none could be, or their copies would not fit in ``budget`` bytes)."""
     groups = [] if compiled(model) else _products(model)
     modules = [m for g in groups for m in g]
-    weights = {id(m.weight): m.weight for m in modules}  # (one weight in two layers: once)
-    if not groups or 2 * sum(w.numel() * 4 for w in weights.values()) > budget \
+    if not groups or 2 * sum(m.weight.numel() * 4 for m in modules) > budget \
             or not _available():
         yield 0
         return
@@ -135,20 +135,13 @@ def _product(x: torch.Tensor, packed: torch.Tensor, bias) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+@functools.cache
 def _available() -> bool:
     """oneDNN is built in and packs on this CPU (checked once, on a tiny matrix)."""
-    if not _CHECKED:
-        ok = torch.backends.mkldnn.is_available()
-        if ok:
-            try:
-                w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(4, 4), 1)
-                y = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 4), w, None, "none",
-                                                       [], "")
-                ok = bool((y == 4).all())
-            except (RuntimeError, AttributeError):
-                ok = False
-        _CHECKED.append(ok)
-    return _CHECKED[0]
-
-
-_CHECKED: list = []
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        return bool((_product(torch.ones(1, 4), torch.ops.mkldnn._reorder_linear_weight(
+            torch.ones(4, 4), 1), None) == 4).all())
+    except (RuntimeError, AttributeError):
+        return False
