@@ -22,6 +22,8 @@ AUTO = "auto"  # data.micro_batch_size's word for "the largest that fits" (perf/
 class IntOrAuto:
     """A key's type: an integer, or the word ``auto`` (a number once the run sizes it);
     ``loading`` coerces to it, never to a string that merely starts with auto."""
+
+
 # Each preference setting and the objectives whose loss reads it (models/preference.py):
 # set on another objective it would change nothing, so it is refused (checks.py).
 OBJECTIVE_KEYS = {"train.beta": ("dpo", "ipo", "simpo"),

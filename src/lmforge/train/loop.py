@@ -81,8 +81,8 @@ def check_job(cfg: JobConfig, env: DistEnv) -> Job:
     check_trackers(cfg.metrics)  # a required tracker's server: before the run dir
     check_data(cfg)  # last: it may read a whole text corpus
     if env.rank == 0:  # once every check passed: a refusal stays one line
-        for line in [sized] if sized else []:
-            print(line, flush=True)
+        if sized:
+            print(sized, flush=True)
         for line in changes:
             print(line, file=sys.stderr, flush=True)
     return job
