@@ -372,13 +372,12 @@ def label_logps(logits: torch.Tensor, labels: torch.Tensor,
     logp_all = F.log_softmax(logits.float() / temperature, dim=-1)
     keep = labels != IGNORE_INDEX
     entropy = -(logp_all.exp() * logp_all).sum(-1)
-    if isinstance(logp_all, DTensor):  # tensor parallelism: the vocabulary sharded, under
-        # loss_parallel (which takes a plain target, as the other objectives' losses do)
-        logps = -F.nll_loss(logp_all.flatten(0, -2), labels.flatten(),
-                            ignore_index=IGNORE_INDEX, reduction="none").view(labels.shape)
+    # (nll_loss picks each label's value: also from a vocabulary sharded by tensor
+    # parallelism, under loss_parallel, with a plain target as the other objectives' losses)
+    logps = -F.nll_loss(logp_all.flatten(0, -2), labels.flatten(),
+                        ignore_index=IGNORE_INDEX, reduction="none").view(labels.shape)
+    if isinstance(logp_all, DTensor):
         logps, entropy = logps.full_tensor(), entropy.full_tensor()
-    else:
-        logps = logp_all.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     return logps * keep, entropy * keep
 
 
