@@ -85,24 +85,22 @@ def done_before(path) -> set[str]:
     return {r["name"] for r in lines if r.get("rc") == 0}
 
 
-def bitsandbytes_env() -> dict:
-    """The environment for a step that needs bitsandbytes: its wheel from ``.whl/``
-    installed into a private folder on PYTHONPATH (nothing if it is importable already)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
-        str(ROOT / "src"), os.environ.get("PYTHONPATH")])))
-    wheels = sorted((ROOT / ".whl").glob("bitsandbytes*.whl"))
+def step_env(bitsandbytes: bool) -> dict:
+    """The environment of a step: lmforge's sources on PYTHONPATH, and for a step that
+    needs bitsandbytes its wheel from ``.whl/`` installed into a private folder first
+    (nothing if there is none: it may be importable already)."""
+    path = [str(ROOT / "src"), os.environ.get("PYTHONPATH")]
+    wheels = sorted((ROOT / ".whl").glob("bitsandbytes*.whl")) if bitsandbytes else []
     if wheels:
         target = "/tmp/speed_gpu_site"
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index",
                         "--no-deps", "--target", target, *map(str, wheels)], check=False)
-        env["PYTHONPATH"] = os.pathsep.join([target, env["PYTHONPATH"]])
-    return env
+        path.insert(0, target)
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)))
 
 
 def run(step: Step, out: Path, seconds_left: float) -> dict:
-    env = bitsandbytes_env() if step.bitsandbytes else dict(
-        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"),
-                                                             os.environ.get("PYTHONPATH")])))
+    env = step_env(step.bitsandbytes)
     argv = [sys.executable, *step.argv]
     began = time.perf_counter()
     with open(out / f"{step.name}.log", "w") as log:
