@@ -117,7 +117,7 @@ def generate_in_batches(model: nn.Module, prompts: Sequence[Sequence[int]],
     order = sorted(range(n), key=lambda i: -len(prompts[i]))
     out: list[Optional[Completion]] = [None] * n
     began = time.perf_counter()
-    with torch.no_grad(), _packed(model, min(batch_size, n), compile):  # (once, not per batch)
+    with _packed(model, min(batch_size, n), compile):  # (once, not per batch)
         _each_batch(model, prompts, limits, stops, order, batch_size, sampling, seed, compile,
                     out, progress, began)
     return out
