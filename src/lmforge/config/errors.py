@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import reprlib
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -23,7 +24,10 @@ class _Short(reprlib.Repr):
         self.maxlist = self.maxtuple = self.maxdict = self.maxset = 4
 
     def repr_int(self, x: int, level: int) -> str:
-        text = repr(x)  # (YAML gives no int over Python's 4300-digit limit for repr)
+        try:
+            text = repr(x)
+        except ValueError:  # over Python's int-to-str limit (4300 digits): a user's code
+            return f"an integer of more than {sys.get_int_max_str_digits()} digits"
         return text if len(text) <= self.maxother else f"an integer of {len(text)} digits"
 
 

@@ -42,12 +42,13 @@ STD_EPS = 1e-4  # added to the reward std (TRL's)
 @dataclass(frozen=True)
 class GRPOParams:
     """rl.beta, rl.epsilon, rl.epsilon_high (None: rl.epsilon), rl.loss_type,
-    rl.max_completion_length (dr_grpo's constant)."""
+    rl.max_completion_length (dr_grpo's constant), rl.mask_truncated_completions."""
     beta: float = 0.0
     epsilon: float = 0.2
     epsilon_high: Optional[float] = None
     loss_type: str = "dapo"
     max_completion_length: int = 256
+    mask_truncated_completions: bool = False
 
     @property
     def eps_high(self) -> float:
@@ -107,9 +108,14 @@ def completion_mask(lengths: torch.Tensor, width: int, truncated: torch.Tensor,
     with rl.mask_truncated_completions a completion cut at the length limit (``truncated``:
     no end token) counts for nothing."""
     mask = (torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]).float()
-    if mask_truncated:
-        mask = mask * (~truncated).float()[:, None]
-    return mask
+    return without_truncated(mask, truncated) if mask_truncated else mask
+
+
+def without_truncated(mask: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
+    """``mask`` (rows, width) with the rows of the completions cut at the length limit
+    (``truncated``, (rows,) bool: no end token) zeroed, as TRL's
+    mask_truncated_completions: they add nothing to the loss or the token metrics."""
+    return mask * (~truncated.to(mask.device)).to(mask.dtype)[:, None]
 
 
 # ---------------------------------------------------------------- the loss

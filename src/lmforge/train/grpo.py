@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor
 from lmforge import IGNORE_INDEX
 from lmforge.models.generate import generate
 from lmforge.models.grpo import (GRPOParams, group_advantages, loss_sum, per_token_loss,
-                                 units)
+                                 units, without_truncated)
 from lmforge.models.loss import fused_head, fused_label_logps, model_inputs
 from lmforge.models.sampling import GREEDY, Sampling
 from lmforge.peft.lora import adapters_disabled
@@ -119,7 +119,8 @@ class GRPO:
         local = torch.cat([weighted_sum(per_reward, self._weights())[:, None], per_reward,
                            _lengths(rollouts)], dim=1).double()
         table = _gather_rows(local, group, device)
-        advantages, zero_std = group_advantages(table[:, 0].float(), self.num_generations,
+        # (float64, as the rewards were summed: a reward of 1e39 is a number, not inf)
+        advantages, zero_std = group_advantages(table[:, 0], self.num_generations,
                                                 self.scale_rewards)
         mine = advantages.view(max(tm.dims.dp, 1) if group else 1, -1)[
             tm.dims.dp_rank if group else 0]
@@ -140,7 +141,7 @@ class GRPO:
                                           table[:, 2 + r].bool().tolist(), times)
 
     def _weights(self) -> torch.Tensor:
-        return torch.tensor([r.weight for r in self.rewards])
+        return torch.tensor([r.weight for r in self.rewards], dtype=torch.float64)
 
     def _batches(self, micro_batches: list[dict], rollouts: list, advantages: torch.Tensor,
                  multiple: int = 1) -> list[dict]:
@@ -148,9 +149,13 @@ class GRPO:
         out, first, g = [], 0, self.num_generations
         for prompts, rows in zip(micro_batches, rollouts):
             prompt_ids = [p for p in prompts["prompts"].ids for _ in range(g)]
-            out.append(completion_rows(prompt_ids, [c.ids for c in rows],
-                                       advantages[first:first + len(rows)],
-                                       prompts["sample_ids"].repeat_interleave(g), multiple))
+            batch = completion_rows(prompt_ids, [c.ids for c in rows],
+                                    advantages[first:first + len(rows)],
+                                    prompts["sample_ids"].repeat_interleave(g), multiple)
+            if self.params.mask_truncated_completions:
+                cut = torch.tensor([c.finish_reason == "length" for c in rows])
+                batch["completion_mask"] = without_truncated(batch["completion_mask"], cut)
+            out.append(batch)
             first += len(rows)
         return out
 
@@ -212,7 +217,6 @@ class GRPO:
         ``frac_reward_zero_std``, ``completions/*``; and the seconds generating and
         scoring (``time/generate_s``, ``time/score_s``)."""
         lengths_t = torch.tensor(lengths, dtype=torch.float64)
-        rewards, per_reward = rewards.float(), per_reward.float()  # (as scored)
         out = {"reward": _nanmean(rewards), "reward_std": _nanstd(rewards)}
         for i, reward in enumerate(self.rewards):
             out[f"rewards/{reward.name}/mean"] = _nanmean(per_reward[:, i])

@@ -95,7 +95,8 @@ def grpo_objective(job: Job) -> GRPO:
                            answer_field=rl.answer_field, format_pattern=rl.format_pattern,
                            max_completion_length=rl.max_completion_length)
     params = GRPOParams(beta=rl.beta, epsilon=rl.epsilon, epsilon_high=rl.epsilon_high,
-                        loss_type=rl.loss_type, max_completion_length=rl.max_completion_length)
+                        loss_type=rl.loss_type, max_completion_length=rl.max_completion_length,
+                        mask_truncated_completions=rl.mask_truncated_completions)
     reference = ("none" if not rl.beta else
                  "adapters_off" if job.config.lora.enabled else "model")
     return GRPO(params, rewards, rl.num_generations,

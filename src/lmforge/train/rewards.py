@@ -7,19 +7,25 @@ field (``answer``, ``tests``, ...) is a list holding that field of each completi
 it returns one float per completion, or None where the reward does not apply (TRL's
 meaning: a None is left out of the weighted sum, and a completion no reward applies to gets
 no advantage). ``score`` runs them all and refuses, naming the function and the record, a
-reward that raises, returns the wrong count or a value that is not a finite number.
+reward that raises (``SystemExit`` too: only ``KeyboardInterrupt`` stays an interrupt),
+returns something other than a list, the wrong count, a value that is not a finite number,
+or one whose weighted sum is not finite (rewards are summed in float64). Each reward is
+given its own copies of the prompts, completions, ids and fields: what one changes reaches
+neither the next reward, nor the rows the step trains on, nor the dataset's records.
 
 A user's reward function is the user's code: loading it executes that file, with the
 rights of the training process (docs/security.md).
 """
 from __future__ import annotations
 
+import copy
 import importlib.util
 import inspect
 import math
 import numbers
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -167,8 +173,19 @@ def load_rewards(specs: Sequence[str], weights: Optional[Sequence[float]] = None
             func = length_reward(max_completion_length)
         else:
             func = load_user_function(spec)
-        rewards.append(Reward(getattr(func, "__name__", spec), func, weight))
+        name = _unique(str(getattr(func, "__name__", spec)), {r.name for r in rewards})
+        rewards.append(Reward(name, func, weight))
     return rewards
+
+
+def _unique(name: str, taken: set) -> str:
+    """``name``, or ``name_2``, ``name_3``...: two rewards of one name (two files' ``f``)
+    keep separate metrics (rewards/<name>/mean)."""
+    number, unique = 1, name
+    while unique in taken:
+        number += 1
+        unique = f"{name}_{number}"
+    return unique
 
 
 def load_user_function(spec: str) -> Callable:
@@ -186,10 +203,13 @@ def load_user_function(spec: str) -> Callable:
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[module_name] = module
         module_spec.loader.exec_module(module)
-    except Exception as e:  # the user's file: any error it raises is theirs to fix
+    except KeyboardInterrupt:  # (Ctrl-C while it loads: an interrupt, not the file's fault)
         sys.modules.pop(module_name, None)
+        raise
+    except BaseException as e:  # the user's file: whatever it raises (sys.exit too) is
+        sys.modules.pop(module_name, None)  # theirs to fix, and must not end the run quietly
         raise ConfigError(f"rl.rewards: loading {show_name(file)} failed: "
-                          f"{type(e).__name__}: {e}") from None
+                          f"{_described(e)}") from None
     return _function(spec, file, module, name)
 
 
@@ -219,19 +239,37 @@ def _check_signature(spec: str, func: Callable) -> None:
 # ---------------------------------------------------------------- scoring
 def score(rewards: Sequence[Reward], prompts: list, completions: list,
           completion_ids: list, fields: dict[str, list]) -> torch.Tensor:
-    """(completions, rewards) float32: each reward's value per completion, NaN where it
-    returned None. ``fields``: each record field, one value per completion."""
+    """(completions, rewards) float64: each reward's value per completion, NaN where it
+    returned None. ``fields``: each record field, one value per completion. Refuses a
+    weighted sum that is not finite (``weighted_sum``), naming the reward."""
     columns = []
     for reward in rewards:
         try:
-            values = reward.func(prompts=prompts, completions=completions,
-                                 completion_ids=completion_ids, **fields)
-        except Exception as e:
+            values = _call(reward, prompts, completions, completion_ids, fields)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # (SystemExit too: a reward cannot end the run quietly)
             where = _failing_record(reward, prompts, completions, completion_ids, fields)
-            raise RewardError(f"reward {reward.name}: raised {type(e).__name__}: {e} "
+            raise RewardError(f"reward {reward.name}: raised {_described(e)} "
                               f"({where})") from None
         columns.append(_check_values(reward.name, values, prompts))
-    return torch.tensor(columns, dtype=torch.float32).T.reshape(len(prompts), len(rewards))
+    table = torch.tensor(columns, dtype=torch.float64).T.reshape(len(prompts), len(rewards))
+    _check_weighted(rewards, table, prompts)
+    return table
+
+
+def _call(reward: Reward, prompts, completions, completion_ids, fields):
+    """``reward`` on copies of its arguments: the caller's lists, and the records the
+    fields hold, are out of its reach."""
+    args = copy.deepcopy({"prompts": prompts, "completions": completions,
+                          "completion_ids": completion_ids, **fields})
+    return reward.func(**args)
+
+
+def _described(error: BaseException) -> str:
+    """``Type: message`` of what a user's code raised (``Type`` alone without one)."""
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def _failing_record(reward: Reward, prompts, completions, completion_ids, fields) -> str:
@@ -240,34 +278,68 @@ def _failing_record(reward: Reward, prompts, completions, completion_ids, fields
     the whole batch when each alone passes."""
     for i in range(len(prompts)):
         try:
-            reward.func(prompts=prompts[i:i + 1], completions=completions[i:i + 1],
-                        completion_ids=completion_ids[i:i + 1],
-                        **{k: v[i:i + 1] for k, v in fields.items()})
-        except Exception:
+            _call(reward, prompts[i:i + 1], completions[i:i + 1], completion_ids[i:i + 1],
+                  {k: v[i:i + 1] for k, v in fields.items()})
+        except KeyboardInterrupt:
+            raise
+        except BaseException:
             return f"for {_record(prompts, i)}"
     return f"on the batch of {len(prompts)} starting at {_record(prompts, 0)}"
 
 
 def _check_values(name: str, values: Any, prompts: list) -> list[float]:
     try:
+        # (a dict, a set or a string iterates, but holds no value per completion in order)
+        if isinstance(values, (Mapping, str, bytes, set, frozenset)):
+            raise TypeError
         values = list(values)
     except TypeError:
-        raise RewardError(f"reward {name}: returned {show(values)}, not a list with one "
+        raise RewardError(f"reward {name}: returned {_shown(values)}, not a list with one "
                           f"float or None per completion") from None
     if len(values) != len(prompts):
         raise RewardError(f"reward {name}: returned {len(values)} values for "
                           f"{len(prompts)} completions (one float or None per completion)")
-    out = []
-    for i, v in enumerate(values):
-        if v is None:
-            out.append(math.nan)
-            continue
-        # (numbers.Real: numpy's scalars too, as TRL's torch.tensor(values) takes them)
-        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
-            raise RewardError(f"reward {name}: {show(v)} is not a finite number or None "
-                              f"(for {_record(prompts, i)})")
-        out.append(float(v))
-    return out
+    return [_value(name, v, prompts, i) for i, v in enumerate(values)]
+
+
+def _value(name: str, v: Any, prompts: list, i: int) -> float:
+    """One returned value as a float (NaN for None), else refused naming the record."""
+    if v is None:
+        return math.nan
+    # (numbers.Real: numpy's scalars too, as TRL's torch.tensor(values) takes them)
+    if not isinstance(v, bool) and isinstance(v, numbers.Real):
+        try:
+            value = float(v)
+        except OverflowError:  # (an int beyond a float's range)
+            value = math.inf
+        if math.isfinite(value):
+            return value
+    raise RewardError(f"reward {name}: {_shown(v)} is not a finite number or None "
+                      f"(for {_record(prompts, i)})")
+
+
+def _shown(value: Any) -> str:
+    """A returned value as a message quotes it (``show``), even where its repr fails."""
+    try:
+        return show(value)
+    except Exception:
+        return f"a {type(value).__name__}"
+
+
+def _check_weighted(rewards: Sequence[Reward], table: torch.Tensor, prompts: list) -> None:
+    """Refuses a completion whose weighted sum is not finite, naming the reward whose
+    term made it so (the sum taken in ``rewards``' order, as ``weighted_sum`` adds)."""
+    for i, row in enumerate(table.tolist()):
+        total = 0.0
+        for reward, value in zip(rewards, row):
+            if math.isnan(value):
+                continue
+            total += value * reward.weight
+            if not math.isfinite(total):
+                raise RewardError(
+                    f"reward {reward.name}: {show(value)} x its weight {show(reward.weight)} "
+                    f"(rl.reward_weights) makes the weighted reward not finite "
+                    f"(for {_record(prompts, i)})")
 
 
 def _record(prompts: list, i: int) -> str:
@@ -278,6 +350,7 @@ def _record(prompts: list, i: int) -> str:
 
 def weighted_sum(per_reward: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Each completion's reward: the weighted sum of the rewards that apply (a None is
-    left out: a NaN-aware sum); NaN where none applies (TRL's "unscorable")."""
-    total = (per_reward * weights[None, :]).nansum(dim=1)
+    left out: a NaN-aware sum), in float64; NaN where none applies (TRL's "unscorable")."""
+    per_reward = per_reward.double()
+    total = (per_reward * weights.double()[None, :]).nansum(dim=1)
     return total.masked_fill(torch.isnan(per_reward).all(dim=1), math.nan)

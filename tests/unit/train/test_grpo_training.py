@@ -218,3 +218,35 @@ def test_a_rollout_is_reused_num_iterations_steps_and_a_resume_samples_afresh():
     assert objective.takes_new_batches(5)  # (nothing held yet: a resumed run)
     objective._rollout = [{}]  # (what prepare keeps)
     assert [s for s in range(1, 10) if objective.takes_new_batches(s)] == [1, 4, 7]
+
+
+def test_mask_truncated_completions_zeroes_the_mask_of_every_completion_cut_at_the_limit(
+        setup, tmp_path, monkeypatch):
+    """TRL's rule: a completion that reached rl.max_completion_length without an end token
+    adds nothing to the loss (its completion mask is zero); one that ended keeps its
+    tokens. Without the key, every completion keeps its tokens."""
+    from lmforge.train import grpo as trainer_grpo
+
+    sampled, masks = [], []
+    generate, loss_sum = trainer_grpo.generate, trainer_grpo.loss_sum
+
+    def recording_generate(*args, **kwargs):
+        sampled.extend(generate(*args, **kwargs))
+        return sampled[-len(args[1]):]
+
+    def recording_loss_sum(token_loss, mask, p):
+        masks.append(mask.detach().clone())
+        return loss_sum(token_loss, mask, p)
+
+    monkeypatch.setattr(trainer_grpo, "generate", recording_generate)
+    monkeypatch.setattr(trainer_grpo, "loss_sum", recording_loss_sum)
+    for masked in (False, True):
+        sampled.clear(), masks.clear()
+        _, history = _run(setup, tmp_path / str(masked), "train.max_steps=1",
+                          "train.eval_every=0", "data.eval_fraction=0", "optim.warmup_steps=0",
+                          f"rl.mask_truncated_completions={str(masked).lower()}")
+        rows = torch.cat(masks).sum(-1).tolist()
+        cut = [c.finish_reason == "length" for c in sampled]
+        assert any(cut) and len(rows) == len(sampled)
+        assert rows == [0 if masked and c else len(s.ids) for s, c in zip(sampled, cut)]
+        assert history[0]["completion_tokens"] == sum(rows)

@@ -139,6 +139,7 @@ def test_loss_and_every_gradient_equal_trls_grpo_trainer(model_dir, tmp_path, lo
                                for col in (REWARDS_A, REWARDS_B)]).T
     advantages, _ = group_advantages(weighted_sum(per_reward, torch.tensor(WEIGHTS)), G,
                                      scale_rewards)
+    advantages = advantages.float()  # (summed in float64; the rows hold fp32, as TRL's)
     torch.testing.assert_close(advantages, inputs["advantages"], rtol=1e-5, atol=1e-6)
     completions = inputs["completion_ids"]
     lengths = torch.tensor([len(c) for c in holder["completions"]])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lmforge.config.errors import ConfigError
-from lmforge.train.rewards import (RewardError, extract_answer, load_rewards,
+from lmforge.train.rewards import (Reward, RewardError, extract_answer, load_rewards,
                                    normalize_answer, score, weighted_sum)
 
 
@@ -175,3 +175,129 @@ def test_a_reward_file_is_executed_once_a_process(tmp_path, monkeypatch):
     first, second = load_rewards(["r.py:f"])[0], load_rewards(["r.py:f"])[0]
     assert first.func is second.func
     assert _one([second], ["a"]) == [1.0]
+
+
+# ------------------------------------------------ what a reward can and cannot reach
+MUTATE = ("def mutate(prompts, completions, completion_ids, answer, **kw):\n"
+          "    prompts[0][0]['content'] = 'changed'\n    prompts.append('extra')\n"
+          "    completions[0] = 'changed'\n    completion_ids[0].append(99)\n"
+          "    answer[0].append('changed')\n    return [0.0] * len(completions)\n"
+          "seen = []\n"
+          "def look(prompts, completions, completion_ids, answer, **kw):\n"
+          "    seen.append((prompts, completions, completion_ids, answer))\n"
+          "    return [0.0] * len(completions)\n")
+
+
+def test_each_reward_gets_copies_so_none_changes_what_the_next_reward_or_the_caller_sees(
+        tmp_path, monkeypatch):
+    (tmp_path / "r.py").write_text(MUTATE)
+    monkeypatch.chdir(tmp_path)
+    rewards = load_rewards(["r.py:mutate", "r.py:look"])
+    prompts = [[{"role": "user", "content": "hi"}], "text"]
+    completions, ids, answer = ["a", "b"], [[1, 2], [3]], [["4"], ["5"]]
+    score(rewards, prompts, completions, ids, {"answer": answer})
+    assert prompts == [[{"role": "user", "content": "hi"}], "text"]
+    assert (completions, ids, answer) == (["a", "b"], [[1, 2], [3]], [["4"], ["5"]])
+    seen = rewards[1].func.__globals__["seen"]
+    assert seen == [([[{"role": "user", "content": "hi"}], "text"], ["a", "b"],
+                     [[1, 2], [3]], [["4"], ["5"]])]
+
+
+@pytest.mark.parametrize("body,match", [
+    ("raise SystemExit(0)", r"reward bad: raised SystemExit: 0 \(for completion 0, "),
+    ("import sys; sys.exit('bye')", r"reward bad: raised SystemExit: bye \(for completion 0"),
+    ("raise GeneratorExit()", r"reward bad: raised GeneratorExit"),
+])
+def test_a_reward_that_exits_is_a_reward_error_naming_it(tmp_path, monkeypatch, body, match):
+    (tmp_path / "r.py").write_text(f"def bad(prompts, completions, **kw):\n    {body}\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RewardError, match=match):
+        score(load_rewards(["r.py:bad"]), ["p0", "p1"], ["a", "b"], [[1], [2]], {})
+
+
+def test_a_keyboard_interrupt_in_a_reward_stays_an_interrupt(tmp_path, monkeypatch):
+    (tmp_path / "r.py").write_text("def f(prompts, completions, **kw):\n"
+                                   "    raise KeyboardInterrupt\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        score(load_rewards(["r.py:f"]), ["p0"], ["a"], [[1]], {})
+
+
+@pytest.mark.parametrize("source,match", [
+    ("raise SystemExit(4)\n", r"rl.rewards: loading r.py failed: SystemExit: 4$"),
+    ("import sys\nsys.exit()\n", r"rl.rewards: loading r.py failed: SystemExit$"),
+])
+def test_a_reward_file_that_exits_as_it_loads_is_a_config_error(tmp_path, monkeypatch, source,
+                                                                match):
+    (tmp_path / "r.py").write_text(source + "def f(prompts, completions, **kw): return []\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=match):
+        load_rewards(["r.py:f"])
+
+
+def test_a_keyboard_interrupt_while_a_reward_file_loads_stays_an_interrupt(tmp_path,
+                                                                           monkeypatch):
+    (tmp_path / "r.py").write_text("raise KeyboardInterrupt\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        load_rewards(["r.py:f"])
+
+
+# ------------------------------------------------------------ what a reward returns
+@pytest.mark.parametrize("body,match", [
+    ("return {0: 1.0, 1: 1.0}", r"reward bad: returned \{0: 1\.0, 1: 1\.0\}, not a list"),
+    ("return 'ab'", r"reward bad: returned 'ab', not a list"),
+    ("return {1.0, 2.0}", r"reward bad: returned \{1\.0, 2\.0\}, not a list"),
+    ("return [{'score': 1.0}, 1.0]", r"reward bad: \{'score': 1\.0\} is not a finite number"),
+    ("return [10 ** 400, 1.0]", r"reward bad: an integer of 401 digits is not a finite "
+                                r"number or None \(for completion 0, prompt 'p0'\)$"),
+    ("return [10 ** 5000, 1.0]", r"reward bad: an integer of more than 4300 digits is not a "
+                                 r"finite number or None \(for completion 0, prompt 'p0'\)$"),
+])
+def test_a_reward_that_returns_no_list_of_numbers_is_refused_in_one_line(
+        tmp_path, monkeypatch, body, match):
+    (tmp_path / "r.py").write_text(f"def bad(prompts, completions, **kw):\n    {body}\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RewardError, match=match):
+        score(load_rewards(["r.py:bad"]), ["p0", "p1"], ["a", "b"], [[1], [2]], {})
+
+
+def _constant(value, name="big"):
+    def reward(prompts, completions, **kw):
+        return [value] * len(completions)
+    reward.__name__ = name
+    return reward
+
+
+def test_rewards_beyond_float32_are_kept_in_float64():
+    rewards = [Reward("big", _constant(1e39), 1.0), Reward("heavy", _constant(1.0), 1e39)]
+    table = score(rewards, ["p0"], ["a"], [[1]], {})
+    assert table.dtype == torch.float64 and table[0].tolist() == [1e39, 1.0]
+    assert weighted_sum(table, torch.tensor([1.0, 1e39], dtype=torch.float64)).tolist() \
+        == [2e39]
+
+
+@pytest.mark.parametrize("values,weights,match", [
+    ((1e200, 1.0), (1e200, 1.0), r"reward big: 1e\+200 x its weight 1e\+200 "
+                                 r"\(rl\.reward_weights\) makes the weighted reward not "
+                                 r"finite \(for completion 0, prompt 'p0'\)$"),
+    ((1e308, 1e308), (1.0, 1.0), r"reward small: 1e\+308 x its weight 1\.0 "
+                                 r"\(rl\.reward_weights\) makes the weighted reward not "
+                                 r"finite"),
+])
+def test_a_weighted_sum_that_is_not_finite_is_refused_naming_the_reward(values, weights,
+                                                                       match):
+    rewards = [Reward("big", _constant(values[0]), weights[0]),
+               Reward("small", _constant(values[1], "small"), weights[1])]
+    with pytest.raises(RewardError, match=match):
+        score(rewards, ["p0", "p1"], ["a", "b"], [[1], [2]], {})
+
+
+def test_two_rewards_of_one_name_keep_separate_metrics(tmp_path, monkeypatch):
+    (tmp_path / "a.py").write_text("def reward(prompts, completions, **kw):\n"
+                                   "    return [1.0] * len(completions)\n")
+    (tmp_path / "b.py").write_text("def reward(prompts, completions, **kw):\n"
+                                   "    return [2.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    rewards = load_rewards(["a.py:reward", "b.py:reward", "length", "length"])
+    assert [r.name for r in rewards] == ["reward", "reward_2", "length", "length_2"]
