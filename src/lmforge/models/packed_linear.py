@@ -19,6 +19,13 @@ doubles those weights' memory while it lives, so it is skipped when ``budget`` b
 hold it. Anything not packed decodes exactly as before. The packed product sums in another
 order than MKL's: results differ from the plain forward's in the last bits (about 1e-6
 relative), as any change of kernel or batch shape makes them.
+
+The weights are packed in the dtype the products compute in: under CPU autocast (a bf16 or
+fp16 run's end-of-run sample, eval and GRPO rollouts) autocast's dtype, which is what
+``F.linear`` would cast the weight and input to, else fp32. oneDNN packs bf16 on any
+AVX-512 or AVX2 CPU, fp16 only on CPUs with AVX512-FP16 or AVX-NE-CONVERT: a dtype this CPU
+cannot pack leaves every layer plain. A packed layer called in another dtype than the one
+it was packed for (autocast entered or left inside the block) runs its plain forward.
 """
 from __future__ import annotations
 
@@ -48,21 +55,33 @@ SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 @contextlib.contextmanager
 def packed_linears(model: nn.Module, rows: int, budget: int) -> Iterator[int]:
     """Pack ``model``'s packable linear layers for products of about ``rows`` rows (oneDNN's
-    hint; any number of rows stays correct) while the block runs; yields how many were
-    packed (0: none could be, or their copies would not fit in ``budget`` bytes)."""
+    hint; any number of rows stays correct) in the dtype they compute in now
+    (``compute_dtype``) while the block runs; yields how many were packed (0: none could
+    be, their copies would not fit in ``budget`` bytes, or this CPU cannot pack that
+    dtype)."""
     groups = [] if compiled(model) else _products(model)
     modules = [m for g in groups for m in g]
-    if not groups or 2 * sum(m.weight.numel() * 4 for m in modules) > budget \
-            or not _available():
+    dtype = compute_dtype()
+    if not groups or 2 * sum(m.weight.numel() for m in modules) * dtype.itemsize > budget \
+            or not available(dtype):
         yield 0
         return
     try:
         for group in groups:
-            _pack(group, rows)
+            _pack(group, rows, dtype)
         yield len(modules)
     finally:
         for m in modules:
             m.__dict__.pop("forward", None)
+
+
+def compute_dtype(weight_dtype: torch.dtype = torch.float32) -> torch.dtype:
+    """The dtype a CPU linear layer with ``weight_dtype`` weights computes in here: CPU
+    autocast's when it is on (``F.linear`` casts its input and weight to it), else the
+    weight's."""
+    if torch.is_autocast_enabled("cpu"):
+        return torch.get_autocast_dtype("cpu")
+    return weight_dtype
 
 
 def compiled(model: nn.Module) -> bool:
@@ -86,24 +105,27 @@ def _products(model: nn.Module) -> list[list[nn.Linear]]:
     return groups + [[m] for m in model.modules() if packable(m) and id(m) not in grouped]
 
 
-def _pack(group: list[nn.Linear], rows: int) -> None:
-    """Give each layer of ``group`` a forward over one packed product of all of them."""
+def _pack(group: list[nn.Linear], rows: int, dtype: torch.dtype) -> None:
+    """Give each layer of ``group`` a forward over one packed product of all of them,
+    computed in ``dtype`` (the weights and biases cast to it, as autocast casts them)."""
     weight = torch.cat([m.weight.detach() for m in group]) if len(group) > 1 \
         else group[0].weight.detach()
     bias = None
     if any(m.bias is not None for m in group):
         bias = torch.cat([m.bias.detach() if m.bias is not None
-                          else m.weight.new_zeros(m.out_features) for m in group])
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, max(rows, 1))
+                          else m.weight.new_zeros(m.out_features) for m in group]).to(dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), max(rows, 1))
     if len(group) == 1:
-        group[0].forward = lambda x: _product(x, packed, bias)
+        layer = group[0]
+        layer.forward = lambda x: (_product(x, packed, bias) if _fits(x, packed)
+                                   else nn.Linear.forward(layer, x))
         return
     shared = _SharedProduct(packed, bias, len(group))
     edges = [0]
     for m in group:
         edges.append(edges[-1] + m.out_features)
     for i, (m, lo, hi) in enumerate(zip(group, edges, edges[1:])):
-        m.forward = shared.part(i, lo, hi)
+        m.forward = shared.part(i, lo, hi, m)
 
 
 class _SharedProduct:
@@ -118,8 +140,10 @@ class _SharedProduct:
         self.packed, self.bias, self.siblings = packed, bias, siblings
         self.input, self.output, self.taken = None, None, set()
 
-    def part(self, i: int, lo: int, hi: int):
+    def part(self, i: int, lo: int, hi: int, layer: nn.Linear):
         def forward(x: torch.Tensor) -> torch.Tensor:
+            if not _fits(x, self.packed):
+                return nn.Linear.forward(layer, x)
             if x is not self.input:
                 self.input, self.output = x, _product(x, self.packed, self.bias)
                 self.taken = set()
@@ -131,17 +155,27 @@ class _SharedProduct:
         return forward
 
 
+def _fits(x: torch.Tensor, packed: torch.Tensor) -> bool:
+    """Whether the plain forward would compute this call in the packed weight's dtype."""
+    return compute_dtype(x.dtype) == packed.dtype
+
+
 def _product(x: torch.Tensor, packed: torch.Tensor, bias) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    """The packed product in the packed weight's dtype (``_fits``: an fp32 input under
+    autocast is cast to it, as ``F.linear`` would cast it)."""
+    return torch.ops.mkldnn._linear_pointwise(x.to(packed.dtype), packed, bias, "none", [],
+                                               "")
 
 
 @functools.cache
-def _available() -> bool:
-    """oneDNN is built in and packs on this CPU (checked once, on a tiny matrix)."""
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """oneDNN is built in and packs ``dtype`` on this CPU (checked once per dtype, on a
+    tiny matrix)."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
-        return bool((_product(torch.ones(1, 4), torch.ops.mkldnn._reorder_linear_weight(
-            torch.ones(4, 4), 1), None) == 4).all())
+        ones = torch.ones(4, 4, dtype=dtype)
+        return bool((_product(ones[:1], torch.ops.mkldnn._reorder_linear_weight(ones, 1),
+                              None) == 4).all())
     except (RuntimeError, AttributeError):
         return False

@@ -1,6 +1,8 @@
 """The CPU decode's packed linear weights: the same products and tokens as the plain
 forward, only plain fp32 linears packed, everything put back after, nothing packed when the
-copy would not fit, and one packing per ``generate_in_batches`` call."""
+copy would not fit, and one packing per ``generate_in_batches`` call; under CPU autocast
+(a bf16 or fp16 run's end-of-run sample) packed in autocast's dtype where this CPU can,
+and a call in another dtype than the packed one runs the plain forward."""
 import contextlib
 
 import pytest
@@ -12,7 +14,7 @@ import lmforge.models.generate as gen
 from helpers.tiny_models import tiny_llama_args
 from lmforge.models.generate import Sampling, generate, generate_in_batches
 from lmforge.models.llama import build_llama, materialize
-from lmforge.models.packed_linear import packed_linears
+from lmforge.models.packed_linear import available, packed_linears
 from lmforge.peft.lora import LoraLinear
 
 PROMPTS = [[(7 * i + 3 * j) % 50 + 1 for j in range(n)] for i, n in enumerate([5, 1, 9, 12])]
@@ -131,3 +133,55 @@ def test_a_model_with_compiled_blocks_is_not_packed():
     with packed_linears(model, 1, BIG) as packed:
         assert packed == 0  # (the compiler cannot trace a packed weight)
         assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+LOW = [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_under_autocast_the_weights_are_packed_in_its_dtype_and_give_its_product(dtype, bias):
+    torch.manual_seed(0)
+    layer = nn.Linear(96, 160, bias=bias)
+    x = torch.randn(3, 96)  # (fp32, as a norm's output reaches a projection under autocast)
+    with torch.autocast("cpu", dtype=dtype):
+        want = F.linear(x, layer.weight, layer.bias)
+        with packed_linears(layer, 1, BIG) as packed:
+            got = layer(x)
+    assert packed == int(available(dtype))  # (fp16: only CPUs with AVX512-FP16 / NE-CONVERT)
+    assert got.dtype == want.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_a_layer_called_in_another_dtype_than_it_was_packed_in_runs_its_plain_forward():
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 32)
+    x = torch.randn(2, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want_low = F.linear(x, layer.weight, layer.bias)
+    want = F.linear(x, layer.weight, layer.bias)
+    with packed_linears(layer, 1, BIG) as packed:  # (packed for fp32 products)
+        assert packed == 1
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # (autocast entered inside)
+            got_low = layer(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with packed_linears(layer, 1, BIG) as packed:  # (packed for bf16 products)
+            assert packed == int(available(torch.bfloat16))
+            with torch.autocast("cpu", enabled=False):  # (autocast left inside)
+                got = layer(x)
+    assert got_low.dtype == torch.bfloat16 and got.dtype == torch.float32
+    torch.testing.assert_close(got_low, want_low, rtol=0, atol=0)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=["bf16", "fp16"])
+def test_packed_decoding_under_autocast_gives_the_plain_decodes_tokens(monkeypatch, dtype):
+    model = _model(attention_bias=True)
+    with torch.autocast("cpu", dtype=dtype):
+        packed = generate(model, PROMPTS, 10, seeds=[1, 2, 3, 4])
+        monkeypatch.setattr(gen, "packed_linears",  # (no room: nothing packed)
+                            lambda model, rows, budget: packed_linears(model, rows, 0))
+        plain = generate(model, PROMPTS, 10, seeds=[1, 2, 3, 4])
+    for a, b in zip(packed, plain):
+        assert a.ids == b.ids
+        torch.testing.assert_close(a.model_logprobs, b.model_logprobs, rtol=0, atol=2e-2)
