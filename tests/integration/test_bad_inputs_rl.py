@@ -112,9 +112,17 @@ TABLE = [
     Bad("a prompt record without a prompt", [*PROMPTS, "rl.rewards=exact_answer"],
         r"^.*p\.jsonl:2: the record has no 'prompt'$",
         setup=write("p.jsonl", '{"prompt": "a"}\n{"question": "b"}\n')),
+    Bad("a record field named like a reward's argument", [*PROMPTS, "rl.rewards=exact_answer"],
+        r"^.*p\.jsonl:2: the field 'completions' has the name of an argument every reward "
+        r"takes \(prompts, completions, completion_ids\); rename it$",
+        setup=write("p.jsonl", '{"prompt": "a"}\n{"prompt": "b", "completions": []}\n')),
+    Bad("an answer field no record holds (a typo)", [*PROMPTS, "rl.rewards=exact_answer",
+                                                     "rl.answer_field=anwser"],
+        r"^rl\.answer_field: no record of .*p\.jsonl has the field 'anwser' that the "
+        r"exact_answer reward reads \(its records have: answer\)$", setup=GOOD_PROMPTS),
     Bad("a prompts file that does not exist", [*PROMPTS, "rl.rewards=exact_answer"],
         r"^data\.path: .*p\.jsonl: no such file \(prompts are JSON Lines\)$"),
-    Bad("a prompt longer than the context", [*PROMPTS, "rl.rewards=exact_answer",
+    Bad("a prompt longer than the context", [*PROMPTS, "rl.rewards=length",
                                             "data.seq_len=64", "rl.max_completion_length=16"],
         r"^.*p\.jsonl:3: the prompt has \d+ tokens; data\.seq_len - rl\.max_completion_length "
         r"leaves 48$",

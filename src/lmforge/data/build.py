@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from lmforge.config import JobConfig
+from lmforge.config.rl import reward_names
 from lmforge.data.errors import DataError
 from lmforge.data.indexed import IndexedDataset
 from lmforge.data.loader import BatchLoader, build_dataset_loader, pretrain_sources
@@ -39,7 +40,9 @@ def check_data(cfg: JobConfig) -> None:
     d = cfg.data
     check = {"text": lambda field, path: check_corpus(field, path, d.json_key),
              "sft": check_some_answer, "pretrain": _open_prefixes,
-             "preference": check_some_pair, "prompts": check_prompts}.get(d.kind)
+             "preference": check_some_pair,
+             "prompts": lambda field, path: check_prompts(field, path,
+                                                          _answer_field(cfg))}.get(d.kind)
     if check is None:
         return
     if d.kind == "pretrain" and d.blend:
@@ -48,6 +51,13 @@ def check_data(cfg: JobConfig) -> None:
         check("data.path", d.path)
     if d.eval_path:
         check("data.eval_path", d.eval_path)
+
+
+def _answer_field(cfg: JobConfig) -> Optional[str]:
+    """rl.answer_field where the exact_answer reward reads it (else None)."""
+    rewards = cfg.rl.rewards
+    names = reward_names(rewards) if rewards is not None else []
+    return cfg.rl.answer_field if "exact_answer" in names else None
 
 
 def _open_prefixes(field: str, value) -> None:

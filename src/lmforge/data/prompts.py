@@ -4,10 +4,13 @@ or chat messages (rendered with the model's chat template, ``data.template``, an
 generation prompt), and any other fields (``answer``, ``tests``, ...), which reach the
 reward functions untouched (``train/rewards.py``).
 
-A record that is not an object, has no ``prompt``, a blank one, or a message that is not
-a ``{"role", "content"}`` turn ending with a user turn is refused with ``file:line``; so is
-a prompt whose tokens leave no room for ``rl.max_completion_length`` new ones within
-``data.seq_len``. The stream of samples is the records in a fresh shuffle each epoch
+A record that is not an object, has no ``prompt``, a blank one, a message that is not
+a ``{"role", "content"}`` turn ending with a user turn, or a field named like an argument
+every reward takes (``prompts``, ``completions``, ``completion_ids``: the fields are passed
+as keywords beside them) is refused with ``file:line``; so is a prompt whose tokens leave
+no room for ``rl.max_completion_length`` new ones within ``data.seq_len``. A file none of
+whose records holds the field the ``exact_answer`` reward reads (``rl.answer_field``: a
+typo would score nothing, every step) is refused naming the field. The stream of samples is the records in a fresh shuffle each epoch
 (seeded by train.seed), and a sample is a record's index: a batch is its prompts' ids and
 records, which GRPO's rollout (``train/grpo.py``) turns into completions.
 """
@@ -20,6 +23,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from lmforge.config.errors import show_name
 from lmforge.data.dataset import rng_for, split_documents
 from lmforge.data.errors import DataError
 from lmforge.data.records import iter_jsonl
@@ -27,6 +31,8 @@ from lmforge.data.sft import checked_messages
 from lmforge.data.templates import get_template
 
 _SHUFFLE = 7  # rng_for's purpose id of the prompts' epoch order
+# the arguments a reward takes by name beside the records' fields (train/rewards.py)
+REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids")
 
 
 def record_prompt(obj, where: str):
@@ -35,6 +41,10 @@ def record_prompt(obj, where: str):
         raise DataError(f"{where}: a prompt record is a JSON object with a 'prompt'")
     if "prompt" not in obj:
         raise DataError(f"{where}: the record has no 'prompt'")
+    clash = next((k for k in REWARD_ARGUMENTS if k in obj), None)
+    if clash is not None:
+        raise DataError(f"{where}: the field {clash!r} has the name of an argument every "
+                        f"reward takes ({', '.join(REWARD_ARGUMENTS)}); rename it")
     prompt = obj["prompt"]
     if isinstance(prompt, str):
         if not prompt.strip():
@@ -49,17 +59,24 @@ def record_prompt(obj, where: str):
     return messages
 
 
-def check_prompts(field: str, path) -> None:
+def check_prompts(field: str, path, answer_field: Optional[str] = None) -> None:
     """Refuses, before a run writes anything, a prompts file that is missing, holds a bad
-    record (file:line) or none."""
+    record (file:line) or none, or (``answer_field``: the exact_answer reward's) no
+    record with that field."""
     if not Path(path).is_file():
         raise DataError(f"{field}: {path}: no such file (prompts are JSON Lines)")
-    count = 0
+    count, fields = 0, {}
     for line, obj in iter_jsonl(Path(path)):
         record_prompt(obj, f"{path}:{line}")
         count += 1
+        fields.update(dict.fromkeys(k for k in obj if k != "prompt"))
     if not count:
         raise DataError(f"{field}: {path} holds no prompt")
+    if answer_field is not None and answer_field not in fields:
+        found = ", ".join(show_name(str(k), 20) for k in list(fields)[:8]) or "none"
+        raise DataError(f"rl.answer_field: no record of {path} has the field "
+                        f"{answer_field!r} that the exact_answer reward reads (its records "
+                        f"have: {found}{', ...' if len(fields) > 8 else ''})")
 
 
 @dataclass
