@@ -16,6 +16,13 @@ from lmforge.config.keys import RL_OBJECTIVES
 
 BUILTIN_REWARDS = ("exact_answer", "format", "length")  # (train/rewards.py)
 PROMPTS_KIND = "prompts"  # the data kind GRPO samples from (data/prompts.py)
+# What GRPO's loss, its sampling and its rewards read: a resume that changed one would
+# mix two objectives in one run (train/resume_check.py refuses it, as train.beta for DPO).
+# rl.max_completion_length and rl.num_iterations may change (a length curriculum).
+LOSS_KEYS = ("rl.rewards", "rl.reward_weights", "rl.answer_field", "rl.format_pattern",
+             "rl.num_generations", "rl.temperature", "rl.top_p", "rl.beta", "rl.epsilon",
+             "rl.epsilon_high", "rl.scale_rewards", "rl.loss_type",
+             "rl.mask_truncated_completions")
 
 
 def reward_names(value: Any) -> list[str]:
@@ -50,6 +57,20 @@ def reward_weights(value: Any, count: int) -> Optional[list[float]]:
     if bad is not None:
         raise ConfigError(f"rl.reward_weights: {show(bad)} is not a finite number")
     return weights
+
+
+def comparable_rewards(values: dict) -> dict:
+    """``rl.rewards`` and ``rl.reward_weights`` of flat ``values`` as lists of names and
+    of floats, so that a list and a comma-separated string of the same are equal (a value
+    that is neither stays as it is: validate refuses it)."""
+    out = dict(values)
+    try:
+        names = reward_names(out["rl.rewards"]) if out.get("rl.rewards") is not None else []
+        out["rl.rewards"] = names
+        out["rl.reward_weights"] = reward_weights(out.get("rl.reward_weights"), len(names))
+    except (ConfigError, KeyError):
+        return values
+    return out
 
 
 def validate_rl(cfg, world_size: int = 1) -> None:

@@ -2,8 +2,8 @@
 
 A resumed run loads the checkpoint's weights, optimizer state and data position into the
 model the new config builds, on any layout. The model (its resolved shape, family, head
-split, vocabulary, RoPE, LoRA adapters), the objective with the keys its loss reads, and
-the seed (the data order) must be the checkpoint's: a model with fewer layers would load
+split, vocabulary, RoPE, LoRA adapters), the objective with the keys its loss reads (GRPO:
+also its sampling and its rewards, ``config.rl.LOSS_KEYS``), and the seed (the data order) must be the checkpoint's: a model with fewer layers would load
 a prefix of them, more heads would re-split the same matrices, another loss would mix two
 objectives in one run's metrics. ``check_resume`` refuses those before any compute,
 naming each key with both values. The model is compared as resolved (presets,
@@ -25,6 +25,9 @@ from lmforge.checkpoint import (CheckpointError, latest_checkpoint, read_job_con
                                 resume_is_auto)
 from lmforge.config import OBJECTIVE_KEYS, ConfigError, JobConfig, objective_name, show
 from lmforge.config.errors import show_name
+from lmforge.config.keys import RL_OBJECTIVES
+from lmforge.config.rl import LOSS_KEYS as RL_LOSS_KEYS
+from lmforge.config.rl import comparable_rewards
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.job import Job
 from lmforge.peft.targets import lora_spec
@@ -159,9 +162,11 @@ def _objective_differences(saved: JobConfig, job: Job) -> list[tuple]:
 
 
 def loss_keys(objective: str) -> list[str]:
-    """The keys ``objective``'s loss reads (``config.OBJECTIVE_KEYS``, defined once)."""
+    """The keys ``objective``'s loss reads (``config.OBJECTIVE_KEYS``, defined once; for
+    GRPO, with its sampling and rewards: ``config.rl.LOSS_KEYS``)."""
     return [key for key, users in OBJECTIVE_KEYS.items()
-            if objective in users and key not in NOT_LOSS_KEYS]
+            if objective in users and key not in NOT_LOSS_KEYS] + \
+        (list(RL_LOSS_KEYS) if objective in RL_OBJECTIVES else [])
 
 
 def _intended(saved: JobConfig, job: Job) -> list[tuple]:
@@ -182,8 +187,9 @@ def _free_differences(saved: Optional[dict], now: dict) -> list[tuple]:
 
 
 def _flat(cfg: JobConfig, keys=None) -> dict:
-    flat = {f"{section}.{key}": value for section, values in cfg.to_dict().items()
-            for key, value in values.items()}
+    flat = comparable_rewards({f"{section}.{key}": value
+                               for section, values in cfg.to_dict().items()
+                               for key, value in values.items()})
     return flat if keys is None else {k: flat[k] for k in keys}
 
 

@@ -103,3 +103,37 @@ def test_the_keys_a_resume_holds_are_the_ones_each_loss_reads():
     assert sorted(loss_keys("simpo")) == ["train.beta", "train.label_smoothing",
                                           "train.simpo_gamma"]
     assert loss_keys("orpo") == ["train.orpo_lambda"]
+
+
+GRPO = ["train.objective=grpo", "data.kind=prompts", "data.path=p.jsonl",
+        "rl.rewards=exact_answer,length", "rl.reward_weights=1,0.5"]
+
+
+@pytest.mark.parametrize("change,key", [
+    ("rl.beta=0.1", "rl.beta"), ("rl.loss_type=grpo", "rl.loss_type"),
+    ("rl.temperature=0.7", "rl.temperature"), ("rl.top_p=0.9", "rl.top_p"),
+    ("rl.scale_rewards=none", "rl.scale_rewards"), ("rl.epsilon=0.1", "rl.epsilon"),
+    ("rl.epsilon_high=0.28", "rl.epsilon_high"),
+    ("rl.mask_truncated_completions=true", "rl.mask_truncated_completions"),
+    ("rl.num_generations=4", "rl.num_generations"),
+    ("rl.rewards=exact_answer,format", "rl.rewards"),
+    ("rl.reward_weights=1,2", "rl.reward_weights"),
+    ("rl.answer_field=solution", "rl.answer_field"),
+])
+def test_a_grpo_resume_refuses_a_changed_loss_sampling_or_reward_key(tmp_path, change, key):
+    path = _checkpoint(tmp_path, _job(*GRPO))
+    extra = ("rl.format_pattern=x",) if "format" in change else ()
+    with pytest.raises(ConfigError, match=rf"^train\.resume: (.*; )?{key} is .* in the "
+                                          rf"checkpoint step-0000004 but .* now; "):
+        check_resume(_job(*GRPO, change, *extra), path)
+
+
+def test_a_grpo_resume_takes_rewards_spelled_another_way_and_announces_other_keys(tmp_path):
+    """The rewards as a list or a comma-separated string are the same rewards; the
+    completion length and the iterations per rollout may change (a curriculum)."""
+    path = _checkpoint(tmp_path, _job(*GRPO))
+    lines = check_resume(_job(*GRPO[:3], "rl.rewards=[exact_answer, length]",
+                              "rl.reward_weights=[1.0, 0.5]", "rl.max_completion_length=64"),
+                         path)
+    assert lines == ["resume: rl.max_completion_length changed from 128 to 64 (checkpoint "
+                     "step-0000004)"]
