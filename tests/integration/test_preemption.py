@@ -3,6 +3,8 @@ ends it after the step in progress with a committed checkpoint and exit status 7
 ``train.resume=auto`` then continues bit-exactly."""
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -51,3 +53,26 @@ def test_sigusr1_mid_run_checkpoints_exits_75_and_resumes_bit_exactly(tiny_corpu
     assert [r["step"] for r in read_metrics(split)] == [1, 2, 3, 4, 5, 6]
     assert [r["loss"] for r in read_metrics(split)] == [r["loss"] for r in
                                                          read_metrics(straight)]
+
+
+def test_ctrl_c_mid_run_stops_as_sigterm_does(tiny_corpus, tmp_path):
+    """SIGINT (Ctrl-C) sent to `lmforge train` after step 2: the line saying so at once,
+    step 2's checkpoint, the preemption line and exit status 75, no traceback."""
+    out, ready = tmp_path / "run", tmp_path / "at-step-2"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "LMFORGE_TEST_FAULT": "await_stop:2", "LMFORGE_TEST_SIGNAL": str(ready)}
+    overrides = tiny_overrides(tiny_corpus, 6) + ["train.save=false", "train.checkpoint_every=0"]
+    # (SIGINT as at a terminal: a test runner in the background may have it ignored)
+    proc = subprocess.Popen([sys.executable, str(runs.WORKER), "train", *overrides,
+                             f"train.output_dir={out}"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    os.kill(await_pid(ready, proc), signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == PREEMPTED_EXIT_CODE, stderr[-3000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
+    assert "lmforge: SIGINT received: stopping after this step, then a checkpoint" in stderr
+    assert "preempted at step 2: checkpoint written, exiting" in stdout
+    checkpoints = sorted((out / "checkpoints").iterdir())
+    assert [p.name for p in checkpoints] == ["step-0000002"] and is_complete(checkpoints[0])
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]

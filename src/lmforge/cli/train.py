@@ -59,7 +59,7 @@ def _train(args) -> int:
             time.sleep(QUIET_RANK_EXIT_DELAY_S)
             return 2
         raise
-    # Stopped by SIGUSR1/SIGTERM with a checkpoint written: unfinished, resumable.
+    # Stopped by SIGUSR1/SIGTERM/SIGINT with a checkpoint written: unfinished, resumable.
     code = PREEMPTED_EXIT_CODE if "preempted_at" in summary else 0
     if env.torchrun:
         _leave_without_teardown(code)

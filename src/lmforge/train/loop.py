@@ -153,7 +153,7 @@ def _train_and_finish(job: Job, rt: Runtime, model: TrainModel, optimizers: Opti
     cfg = job.config
     end_step = min(cfg.train.max_steps, cfg.train.stop_at_step or cfg.train.max_steps)
     progress = Progress(cfg, rt.is_logging_rank, start_step, end_step, rt.started)
-    # SIGUSR1/SIGTERM: checkpoint this step, leave (rank 0 says so when the signal comes)
+    # SIGUSR1/SIGTERM/SIGINT: checkpoint this step, leave (rank 0 says so when it comes)
     with StopSignals(rt.device, announce=rt.is_logging_rank) as stop:
         history = run_loop(job, rt, model, optimizers, data, out_dir, checkpoints, logger,
                            start_step, end_step, progress, stop)

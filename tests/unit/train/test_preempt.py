@@ -15,7 +15,7 @@ from lmforge.train.preempt import StopSignals
 tiny_corpus = runs.tiny_corpus  # the session fixture
 
 
-@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM])
+@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM, signal.SIGINT])
 def test_a_stop_signal_sets_the_flag_and_the_loop_stops_after_its_step(signum):
     before = signal.getsignal(signum)
     with StopSignals(torch.device("cpu")) as stop:
@@ -25,6 +25,27 @@ def test_a_stop_signal_sets_the_flag_and_the_loop_stops_after_its_step(signum):
         assert stop.received == signum
         assert stop.should_stop(2) and stop.stopped_at == 2
     assert signal.getsignal(signum) == before
+
+
+def test_a_second_ctrl_c_is_an_interrupt_at_once():
+    with StopSignals(torch.device("cpu")) as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.received == signal.SIGINT
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_an_ignored_sigint_stays_ignored():
+    """A run started in the background of a script ignores Ctrl-C at its terminal."""
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with StopSignals(torch.device("cpu")) as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+            assert stop.received is None
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def test_a_run_says_at_once_that_a_stop_signal_came_and_logs_the_step_it_stops_after(
