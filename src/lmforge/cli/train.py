@@ -7,6 +7,7 @@ import time
 
 from lmforge.cli.common import add_config_arguments, config_and_overrides
 from lmforge.config import ConfigError, config_yaml, load_config
+from lmforge.config.paths import with_absolute_paths
 from lmforge.data.build import build_data
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.job import resolve
@@ -75,7 +76,8 @@ def _look_before_running(args) -> int:
     env = read_dist_env() if args.world_size is None else DistEnv(0, args.world_size, 0)
     if args.print_config:  # as the run resolves it: a config it would refuse is refused
         sized, _ = size_micro_batch(cfg, env.world_size)  # (auto: the number it would be)
-        print(config_yaml(resolve(sized, env.world_size).config), end="")
+        # (with its paths absolute, as the run saves it)
+        print(config_yaml(resolve(with_absolute_paths(sized), env.world_size).config), end="")
         return 0
     job = check_job(cfg, env)
     model = build_model(job.args)  # meta device: nothing allocated

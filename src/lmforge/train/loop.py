@@ -16,6 +16,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from lmforge.config import JobConfig, harness_task_names, warmup_warning
+from lmforge.config.paths import with_absolute_paths
 from lmforge.data.build import DataBundle, build_data, check_data
 from lmforge.eval.harness import check_tasks
 from lmforge.job import Job, resolve
@@ -52,6 +53,7 @@ __all__ = ["Runtime", "check_job", "prepare_output_dir", "run_loop", "train", "t
 
 def train(cfg: JobConfig) -> dict:
     """Runs the job described by ``cfg``; returns a summary of what happened."""
+    cfg = with_absolute_paths(cfg)  # (a reward's os.chdir cannot move the run's files)
     env = read_dist_env()
     job = check_job(cfg, env)
     require_fit(job, env.local_rank)  # before any allocation or write

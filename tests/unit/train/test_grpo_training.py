@@ -250,3 +250,35 @@ def test_mask_truncated_completions_zeroes_the_mask_of_every_completion_cut_at_t
         assert any(cut) and len(rows) == len(sampled)
         assert rows == [0 if masked and c else len(s.ids) for s, c in zip(sampled, cut)]
         assert history[0]["completion_tokens"] == sum(rows)
+
+
+def test_a_reward_that_changes_the_working_directory_moves_none_of_the_runs_files(
+        setup, tmp_path, monkeypatch):
+    """The run directory and the relative paths (the prompts, the reward's file) are made
+    absolute once, at start: checkpoints, metrics and hf/ land where the command said
+    although a reward calls os.chdir (into a folder this test made) at every step."""
+    import shutil
+
+    model, data = setup
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    home.mkdir(), elsewhere.mkdir()
+    shutil.copy(data, home / "prompts.jsonl")
+    (home / "wander.py").write_text(
+        "import os\n"
+        "def wander(prompts, completions, **kwargs):\n"
+        f"    os.chdir({str(elsewhere)!r})\n"
+        "    return [0.0] * len(completions)\n")
+    monkeypatch.chdir(home)
+    cfg = load_config(None, [f"model.init_from={model}", "data.kind=prompts",
+                             "data.path=prompts.jsonl", "data.seq_len=48",
+                             "data.micro_batch_size=2", "rl.num_generations=2",
+                             "rl.max_completion_length=4", "rl.rewards=length,wander.py:wander",
+                             "train.max_steps=2", "train.checkpoint_every=1",
+                             "train.output_dir=run", "train.device=cpu",
+                             "train.sample_tokens=2", "optim.warmup_steps=0"])
+    train(cfg)
+    run = home / "run"
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").open()] == [1, 2]
+    assert (run / "hf" / "config.json").is_file() and (run / "config.yaml").is_file()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir())[-1] == "step-0000002"
+    assert list(elsewhere.iterdir()) == []
