@@ -108,13 +108,15 @@ class Progress:
         cfg, last = self.cfg, history[-1] if history else {}
         newest = latest_checkpoint(out_dir / CHECKPOINTS)
         ended = cfg.train.save and last.get("step") == cfg.train.max_steps
-        evaluated = [r for r in history if r.get("eval_loss") is not None]
+        # (GRPO's evaluation logs a reward, no loss: eval_prompts says it ran)
+        evaluated = [r for r in history
+                     if r.get("eval_loss") is not None or "eval_prompts" in r]
         held_out = evaluated[-1] if evaluated else {}
         return {"first_loss": history[0]["loss"] if history else None,
                 "last_loss": last.get("loss"),
                 "eval_loss": held_out.get("eval_loss"),
                 "eval_tokens": held_out.get("eval_tokens"), "eval_step": held_out.get("step"),
-                **{k: held_out[k] for k in PAIR_KEYS if k in held_out},
+                **{k: held_out[k] for k in PAIR_KEYS + REWARD_KEYS if k in held_out},
                 "eval_note": None if evaluated else no_evaluation(cfg, data,
                                                                   last.get("step", 0)),
                 "steps": cfg.train.max_steps, "step": last.get("step", 0),
@@ -192,6 +194,8 @@ def step_line(step: int, max_steps: int, record: dict, elapsed: float,
 
 # a preference run's held-out counts (its eval_loss is per pair: no perplexity)
 PAIR_KEYS = ("eval_pairs", "eval_rewards/accuracies", "eval_rewards/margins")
+# a GRPO run's held-out reward (train/grpo.py: GRPO.held_out)
+REWARD_KEYS = ("eval_reward", "eval_prompts")
 
 
 def eval_text(record: dict) -> str:
@@ -238,10 +242,14 @@ def summary_lines(summary: dict) -> list[str]:
             ("peak memory", _memory(s)),
             ("train loss", f"{_loss(s['first_loss'])} at the first logged step, "
                            f"{_loss(s['last_loss'])} at the last")]
+    earlier = s.get("eval_step") not in (None, s["step"])
+    at = f", at step {s['eval_step']}" if earlier else ""
     if s.get("eval_loss") is not None:
-        earlier = s.get("eval_step") not in (None, s["step"])
-        at = f", at step {s['eval_step']}" if earlier else ""
         rows.append(("eval loss", f"{s['eval_loss']:.4f} ({_held_out(s)}{at})"))
+    elif s.get("eval_prompts") is not None:  # GRPO: the mean weighted reward, greedy
+        reward = s.get("eval_reward")
+        rows.append(("eval reward", f"{'n/a' if reward is None else f'{reward:.4f}'} "
+                                    f"({s['eval_prompts']:,} held-out prompts, greedy{at})"))
     else:
         rows.append(("eval loss", f"none ({s.get('eval_note') or 'no held-out data'})"))
     for metric, value in (s.get("harness") or {}).items():

@@ -48,7 +48,7 @@ def _run(setup, out, *extra):
 
 
 def test_a_grpo_run_trains_on_its_rollouts_and_logs_trls_metrics(setup, tmp_path):
-    _, history = _run(setup, tmp_path / "run", "rl.beta=0.04")
+    summary, history = _run(setup, tmp_path / "run", "rl.beta=0.04")
     assert [r["step"] for r in history] == [1, 2, 3]
     for record in history:
         for name in ROLLOUT_METRICS + ("kl", "loss", "completion_tokens"):
@@ -57,6 +57,7 @@ def test_a_grpo_run_trains_on_its_rollouts_and_logs_trls_metrics(setup, tmp_path
         assert record["time/generate_s"] > 0 and record["time/train_s"] > 0
     assert history[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # (the policy is the reference)
     assert "eval_reward" in history[-1] and history[-1]["eval_prompts"] == 1  # (5% of 24)
+    assert (summary["eval_reward"], summary["eval_prompts"]) == (history[-1]["eval_reward"], 1)
 
 
 @pytest.mark.parametrize("extra", [

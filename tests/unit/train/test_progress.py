@@ -181,3 +181,19 @@ def test_an_earlier_evaluation_is_the_summarys_eval_loss_with_its_step(tmp_path)
     assert (summary["eval_loss"], summary["eval_step"], summary["eval_note"]) == (2.5, 4, None)
     line = next(x for x in summary_lines(summary) if x.startswith("  eval loss"))
     assert line.endswith("(perplexity 12.18, 64 held-out tokens, at step 4)")
+
+
+def test_a_grpo_runs_summary_reports_its_held_out_reward(tmp_path):
+    """GRPO's evaluation logs eval_reward (no eval_loss): the summary says it, with the
+    held-out prompts and the step, instead of "no evaluation recorded"."""
+    history = [{"step": 2, "loss": 0.1, "tokens": 64, "eval_reward": 0.625,
+                "eval_prompts": 8, "eval_rewards/exact_answer/mean": 0.5},
+               {"step": 3, "loss": 0.2, "tokens": 96}]
+    progress = Progress(load_config(None, ["train.max_steps=3"]), enabled=False)
+    progress.close()
+    summary = progress.summary(tmp_path, history, torch.device("cpu"), _HeldOut())
+    assert (summary["eval_reward"], summary["eval_prompts"], summary["eval_step"],
+            summary["eval_note"]) == (0.625, 8, 2, None)
+    line = next(x for x in summary_lines(summary) if x.startswith("  eval reward"))
+    assert line.endswith("0.6250 (8 held-out prompts, greedy, at step 2)")
+    assert not any(x.startswith("  eval loss") for x in summary_lines(summary))
