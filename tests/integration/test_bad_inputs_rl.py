@@ -135,6 +135,9 @@ TABLE = [
     Bad("a reward file that fails as it loads", [*PROMPTS, "rl.rewards={tmp}/r.py:f"],
         r"^rl\.rewards: loading .*r\.py failed: ImportError: no such module$",
         setup=steps(GOOD_PROMPTS, write("r.py", "raise ImportError('no such module')\n"))),
+    Bad("a reward file that exits as it loads", [*PROMPTS, "rl.rewards={tmp}/r.py:f"],
+        r"^rl\.rewards: loading .*r\.py failed: SystemExit: 0$",
+        setup=steps(GOOD_PROMPTS, write("r.py", "import sys\nsys.exit(0)\n"))),
 ]
 
 
@@ -152,11 +155,20 @@ def test_rl_input_is_refused_in_one_line(row, bad_input_assets, tmp_path, capsys
      r"reward flaky: nan is not a finite number or None \(for completion 0, prompt 'say "),
     ("raise KeyError('tests')", r"reward flaky: raised KeyError: 'tests' \(for completion 0, "
                                 r"prompt 'say "),
+    ("raise SystemExit(0)", r"reward flaky: raised SystemExit: 0 \(for completion 0, prompt "),
+    ("raise BaseException('odd')", r"reward flaky: raised BaseException: odd \(for "),
+    ("return {i: 1.0 for i in range(len(completions))}",
+     r"reward flaky: returned \{0: 1\.0, 1: 1\.0, 2: 1\.0, 3: 1\.0\}, not a list"),
+    ("return [10 ** 400] * len(completions)",
+     r"reward flaky: an integer of 401 digits is not a finite number or None \(for "),
+    ("return [10 ** 5000] * len(completions)",
+     r"reward flaky: an integer of more than 4300 digits is not a finite number or None"),
 ])
 def test_a_reward_that_fails_mid_run_stops_it_in_one_line_and_the_checkpoint_stays(
         bad_input_assets, tmp_path, capsys, monkeypatch, body, message):
-    """Step 1 scores, step 2's reward fails: exit 2, one line naming the function and the
-    record, and step 1's checkpoint is still there."""
+    """Step 1 scores, step 2's reward fails (raises, exits, or returns what is not a list
+    of finite numbers): exit 2, one line naming the function and the record, and step
+    1's checkpoint is still there."""
     from lmforge.cli import main
 
     monkeypatch.delenv("LMFORGE_DEBUG", raising=False)

@@ -283,3 +283,17 @@ def test_a_reward_that_changes_the_working_directory_moves_none_of_the_runs_file
     assert (run / "hf" / "config.json").is_file() and (run / "config.yaml").is_file()
     assert sorted(p.name for p in (run / "checkpoints").iterdir())[-1] == "step-0000002"
     assert list(elsewhere.iterdir()) == []
+
+
+def test_a_reward_weight_beyond_float32_trains_with_finite_rewards(setup, tmp_path):
+    """Rewards are summed in float64: a weight of 1e39 gives rewards of about 1e38 (in
+    float32, inf: every advantage NaN, nothing trained), and the group-normalised
+    advantages train as with weight 1."""
+    import math
+
+    _, history = _run(setup, tmp_path / "run", f"rl.rewards={VOWELS}",
+                      "rl.reward_weights=1e39", "train.max_steps=1", "train.eval_every=0",
+                      "data.eval_fraction=0", "optim.warmup_steps=0")
+    record = history[0]
+    assert math.isfinite(record["reward"]) and 1e36 < record["reward"] < 1e39
+    assert math.isfinite(record["rewards/vowels/mean"]) and record["grad_norm"] > 0
