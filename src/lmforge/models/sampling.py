@@ -26,15 +26,22 @@ class Sampling:
 
 
 GREEDY = Sampling()
+# The smallest temperature that samples: below it the draw is the argmax's in all but
+# name, and at the tiny end logits / T overflows float32 (|logit| / 1e-37 already does)
+# and the draw is garbage. 0 is greedy.
+MIN_TEMPERATURE = 0.01
+# Seeds are torch.Generator seeds (64 bits); a batch's rows take seed + i, so the first
+# one is kept to 63 bits and any number of rows after it still fits.
+MAX_SEED = 2**63 - 1
 
 
 def check_sampling(max_new_tokens: Optional[int], temperature: float, top_k: Optional[int],
                    top_p: Optional[float], names: Optional[dict[str, str]] = None,
                    min_p: Optional[float] = None) -> None:
     """Refuse settings that cannot sample: ``max_new_tokens`` > 0 (None: not checked),
-    ``temperature`` finite and >= 0 (0: greedy), ``top_k`` >= 0 (0 or None: every token),
-    ``top_p`` in (0, 1], ``min_p`` in [0, 1]. ``names``: how the caller spells each
-    parameter (its options)."""
+    ``temperature`` 0 (greedy) or finite and >= ``MIN_TEMPERATURE``, ``top_k`` >= 0 (0 or
+    None: every token), ``top_p`` in (0, 1], ``min_p`` in [0, 1]. ``names``: how the
+    caller spells each parameter (its options)."""
     def bad(name: str, value, rule: str) -> ValueError:
         return ValueError(f"{(names or {}).get(name, name)}: {value} {rule}")
 
@@ -42,12 +49,23 @@ def check_sampling(max_new_tokens: Optional[int], temperature: float, top_k: Opt
         raise bad("max_new_tokens", max_new_tokens, "must be > 0")
     if not math.isfinite(temperature) or temperature < 0:
         raise bad("temperature", temperature, "must be a finite number >= 0 (0: greedy)")
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise bad("temperature", temperature, f"must be 0 (greedy) or >= {MIN_TEMPERATURE} "
+                  f"(below it the draw is the argmax's but for rounding, and the logits "
+                  f"divided by a tiny one overflow float32)")
     if top_k is not None and top_k < 0:
         raise bad("top_k", top_k, "must be >= 0 (0: every token)")
     if top_p is not None and not 0 < top_p <= 1:  # also refuses nan
         raise bad("top_p", top_p, "must be in (0, 1]")
     if min_p is not None and not 0 <= min_p <= 1:
         raise bad("min_p", min_p, "must be in [0, 1] (0: off)")
+
+
+def check_seed(seed: int, name: str = "seed") -> None:
+    """Refuse a seed a generator cannot take for every row (``MAX_SEED``); ``name``: how
+    the caller spells it."""
+    if not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"{name}: {seed} must be in [0, 2**63 - 1]")
 
 
 # ----------------------------------------------------------------------------- sampling
