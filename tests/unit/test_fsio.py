@@ -371,3 +371,25 @@ def test_a_lock_file_is_never_written_through_a_link_or_into_a_fifo(tmp_path):
     assert precious.read_text() == "keep me"
     assert (tmp_path / "run.lock").is_symlink()
     assert stat.S_ISFIFO(os.lstat(tmp_path / "fifo.lock").st_mode)
+
+
+def test_a_growing_file_left_before_its_first_piece_leaves_the_old_file(tmp_path):
+    (tmp_path / "out.jsonl").write_text("old\n")
+    with pytest.raises(KeyboardInterrupt):
+        with fsio.growing_file(tmp_path / "out.jsonl"):
+            raise KeyboardInterrupt
+    assert (tmp_path / "out.jsonl").read_text() == "old\n"
+    assert names(tmp_path) == ["out.jsonl"]
+
+
+def test_a_growing_file_holds_every_piece_appended_before_it_was_left(tmp_path):
+    (tmp_path / "out.jsonl").write_text("old\n")
+    with pytest.raises(KeyboardInterrupt):
+        with fsio.growing_file(tmp_path / "out.jsonl") as out:
+            out.append(b"1\n")
+            assert (tmp_path / "out.jsonl").read_text() == "1\n"  # in place at once
+            out.append(b"2\n")
+            assert (tmp_path / "out.jsonl").read_text() == "1\n2\n"
+            raise KeyboardInterrupt
+    assert (tmp_path / "out.jsonl").read_text() == "1\n2\n"
+    assert names(tmp_path) == ["out.jsonl"]

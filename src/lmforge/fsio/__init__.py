@@ -5,11 +5,12 @@ reported.
 
 The scheme: write into a temporary sibling, fsync it, rename it into place, fsync the
 parent directory. A reader, or a run after a crash, sees the old content or the new one,
-never half of it. A directory that is replaced is first renamed aside
-(``.NAME.old-XXXXXXXX``) and a directory that is removed is renamed aside
-(``.NAME.deleting-XXXXXXXX``) before it is deleted, so a deletion cut short never leaves
-something half-deleted under the real name; ``set_aside_original`` recognises those
-leftovers for clean-up at start-up.
+never half of it (``growing_file``: a file of records that grows in place once its first
+piece is in, for a writer whose finished part must outlive a kill). A directory that is
+replaced is first renamed aside (``.NAME.old-XXXXXXXX``) and a directory that is removed
+is renamed aside (``.NAME.deleting-XXXXXXXX``) before it is deleted, so a deletion cut
+short never leaves something half-deleted under the real name; ``set_aside_original``
+recognises those leftovers for clean-up at start-up.
 
 ``FileLock`` is the one lock of a path written by one process at a time (a run directory,
 a dataset prefix): an exclusive ``flock`` on a lock file, released by the kernel when the
@@ -127,6 +128,44 @@ def atomic_file(path: str | Path) -> Iterator[IO[bytes]]:
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     with atomic_file(path) as f:
         f.write(data)
+
+
+class GrowingFile:
+    """A file written piece by piece (records as they are made) that a kill never takes
+    back: the first piece is written under a temporary name (``tmp_sibling``), fsynced
+    and renamed over ``path``, so a failure before it leaves ``path`` as it was; every
+    later piece is appended to ``path`` itself and fsynced before ``append`` returns.
+    Use ``growing_file``."""
+
+    def __init__(self, path: str | Path):
+        self.path, self.tmp = Path(path), tmp_sibling(path)
+        self.file = open(self.tmp, "xb")
+        self.placed = False
+
+    def append(self, data: bytes) -> None:
+        self.file.write(data)
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        if not self.placed:  # (the open file follows the rename: later pieces land there)
+            os.replace(self.tmp, self.path)
+            fsync_path(self.path.parent)
+            self.placed = True
+
+    def close(self) -> None:
+        self.file.close()
+        if not self.placed:
+            self.tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def growing_file(path: str | Path) -> Iterator[GrowingFile]:
+    """``with growing_file(p) as out: out.append(piece)``: ``p`` holds the pieces appended
+    so far, whatever ends the block (``GrowingFile``); nothing appended, it is untouched."""
+    out = GrowingFile(path)
+    try:
+        yield out
+    finally:
+        out.close()
 
 
 # ------------------------------------------------------------------------ directories
