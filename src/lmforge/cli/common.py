@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import os
+import select
+import sys
 from pathlib import Path
 
 from lmforge.config import DEVICES, JobConfig, describe_keys
@@ -69,3 +72,49 @@ def load_scored_model(model_dir: str, adapter: str | None, device):
         load_adapter(model, adapter)
         model.to(device)
     return model
+
+
+# ------------------------------------------------------------------- pipes (Unix tool)
+
+def note(message: str) -> None:
+    """A line for the user on stderr (progress, a summary). A reader gone from stderr
+    (``2>&1 | head -1``) ends these lines, never the command: its product is a file or
+    stdout, and it goes on making it."""
+    try:
+        print(message, file=sys.stderr, flush=True)
+    except BrokenPipeError:
+        silence(sys.stderr)
+
+
+def reader_gone() -> bool:
+    """Whether stdout's or stderr's pipe has lost its reader (``| head -c 100`` read what
+    it wanted): the one BrokenPipeError the command answers quietly; any other is a bug."""
+    for stream in (sys.stdout, sys.stderr):
+        fd = _fd(stream)
+        if fd is None:
+            continue
+        poll = select.poll()
+        poll.register(fd, select.POLLOUT)
+        if any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0)):
+            return True
+    return False
+
+
+def silence(*streams) -> None:
+    """Point ``streams``' file descriptors at /dev/null: what is still buffered for a pipe
+    with no reader (flushed at exit) then goes nowhere instead of failing."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for stream in streams:
+            fd = _fd(stream)
+            if fd is not None:
+                os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
+def _fd(stream):
+    try:
+        return stream.fileno()
+    except (AttributeError, ValueError, OSError):  # (a test's capture has none)
+        return None

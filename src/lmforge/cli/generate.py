@@ -3,23 +3,31 @@ batches into an --output JSONL file (models/generate.py's batched decoder)."""
 from __future__ import annotations
 
 import json
-import sys
+import os
 from pathlib import Path
 
 from lmforge import fsio
-from lmforge.cli.common import DEVICES
+from lmforge.cli.common import DEVICES, note
 from lmforge.config import resolve_device
 from lmforge.data.errors import DataError
+from lmforge.data.prompts import checked_prompt
 from lmforge.data.records import check_argument_text
 from lmforge.data.sft import iter_jsonl
 from lmforge.data.templates import JinjaTemplate
-from lmforge.data.tokenizer import chat_template_origin, load_tokenizer
-from lmforge.models.generate import (Sampling, check_sampling, compiled_shapes, generate,
-                                     generate_in_batches)
+from lmforge.data.tokenizer import chat_template_origin, check_fits_vocabulary, load_tokenizer
+from lmforge.models.generate import (Sampling, check_cache_fits, check_sampling,
+                                     compiled_shapes, generate, generate_in_batches)
 from lmforge.models.hf import load_hf_model, stop_token_ids
+from lmforge.models.sampling import MIN_TEMPERATURE, check_seed
 from lmforge.peft import load_adapter, merge_lora
 
 DEFAULT_NEW_TOKENS = 64
+DEFAULT_TEMPERATURE, DEFAULT_TOP_K = 0.8, 50
+# --output is written after every GROUP_BATCHES batches: a kill loses at most that many,
+# and the prompts of a group are decoded longest first (little padding per batch).
+GROUP_BATCHES = 8
+ADDED_FIELDS = ("completion", "completion_ids", "finish_reason")  # what --output adds
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
 _OPTIONS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature",
             "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p"}
 
@@ -43,7 +51,11 @@ def add_parser(sub) -> None:
                         "--chat text or a list of chat messages; needs --output")
     p.add_argument("--output", metavar="FILE.jsonl",
                    help="with --prompts: each input record, in order, plus 'completion' "
-                        "(text), 'completion_ids' and 'finish_reason' (stop or length)")
+                        "(text), 'completion_ids' and 'finish_reason' (stop or length); a "
+                        "record that already has one of these is refused. Written as the "
+                        f"batches finish ({GROUP_BATCHES} at a time), so an interrupted "
+                        "run keeps the records it finished, in order; its directory must "
+                        "exist")
     p.add_argument("--batch-size", type=int, default=8,
                    help="prompts decoded together (with --prompts)")
     p.add_argument("--chat", action="store_true",
@@ -54,11 +66,14 @@ def add_parser(sub) -> None:
                    help=f"stop after this many new tokens; prompt + these must fit the "
                         f"model's context (default: {DEFAULT_NEW_TOKENS}, or what the "
                         f"context leaves after a prompt)")
-    p.add_argument("--greedy", action="store_true", help="argmax decoding (default: sample)")
-    p.add_argument("--temperature", type=float, default=0.8,
-                   help="sampling temperature, >= 0 (lower: closer to greedy; 0: greedy)")
-    p.add_argument("--top-k", type=int, default=50,
-                   help="sample among the K most likely tokens (0: all)")
+    p.add_argument("--greedy", action="store_true",
+                   help="argmax decoding (default: sample); refused with a sampling option")
+    p.add_argument("--temperature", type=float, default=None,
+                   help=f"sampling temperature: 0 (greedy) or >= {MIN_TEMPERATURE}, the "
+                        f"floor (lower: closer to greedy; default: {DEFAULT_TEMPERATURE})")
+    p.add_argument("--top-k", type=int, default=None,
+                   help=f"sample among the K most likely tokens (0: all; default: "
+                        f"{DEFAULT_TOP_K})")
     p.add_argument("--top-p", type=float, default=None,
                    help="sample among the most likely tokens whose probabilities sum to P, "
                    "0 < P <= 1 (default: off)")
@@ -66,7 +81,8 @@ def add_parser(sub) -> None:
                    help="sample among tokens at least P times as likely as the likeliest, "
                    "0 <= P <= 1 (default: off)")
     p.add_argument("--seed", type=int, default=0,
-                   help="sampling seed (record i of --prompts samples with seed + i)")
+                   help="sampling seed, 0 to 2**63 - 1 (record i of --prompts samples with "
+                        "seed + i)")
     p.add_argument("--compile", action="store_true",
                    help="compile the one-token decode step (CUDA graphs on a GPU); pays "
                         "off on long or many generations")
@@ -77,14 +93,9 @@ def add_parser(sub) -> None:
 
 def _generate(args) -> int:
     sampling = _check_options(args)
-    records = _read_records(args.prompts) if args.prompts else None
+    records = _read_records(args.prompts, args.chat) if args.prompts else None
     device = resolve_device(args.device, "--device")
-    model = load_hf_model(args.model, device=device)
-    tokenizer = load_tokenizer(args.model)
-    stops = stop_token_ids(args.model) or tokenizer.eos_ids
-    template = _chat_template(args, tokenizer) if args.chat else None
-    if template is not None:
-        stops = stops + [template.end_of_turn_id(tokenizer)]
+    model, tokenizer, template, stops = _load(args, device)
     if records is None:
         prompts, wheres = [_encode(args.prompt, template, tokenizer)], [None]
     else:
@@ -96,27 +107,41 @@ def _generate(args) -> int:
         load_adapter(model, args.adapter)
         merge_lora(model)  # decodes as fast as the base; equal to `lmforge lora merge`'s model
         model.to(device)
+    code = 0
     if records is None:
         new = generate(model, prompts, max_new, sampling, stops, args.seed,
                        compile=args.compile)[0].ids
         reply = tokenizer.decode(new)
         print(reply if args.chat else args.prompt + reply)
-    else:
-        done = generate_in_batches(model, prompts, max_new, args.batch_size,
-                                   sampling, stops, args.seed, compile=args.compile,
-                                   progress=_progress if len(prompts) > args.batch_size
-                                   else None)
-        _write(args.output, [r for _, r in records], done, tokenizer)
+    else:  # (a cache no batch can hold is refused before --output is touched)
+        check_cache_fits(model, min(args.batch_size, len(prompts)),
+                         min(max(map(len, prompts)) + max_new, model.args.max_seq_len), device)
+        code = _write_in_groups(args, [r for _, r in records], prompts, model, tokenizer,
+                                (max_new, sampling, stops))
     if args.compile:
-        print(f"generate: the decode step compiled for {compiled_shapes()} shape(s)",
-              file=sys.stderr)
-    return 0
+        note(f"generate: the decode step compiled for {compiled_shapes()} shape(s)")
+    return code
+
+
+def _load(args, device):
+    """(model, tokenizer, chat template or None, stop ids) of --model; a tokenizer or a
+    stop id past the weights' vocabulary is refused."""
+    model = load_hf_model(args.model, device=device)
+    tokenizer = load_tokenizer(args.model)
+    check_fits_vocabulary(tokenizer, model.args.vocab_size, args.model)
+    stops = stop_token_ids(args.model, model.args.vocab_size) or tokenizer.eos_ids
+    template = _chat_template(args, tokenizer) if args.chat else None
+    if template is not None:
+        stops = stops + [template.end_of_turn_id(tokenizer)]
+    return model, tokenizer, template, stops
 
 
 def _check_options(args) -> Sampling:
     """Every option's refusal, before any file is read or the model loaded."""
-    check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p, _OPTIONS,
+    temperature, top_k = _sampling_values(args)
+    check_sampling(args.max_new_tokens, temperature, top_k, args.top_p, _OPTIONS,
                    min_p=args.min_p)
+    check_seed(args.seed, "--seed")
     if args.prompts is None and args.output is not None:
         raise ValueError("--output: goes with --prompts (a single --prompt is printed)")
     if args.prompt is not None:
@@ -126,18 +151,45 @@ def _check_options(args) -> Sampling:
             raise ValueError("--prompts: needs --output FILE.jsonl to write the completions to")
         if args.batch_size < 1:
             raise ValueError(f"--batch-size: {args.batch_size} must be >= 1")
-        fsio.check_writable(args.output, "--output")
-        fsio.check_apart(args.output, "--output", [("--prompts", args.prompts),
-                                                   ("--model", args.model),
-                                                   ("--adapter", args.adapter)])
+        _check_output(args)
     if args.greedy:
         return Sampling()
-    return Sampling(args.temperature, args.top_k or 0,
-                    1.0 if args.top_p is None else args.top_p, args.min_p or 0.0)
+    return Sampling(temperature, top_k, 1.0 if args.top_p is None else args.top_p,
+                    args.min_p or 0.0)
 
 
-def _read_records(path: str) -> list[tuple[str, dict]]:
-    """(file:line, record) of each line of --prompts; each must hold a 'prompt'."""
+def _sampling_values(args) -> tuple[float, int]:
+    """(temperature, top-k) to sample with; --greedy with any sampling option is refused:
+    one of the two would be ignored."""
+    given = [(option, value) for option, value in (
+        ("--temperature", args.temperature), ("--top-k", args.top_k),
+        ("--top-p", args.top_p), ("--min-p", args.min_p)) if value is not None]
+    if args.greedy and given:
+        option, value = given[0]
+        raise ValueError(f"--greedy contradicts {option} {value} (greedy decoding takes the "
+                         f"likeliest token; drop one)")
+    temperature = DEFAULT_TEMPERATURE if args.temperature is None else args.temperature
+    return temperature, DEFAULT_TOP_K if args.top_k is None else args.top_k
+
+
+def _check_output(args) -> None:
+    """--output names a file whose directory exists, which is none of the inputs."""
+    if args.output.endswith(("/", os.sep)):
+        raise ValueError(f"{args.output}: --output ends in '/': name the file to write")
+    parent = Path(args.output).parent
+    if not parent.exists():
+        raise FileNotFoundError(f"{args.output}: --output: the directory {parent} does not "
+                                f"exist (create it first)")
+    fsio.check_writable(args.output, "--output")
+    fsio.check_apart(args.output, "--output", [("--prompts", args.prompts),
+                                               ("--model", args.model),
+                                               ("--adapter", args.adapter)])
+
+
+def _read_records(path: str, chat: bool) -> list[tuple[str, dict]]:
+    """(file:line, record) of each line of --prompts: each holds a 'prompt' (text; with
+    --chat text or messages, checked as GRPO's prompts are) and none of the fields
+    --output adds."""
     if not Path(path).exists():
         raise FileNotFoundError(f"{path}: --prompts: no such file")
     if not Path(path).is_file():  # (a FIFO would block the read)
@@ -148,6 +200,15 @@ def _read_records(path: str) -> list[tuple[str, dict]]:
         if not isinstance(record, dict) or "prompt" not in record:
             raise DataError(f"{where}: a record needs a 'prompt' (text, or chat messages "
                             "with --chat)")
+        if chat:
+            checked_prompt(record["prompt"], where)
+        elif not isinstance(record["prompt"], str):
+            raise DataError(f"{where}: 'prompt' must be text (chat messages need --chat)")
+        taken = [name for name in ADDED_FIELDS if name in record]
+        if taken:
+            raise DataError(f"{where}: the record already has {', '.join(map(repr, taken))}, "
+                            f"which --output adds (rename it: a record's own fields are "
+                            f"never replaced)")
         records.append((where, record))
     if not records:
         raise DataError(f"{path}: --prompts holds no record (one JSON object with a "
@@ -164,18 +225,12 @@ def _chat_template(args, tokenizer) -> JinjaTemplate:
 
 def _encode(prompt, template, tokenizer, where: str = "--prompt") -> list[int]:
     """A prompt's ids: text as the tokenizer encodes it; with --chat, text as the user's
-    message or a list of messages, rendered with the generation prompt."""
+    message or a list of messages (checked by ``_read_records``), rendered with the
+    generation prompt."""
     if template is None:
-        if not isinstance(prompt, str):
-            raise DataError(f"{where}: 'prompt' must be text (chat messages need --chat)")
         ids = tokenizer.encode(prompt)
     else:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        if not (isinstance(messages, list) and messages and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str) for m in messages)):
-            raise DataError(f"{where}: 'prompt' must be text or a list of messages "
-                            "({'role': ..., 'content': ...})")
         ids = template.prompt_ids(messages, tokenizer)
     if not ids:
         raise DataError(f"{where}: the prompt encodes to no tokens")
@@ -197,15 +252,45 @@ def _check_lengths(prompts, wheres, max_new: int, context: int) -> None:
                              f"{context}; lower it to {context - len(ids)}")
 
 
-def _write(path: str, records: list[dict], done, tokenizer) -> None:
+def _write_in_groups(args, records: list[dict], prompts, model, tokenizer, how) -> int:
+    """Decode --prompts GROUP_BATCHES batches at a time, in the input's order, appending
+    each group's records to --output once it is decoded (``fsio.growing_file``: --output
+    is replaced when the first group is in, and holds every finished record from then on).
+    Record i samples with seed + i, as one call over all of them would. Ctrl-C ends the
+    command (INTERRUPTED) with the records finished so far kept."""
+    max_new, sampling, stops = how
+    group, total, written = args.batch_size * GROUP_BATCHES, len(prompts), 0
+    with fsio.growing_file(args.output) as out:
+        try:
+            for first in range(0, total, group):
+                done = generate_in_batches(
+                    model, prompts[first:first + group], max_new, args.batch_size, sampling,
+                    stops, args.seed + first, compile=args.compile,
+                    progress=_progress_after(first, total) if total > args.batch_size
+                    else None)
+                out.append(_lines(records[first:first + group], done, tokenizer))
+                written += len(done)
+        except KeyboardInterrupt:
+            note(f"lmforge: interrupted: {args.output} holds the first {written} of "
+                 f"{total} records" if written else
+                 f"lmforge: interrupted before the first records: {args.output} is as it was")
+            return INTERRUPTED
+    return 0
+
+
+def _lines(records: list[dict], done, tokenizer) -> bytes:
     lines = []
     for record, c in zip(records, done):
         out = {**record, "completion": tokenizer.decode(c.ids), "completion_ids": c.ids,
                "finish_reason": c.finish_reason}
         lines.append(json.dumps(out, ensure_ascii=False) + "\n")
-    fsio.atomic_write_bytes(path, "".join(lines).encode("utf-8"))
+    return "".join(lines).encode("utf-8")
+
+
+def _progress_after(first: int, total: int):
+    """The progress of a group whose first record is record ``first``, over all records."""
+    return lambda done, _, tokens_per_s: _progress(first + done, total, tokens_per_s)
 
 
 def _progress(done: int, total: int, tokens_per_s: float) -> None:
-    print(f"generate: {done}/{total} prompts, {tokens_per_s:,.0f} new tokens/s",
-          file=sys.stderr, flush=True)
+    note(f"generate: {done}/{total} prompts, {tokens_per_s:,.0f} new tokens/s")

@@ -45,7 +45,12 @@ def record_prompt(obj, where: str):
     if clash is not None:
         raise DataError(f"{where}: the field {clash!r} has the name of an argument every "
                         f"reward takes ({', '.join(REWARD_ARGUMENTS)}); rename it")
-    prompt = obj["prompt"]
+    return checked_prompt(obj["prompt"], where)
+
+
+def checked_prompt(prompt, where: str):
+    """A prompt as GRPO and ``lmforge generate --chat`` take it: non-blank text, or chat
+    messages (``checked_messages``' roles and order) ending with a user turn."""
     if isinstance(prompt, str):
         if not prompt.strip():
             raise DataError(f"{where}: 'prompt' is empty")

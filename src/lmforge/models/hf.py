@@ -14,8 +14,8 @@ from torch import nn
 
 from lmforge import fsio
 from lmforge.models.common import materialize
-from lmforge.models.mapping import (HFCheckpointError, check_finite, drop_tied_head,
-                                    read_json, remap_state_dict)
+from lmforge.models.mapping import (HFCheckpointError, check_finite, check_floating,
+                                    drop_tied_head, read_json, remap_state_dict)
 from lmforge.models.registry import (args_from_hf_config, build_model, family_of,
                                      hf_config_from_args, hf_names)
 
@@ -35,7 +35,8 @@ def param_shapes(args) -> dict[str, tuple[int, ...]]:
 def from_hf_state_dict(sd: dict, args, source: str = "HF state dict") -> dict:
     """HF names -> ours. Tied: ``output.weight`` is the embedding tensor itself. Buffers
     some checkpoints carry (GPT-J's causal mask) are dropped. A tensor holding NaN or Inf
-    is refused (every command that loads a model directory comes here)."""
+    is refused, and so is one that is not floating point (every command that loads a model
+    directory comes here)."""
     names = hf_names(args)
     shapes = param_shapes(args)
     ignored = family_of(args).ignored_hf_suffixes
@@ -45,7 +46,8 @@ def from_hf_state_dict(sd: dict, args, source: str = "HF state dict") -> dict:
     out = remap_state_dict(sd, {hf: ours for ours, hf in names.items()},
                            {hf: shapes[ours] for ours, hf in names.items()}, source,
                            hint=_untied_hint(args))
-    check_finite(sd, source)  # after the names: sd now holds exactly the model's tensors
+    check_floating(sd, source)  # after the names: sd now holds exactly the model's tensors
+    check_finite(sd, source)
     if args.tie_embeddings:
         out["output.weight"] = out["tok_embeddings.weight"]
     return _permute_fused(out, args, to_hf=False)
@@ -114,9 +116,11 @@ def read_model_args(model_dir: str | Path):
     return args_from_hf_config(read_hf_config(root), source=str(root / CONFIG_NAME))
 
 
-def stop_token_ids(model_dir: str | Path) -> list[int]:
+def stop_token_ids(model_dir: str | Path, vocab_size: Optional[int] = None) -> list[int]:
     """The ids generation stops on, as transformers picks them: generation_config.json's
-    ``eos_token_id`` (an id or a list), else config.json's."""
+    ``eos_token_id`` (an id or a list), else config.json's. ``vocab_size``: the weights'
+    vocabulary, which an id past it is refused against (the model never makes it, so a
+    run would never stop on it)."""
     root = Path(model_dir)
     for name in ("generation_config.json", CONFIG_NAME):
         if (root / name).is_file():
@@ -127,6 +131,10 @@ def stop_token_ids(model_dir: str | Path) -> list[int]:
                            for i in ids):
                     raise HFCheckpointError(f"{root / name}: eos_token_id: {eos!r} is not a "
                                             f"token id or a list of them")
+                past = [i for i in ids if vocab_size is not None and i >= vocab_size]
+                if past:
+                    raise HFCheckpointError(f"{root / name}: eos_token_id: {past[0]} is past "
+                                            f"the model's vocabulary of {vocab_size}")
                 return list(ids)
     return []
 

@@ -113,6 +113,15 @@ def remap_state_dict(sd: dict, names: dict[str, str], shapes: dict[str, tuple],
     return {target: sd[src] for src, target in names.items()}
 
 
+def check_floating(sd: dict, source: str) -> None:
+    """Refuse a tensor that is not floating point, naming it and its dtype: a model's
+    weights are (an integer embedding or norm cannot take the model's dtype)."""
+    name = next((k for k, v in sd.items() if not v.is_floating_point()), None)
+    if name is not None:
+        raise HFCheckpointError(f"{source}: tensor {name} is {sd[name].dtype}; a model's "
+                                f"weights are floating point")
+
+
 def check_finite(sd: dict, source: str) -> None:
     """Refuse a floating-point tensor holding NaN or Inf, naming it: a model computing with
     one generates, evaluates and fine-tunes nonsense."""
