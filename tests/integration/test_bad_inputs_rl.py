@@ -4,6 +4,9 @@ fault, before any model is built or a reward file is executed. (A reward that fa
 run time: tests/unit/train/test_rewards.py.) The harness: tests/helpers/bad_inputs.py."""
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 
 from helpers.bad_inputs import Bad, check_refused, params, steps, write
@@ -146,6 +149,58 @@ def test_rl_input_is_refused_in_one_line(row, bad_input_assets, tmp_path, capsys
                                          monkeypatch):
     monkeypatch.delenv("LMFORGE_DEBUG", raising=False)
     check_refused(row, bad_input_assets, tmp_path, capsys)
+
+
+# ------------------------------------------ a resume that changes what GRPO's loss reads
+# (as train.beta for DPO: tests/integration/test_bad_inputs_resume.py)
+GRPO_RUN = [*PROMPTS, "rl.rewards=exact_answer", "data.path={prompts}", "train.max_steps=2",
+            "train.save=false", "train.checkpoint_every=2", "data.eval_fraction=0"]
+
+
+def _grpo_run(tmp: Path, assets: dict) -> None:
+    shutil.copytree(assets["grpo_run"], tmp / "run", symlinks=True)
+
+
+def _changed(key: str, before: str, now: str) -> str:
+    return rf"^train\.resume: .*{key} is {before} in the checkpoint step-0000002 but {now} now"
+
+
+RESUME_TABLE = [
+    Bad("resume grpo with another beta", [*GRPO_RUN, "rl.beta=0.1", "train.resume=auto"],
+        _changed(r"rl\.beta", r"0\.0", r"0\.1"), setup=_grpo_run),
+    Bad("resume grpo with another temperature",
+        [*GRPO_RUN, "rl.temperature=0.5", "train.resume=auto"],
+        _changed(r"rl\.temperature", r"1\.0", r"0\.5"), setup=_grpo_run),
+    Bad("resume grpo with other rewards", [*GRPO_RUN, "rl.rewards=length", "train.resume=auto"],
+        _changed(r"rl\.rewards", r"\[exact_answer\]", r"\[length\]"), setup=_grpo_run),
+    Bad("resume grpo masking truncated completions",
+        [*GRPO_RUN, "rl.mask_truncated_completions=true", "train.resume=auto"],
+        _changed(r"rl\.mask_truncated_completions", "false", "true"), setup=_grpo_run),
+]
+
+
+@pytest.fixture(scope="module")
+def grpo_run(bad_input_assets, tmp_path_factory) -> dict:
+    """The shared assets plus ``grpo_run`` (2 GRPO steps, checkpointed at step 2) and
+    ``{prompts}``, its prompts."""
+    from lmforge.cli import main
+
+    root = tmp_path_factory.mktemp("grpo-run")
+    prompts = root / "p.jsonl"
+    prompts.write_text("".join('{"prompt": "say %d", "answer": "%d"}\n' % (i, i)
+                               for i in range(8)))
+    assets = {**bad_input_assets, "prompts": prompts, "grpo_run": root / "run"}
+    argv = [a.format(tmp=root, model=assets["model"], prompts=prompts) for a in GRPO_RUN]
+    assert main(argv) == 0
+    return assets
+
+
+@pytest.mark.parametrize("row", params(RESUME_TABLE))
+def test_a_grpo_resume_that_changes_its_loss_sampling_or_rewards_is_refused(
+        row, grpo_run, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("LMFORGE_DEBUG", raising=False)
+    capsys.readouterr()  # (the fixture's training output)
+    check_refused(row, grpo_run, tmp_path, capsys)
 
 
 @pytest.mark.parametrize("body,message", [
