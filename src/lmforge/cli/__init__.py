@@ -2,7 +2,9 @@
 family registers its subcommands (``add_parser``) and calls the library.
 
 Bad input exits with status 2 and one line saying what is wrong; set LMFORGE_DEBUG=1 for
-the full traceback.
+the full traceback. A reader that closes stdout early (``lmforge estimate --json | head
+-c 100``) ends the command quietly with status 141 (128 + SIGPIPE, what a shell reports for
+cat or seq there); one gone from stderr only silences the messages (``cli.common.note``).
 """
 from __future__ import annotations
 
@@ -14,16 +16,35 @@ from importlib.metadata import PackageNotFoundError, version
 
 from lmforge.cli import (bench_eval, data, eval_sft, evaluate, export, generate, launch, lora,
                          perf, train)
-from lmforge.cli.common import DefaultsHelpFormatter, parsers_under
+from lmforge.cli.common import (DefaultsHelpFormatter, note, parsers_under, reader_gone,
+                                silence)
 
 # Errors a user can cause and fix: reported as one line, never as a traceback.
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
                PermissionError)
+READER_GONE = 141  # the status of a command whose stdout lost its reader
 COMMAND_MODULES = (train, evaluate, eval_sft, bench_eval, generate, data, export, perf, launch,
                    lora)
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        try:
+            code = _main(argv)
+        except SystemExit as e:  # argparse's --help, --version and usage errors
+            code = e
+        sys.stdout.flush()  # (a reader gone shows here, not in the interpreter's exit)
+    except BrokenPipeError:
+        if not reader_gone():
+            raise
+        silence(sys.stdout, sys.stderr)
+        return READER_GONE
+    if isinstance(code, SystemExit):
+        raise code
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     warnings.formatwarning = plain_warning
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -62,7 +83,7 @@ def _fail(error: Exception, code: int) -> int:
     if os.environ.get("LMFORGE_DEBUG"):
         raise error
     message = " ".join(str(error).split()) or type(error).__name__
-    print(f"lmforge: error: {message}", file=sys.stderr)
+    note(f"lmforge: error: {message}")
     return code
 
 
