@@ -52,9 +52,9 @@ def add_parser(sub) -> None:
     p.add_argument("--output", metavar="FILE.jsonl",
                    help="with --prompts: each input record, in order, plus 'completion' "
                         "(text), 'completion_ids' and 'finish_reason' (stop or length); a "
-                        "record that already has one of these is refused. Written as the "
-                        f"batches finish ({GROUP_BATCHES} at a time), so an interrupted "
-                        "run keeps the records it finished, in order; its directory must "
+                        "record that already has one of these is refused. Written every "
+                        f"{GROUP_BATCHES} batches, so an interrupted run keeps the records "
+                        "it finished, in order (docs/generation.md); its directory must "
                         "exist")
     p.add_argument("--batch-size", type=int, default=8,
                    help="prompts decoded together (with --prompts)")
