@@ -47,13 +47,17 @@ def _absolute(value: Any) -> Any:
 def _absolute_rewards(value: Any) -> Any:
     """rl.rewards with each ``file.py:function``'s file absolute, in the form it was given
     (a list, or a comma-separated string); built-in names as they are."""
-    def one(name: Any) -> Any:
-        if not isinstance(name, str):
-            return name
-        path, sep, func = name.strip().rpartition(":")
-        return f"{os.path.abspath(path)}:{func}" if sep and path.endswith(".py") else name
     if isinstance(value, str):
-        return ",".join(one(v) for v in value.split(","))
+        return ",".join(absolute_reward(v) for v in value.split(","))
     if isinstance(value, list):
-        return [one(v) for v in value]
+        return [absolute_reward(v) for v in value]
     return value
+
+
+def absolute_reward(name: Any) -> Any:
+    """One rl.rewards entry: ``path/to/file.py:function`` with the file absolute; a
+    built-in name (or anything else) as it is."""
+    if not isinstance(name, str):
+        return name
+    path, sep, func = name.strip().rpartition(":")
+    return f"{os.path.abspath(path)}:{func}" if sep and path.endswith(".py") else name

@@ -10,9 +10,10 @@ every reward takes (``prompts``, ``completions``, ``completion_ids``: the fields
 as keywords beside them) is refused with ``file:line``; so is a prompt whose tokens leave
 no room for ``rl.max_completion_length`` new ones within ``data.seq_len``. A file none of
 whose records holds the field the ``exact_answer`` reward reads (``rl.answer_field``: a
-typo would score nothing, every step) is refused naming the field. The stream of samples is the records in a fresh shuffle each epoch
-(seeded by train.seed), and a sample is a record's index: a batch is its prompts' ids and
-records, which GRPO's rollout (``train/grpo.py``) turns into completions.
+typo would score nothing, every step) is refused naming the field. The stream of
+samples is the records in a fresh shuffle each epoch (seeded by train.seed), and a sample
+is a record's index: a batch is its prompts' ids and records, which GRPO's rollout
+(``train/grpo.py``) turns into completions.
 """
 from __future__ import annotations
 

@@ -3,16 +3,18 @@
 A resumed run loads the checkpoint's weights, optimizer state and data position into the
 model the new config builds, on any layout. The model (its resolved shape, family, head
 split, vocabulary, RoPE, LoRA adapters), the objective with the keys its loss reads (GRPO:
-also its sampling and its rewards, ``config.rl.LOSS_KEYS``), and the seed (the data order) must be the checkpoint's: a model with fewer layers would load
-a prefix of them, more heads would re-split the same matrices, another loss would mix two
-objectives in one run's metrics. ``check_resume`` refuses those before any compute,
-naming each key with both values. The model is compared as resolved (presets,
+also its sampling and its rewards, ``config.rl.LOSS_KEYS``), and the seed (the data
+order) must be the checkpoint's: a model with fewer layers would load a prefix of them,
+more heads would re-split the same matrices, another loss would mix two objectives in
+one run's metrics. ``check_resume`` refuses those before any compute, naming each key
+with both values. The model is compared as resolved (presets,
 ``model.init_from``'s config.json, the tokenizer's vocabulary), against what the
 checkpoint's ``meta.json`` recorded, so a shape spelled another way is the same model.
 
 Everything else is an intended change (data, learning rate, steps, layout, logging,
 checkpoint cadence, paths): ``check_resume`` returns one plain line per changed key for
-the run to print.
+the run to print. Paths are compared absolute (as a run makes them at start), so one
+spelled relative in an older checkpoint's config.yaml is not a change.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from lmforge.config import OBJECTIVE_KEYS, ConfigError, JobConfig, objective_nam
 from lmforge.config.errors import show_name
 from lmforge.config.keys import RL_OBJECTIVES
 from lmforge.config.rl import LOSS_KEYS as RL_LOSS_KEYS
+from lmforge.config.paths import with_absolute_paths
 from lmforge.config.rl import comparable_rewards
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.job import Job
@@ -187,8 +190,10 @@ def _free_differences(saved: Optional[dict], now: dict) -> list[tuple]:
 
 
 def _flat(cfg: JobConfig, keys=None) -> dict:
+    """``cfg``'s keys as comparable values: its paths absolute (as a run makes them at
+    start; a checkpoint's config.yaml may hold them as given) and its rewards as lists."""
     flat = comparable_rewards({f"{section}.{key}": value
-                               for section, values in cfg.to_dict().items()
+                               for section, values in with_absolute_paths(cfg).to_dict().items()
                                for key, value in values.items()})
     return flat if keys is None else {k: flat[k] for k in keys}
 

@@ -137,3 +137,15 @@ def test_a_grpo_resume_takes_rewards_spelled_another_way_and_announces_other_key
                          path)
     assert lines == ["resume: rl.max_completion_length changed from 128 to 64 (checkpoint "
                      "step-0000004)"]
+
+
+def test_a_reward_file_named_relative_before_and_absolute_now_is_the_same_reward(
+        tmp_path, monkeypatch):
+    """A run makes its paths absolute at start (config/paths.py); a checkpoint whose
+    config.yaml names the reward file and the data as given (relative) continues under
+    them, with nothing to announce."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "r.py").write_text("def f(prompts, completions, **kw): return []\n")
+    path = _checkpoint(tmp_path, _job(*GRPO[:3], "rl.rewards=exact_answer,r.py:f"))
+    assert check_resume(_job(*GRPO[:2], f"data.path={tmp_path}/p.jsonl",
+                             f"rl.rewards=exact_answer,{tmp_path}/r.py:f"), path) == []
