@@ -2,7 +2,7 @@
 mixed-precision CPU run trained, exported, then died in the end-of-run sample, whose packed
 decode was handed autocast's half-precision input for an fp32 packed weight): `lmforge
 train` through its held-out eval, export and sample; `lmforge generate` on half-precision
-weights; a GRPO step, whose rollout and scoring share the decoder."""
+weights and with --dtype; a GRPO step, whose rollout and scoring share the decoder."""
 import subprocess
 import sys
 
@@ -45,8 +45,8 @@ def _generate(*args) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
-def test_generate_decodes_half_precision_weights(mixed_run, tmp_path):
-    _, out, proc = mixed_run
+def test_generate_decodes_half_precision_weights_and_under_dtype(mixed_run, tmp_path):
+    dtype, out, proc = mixed_run
     _no_traceback(proc)
     half = tmp_path / "half"
     half.mkdir()
@@ -59,10 +59,12 @@ def test_generate_decodes_half_precision_weights(mixed_run, tmp_path):
               half / "model.safetensors", metadata={"format": "pt"})
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "alpha beta"}\n{"prompt": "tensor"}\n')
-    got = _generate("--model", str(half), "--prompts", str(prompts), "--output",
-                    str(tmp_path / "o.jsonl"), "--max-new-tokens", "6", "--greedy")
-    _no_traceback(got)
-    assert len((tmp_path / "o.jsonl").read_text().splitlines()) == 2
+    for model, extra in ((half, []), (out / "hf", ["--dtype", dtype])):
+        written = tmp_path / f"o-{model.name}.jsonl"
+        got = _generate("--model", str(model), "--prompts", str(prompts), "--output",
+                        str(written), "--max-new-tokens", "6", "--greedy", *extra)
+        _no_traceback(got)
+        assert len(written.read_text().splitlines()) == 2
 
 
 def test_a_bf16_grpo_step_rolls_out_scores_and_trains(tmp_path):

@@ -91,7 +91,7 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]],
     was_training = model.training
     model.eval()
     try:
-        with _grad_off(model, compile), _packed(model, rows, compile):
+        with _grad_off(model, compile), packed_for_decode(model, rows, compile):
             return _decode(model, prompts, limits, sampling, stops, seeds, compile,
                            sync_every, group)
     finally:
@@ -117,7 +117,7 @@ def generate_in_batches(model: nn.Module, prompts: Sequence[Sequence[int]],
     order = sorted(range(n), key=lambda i: -len(prompts[i]))
     out: list[Optional[Completion]] = [None] * n
     began = time.perf_counter()
-    with _packed(model, min(batch_size, n), compile):  # (once, not per batch)
+    with packed_for_decode(model, min(batch_size, n), compile):  # (once, not per batch)
         _each_batch(model, prompts, limits, stops, order, batch_size, sampling, seed, compile,
                     out, progress, began)
     return out
@@ -151,9 +151,11 @@ def _grad_off(model: nn.Module, compile: bool):
     return torch.inference_mode()
 
 
-def _packed(model: nn.Module, rows: int, compile: bool):
+def packed_for_decode(model: nn.Module, rows: int, compile: bool):
     """The eager CPU decode reads its linear weights packed (``models.packed_linear``);
-    the compiled step keeps them as they are (the compiler cannot trace a packed tensor)."""
+    the compiled step keeps them as they are (the compiler cannot trace a packed tensor).
+    A caller that decodes in several calls packs once around them all: the calls inside
+    find the layers packed and leave them so."""
     if compile:
         return contextlib.nullcontext(0)
     device = next(model.parameters()).device
