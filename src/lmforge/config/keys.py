@@ -33,6 +33,12 @@ OBJECTIVE_KEYS = {"train.beta": ("dpo", "ipo", "simpo"),
                   "train.reference": ("dpo", "ipo")}  # (simpo and orpo have no reference)
 
 # A numeric key's range, by the words its error and --help show.
+# The smallest sampling temperature but 0 (greedy): below it the draw is the argmax's but
+# for rounding, and logits / T overflow float32 (models/sampling.py says more). rl.temperature
+# and `lmforge generate --temperature` keep to it alike.
+MIN_TEMPERATURE = 0.01
+SAMPLING_TEMPERATURE = f">= {MIN_TEMPERATURE}"
+
 BOUNDS: dict[str, Callable[[Any], bool]] = {
     "> 0": lambda v: v > 0,
     "> 0, or auto": lambda v: v == AUTO or v > 0,
@@ -46,6 +52,7 @@ BOUNDS: dict[str, Callable[[Any], bool]] = {
     "in [0, 1]": lambda v: 0 <= v <= 1,
     "in [0, 1)": lambda v: 0 <= v < 1,
     "in [0, 0.5)": lambda v: 0 <= v < 0.5,
+    SAMPLING_TEMPERATURE: lambda v: v >= MIN_TEMPERATURE,
 }
 
 

@@ -11,7 +11,8 @@ from typing import Any, Optional
 from lmforge.config.checks import validate
 from lmforge.config.errors import show
 from lmforge.config.keys import (DEVICES, PREFERENCE_OBJECTIVES, RL_LOSS_TYPES,
-                                 RL_OBJECTIVES, RL_SCALE_REWARDS, IntOrAuto, key)
+                                 RL_OBJECTIVES, RL_SCALE_REWARDS, SAMPLING_TEMPERATURE,
+                                 IntOrAuto, key)
 
 CHAT_TEMPLATES = ("auto", "chatml", "plain", "llama2", "llama3")
 QUANTIZE_FORMATS = ("nf4", "int8")  # lora.quantize: storage of a frozen (QLoRA) base
@@ -340,7 +341,8 @@ class RLConfig:
                                      "512; a prompt has data.seq_len minus this)",
                                      bound="> 0")
     temperature: float = key(1.0, "sampling temperature (the log-probabilities the loss "
-                             "uses are of the same tempered distribution)", bound="> 0")
+                             "uses are of the same tempered distribution)",
+                             bound=SAMPLING_TEMPERATURE)
     top_p: float = key(1.0, "nucleus sampling's probability mass", bound="in (0, 1]")
     beta: float = key(0.0, "weight of the KL to the reference model (0: no reference)",
                       bound=">= 0")

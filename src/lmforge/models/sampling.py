@@ -8,6 +8,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from lmforge.config.keys import MIN_TEMPERATURE
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -26,10 +28,10 @@ class Sampling:
 
 
 GREEDY = Sampling()
-# The smallest temperature that samples: below it the draw is the argmax's in all but
-# name, and at the tiny end logits / T overflows float32 (|logit| / 1e-37 already does)
-# and the draw is garbage. 0 is greedy.
-MIN_TEMPERATURE = 0.01
+# MIN_TEMPERATURE (config.keys, where rl.temperature's bound reads it too): the smallest
+# temperature that samples. Below it the draw is the argmax's in all but name, and at the
+# tiny end logits / T overflows float32 (|logit| / 1e-37 already does) and the draw is
+# garbage. 0 is greedy.
 # Seeds are torch.Generator seeds (64 bits); a batch's rows take seed + i, so the first
 # one is kept to 63 bits and any number of rows after it still fits.
 MAX_SEED = 2**63 - 1
