@@ -5,6 +5,9 @@ Bad input exits with status 2 and one line saying what is wrong; set LMFORGE_DEB
 the full traceback. A reader that closes stdout early (``lmforge estimate --json | head
 -c 100``) ends the command quietly with status 141 (128 + SIGPIPE, what a shell reports for
 cat or seq there); one gone from stderr only silences the messages (``cli.common.note``).
+Ctrl-C ends a command with one line and status 130 (128 + SIGINT); `train` stops its steps
+as SIGTERM does (a checkpoint, status 75), `generate --prompts` keeps the records it
+finished.
 """
 from __future__ import annotations
 
@@ -16,8 +19,8 @@ from importlib.metadata import PackageNotFoundError, version
 
 from lmforge.cli import (bench_eval, data, eval_sft, evaluate, export, generate, launch, lora,
                          perf, train)
-from lmforge.cli.common import (DefaultsHelpFormatter, note, parsers_under, reader_gone,
-                                silence)
+from lmforge.cli.common import (INTERRUPTED, DefaultsHelpFormatter, note, parsers_under,
+                                reader_gone, silence)
 
 # Errors a user can cause and fix: reported as one line, never as a traceback.
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
@@ -53,6 +56,9 @@ def _main(argv: list[str] | None) -> int:
         return 2
     try:
         return args.func(args) or 0
+    except KeyboardInterrupt:  # (Ctrl-C where the command has no handler of its own)
+        note("lmforge: interrupted")
+        return INTERRUPTED
     except USER_ERRORS as e:
         return _fail(e, 2)
     except FloatingPointError as e:  # train.on_nonfinite=stop: the run diverged

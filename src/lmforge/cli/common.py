@@ -11,6 +11,8 @@ from lmforge.config import DEVICES, JobConfig, describe_keys
 from lmforge.models.hf import load_hf_model
 from lmforge.peft.adapters import load_adapter
 
+INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a command Ctrl-C ended
+
 
 def config_and_overrides(config: str | None, overrides: list[str]) -> tuple[str | None, list]:
     """``lmforge CMD [CONFIG.yaml] [key=value ...]``: a first argument that is an override

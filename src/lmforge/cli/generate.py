@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from lmforge import fsio
-from lmforge.cli.common import DEVICES, note
+from lmforge.cli.common import DEVICES, INTERRUPTED, note
 from lmforge.config import resolve_device
 from lmforge.data.errors import DataError
 from lmforge.data.prompts import checked_prompt
@@ -29,7 +29,6 @@ DEFAULT_TEMPERATURE, DEFAULT_TOP_K = 0.8, 50
 # and the prompts of a group are decoded longest first (little padding per batch).
 GROUP_BATCHES = 8
 ADDED_FIELDS = ("completion", "completion_ids", "finish_reason")  # what --output adds
-INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
 _OPTIONS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature",
             "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p"}
 
