@@ -90,19 +90,9 @@ def test_the_weights_are_packed_once_for_every_group(bad_input_assets, tmp_path,
                                                      monkeypatch):
     """--prompts decodes in groups of batches; the CPU decode's packed weights are made
     once for all of them, not once a group."""
-    import contextlib
+    from helpers.packing import record_packings
 
-    import lmforge.models.generate as decoder
-    from lmforge.models.packed_linear import packed_linears
-
-    packed = []
-
-    @contextlib.contextmanager
-    def recording(model, rows, budget):
-        with packed_linears(model, rows, budget) as n:
-            packed.append(n)
-            yield n
-    monkeypatch.setattr(decoder, "packed_linears", recording)
+    packed = record_packings(monkeypatch)
     _prompts(tmp_path / "p.jsonl", 20)  # (batch 1: groups of 8, so three groups)
     assert main(["generate", "--model", str(bad_input_assets["model"]), "--prompts",
                  str(tmp_path / "p.jsonl"), "--batch-size", "1", "--max-new-tokens", "2",

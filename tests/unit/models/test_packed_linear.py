@@ -3,14 +3,13 @@ forward, only plain fp32 linears packed, everything put back after, nothing pack
 copy would not fit, and one packing per ``generate_in_batches`` call; under CPU autocast
 (a bf16 or fp16 run's end-of-run sample) packed in autocast's dtype where this CPU can,
 and a call in another dtype than the packed one runs the plain forward."""
-import contextlib
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import lmforge.models.generate as gen
+from helpers.packing import record_packings
 from helpers.tiny_models import tiny_llama_args
 from lmforge.models.generate import Sampling, generate, generate_in_batches
 from lmforge.models.llama import build_llama, materialize
@@ -80,14 +79,7 @@ def test_nothing_is_packed_when_the_copy_would_not_fit():
 
 def test_generate_in_batches_packs_the_weights_once(monkeypatch):
     model = _model()
-    packed = []
-
-    @contextlib.contextmanager
-    def recording(model, rows, budget):
-        with packed_linears(model, rows, budget) as n:
-            packed.append(n)
-            yield n
-    monkeypatch.setattr(gen, "packed_linears", recording)
+    packed = record_packings(monkeypatch)
     generate_in_batches(model, PROMPTS * 3, 4, batch_size=4)
     linears = sum(type(m) is nn.Linear for m in model.modules())
     assert packed == [linears, 0, 0, 0]  # (the batches find them packed already)
