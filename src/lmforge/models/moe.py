@@ -54,8 +54,7 @@ class MoEArgs:
     dim: int  # hidden_size
     n_experts: int  # num_experts (Qwen3-MoE), num_local_experts, n_routed_experts
     top_k: int  # num_experts_per_tok
-    ffn_dim: int  # one expert's width: moe_intermediate_size (Mixtral, gpt-oss:
-    #               intermediate_size)
+    ffn_dim: int  # an expert's width: moe_intermediate_size; Mixtral, gpt-oss: intermediate_size
     router: str = "softmax_topk"  # one of ROUTERS
     norm_topk_prob: bool = True  # the k chosen weights rescaled to sum to 1
     router_bias: bool = False  # gpt-oss: the router's linear has a bias
@@ -154,6 +153,7 @@ class Router(nn.Module):
         self.bias = nn.Parameter(torch.empty(args.n_experts)) if args.router_bias else None
         if args.router == "sigmoid_group_topk":
             # A buffer, not a parameter: update_correction_bias sets it, not the optimizer.
+            # Keep it fp32 when the model is cast: bf16 rounds its 0.001 steps away.
             self.register_buffer("e_score_correction_bias",
                                  torch.zeros(args.n_experts, dtype=torch.float32))
 
@@ -202,8 +202,8 @@ def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
 
 def tokens_per_expert(indices: torch.Tensor, n_experts: int) -> torch.Tensor:
     """(experts,) how many of the (token, k) assignments in ``indices`` each expert got.
-    A scatter, not ``bincount``: a fixed output shape, so it runs on the meta device,
-    under fake tensors and in a compiled graph."""
+    A scatter, not ``bincount``, whose output shape depends on the values (no meta
+    kernel, a graph break under ``torch.compile``)."""
     flat = indices.flatten()
     return flat.new_zeros(n_experts).scatter_add_(0, flat, torch.ones_like(flat))
 
@@ -213,7 +213,13 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
     """Each row of ``x`` times its expert's weight (out x in): x (assignments, in) sorted
     by expert, ``counts`` (experts,) rows per expert, ``experts`` (assignments,) each
     row's expert. One ``torch._grouped_mm`` where it runs, else one padded batched
-    product (each expert's rows padded to the busiest expert's count)."""
+    product (each expert's rows padded to the busiest expert's count: a device sync, and
+    up to n_experts times the rows' memory when one expert takes them all). Under
+    autocast both run in its dtype, as a ``bmm`` would (``_grouped_mm`` is not on
+    autocast's list: it would run fp32, or fail on bf16 rows and fp32 weights)."""
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, weight = x.to(dtype), weight.to(dtype)
     if grouped_mm_supported(x.device.type, x.dtype):
         ends = counts.cumsum(0).to(torch.int32)  # (experts,) each group's end row
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=ends)  # (assignments, out)
@@ -269,7 +275,7 @@ class GroupedExperts(nn.Module):
         if self.down_proj_bias is not None:
             y = y + self.down_proj_bias[experts]
         y = y * weights.flatten()[order].unsqueeze(-1).to(y.dtype)
-        return x.new_zeros(x.shape).index_add(0, tokens, y)  # (tokens, dim)
+        return x.new_zeros(x.shape).index_add(0, tokens, y.to(x.dtype))  # (tokens, dim)
 
     def activate(self, h: torch.Tensor) -> torch.Tensor:
         if self.args.activation == "clamped_swiglu":

@@ -208,6 +208,22 @@ def test_grouped_experts_equal_per_assignment_loop_values_and_gradients(product,
     assert (got_grads[2][~idle] != 0).any(dim=(1, 2)).all()
 
 
+def test_bf16_autocast_takes_bf16_rows_on_fp32_weights(product):
+    """The training loop's mixed precision: fp32 weights, autocast, and rows that an
+    earlier autocast op made bf16. ``_grouped_mm`` is not on autocast's list (mixed dtypes
+    fail), so the block casts for it."""
+    args = MoEArgs(dim=DIM, n_experts=EXPERTS, top_k=2, ffn_dim=16, n_shared_experts=1)
+    block = MoE(args)
+    block.reset_parameters(0.1)
+    x = torch.randn(2, 5, DIM)
+    want, _ = block(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, _ = block(x.bfloat16())
+    torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.02)
+    got.float().square().sum().backward()
+    assert block.experts.gate_up_proj.grad.dtype == torch.float32
+
+
 def test_router_and_shared_experts_receive_gradients():
     args = MoEArgs(dim=DIM, n_experts=EXPERTS, top_k=2, ffn_dim=FFN, n_shared_experts=1)
     block = MoE(args)
