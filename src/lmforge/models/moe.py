@@ -222,7 +222,10 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
         x, weight = x.to(dtype), weight.to(dtype)
     if grouped_mm_supported(x.device.type, x.dtype):
         ends = counts.cumsum(0).to(torch.int32)  # (experts,) each group's end row
-        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=ends)  # (assignments, out)
+        y = torch._grouped_mm(x, weight.transpose(-2, -1), offs=ends)  # (assignments, out)
+        if y.requires_grad:  # its backward refuses an expanded gradient (a plain .sum()'s)
+            y.register_hook(torch.Tensor.contiguous)
+        return y
     starts = counts.cumsum(0) - counts  # (experts,)
     slot = torch.arange(x.shape[0], device=x.device) - starts[experts]  # (assignments,)
     padded = x.new_zeros(weight.shape[0], int(counts.max()), x.shape[1])  # (experts, most, in)

@@ -208,6 +208,16 @@ def test_grouped_experts_equal_per_assignment_loop_values_and_gradients(product,
     assert (got_grads[2][~idle] != 0).any(dim=(1, 2)).all()
 
 
+def test_an_expanded_gradient_reaches_the_grouped_product(product):
+    """A plain ``.sum()`` sends back a gradient of stride 0, which ``_grouped_mm``'s
+    backward refuses unless it is made contiguous."""
+    x = torch.randn(5, DIM, requires_grad=True)
+    weight = torch.randn(2, FFN, DIM, requires_grad=True)
+    counts, experts = torch.tensor([2, 3]), torch.tensor([0, 0, 1, 1, 1])
+    moe.grouped_linear(x, weight, counts, experts).sum().backward()
+    torch.testing.assert_close(weight.grad[0], x[:2].sum(0).expand(FFN, DIM))
+
+
 def test_bf16_autocast_takes_bf16_rows_on_fp32_weights(product):
     """The training loop's mixed precision: fp32 weights, autocast, and rows that an
     earlier autocast op made bf16. ``_grouped_mm`` is not on autocast's list (mixed dtypes
