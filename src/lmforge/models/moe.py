@@ -18,6 +18,9 @@ DeepSeek-V3    sigmoid_group_topk   n_groups, topk_groups, norm_topk_prob,
                                     routed_scaling_factor, n_shared_experts
 =============  ===================  ===============================================
 
+Mixtral's ``router_jitter_noise`` (training-time noise on the router's input, 0 in the
+released configs) is not modelled: a family should refuse a config that sets it.
+
 Weight layout (the block's own names are transformers 5's for Qwen3-MoE, Mixtral and
 DeepSeek-V3, so their mapping is the identity; ``moe_hf.from_hf`` converts gpt-oss's and
 the per-expert checkpoint files'):

@@ -117,8 +117,8 @@ def test_routing_and_output_equal_transformers_block(case):
 
 
 def test_deepseek_correction_bias_changes_the_choice_but_not_the_weights():
-    """The parity case above would pass with the bias ignored if it never mattered: here
-    a large bias on expert 5 makes every token choose it, weighted by its raw score."""
+    """A large bias on expert 5 makes every token choose it, while its weight stays its
+    uncorrected sigmoid score."""
     args = MoEArgs(dim=DIM, n_experts=EXPERTS, top_k=2, ffn_dim=FFN,
                    router="sigmoid_group_topk", n_groups=4, topk_groups=2,
                    norm_topk_prob=False)
