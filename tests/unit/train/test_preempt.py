@@ -15,8 +15,18 @@ from lmforge.train.preempt import StopSignals
 tiny_corpus = runs.tiny_corpus  # the session fixture
 
 
+@pytest.fixture
+def ctrl_c_handled():
+    """SIGINT as an interactive Python has it (a KeyboardInterrupt): a test runner started
+    in a script's background inherits it ignored, which StopSignals rightly leaves be."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM, signal.SIGINT])
-def test_a_stop_signal_sets_the_flag_and_the_loop_stops_after_its_step(signum):
+def test_a_stop_signal_sets_the_flag_and_the_loop_stops_after_its_step(signum,
+                                                                      ctrl_c_handled):
     before = signal.getsignal(signum)
     with StopSignals(torch.device("cpu")) as stop:
         assert not stop.should_stop(1) and stop.stopped_at is None
@@ -27,7 +37,7 @@ def test_a_stop_signal_sets_the_flag_and_the_loop_stops_after_its_step(signum):
     assert signal.getsignal(signum) == before
 
 
-def test_a_second_ctrl_c_is_an_interrupt_at_once():
+def test_a_second_ctrl_c_is_an_interrupt_at_once(ctrl_c_handled):
     with StopSignals(torch.device("cpu")) as stop:
         os.kill(os.getpid(), signal.SIGINT)
         assert stop.received == signal.SIGINT
