@@ -50,7 +50,15 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+# make test-long: variants of a layout make test keeps one of (zero-2 beside zero-3, tp
+# without sp beside tp with sp, GPipe and interleaved beside 1F1B, the 4-process meshes
+# beside pp x dp), kept out of make test's 15 minutes
+LONG_LAYOUTS = ("fsdp_zero2_dp2", "tp2_no_sp", "pp2_gpipe", "pp2_interleaved", "hsdp_2x2",
+                "dp2_tp2")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.long] if n in LONG_LAYOUTS
+                                               else []) for n in LAYOUTS])
 def test_layout_matches_single_process(setup, name):
     root, base, (ref_losses, ref_weights) = setup
     nproc, layout = LAYOUTS[name]

@@ -68,7 +68,8 @@ def test_tensor_and_sequence_parallel_over_two_ranks_equals_one_process(inputs, 
     _close(read_metrics(two), read_metrics(one))
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.long)])  # (2: 19 s,
+# make test-long; the killed-and-requeued run below covers two processes in make test)
 def test_a_preference_run_stopped_and_resumed_logs_the_uninterrupted_losses(inputs, tmp_path,
                                                                           nproc):
     layout = ["parallel.dp_shard=2"] if nproc == 2 else []

@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.long  # (30 s: make test-long)
 def test_flex_needs_less_memory_than_the_dense_mask_for_a_packed_row(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "bench" / "attention_memory.py"), "--seq",
                     "4096", "--json", str(tmp_path / "r.json")], check=True, timeout=600,

@@ -24,6 +24,7 @@ def test_bench_train_step_reports_lmforge_against_the_reference(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # (12 s: make test-long)
 def test_bench_low_memory_and_chunked_loss_options_run(tmp_path):
     out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, str(BENCH), "--preset", "debug", "--device", "cpu",

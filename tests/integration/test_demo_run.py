@@ -14,7 +14,7 @@ from lmforge.data.tokenizer import load_tokenizer
 
 from helpers.hf_models import load_reference
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # (a minute: make test-long)
 STEPS = 100
 
 

@@ -13,7 +13,7 @@ from helpers.real_tokenizers import save_tokenizer
 from helpers.hf_models import load_reference
 from helpers.runs import read_metrics, run_lmforge
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # (15 s: make test-long)
 RECIPE = "configs/gptj-6b-finetune.yaml"
 
 

@@ -75,6 +75,7 @@ def test_gpu_check_starts_nothing_past_its_budget_and_writes_the_report_anyway(t
 
 
 @pytest.mark.slow
+@pytest.mark.long  # (20 s: make test-long)
 def test_gpu_check_profile_path_writes_where_the_time_goes(tmp_path):
     """--only profile: torch.profiler over the compiled path's last steps (CPU activities
     here); the report lists the 15 operators with the most time and the shares of matmul,

@@ -103,6 +103,7 @@ def mlflow_server(tmp_path):
     proc.wait(timeout=30)
 
 
+@pytest.mark.long  # (25 s with its server: make test-long)
 def test_an_mlflow_server_gets_a_2_process_runs_metrics_from_rank_0_alone(
         tiny_corpus, tmp_path, mlflow_server):
     run_dir = tmp_path / "x"
