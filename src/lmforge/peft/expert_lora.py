@@ -1,0 +1,255 @@
+"""LoRA on an MoE block's grouped experts: one low-rank update per expert on the stacked
+3-D weights ``experts.gate_up_proj`` (experts, 2 ffn, dim) and ``experts.down_proj``
+(experts, dim, ffn), the math of peft's ``LoraConfig(target_parameters=[...])``
+(``lora.ParamWrapper``, peft 0.21) on transformers 5's fused experts::
+
+    W'_e = W_e + scaling * B_e A_e        A_e: (rank, in)  B_e: (out, rank), each expert e
+    scaling = alpha / rank    (rsLoRA: alpha / sqrt(rank))
+
+A is Kaiming-uniform and B zero at initialisation, so a fresh adapter changes nothing.
+Dropout is refused, as peft refuses it: it would act on the expert's input, which the
+folded weight ``W + BA`` never sees separately.
+
+``apply_expert_lora`` swaps ``moe.experts`` for ``LoraGroupedExperts``, which keeps the
+base weights (and gpt-oss's biases, which LoRA leaves alone) at their names, so base
+checkpoints load unchanged, and holds the adapters beside them::
+
+    experts.lora.gate_up_proj.lora_a   (experts, rank, dim)
+    experts.lora.gate_up_proj.lora_b   (experts, 2 ffn, rank)
+    experts.lora.down_proj.lora_a      (experts, rank, ffn)
+    experts.lora.down_proj.lora_b      (experts, dim, rank)
+
+(one expert per row of dim 0, so expert parallelism shards adapters as it shards weights).
+
+peft stores the same numbers differently: per target, ``lora_A.weight`` (experts * rank,
+in) expert-major (row e * rank + i is expert e's i-th row of A), ``lora_B.weight`` (out,
+rank * experts) expert-minor (column i * experts + e is expert e's i-th column of B); the
+wrappers nest, one per targeted parameter in the module's registration order, so every
+target but the last gains a ``base_layer.`` per later one, e.g. for Qwen3-MoE with both::
+
+    base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight   gate_up_proj
+    base_model.model.model.layers.0.mlp.experts.lora_A.weight              down_proj
+
+``to_peft`` / ``from_peft`` convert (names and layout) for the layouts whose expert
+weights are transformers' own (Qwen3-MoE, Mixtral, DeepSeek-V3: ``moe_hf``'s ``fused``);
+gpt-oss's transposed, interleaved layout is not mapped yet.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from lmforge.models.moe import GroupedExperts, MoE, grouped_linear, tokens_per_expert
+from lmforge.peft.adapter_spec import PEFT_PREFIX
+from lmforge.peft.lora import is_lora_param
+
+EXPERT_TARGETS = ("gate_up_proj", "down_proj")  # the registration order peft nests by
+
+
+class ExpertLora(nn.Module):
+    """The adapters of one stacked expert weight (experts, out, in)."""
+
+    def __init__(self, n_experts: int, out_features: int, in_features: int, rank: int,
+                 alpha: float, rslora: bool = False, device=None, dtype=None):
+        super().__init__()
+        self.rank, self.alpha, self.rslora = rank, float(alpha), rslora
+        self.lora_a = nn.Parameter(torch.empty(n_experts, rank, in_features,
+                                               device=device, dtype=dtype))
+        self.lora_b = nn.Parameter(torch.empty(n_experts, out_features, rank,
+                                               device=device, dtype=dtype))
+        if not self.lora_a.is_meta:
+            self.reset_parameters()
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """peft's kaiming_uniform_(a=sqrt(5)) on its (experts * rank, in) A draws from
+        U(-1/sqrt(in), 1/sqrt(in)); on our 3-D A, kaiming would take rank * in as the
+        fan-in, so the bound is written out."""
+        bound = 1.0 / math.sqrt(self.lora_a.shape[-1])
+        nn.init.uniform_(self.lora_a, -bound, bound)
+        nn.init.zeros_(self.lora_b)
+
+    def adapted(self, weight: torch.Tensor) -> torch.Tensor:
+        """weight + scaling * B A per expert, in the weight's dtype, as peft folds it
+        (``_LoraFactorsProxy``: one baddbmm, autocast off)."""
+        a, b = self.lora_a.to(weight.dtype), self.lora_b.to(weight.dtype)
+        with torch.autocast(weight.device.type, enabled=False):
+            return torch.baddbmm(weight, b, a, alpha=self.scaling)  # (experts, out, in)
+
+    def delta(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """scaling * B A, the (experts, out, in) update merging adds."""
+        return torch.bmm(self.lora_b.to(dtype), self.lora_a.to(dtype)) * self.scaling
+
+    def extra_repr(self) -> str:
+        return f"rank={self.rank}, alpha={self.alpha:g}, rslora={self.rslora}"
+
+
+class LoraGroupedExperts(GroupedExperts):
+    """``GroupedExperts`` whose chosen stacked weights carry per-expert LoRA adapters
+    (``lora``: target name -> ``ExpertLora``).
+
+    Each forward folds the adapters into a fresh copy of the targeted stack (one tensor of
+    the stack's size per target, and its gradient in the backward), as peft's ParamWrapper
+    does; computing x A_e^T then B_e as two rank-wide grouped products would avoid that
+    copy but needs torch._grouped_mm to take rank-wide operands (CUDA wants 16-byte
+    aligned strides, which small ranks in bf16 are not): left for when it is measured."""
+
+    @classmethod
+    def from_experts(cls, experts: GroupedExperts, targets: Sequence[str], rank: int,
+                     alpha: float, rslora: bool = False) -> "LoraGroupedExperts":
+        """Wrap ``experts``, reusing its parameter tensors (no copy; meta stays meta)."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.args = experts.args
+        for name, param in experts.named_parameters(recurse=False):
+            setattr(new, name, param)
+        for name in ("gate_up_proj_bias", "down_proj_bias"):
+            if getattr(experts, name) is None:
+                setattr(new, name, None)
+        new.lora = nn.ModuleDict()
+        for name in EXPERT_TARGETS:  # peft's nesting order, whatever order was asked
+            if name in targets:
+                weight = getattr(experts, name)
+                n_experts, out_features, in_features = weight.shape
+                new.lora[name] = ExpertLora(n_experts, out_features, in_features, rank,
+                                            alpha, rslora, device=weight.device,
+                                            dtype=weight.dtype)
+        return new
+
+    def weight_of(self, name: str) -> torch.Tensor:
+        """The stacked weight ``name`` as the forward uses it: adapted where targeted."""
+        weight = getattr(self, name)
+        return self.lora[name].adapted(weight) if name in self.lora else weight
+
+    def forward(self, x: torch.Tensor, indices: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:
+        """``GroupedExperts.forward`` with the adapted weights (a test holds the two
+        equal when B is zero)."""
+        flat = indices.flatten()  # (assignments,) = tokens * top_k
+        order = flat.argsort(stable=True)  # assignments grouped by expert, tokens in order
+        experts = flat[order]  # (assignments,)
+        counts = tokens_per_expert(flat, self.args.n_experts)  # (experts,)
+        tokens = order // indices.shape[1]  # (assignments,) the token each one reads
+        h = grouped_linear(x[tokens], self.weight_of("gate_up_proj"), counts,
+                           experts)  # (assignments, 2 ffn)
+        if self.gate_up_proj_bias is not None:
+            h = h + self.gate_up_proj_bias[experts]
+        h = self.activate(h)  # (assignments, ffn)
+        y = grouped_linear(h, self.weight_of("down_proj"), counts, experts)  # (assignments, dim)
+        if self.down_proj_bias is not None:
+            y = y + self.down_proj_bias[experts]
+        y = y * weights.flatten()[order].unsqueeze(-1).to(y.dtype)
+        return x.new_zeros(x.shape).index_add(0, tokens, y.to(x.dtype))  # (tokens, dim)
+
+
+# ------------------------------------------------------------------------ block API
+
+def apply_expert_lora(moe: MoE, targets: Sequence[str] = EXPERT_TARGETS, rank: int = 8,
+                      alpha: float = 16.0, dropout: float = 0.0,
+                      rslora: bool = False) -> LoraGroupedExperts:
+    """Swap ``moe.experts`` for a ``LoraGroupedExperts`` adapting ``targets`` and freeze
+    every other parameter of the block (router, expert weights and biases, shared
+    experts; LoRA layers' own ``lora_a``/``lora_b`` stay trainable). Returns the new
+    experts module."""
+    targets = tuple(targets)
+    bad = [t for t in targets if t not in EXPERT_TARGETS]
+    if bad or not targets:
+        raise ValueError(f"expert LoRA targets: {bad[0] if bad else 'none given'!r} is not "
+                         f"one of {', '.join(EXPERT_TARGETS)}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+        raise ValueError(f"expert LoRA rank: must be a positive integer, got {rank!r}")
+    if dropout:
+        raise ValueError(f"expert LoRA dropout: {dropout} is not supported on grouped "
+                         f"experts (the adapter is folded into the weight, so the input "
+                         f"cannot be dropped for it alone; peft refuses it likewise)")
+    if not isinstance(getattr(moe, "experts", None), GroupedExperts):
+        raise ValueError(f"apply_expert_lora: {type(moe).__name__} has no GroupedExperts "
+                         f"at .experts")
+    if isinstance(moe.experts, LoraGroupedExperts):
+        raise ValueError("apply_expert_lora: the experts already have LoRA adapters")
+    moe.experts = LoraGroupedExperts.from_experts(moe.experts, targets, rank, alpha, rslora)
+    for name, param in moe.named_parameters():
+        param.requires_grad_(is_lora_param(name))
+    return moe.experts
+
+
+@torch.no_grad()
+def merge_expert_lora(moe: MoE) -> GroupedExperts:
+    """Add every adapter into its stacked weight (in fp32, cast back to the weight's
+    dtype) and put a plain ``GroupedExperts`` holding the same parameters back in place:
+    the block's state dict is the base model's again. Returns the new experts module."""
+    lora_experts = moe.experts
+    if not isinstance(lora_experts, LoraGroupedExperts):
+        raise ValueError("merge_expert_lora: the experts have no LoRA adapters")
+    for name, adapter in lora_experts.lora.items():
+        weight = getattr(lora_experts, name)
+        weight.add_(adapter.delta(torch.float32).to(weight.dtype))
+    plain = GroupedExperts.__new__(GroupedExperts)
+    nn.Module.__init__(plain)
+    plain.args = lora_experts.args
+    for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+        setattr(plain, name, getattr(lora_experts, name))
+    moe.experts = plain
+    return plain
+
+
+# ------------------------------------------------------------------- peft's names
+
+def peft_names(targets: Sequence[str], prefix: str) -> dict[str, str]:
+    """Our block-level adapter names -> peft's keys, for the block at ``prefix`` (its
+    HF module name with a trailing dot, e.g. ``model.layers.0.mlp.``). Pure: names only."""
+    present = [t for t in EXPERT_TARGETS if t in targets]
+    names = {}
+    for i, target in enumerate(present):
+        module = PEFT_PREFIX + prefix + "experts" + ".base_layer" * (len(present) - 1 - i)
+        names[f"experts.lora.{target}.lora_a"] = f"{module}.lora_A.weight"
+        names[f"experts.lora.{target}.lora_b"] = f"{module}.lora_B.weight"
+    return names
+
+
+def _targets_in(sd: dict[str, torch.Tensor]) -> list[str]:
+    return [t for t in EXPERT_TARGETS if f"experts.lora.{t}.lora_a" in sd]
+
+
+def to_peft(sd: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """One block's adapters (our names, as ``experts.lora.<target>.lora_a``) in peft's
+    keys and layout: A (experts, rank, in) -> (experts * rank, in); B (experts, out,
+    rank) -> (out, rank * experts), expert-minor."""
+    names = peft_names(_targets_in(sd), prefix)
+    out = {}
+    for ours, theirs in names.items():
+        t = sd[ours]
+        if ours.endswith("lora_a"):
+            out[theirs] = t.reshape(-1, t.shape[-1]).contiguous()  # (experts * rank, in)
+        else:
+            b = t.permute(1, 2, 0)  # (out, rank, experts): experts the fastest
+            out[theirs] = b.flatten(1).contiguous()  # (out, rank * experts)
+    return out
+
+
+def from_peft(sd: dict[str, torch.Tensor], prefix: str, n_experts: int,
+              targets: Sequence[str] = EXPERT_TARGETS) -> dict[str, torch.Tensor]:
+    """``to_peft``'s inverse for the block at ``prefix``: peft's keys for ``targets``
+    (all must be there; other keys are ignored) in our names and layout."""
+    out = {}
+    for ours, theirs in peft_names(targets, prefix).items():
+        if theirs not in sd:
+            raise ValueError(f"{theirs}: missing from the peft state dict (targets "
+                             f"{', '.join(targets)})")
+        t = sd[theirs]
+        if t.ndim != 2 or (t.shape[0] if ours.endswith("lora_a") else t.shape[1]) % n_experts:
+            raise ValueError(f"{theirs}: shape {tuple(t.shape)} does not split into "
+                             f"{n_experts} experts")
+        if ours.endswith("lora_a"):
+            out[ours] = t.reshape(n_experts, -1, t.shape[-1]).contiguous()  # (experts, rank, in)
+        else:
+            b = t.unflatten(1, (-1, n_experts))  # (out, rank, experts)
+            out[ours] = b.permute(2, 0, 1).contiguous()  # (experts, out, rank)
+    return out
