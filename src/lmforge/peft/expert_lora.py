@@ -20,6 +20,8 @@ checkpoints load unchanged, and holds the adapters beside them::
     experts.lora.down_proj.lora_b      (experts, dim, rank)
 
 (one expert per row of dim 0, so expert parallelism shards adapters as it shards weights).
+On a meta block, call ``init_expert_lora`` after ``to_empty``; ``merge_expert_lora`` adds
+the updates into the weights and puts a plain ``GroupedExperts`` back.
 
 peft stores the same numbers differently: per target, ``lora_A.weight`` (experts * rank,
 in) expert-major (row e * rank + i is expert e's i-th row of A), ``lora_B.weight`` (out,
@@ -178,6 +180,16 @@ def apply_expert_lora(moe: MoE, targets: Sequence[str] = EXPERT_TARGETS, rank: i
     for name, param in moe.named_parameters():
         param.requires_grad_(is_lora_param(name))
     return moe.experts
+
+
+@torch.no_grad()
+def init_expert_lora(module: nn.Module) -> int:
+    """A uniform, B zero in every expert adapter under ``module`` (after ``to_empty`` of
+    a block the adapters were added to on the meta device). Returns how many."""
+    adapters = [m for m in module.modules() if isinstance(m, ExpertLora)]
+    for adapter in adapters:
+        adapter.reset_parameters()
+    return len(adapters)
 
 
 @torch.no_grad()

@@ -13,7 +13,8 @@ from lmforge.models import moe_hf
 from lmforge.models.moe import MoE, MoEArgs
 from lmforge.peft import expert_lora
 from lmforge.peft.expert_lora import (LoraGroupedExperts, apply_expert_lora, from_peft,
-                                      merge_expert_lora, peft_names, to_peft)
+                                      init_expert_lora, merge_expert_lora, peft_names,
+                                      to_peft)
 
 DIM, FFN, EXPERTS, TOP_K, RANK, ALPHA = 16, 12, 4, 2, 2, 6.0  # 2 FFN != DIM, RANK != EXPERTS
 # (FFN 12, not 6: torch._grouped_mm wants 16-byte strides, so FFN * 4 bytes % 16 == 0)
@@ -200,6 +201,32 @@ def test_fresh_adapter_is_the_base_block():
         want = moe(x)[0]
         apply_expert_lora(moe, rank=RANK, alpha=ALPHA)
         torch.testing.assert_close(moe(x)[0], want, rtol=0, atol=0)
+
+
+def test_meta_block_takes_adapters_then_initialises_as_peft_does():
+    """Adapters added on the meta device reuse the base tensors; after to_empty,
+    init_expert_lora draws A from peft's U(-1/sqrt(in), 1/sqrt(in)) and zeroes B, so
+    the block is the base block."""
+    with torch.device("meta"):
+        moe = MoE(MoEArgs(dim=DIM, n_experts=EXPERTS, top_k=TOP_K, ffn_dim=FFN))
+    base = dict(moe.named_parameters())
+    apply_expert_lora(moe, rank=RANK, alpha=ALPHA)
+    assert all(p.is_meta for p in moe.parameters())
+    assert {n: p for n, p in moe.named_parameters() if ".lora." not in n} == base
+    moe.to_empty(device="cpu")
+    torch.manual_seed(0)
+    moe.reset_parameters(0.3)
+    assert init_expert_lora(moe) == 2
+    for name, in_features in (("gate_up_proj", DIM), ("down_proj", FFN)):
+        adapter = moe.experts.lora[name]
+        assert adapter.lora_a.abs().max() <= in_features ** -0.5
+        assert adapter.lora_a.abs().max() > 0.5 * in_features ** -0.5
+        assert not adapter.lora_b.any()
+    x = _x()
+    with torch.no_grad():
+        adapted = moe(x)[0]
+        merge_expert_lora(moe)
+        torch.testing.assert_close(moe(x)[0], adapted, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("targets", [("gate_up_proj", "down_proj"), ("down_proj",)])
