@@ -160,11 +160,11 @@ def apply_expert_lora(moe: MoE, targets: Sequence[str] = EXPERT_TARGETS, rank: i
     every other parameter of the block (router, expert weights and biases, shared
     experts; LoRA layers' own ``lora_a``/``lora_b`` stay trainable). Returns the new
     experts module."""
-    targets = tuple(targets)
+    targets = (targets,) if isinstance(targets, str) else tuple(targets)
     bad = [t for t in targets if t not in EXPERT_TARGETS]
     if bad or not targets:
-        raise ValueError(f"expert LoRA targets: {bad[0] if bad else 'none given'!r} is not "
-                         f"one of {', '.join(EXPERT_TARGETS)}")
+        what = f"{bad[0]!r} is not" if bad else "none given; each must be"
+        raise ValueError(f"expert LoRA targets: {what} one of {', '.join(EXPERT_TARGETS)}")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
         raise ValueError(f"expert LoRA rank: must be a positive integer, got {rank!r}")
     if dropout:

@@ -253,6 +253,9 @@ def test_merge_equals_adapted_forward_and_leaves_gpt_oss_biases_alone(targets):
 def test_bad_requests_are_refused_naming_what_is_wrong():
     with pytest.raises(ValueError, match="'up_proj'"):
         apply_expert_lora(_block(), targets=("gate_up_proj", "up_proj"))
+    with pytest.raises(ValueError, match="none given"):
+        apply_expert_lora(_block(), targets=())
+    assert sorted(apply_expert_lora(_block(), targets="down_proj").lora) == ["down_proj"]
     with pytest.raises(ValueError, match="dropout"):
         apply_expert_lora(_block(), dropout=0.1)
     with pytest.raises(ValueError, match="rank"):
