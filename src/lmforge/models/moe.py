@@ -223,7 +223,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
     if torch.is_autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
         x, weight = x.to(dtype), weight.to(dtype)
-    if grouped_mm_supported(x.device.type, x.dtype):
+    if grouped_mm_supported(x.device.type, x.dtype) and _aligned(x, weight):
         ends = counts.cumsum(0).to(torch.int32)  # (experts,) each group's end row
         y = torch._grouped_mm(x, weight.transpose(-2, -1), offs=ends)  # (assignments, out)
         if y.requires_grad:  # its backward refuses an expanded gradient (a plain .sum()'s)
@@ -234,6 +234,13 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
     padded = x.new_zeros(weight.shape[0], int(counts.max()), x.shape[1])  # (experts, most, in)
     padded = padded.index_put((experts, slot), x)
     return torch.bmm(padded, weight.transpose(1, 2))[experts, slot]  # (assignments, out)
+
+
+def _aligned(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes these operands: it needs every row stride
+    a multiple of 16 bytes (an fp32 width of 6 is refused; real models' widths are
+    multiples of 64), which the cached probe's 16-wide tensors cannot tell."""
+    return all(n * x.element_size() % 16 == 0 for n in (x.shape[1], weight.shape[1]))
 
 
 def swiglu(h: torch.Tensor) -> torch.Tensor:
@@ -273,15 +280,21 @@ class GroupedExperts(nn.Module):
         experts = flat[order]  # (assignments,)
         counts = tokens_per_expert(flat, self.args.n_experts)  # (experts,)
         tokens = order // indices.shape[1]  # (assignments,) the token each one reads
-        h = grouped_linear(x[tokens], self.gate_up_proj, counts, experts)  # (assignments, 2 ffn)
+        h = grouped_linear(x[tokens], self.weight_of("gate_up_proj"), counts,
+                           experts)  # (assignments, 2 ffn)
         if self.gate_up_proj_bias is not None:
             h = h + self.gate_up_proj_bias[experts]
         h = self.activate(h)  # (assignments, ffn)
-        y = grouped_linear(h, self.down_proj, counts, experts)  # (assignments, dim)
+        y = grouped_linear(h, self.weight_of("down_proj"), counts, experts)  # (assignments, dim)
         if self.down_proj_bias is not None:
             y = y + self.down_proj_bias[experts]
         y = y * weights.flatten()[order].unsqueeze(-1).to(y.dtype)
         return x.new_zeros(x.shape).index_add(0, tokens, y.to(x.dtype))  # (tokens, dim)
+
+    def weight_of(self, name: str) -> torch.Tensor:
+        """The stacked weight ``name`` as the forward multiplies by it (an adapter's
+        subclass, ``peft.expert_lora``, returns it adapted)."""
+        return getattr(self, name)
 
     def activate(self, h: torch.Tensor) -> torch.Tensor:
         if self.args.activation == "clamped_swiglu":

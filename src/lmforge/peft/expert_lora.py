@@ -44,7 +44,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from lmforge.models.moe import GroupedExperts, MoE, grouped_linear, tokens_per_expert
+from lmforge.models.moe import GroupedExperts, MoE
 from lmforge.peft.adapter_spec import PEFT_PREFIX
 from lmforge.peft.lora import is_lora_param
 
@@ -129,26 +129,6 @@ class LoraGroupedExperts(GroupedExperts):
         """The stacked weight ``name`` as the forward uses it: adapted where targeted."""
         weight = getattr(self, name)
         return self.lora[name].adapted(weight) if name in self.lora else weight
-
-    def forward(self, x: torch.Tensor, indices: torch.Tensor,
-                weights: torch.Tensor) -> torch.Tensor:
-        """``GroupedExperts.forward`` with the adapted weights (a test holds the two
-        equal when B is zero)."""
-        flat = indices.flatten()  # (assignments,) = tokens * top_k
-        order = flat.argsort(stable=True)  # assignments grouped by expert, tokens in order
-        experts = flat[order]  # (assignments,)
-        counts = tokens_per_expert(flat, self.args.n_experts)  # (experts,)
-        tokens = order // indices.shape[1]  # (assignments,) the token each one reads
-        h = grouped_linear(x[tokens], self.weight_of("gate_up_proj"), counts,
-                           experts)  # (assignments, 2 ffn)
-        if self.gate_up_proj_bias is not None:
-            h = h + self.gate_up_proj_bias[experts]
-        h = self.activate(h)  # (assignments, ffn)
-        y = grouped_linear(h, self.weight_of("down_proj"), counts, experts)  # (assignments, dim)
-        if self.down_proj_bias is not None:
-            y = y + self.down_proj_bias[experts]
-        y = y * weights.flatten()[order].unsqueeze(-1).to(y.dtype)
-        return x.new_zeros(x.shape).index_add(0, tokens, y.to(x.dtype))  # (tokens, dim)
 
 
 # ------------------------------------------------------------------------ block API

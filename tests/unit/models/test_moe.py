@@ -218,6 +218,21 @@ def test_an_expanded_gradient_reaches_the_grouped_product(product):
     torch.testing.assert_close(weight.grad[0], x[:2].sum(0).expand(FFN, DIM))
 
 
+@pytest.mark.parametrize("width", [6, 10], ids=["ffn-6", "dim-10"])
+def test_widths_grouped_mm_refuses_take_the_padded_product(width):
+    """``torch._grouped_mm`` wants 16-byte row strides (fp32: widths that 4 divides);
+    the cached probe cannot see that, so other widths take the padded product."""
+    torch.manual_seed(4)
+    x = torch.randn(5, width, requires_grad=True)
+    weight = torch.randn(2, 8, width, requires_grad=True)
+    counts, experts = torch.tensor([2, 3]), torch.tensor([0, 0, 1, 1, 1])
+    got = moe.grouped_linear(x, weight, counts, experts)
+    want = torch.cat([x[:2] @ weight[0].T, x[2:] @ weight[1].T])
+    torch.testing.assert_close(got, want)
+    got.sum().backward()
+    torch.testing.assert_close(weight.grad[1], x[2:].sum(0).expand(8, width))
+
+
 def test_bf16_autocast_takes_bf16_rows_on_fp32_weights(product):
     """The training loop's mixed precision: fp32 weights, autocast, and rows that an
     earlier autocast op made bf16. ``_grouped_mm`` is not on autocast's list (mixed dtypes

@@ -193,7 +193,7 @@ def test_only_adapters_train_and_get_gradients():
 
 
 def test_fresh_adapter_is_the_base_block():
-    """B zero: the adapted forward (our copy of GroupedExperts.forward) is the base one."""
+    """B zero: the adapted forward (GroupedExperts.forward over weight_of) is the base one."""
     moe = _block(router="topk_softmax", router_bias=True, activation="clamped_swiglu",
                  expert_bias=True, swiglu_limit=1.0)
     x = _x()
