@@ -76,6 +76,7 @@ def test_a_resumed_run_counts_the_positions_of_the_uninterrupted_one(setup):
     _same_run(read_metrics(root / "resumed"), reference)
 
 
+@pytest.mark.long  # (16 s: make test-long; the resumed position count below stays)
 def test_batches_grouped_by_length_train_alike_on_two_ranks_and_across_a_resume(setup):
     """data.group_by_length reorders the samples by (seed, epoch, global batch) alone:
     two ranks (no accumulation) and a resumed run train like one uninterrupted process

@@ -60,6 +60,7 @@ def assert_mlflow_holds(client, run, run_dir: Path) -> None:
     assert run.data.params["optim.lr"] == str(load_config(str(run_dir / "config.yaml")).optim.lr)
 
 
+@pytest.mark.long  # (16 s: make test-long; the other MLflow and wandb tests stay)
 def test_mlflow_holds_every_metric_the_config_summary_and_plots_across_a_resume(
         tiny_corpus, tmp_path):
     run_dir = tmp_path / "runs" / "x"
