@@ -46,7 +46,7 @@ from torch import nn
 
 from lmforge.models.moe import GroupedExperts, MoE
 from lmforge.peft.adapter_spec import PEFT_PREFIX
-from lmforge.peft.lora import is_lora_param
+from lmforge.peft.lora import is_lora_param, lora_scaling
 
 EXPERT_TARGETS = ("gate_up_proj", "down_proj")  # the registration order peft nests by
 
@@ -67,7 +67,7 @@ class ExpertLora(nn.Module):
 
     @property
     def scaling(self) -> float:
-        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+        return lora_scaling(self.alpha, self.rank, self.rslora)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -41,6 +41,12 @@ from lmforge.peft.targets import model_projections, resolve_targets
 LORA_PARAM_NAMES = ("lora_a", "lora_b")
 
 
+def lora_scaling(alpha: float, rank: int, rslora: bool) -> float:
+    """The factor of B A: alpha / rank, or rsLoRA's alpha / sqrt(rank) (peft's rule, for
+    linear layers and grouped experts alike)."""
+    return alpha / (math.sqrt(rank) if rslora else rank)
+
+
 class LoraError(ValueError):
     """A LoRA request cannot be honoured; the message names the field or module."""
 
@@ -94,7 +100,7 @@ class LoraLinear(nn.Linear):
 
     @property
     def scaling(self) -> float:
-        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+        return lora_scaling(self.alpha, self.rank, self.rslora)
 
     @torch.no_grad()
     def reset_lora_parameters(self) -> None:

@@ -28,8 +28,8 @@ from lmforge.checkpoint import (CheckpointError, latest_checkpoint, read_job_con
 from lmforge.config import OBJECTIVE_KEYS, ConfigError, JobConfig, objective_name, show
 from lmforge.config.errors import show_name
 from lmforge.config.keys import RL_OBJECTIVES
-from lmforge.config.rl import LOSS_KEYS as RL_LOSS_KEYS
 from lmforge.config.paths import with_absolute_paths
+from lmforge.config.rl import LOSS_KEYS as RL_LOSS_KEYS
 from lmforge.config.rl import comparable_rewards
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.job import Job
