@@ -54,21 +54,22 @@ class KVCache:
     decoder sets, so that one compiled graph serves every position, and the whole buffer
     is returned (a static shape; ``DecodeMask`` hides the columns not yet written)."""
     k: torch.Tensor  # (batch, kv_heads, max_len, head_dim)
-    v: torch.Tensor
+    v: torch.Tensor  # (batch, kv_heads, max_len, v_head_dim): MLA's differs from the keys'
     length: int = 0
     columns: Optional[torch.Tensor] = None  # (seq,) long: the static cache's write columns
 
     @classmethod
     def empty(cls, args, batch: int, max_len: int, device, dtype) -> "KVCache":
         shape = (batch, args.n_kv_heads, max_len, args.head_dim)
+        v_shape = (*shape[:3], _v_head_dim(args))
         return cls(torch.zeros(shape, device=device, dtype=dtype),
-                   torch.zeros(shape, device=device, dtype=dtype))
+                   torch.zeros(v_shape, device=device, dtype=dtype))
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if k.shape[1] != self.k.shape[1]:  # (once, at the first write)
             # Tensor parallelism: this rank computes only its share of the kv heads.
             self.k = self.k.new_zeros(self.k.shape[0], k.shape[1], *self.k.shape[2:])
-            self.v = self.v.new_zeros(self.k.shape)
+            self.v = self.v.new_zeros(self.v.shape[0], v.shape[1], *self.v.shape[2:])
         if self.columns is not None:
             self.k.index_copy_(2, self.columns, k.to(self.k.dtype))
             self.v.index_copy_(2, self.columns, v.to(self.v.dtype))
@@ -84,7 +85,13 @@ class KVCache:
     @staticmethod
     def bytes_per_token(args, dtype: torch.dtype) -> int:
         """One row's keys and values of one position, over every layer."""
-        return 2 * args.n_layers * args.n_kv_heads * args.head_dim * dtype.itemsize
+        return (args.n_layers * args.n_kv_heads * (args.head_dim + _v_head_dim(args))
+                * dtype.itemsize)
+
+
+def _v_head_dim(args) -> int:
+    """The values' head dim: the keys' unless the args say otherwise (MLA's ``v_head_dim``)."""
+    return getattr(args, "v_head_dim", None) or args.head_dim
 
 
 # A gated MLP's activation by name: SwiGLU's (Llama, Mistral, Qwen, Phi-3) and GeGLU's
