@@ -96,6 +96,10 @@ class BlockSpec:
     # Per layer: "global" (causal) or "sliding" (causal within ``sliding_window``).
     attention: tuple[str, ...] = ()
     sliding_window: Optional[int] = None
+    # A mixture of experts (``models.moe.MoEArgs``) in place of the MLP on the layers
+    # ``sparse_layers`` lists; the other layers' MLP is ``shapes``' (None: dense model).
+    moe: Any = None
+    sparse_layers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,11 @@ class ModelFamily:
     # transformers' rope_scaling mapping -> the args' rope_scaling (mapping, where, the
     # model's positions), for ``model.rope_scaling``; None: the family takes no override.
     rope_scaling: Optional[Callable[[dict, str, int], Any]] = None
+    # A checkpoint's tensors in the names ``hf_names`` gives and back, where the files
+    # store them otherwise (the MoE families' per-expert tensors, stacked in memory):
+    # (HF state dict, args, source) -> state dict; (state dict, args) -> HF state dict.
+    checkpoint_in: Callable[[dict, Any, str], dict] = lambda sd, args, source: sd
+    checkpoint_out: Callable[[dict, Any], dict] = lambda sd, args: sd
     # How llama.cpp reads the family (architecture, write_hparams, tensors; see
     # models/llama/gguf.py), or why it has no GGUF form (a sentence, for the refusal).
     gguf: Any = "lmforge has no GGUF form for it"

@@ -41,6 +41,7 @@ def from_hf_state_dict(sd: dict, args, source: str = "HF state dict") -> dict:
     shapes = param_shapes(args)
     ignored = family_of(args).ignored_hf_suffixes
     sd = {k: v for k, v in sd.items() if not (ignored and k.endswith(ignored))}
+    sd = family_of(args).checkpoint_in(sd, args, source)
     sd = drop_tied_head(sd, HF_HEAD, names["tok_embeddings.weight"], args.tie_embeddings,
                         source)
     out = remap_state_dict(sd, {hf: ours for ours, hf in names.items()},
@@ -59,8 +60,9 @@ def to_hf_state_dict(sd: dict, args, source: str = "lmforge state dict") -> dict
     shapes = param_shapes(args)
     sd = drop_tied_head(sd, "output.weight", "tok_embeddings.weight", args.tie_embeddings,
                         source)
-    return remap_state_dict(_permute_fused(sd, args, to_hf=True), names,
-                            {ours: shapes[ours] for ours in names}, source)
+    hf_sd = remap_state_dict(_permute_fused(sd, args, to_hf=True), names,
+                             {ours: shapes[ours] for ours in names}, source)
+    return family_of(args).checkpoint_out(hf_sd, args)
 
 
 def fused_rows(args, name: str, to_hf: bool) -> Optional[torch.Tensor]:

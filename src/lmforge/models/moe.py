@@ -37,7 +37,6 @@ the per-expert checkpoint files'):
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence
 
@@ -46,6 +45,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmforge.models.common import GatedMLP
+from lmforge.models.grouped_mm import grouped_linear, tokens_per_expert
+
+__all__ = ["MoE", "MoEArgs", "Routing", "Router", "GroupedExperts", "grouped_linear",
+           "tokens_per_expert", "load_balancing_loss", "max_load_ratio", "take_routings",
+           "update_correction_bias"]
 
 ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_group_topk")
 ACTIVATIONS = ("swiglu", "clamped_swiglu")
@@ -181,68 +185,6 @@ class Router(nn.Module):
             nn.init.zeros_(self.e_score_correction_bias)
 
 
-# ------------------------------------------------------------------- grouped products
-
-@functools.cache
-def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether ``torch._grouped_mm`` runs forward and backward on this device type and
-    dtype (CUDA: bf16 on Hopper and later; torch 2.13's CPU: fp32 and bf16 too), probed
-    once on tiny tensors with an empty group, with gradients on even when the first call
-    comes under ``no_grad`` (evaluation), so the answer cached holds for training too."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    with torch.inference_mode(False), torch.enable_grad():
-        try:
-            x = torch.ones(3, 16, device=device_type, dtype=dtype, requires_grad=True)
-            w = torch.ones(2, 16, 16, device=device_type, dtype=dtype, requires_grad=True)
-            ends = torch.tensor([0, 3], device=device_type, dtype=torch.int32)
-            y = torch._grouped_mm(x, w.transpose(-2, -1), offs=ends)  # (3, 16)
-            y.backward(torch.ones_like(y))
-            return bool((y == 16).all() and (w.grad[0] == 0).all())
-        except (RuntimeError, NotImplementedError, TypeError, ValueError):
-            return False
-
-
-def tokens_per_expert(indices: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """(experts,) how many of the (token, k) assignments in ``indices`` each expert got.
-    A scatter, not ``bincount``, whose output shape depends on the values (no meta
-    kernel, a graph break under ``torch.compile``)."""
-    flat = indices.flatten()
-    return flat.new_zeros(n_experts).scatter_add_(0, flat, torch.ones_like(flat))
-
-
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
-                   experts: torch.Tensor) -> torch.Tensor:
-    """Each row of ``x`` times its expert's weight (out x in): x (assignments, in) sorted
-    by expert, ``counts`` (experts,) rows per expert, ``experts`` (assignments,) each
-    row's expert. One ``torch._grouped_mm`` where it runs, else one padded batched
-    product (each expert's rows padded to the busiest expert's count: a device sync, and
-    up to n_experts times the rows' memory when one expert takes them all). Under
-    autocast both run in its dtype, as a ``bmm`` would (``_grouped_mm`` is not on
-    autocast's list: it would run fp32, or fail on bf16 rows and fp32 weights)."""
-    if torch.is_autocast_enabled(x.device.type):
-        dtype = torch.get_autocast_dtype(x.device.type)
-        x, weight = x.to(dtype), weight.to(dtype)
-    if grouped_mm_supported(x.device.type, x.dtype) and _aligned(x, weight):
-        ends = counts.cumsum(0).to(torch.int32)  # (experts,) each group's end row
-        y = torch._grouped_mm(x, weight.transpose(-2, -1), offs=ends)  # (assignments, out)
-        if y.requires_grad:  # its backward refuses an expanded gradient (a plain .sum()'s)
-            y.register_hook(torch.Tensor.contiguous)
-        return y
-    starts = counts.cumsum(0) - counts  # (experts,)
-    slot = torch.arange(x.shape[0], device=x.device) - starts[experts]  # (assignments,)
-    padded = x.new_zeros(weight.shape[0], int(counts.max()), x.shape[1])  # (experts, most, in)
-    padded = padded.index_put((experts, slot), x)
-    return torch.bmm(padded, weight.transpose(1, 2))[experts, slot]  # (assignments, out)
-
-
-def _aligned(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` takes these operands: it needs every row stride
-    a multiple of 16 bytes (an fp32 width of 6 is refused; real models' widths are
-    multiples of 64), which the cached probe's 16-wide tensors cannot tell."""
-    return all(n * x.element_size() % 16 == 0 for n in (x.shape[1], weight.shape[1]))
-
-
 def swiglu(h: torch.Tensor) -> torch.Tensor:
     gate, up = h.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -321,11 +263,16 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(args)
         shared = args.n_shared_experts * args.ffn_dim
         self.shared_experts = GatedMLP(args.dim, shared, "silu") if shared else None
+        # The last forward's choice, kept for the trainer (``take_routings``): a side
+        # channel, so that a block's output stays one tensor for the stack, pipeline
+        # stages and activation checkpointing alike.
+        self.routing: Optional[Routing] = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
         """x: (..., dim), e.g. (batch, seq, dim)."""
         flat = x.reshape(-1, x.shape[-1])  # (tokens, dim)
         routing = self.gate(flat)
+        self.routing = routing
         out = self.experts(flat, routing.indices, routing.weights)  # (tokens, dim)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
@@ -344,6 +291,22 @@ class MoE(nn.Module):
 
 
 # ------------------------------------------------------------------------- balancing
+
+def take_routings(model: nn.Module) -> list[Routing]:
+    """The ``Routing`` of each MoE layer of ``model``'s last forward, in layer order,
+    forgotten by the layers (so a later forward without a reader, as generation's, holds
+    no graph); [] for a dense model."""
+    found = []
+    for module in model.modules():
+        if isinstance(module, MoE) and module.routing is not None:
+            found.append(module.routing)
+            module.routing = None
+    return found
+
+
+def is_moe(model: nn.Module) -> bool:
+    return any(isinstance(m, MoE) for m in model.modules())
+
 
 def load_balancing_loss(router_logits: Sequence[torch.Tensor], top_k: int,
                         attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -5,14 +5,57 @@ layer's ``mlp.``, which a family's ``hf.py`` prefixes and checks
 from __future__ import annotations
 
 import re
+from typing import Optional
 
 import torch
+
+from lmforge.models.mapping import HFCheckpointError
 
 HF_LAYOUTS = ("fused", "gpt_oss", "per_expert")
 _PER_EXPERT = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
-def from_hf(sd: dict[str, torch.Tensor], layout: str) -> dict[str, torch.Tensor]:
+_LAYER_MLP = re.compile(r"(model\.layers\.\d+\.mlp\.)(.+)")
+
+
+def checkpoint_from_hf(sd: dict[str, torch.Tensor], layout: str, n_experts: int,
+                       source: str) -> dict[str, torch.Tensor]:
+    """A whole checkpoint's tensors with each layer's ``model.layers.{i}.mlp.*`` through
+    ``from_hf`` (a dense layer's MLP passes unchanged); a missing expert is refused
+    naming its tensor and ``source``."""
+    out, blocks = {}, {}
+    for name, t in sd.items():
+        match = _LAYER_MLP.fullmatch(name)
+        if match is None:
+            out[name] = t
+        else:
+            blocks.setdefault(match[1], {})[match[2]] = t
+    for prefix, block in blocks.items():
+        try:
+            converted = from_hf(block, layout, n_experts)
+        except ValueError as e:
+            raise HFCheckpointError(f"{source}: {prefix}{e}") from None
+        out.update({prefix + k: v for k, v in converted.items()})
+    return out
+
+
+def checkpoint_to_hf(sd: dict[str, torch.Tensor], layout: str) -> dict[str, torch.Tensor]:
+    """``checkpoint_from_hf``'s inverse over a whole state dict in HF names."""
+    out, blocks = {}, {}
+    for name, t in sd.items():
+        match = _LAYER_MLP.fullmatch(name)
+        if match is None:
+            out[name] = t
+        else:
+            blocks.setdefault(match[1], {})[match[2]] = t
+    for prefix, block in blocks.items():
+        converted = to_hf(block, layout) if "experts.down_proj" in block else block
+        out.update({prefix + k: v for k, v in converted.items()})
+    return out
+
+
+def from_hf(sd: dict[str, torch.Tensor], layout: str,
+            n_experts: Optional[int] = None) -> dict[str, torch.Tensor]:
     """One block's Hugging Face tensors (names relative to the layer's ``mlp.``) in the
     block's own names and layout. ``layout``:
 
@@ -23,14 +66,15 @@ def from_hf(sd: dict[str, torch.Tensor], layout: str) -> dict[str, torch.Tensor]
       its bias, and ``experts.down_proj`` (experts, ffn, dim): transposed and split;
     - ``per_expert``: the checkpoint files of Qwen3-MoE and DeepSeek-V3 (Mixtral's after
       the family renames w1, w3, w2 to gate_proj, up_proj, down_proj):
-      ``experts.{e}.{gate,up,down}_proj.weight``, stacked.
+      ``experts.{e}.{gate,up,down}_proj.weight``, stacked; ``n_experts`` (when given)
+      is how many there must be.
     """
     if layout == "fused":
         return dict(sd)
     if layout == "gpt_oss":
         return {_from_gpt_oss_name(k): _from_gpt_oss(k, v) for k, v in sd.items()}
     if layout == "per_expert":
-        return _stack_experts(sd)
+        return _stack_experts(sd, n_experts)
     raise ValueError(f"layout: {layout!r} is not one of {', '.join(HF_LAYOUTS)}")
 
 
@@ -68,7 +112,8 @@ def _to_gpt_oss(name: str, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _stack_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _stack_experts(sd: dict[str, torch.Tensor],
+                   n_experts: Optional[int]) -> dict[str, torch.Tensor]:
     out, parts = {}, {}
     for name, t in sd.items():
         match = _PER_EXPERT.fullmatch(name)
@@ -77,12 +122,16 @@ def _stack_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         else:
             parts.setdefault(match[2], {})[int(match[1])] = t
     if parts:
-        n = 1 + max(max(experts) for experts in parts.values())
+        found = 1 + max(max(experts) for experts in parts.values())
+        n = found if n_experts is None else n_experts
+        if found > n:
+            raise ValueError(f"experts.{found - 1}: unexpected, with {n} experts in the "
+                             f"config")
         for proj in ("gate_proj", "up_proj", "down_proj"):
             missing = [e for e in range(n) if e not in parts.get(proj, {})]
             if missing:
                 raise ValueError(f"experts.{missing[0]}.{proj}.weight: missing, with "
-                                 f"{n} experts in the checkpoint")
+                                 f"{n} experts in the {'config' if n_experts else 'checkpoint'}")
         stacked = {p: torch.stack([parts[p][e] for e in range(n)]) for p in parts}
         out["experts.gate_up_proj"] = torch.cat((stacked["gate_proj"], stacked["up_proj"]), 1)
         out["experts.down_proj"] = stacked["down_proj"]

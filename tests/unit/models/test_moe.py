@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmforge.models import moe, moe_hf
+from lmforge.models import grouped_mm, moe, moe_hf
 from lmforge.models.moe import MoE, MoEArgs
 
 DIM, FFN, EXPERTS = 32, 12, 8  # FFN != DIM and 2 FFN != DIM: a transposed layout fails
@@ -169,10 +169,10 @@ def _reference_experts(experts: moe.GroupedExperts, x, indices, weights):
 def product(request, monkeypatch):
     """Each of the two grouped-product paths, whichever this machine would choose."""
     if request.param == "grouped_mm":
-        if not moe.grouped_mm_supported("cpu", torch.float32):
+        if not grouped_mm.grouped_mm_supported("cpu", torch.float32):
             pytest.skip("torch._grouped_mm does not run on this CPU")
     else:
-        monkeypatch.setattr(moe, "grouped_mm_supported", lambda *_: False)
+        monkeypatch.setattr(grouped_mm, "grouped_mm_supported", lambda *_: False)
     return request.param
 
 
@@ -214,7 +214,7 @@ def test_an_expanded_gradient_reaches_the_grouped_product(product):
     x = torch.randn(5, DIM, requires_grad=True)
     weight = torch.randn(2, FFN, DIM, requires_grad=True)
     counts, experts = torch.tensor([2, 3]), torch.tensor([0, 0, 1, 1, 1])
-    moe.grouped_linear(x, weight, counts, experts).sum().backward()
+    grouped_mm.grouped_linear(x, weight, counts, experts).sum().backward()
     torch.testing.assert_close(weight.grad[0], x[:2].sum(0).expand(FFN, DIM))
 
 
@@ -226,7 +226,7 @@ def test_widths_grouped_mm_refuses_take_the_padded_product(width):
     x = torch.randn(5, width, requires_grad=True)
     weight = torch.randn(2, 8, width, requires_grad=True)
     counts, experts = torch.tensor([2, 3]), torch.tensor([0, 0, 1, 1, 1])
-    got = moe.grouped_linear(x, weight, counts, experts)
+    got = grouped_mm.grouped_linear(x, weight, counts, experts)
     want = torch.cat([x[:2] @ weight[0].T, x[2:] @ weight[1].T])
     torch.testing.assert_close(got, want)
     got.sum().backward()
@@ -263,7 +263,7 @@ def test_router_and_shared_experts_receive_gradients():
 
 def test_load_statistic_is_busiest_expert_over_the_mean():
     indices = torch.tensor([[0, 1], [0, 2], [0, 1], [0, 3]])  # loads 4, 2, 1, 1 over 4 experts
-    counts = moe.tokens_per_expert(indices, 4)
+    counts = grouped_mm.tokens_per_expert(indices, 4)
     assert counts.tolist() == [4, 2, 1, 1]
     assert moe.max_load_ratio(counts).item() == pytest.approx(2.0)
     assert moe.max_load_ratio(torch.tensor([[2, 2], [4, 0]])).tolist() == [1.0, 2.0]

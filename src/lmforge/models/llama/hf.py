@@ -48,12 +48,16 @@ VARIANTS = {
     # (max_window_layers), which our one-window model cannot express: refused.
     "qwen2": Variant("Qwen2ForCausalLM", attention_bias=True, window_key="use_sliding_window"),
     "qwen3": Variant("Qwen3ForCausalLM", qk_norm=True, window_key="use_sliding_window"),
+    # The mixtures of experts with these attentions (models/qwen3_moe: their experts)
+    "qwen3_moe": Variant("Qwen3MoeForCausalLM", qk_norm=True, window_key="use_sliding_window"),
+    "mixtral": Variant("MixtralForCausalLM", window_key="sliding_window"),
 }
 
 # config.json fields each family must leave at the value our model computes with (the
 # default when absent). Qwen2 has no attention_bias key: its q/k/v biases are fixed.
 _REQUIRED = {"llama": {"attention_bias": False, "mlp_bias": False},
              "mistral": {}, "qwen2": {}, "qwen3": {"attention_bias": False},
+             "qwen3_moe": {"attention_bias": False}, "mixtral": {},
              "all": {"hidden_act": "silu"}}
 
 

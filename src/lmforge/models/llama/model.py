@@ -269,8 +269,10 @@ class TransformerBlock(nn.Module):
 
 
 class Llama(DecoderStack):
+    block_class = TransformerBlock  # (Qwen3-MoE's and Mixtral's stack swaps the block)
+
     def __init__(self, args: LlamaArgs):
-        super().__init__(args, TransformerBlock, RMSNorm(args.dim, args.norm_eps),
+        super().__init__(args, self.block_class, RMSNorm(args.dim, args.norm_eps),
                          output_bias=False)
 
     @torch.no_grad()
