@@ -17,7 +17,9 @@ Without a document mask, causal attention is SDPA's ``is_causal`` fast path what
 its own, dense for sdpa, a block mask for flex. A KV cache (generation) always takes SDPA, with a ``DecodeMask``: the decoder's rows are
 left-padded, so each row's keys start at a column of its own.
 PyTorch's FlexAttention has no backward on the CPU: there, flex is for scoring only, and
-training with it is refused (``models.presets`` checks the job).
+training with it is refused (``models.presets`` checks the job). gpt-oss's attention sinks
+(a learned logit per head in every softmax's denominator) take the SDPA path whatever the
+mask (``_sink_key``); under flex they are refused.
 """
 from __future__ import annotations
 
@@ -221,24 +223,30 @@ def _mask_mod(segments: Optional[torch.Tensor], window: Optional[int]):
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, *, past: int = 0,
-           window: Optional[int] = None, scale: Optional[float] = None) -> torch.Tensor:
+           window: Optional[int] = None, scale: Optional[float] = None,
+           sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of ``q`` (batch, heads, seq, head_dim) over ``k``, ``v`` (batch, kv heads,
     past + seq, head_dim; fewer kv heads: grouped-query attention), causal, within
     ``window`` keys (the query's own included, as transformers counts it) and within
     each document of a ``DocumentMask``; or an explicit boolean ``mask`` (True = may
-    attend). ``scale`` defaults to 1 / sqrt(head_dim). Returns (batch, heads, seq, hd)."""
+    attend). ``scale`` defaults to 1 / sqrt(head_dim). ``sinks`` (heads,): gpt-oss's
+    learned logit per head that joins every softmax's denominator (``_sink_key``).
+    Returns (batch, heads, seq, hd)."""
     batch, seq, gqa = q.shape[0], q.shape[2], q.shape[1] != k.shape[1]
     if isinstance(mask, DecodeMask):
-        return _sdpa(q, k, v, mask.dense(window, k.shape[2]), False, scale)
+        return _sdpa(q, k, v, mask.dense(window, k.shape[2]), False, scale, sinks)
     if isinstance(mask, ContextParallel):
         k, v = mask.gather(k), mask.gather(v)
-        return _sdpa(q, k, v, mask.dense(window, q.device), False, scale)
+        return _sdpa(q, k, v, mask.dense(window, q.device), False, scale, sinks)
     if isinstance(mask, DocumentMask) and past:
         raise ValueError("a DocumentMask is for a packed batch, not a KV cache")
     if isinstance(mask, DocumentMask):
         if mask.causal_only(window, seq):
             mask = None
         elif mask.kind == "flex":
+            if sinks is not None:
+                raise ValueError("model.attention: 'flex' has no attention sinks (gpt-oss); "
+                                 "use 'sdpa'")
             return _flex()(q, k, v, block_mask=mask.block_mask(window, batch, seq, q.device),
                            scale=scale, enable_gqa=gqa)
         else:
@@ -247,21 +255,46 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, *, past
         mask = sliding_window_mask(mask, seq, past, window, q.device)
     if mask is None and past > 0 and seq > 1:
         mask = causal_mask(seq, past, q.device)
-    return _sdpa(q, k, v, mask, mask is None and past == 0, scale)
+    return _sdpa(q, k, v, mask, mask is None and past == 0, scale, sinks)
 
 
-def _sdpa(q, k, v, mask, causal: bool, scale: Optional[float]) -> torch.Tensor:
+def _sdpa(q, k, v, mask, causal: bool, scale: Optional[float],
+          sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """SDPA, grouped-query where k and v have fewer heads. On CUDA no fused kernel takes
     a mask with grouped heads (flash takes no mask, the memory-efficient kernel no
     grouping), and SDPA would fall back to its math path, which keeps every score
     (seq x seq per head): there k and v are repeated to every head instead, for the
     memory-efficient kernel. The CPU's kernel takes both as they are."""
+    if sinks is not None:
+        k, v, mask = _sink_key(q, k, v, mask, causal, sinks)
+        causal = False
     gqa = q.shape[1] != k.shape[1]
     if gqa and mask is not None and q.is_cuda:
         k, v = repeat_heads(k, q.shape[1]), repeat_heads(v, q.shape[1])
         gqa = False
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                           scale=scale, enable_gqa=gqa)
+
+
+def _sink_key(q, k, v, mask, causal: bool, sinks: torch.Tensor):
+    """k and v with one more key, of zero value, that every query may see and whose score
+    is its head's sink: a float mask (0 allowed, -inf not) gives it that score, as a key
+    of zeros scores zero. The sink takes its share of each softmax and adds nothing to
+    the output (gpt-oss). The mask becomes per head and dense, so the flash path is lost:
+    (mask rows, heads, seq, keys + 1)."""
+    batch, heads, seq = q.shape[:3]
+    keys = k.shape[2]
+    if mask is None:  # causal, or every key (one query over a cache)
+        mask = (causal_mask(seq, keys - seq, q.device) if causal
+                else torch.ones(seq, keys, dtype=torch.bool, device=q.device))
+    mask = mask if mask.dim() == 4 else mask[None, None]  # (rows, 1 or heads, seq, keys)
+    rows = mask.shape[0]
+    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(
+        ~mask, float("-inf")).expand(rows, heads, seq, keys)
+    sink = sinks.to(q.dtype).view(1, heads, 1, 1).expand(rows, heads, seq, 1)
+    k = torch.cat((k, k.new_zeros(batch, k.shape[1], 1, k.shape[3])), 2)  # (b, kv, keys + 1, hd)
+    v = torch.cat((v, v.new_zeros(batch, v.shape[1], 1, v.shape[3])), 2)  # (b, kv, keys + 1, hd)
+    return k, v, torch.cat((bias, sink), dim=-1)  # (rows, heads, seq, keys + 1)
 
 
 def repeat_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
