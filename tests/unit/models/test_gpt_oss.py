@@ -6,6 +6,7 @@ tensor when their shape is not the config's; the attention sinks under a packed 
 mask and refused under flex; the presets' parameter counts."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -20,7 +21,7 @@ from lmforge.models.attention import DocumentMask, attend
 from lmforge.models.common import count_parameters
 from lmforge.models.hf import HFCheckpointError, load_hf_model, read_model_args, save_hf_model
 from lmforge.models.mxfp4 import FP4_VALUES, SCALE_BIAS
-from lmforge.models.registry import PRESETS, build_model
+from lmforge.models.registry import PRESETS, args_from_dict, build_model
 
 CONFIG = dict(num_local_experts=8, num_experts_per_tok=2, head_dim=16, intermediate_size=32,
               sliding_window=6, num_hidden_layers=3)  # sliding, global, sliding
@@ -80,6 +81,30 @@ def test_a_packed_batch_attends_within_each_document_sinks_included(hf_dir):
     packed = model(x, positions, DocumentMask(segments))
     torch.testing.assert_close(packed[:, :10], model(x[:, :10]), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(packed[:, 10:], model(x[:, 10:]), rtol=1e-5, atol=1e-5)
+
+
+def test_sinks_take_their_share_of_the_softmax_and_get_gradients():
+    """attend with sinks equals the explicit softmax over the scores and the sink (as
+    transformers' eager attention), over a cache and a window; the sinks get gradients."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, s, 8, generator=g) for h, s in ((4, 3), (2, 7), (2, 7)))
+    sinks = torch.randn(4, generator=g, requires_grad=True)
+    out = attend(q, k, v, past=4, window=5, sinks=sinks)
+    scores = q @ k.repeat_interleave(2, 1).transpose(2, 3) / 8 ** 0.5  # (2, 4, 3, 7)
+    query, key = torch.arange(4, 7)[:, None], torch.arange(7)[None]
+    scores = scores.masked_fill((key > query) | (key <= query - 5), float("-inf"))
+    probs = torch.cat((scores, sinks.view(1, 4, 1, 1).expand(2, 4, 3, 1)), -1).softmax(-1)
+    expected = probs[..., :-1] @ v.repeat_interleave(2, 1)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    grad, = torch.autograd.grad(out.square().sum(), sinks)
+    expected_grad, = torch.autograd.grad(expected.square().sum(), sinks)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-5)
+
+
+def test_args_survive_their_record():
+    for args in (PRESETS["gpt-oss-20b"], dataclasses.replace(
+            PRESETS["gpt-oss-debug"], layer_types=("global", "global"))):
+        assert args_from_dict(json.loads(json.dumps(dataclasses.asdict(args)))) == args
 
 
 def test_sinks_are_refused_under_flex():
