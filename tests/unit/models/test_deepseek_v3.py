@@ -21,7 +21,8 @@ from helpers.hf_parity import (assert_export_round_trip, assert_greedy_decode_eq
 from lmforge.config import ConfigError
 from lmforge.models.common import count_parameters, materialize
 from lmforge.models.deepseek_v3 import DeepseekV3Args
-from lmforge.models.hf import HFCheckpointError, load_hf_model, read_model_args
+from lmforge.models.hf import (HFCheckpointError, load_hf_model, read_model_args,
+                               save_hf_model)
 from lmforge.models.moe import MoE, take_routings
 from lmforge.models.presets import check_model_args
 from lmforge.models.registry import PRESETS, args_from_hf_config, build_model
@@ -160,7 +161,7 @@ def test_the_debug_preset_initialises_and_routes():
                for m in model.modules() if isinstance(m, MoE))
 
 
-# ---------------------------------------------------------------------- refusals
+# ------------------------------------------------- converted and spoiled checkpoints
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
@@ -223,6 +224,22 @@ def test_the_mtp_layers_the_config_declares_are_dropped_and_no_others(saved, tmp
     _write(path, config | {"num_nextn_predict_layers": 0}, tensors | mtp)
     with pytest.raises(HFCheckpointError, match=r"unexpected: model\.layers\.3\."):
         load_hf_model(path)
+
+
+def test_a_bf16_checkpoint_keeps_its_fp32_correction_bias_bit_for_bit(saved, tmp_path):
+    """As DeepSeek's released files: bf16 weights, the correction biases fp32."""
+    config, tensors = saved
+    bias = "e_score_correction_bias"
+    mixed = {k: v if k.endswith(bias) else v.to(torch.bfloat16) for k, v in tensors.items()}
+    model = load_hf_model(_write(tmp_path / "bf16", config | {"torch_dtype": "bfloat16"}, mixed))
+    ours = model.layers["2"].feed_forward.gate.e_score_correction_bias
+    assert model.output.weight.dtype == torch.bfloat16 and ours.dtype == torch.float32
+    assert torch.equal(ours, tensors[f"model.layers.2.mlp.gate.{bias}"])
+    save_hf_model(model, tmp_path / "out")
+    exported = load_file(tmp_path / "out" / "model.safetensors")
+    assert exported.keys() == mixed.keys()
+    assert all(exported[k].dtype == v.dtype and torch.equal(exported[k], v)
+               for k, v in mixed.items())
 
 
 def test_a_top_k_beyond_the_open_groups_is_refused_naming_the_field():

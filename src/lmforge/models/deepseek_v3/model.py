@@ -138,6 +138,20 @@ class DeepseekV3(DecoderStack):
         super().__init__(args, DeepseekV3Block, RMSNorm(args.dim, args.norm_eps),
                          output_bias=False)
 
+    def _apply(self, fn, recurse=True):
+        """As ``nn.Module``'s (``to``, ``to_empty``, ...), except that the routers'
+        correction biases stay fp32 when the model is cast, as transformers keeps them
+        and the released checkpoints store them: bf16 would round a checkpoint's values
+        and ``update_correction_bias``'s 0.001 steps away. They still move devices."""
+        before = {name: b for name, b in self.named_buffers()
+                  if name.endswith("e_score_correction_bias")}
+        super()._apply(fn, recurse)
+        for name, kept in before.items():
+            router = self.get_submodule(name.rpartition(".")[0])
+            if router.e_score_correction_bias.dtype != kept.dtype:
+                router.e_score_correction_bias = kept.to(router.e_score_correction_bias.device)
+        return self
+
 
 def attention_shapes(args: DeepseekV3Args) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of the attention's linear layers, in model order."""
