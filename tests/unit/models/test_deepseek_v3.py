@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from helpers.hf_models import random_hf_causal_lm
 from helpers.hf_parity import (assert_export_round_trip, assert_greedy_decode_equal,
-                               assert_logits_equal, tokens)
+                               assert_logits_equal, assert_lora_round_trip, tokens)
 from lmforge.config import ConfigError
 from lmforge.models.common import count_parameters, materialize
 from lmforge.models.deepseek_v3 import DeepseekV3Args
@@ -88,6 +88,16 @@ def test_export_keeps_the_checkpoint_tensors_and_loads_in_transformers(hf_dir, t
     assert "model.layers.1.mlp.experts.7.down_proj.weight" in exported
     assert "model.layers.1.mlp.gate.e_score_correction_bias" in exported
     assert read_model_args(tmp_path / "out") == read_model_args(path)
+
+
+def test_lora_on_the_default_targets_loads_in_peft(hf_dir, tmp_path):
+    """The attention's query/key/value projections (peft has no default for DeepSeek-V3)."""
+    hf_model, path = hf_dir
+    layers = assert_lora_round_trip(hf_model, path, tmp_path,
+                                    tokens(hf_model.config.vocab_size, 12), targets=None)
+    q = ("q_a_proj", "q_b_proj") if hf_model.config.q_lora_rank else ("q_proj",)
+    assert {name.rsplit(".", 1)[-1] for name in layers} == {*q, "kv_a_proj_with_mqa",
+                                                          "kv_b_proj"}
 
 
 def test_the_first_layers_are_dense_and_the_correction_bias_loads(hf_dir):
