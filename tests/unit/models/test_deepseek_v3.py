@@ -162,13 +162,17 @@ def test_args_survive_their_json_record():
         assert DeepseekV3Args.from_dict(recorded) == PRESETS[name]
 
 
-def test_the_debug_preset_initialises_and_routes():
+def test_the_debug_preset_initialises_routes_and_trains():
+    torch.manual_seed(0)  # (every expert is chosen by some token with this draw)
     model = materialize(build_model(PRESETS["deepseek-v3-debug"]), "cpu")
     logits = model(tokens(259, 16))
     assert logits.shape == (2, 16, 259) and torch.isfinite(logits).all()
     assert len(take_routings(model)) == 2  # layers 1 and 2; layer 0 is dense
     assert all(m.gate.e_score_correction_bias.abs().sum() == 0
                for m in model.modules() if isinstance(m, MoE))
+    logits.logsumexp(-1).mean().backward()
+    # (the router learns through the chosen experts' weights; the bias is a buffer)
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
 
 
 # ------------------------------------------------- converted and spoiled checkpoints
