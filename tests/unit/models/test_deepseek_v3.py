@@ -198,6 +198,7 @@ def _write(path, config, tensors):
     ("moe_layer_freq", 2, "moe_layer_freq"),
     ("num_key_value_heads", 2, "num_key_value_heads"),
     ("n_group", 3, "n_group: 3 does not split"),
+    ("first_k_dense_replace", 4, "first_k_dense_replace: 4 is more than the 3 layers"),
     ("quantization_config", V3_CONFIG["quantization_config"], r"quantization_config .*'fp8'"),
     ("rope_parameters", {"rope_type": "linear", "factor": 2.0}, "rope_type = 'linear'"),
 ])

@@ -151,7 +151,10 @@ _EXPERT_KEYS = {"n_experts": "n_routed_experts", "top_k": "num_experts_per_tok",
 
 def _check_experts(args: DeepseekV3Args, source: str) -> None:
     """The experts' shape as the MoE block checks it (groups that split the experts, a
-    top-k the open groups can give), in config.json's names."""
+    top-k the open groups can give), in config.json's names; dense layers that exist."""
+    if args.first_k_dense > args.n_layers:
+        raise HFCheckpointError(f"{source}: first_k_dense_replace: {args.first_k_dense} is "
+                                f"more than the {args.n_layers} layers (num_hidden_layers)")
     try:
         args.moe
     except ValueError as e:
