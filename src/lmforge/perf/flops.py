@@ -120,16 +120,21 @@ class Trainability:
         """Read from a built model (a ``Llama``, a pipeline stage of one, or the trainer's
         ``TrainModel`` holding ``parts``): ``requires_grad`` of each weight, and LoRA
         adapters (``lora_a``/``lora_b`` beside a projection's ``weight``, modules or
-        tensors). Parts this rank does not hold are taken to train like its norms."""
+        tensors; an MoE's ``experts.lora.<weight>``). A mixture of experts is read off its
+        first dense and first sparse layer: the router, the stacked experts and the shared
+        experts train or not under the names ``MOE_PARTS`` gives them. Parts this rank does
+        not hold are taken to train like its norms."""
         parts = list(getattr(model, "parts", None) or [model])
-        layer = next(iter(layer for part in parts for layer in part.layers.values()))
-        linears, adapters = set(), []
-        projections = family_of(parts[0].args).projections.all
-        for group in (layer.attention, layer.feed_forward):
-            for name in projections:
+        layers = [layer for part in parts for layer in part.layers.values()]
+        layer = layers[0]
+        present, linears, adapters = set(), set(), []
+        projections = family_of(parts[0].args).projections
+        for group in _projection_groups(layers):
+            for name in projections.all:
                 proj = getattr(group, name, None)
-                if proj is None:
+                if proj is None or name in present:
                     continue
+                present.add(name)
                 weight = getattr(proj, "weight", None)
                 if isinstance(weight, torch.nn.Parameter) and weight.requires_grad:
                     linears.add(name)
@@ -137,6 +142,10 @@ class Trainability:
                 if lora_a is not None:
                     a = getattr(lora_a, "weight", lora_a)
                     adapters.append((name, int(min(a.shape))))
+        moe = _moe_trainability(layers, projections.experts)
+        present |= moe[0]
+        linears |= moe[1]
+        adapters += moe[2]
         norms = layer.attention_norm.weight.requires_grad
 
         def trains(attr: str) -> bool:
@@ -148,7 +157,7 @@ class Trainability:
             return norms
 
         return cls(embedding=trains("tok_embeddings"), norms=norms, head=trains("output"),
-                   linears=None if linears == set(projections) else frozenset(linears),
+                   linears=None if linears == present else frozenset(linears),
                    adapters=tuple(adapters))
 
     def rank(self, projection: str) -> int:
@@ -156,6 +165,46 @@ class Trainability:
 
     def trains(self, projection: str) -> bool:
         return self.linears is None or projection in self.linears
+
+
+# The parts of an MoE block as Trainability names them: the router, the stacked experts
+# (the family's ``Projections.experts`` names, which LoRA targets use) and the shared
+# experts (one GatedMLP).
+ROUTER, SHARED_EXPERTS = "router", "shared_experts"
+
+
+def _projection_groups(layers: list) -> list:
+    """The attention and dense MLP of the first layer, and the first dense layer's MLP
+    when the first layer is an MoE (Qwen3-MoE's dense layers may come later)."""
+    groups = [layers[0].attention, layers[0].feed_forward]
+    dense = [lay.feed_forward for lay in layers if not hasattr(lay.feed_forward, "experts")]
+    return groups + dense[:1]
+
+
+def _moe_trainability(layers: list, expert_names: tuple) -> tuple[set, set, list]:
+    """(present, trained, adapters) of the first MoE layer among ``layers``: the router,
+    each stacked expert weight (its LoRA adapters: ``experts.lora.<weight>``, rank from
+    ``lora_a`` (experts, rank, in)) and the shared experts."""
+    moe = next((lay.feed_forward for lay in layers if hasattr(lay.feed_forward, "experts")),
+               None)
+    present, trained, adapters = set(), set(), []
+    if moe is None:
+        return present, trained, adapters
+    parts = {ROUTER: moe.gate.weight}
+    for name in expert_names:
+        parts[name] = getattr(moe.experts, name.removeprefix("experts."))
+    if getattr(moe, "shared_experts", None) is not None:
+        parts[SHARED_EXPERTS] = next(iter(moe.shared_experts.parameters()))
+    for name, weight in parts.items():
+        present.add(name)
+        if weight.requires_grad:
+            trained.add(name)
+    lora = getattr(moe.experts, "lora", None) or {}
+    for name in expert_names:
+        weight_name = name.removeprefix("experts.")
+        if weight_name in lora:
+            adapters.append((name, int(lora[weight_name].lora_a.shape[1])))
+    return present, trained, adapters
 
 
 # -------------------------------------------------------------------------- FLOPs
@@ -166,8 +215,24 @@ def projection_shapes(args: Any) -> dict[str, tuple[int, int]]:
 
 
 def matmul_params(args: Any) -> int:
-    block = sum(i * o for i, o in projection_shapes(args).values())
-    return args.n_layers * block + args.dim * args.vocab_size
+    """Weights that take part in a token's matrix multiplies: every projection and the
+    head; of an MoE layer only what a token uses (router, top_k experts, shared ones)."""
+    family = family_of(args)
+    block, mlp = family.block(args), set(family.projections.mlp)
+    attention = sum(i * o for name, (i, o) in block.shapes.items() if name not in mlp)
+    dense_mlp = sum(i * o for name, (i, o) in block.shapes.items() if name in mlp)
+    sparse = len(block.sparse_layers or ()) if block.moe is not None else 0
+    total = args.n_layers * attention + (args.n_layers - sparse) * dense_mlp
+    if sparse:
+        total += sparse * moe_active_matmul_params(block.moe)
+    return total + args.dim * args.vocab_size
+
+
+def moe_active_matmul_params(moe: Any) -> int:
+    """One MoE layer's matmul weights a token uses: the router, top_k experts and the
+    shared experts (3 x dim x ffn per expert)."""
+    expert = 3 * moe.dim * moe.ffn_dim
+    return moe.dim * moe.n_experts + (moe.top_k + moe.n_shared_experts) * expert
 
 
 @dataclass
@@ -200,18 +265,46 @@ class FlopsBreakdown:
 
 
 def _linear(fl: FlopsBreakdown, shape: tuple[int, int], rg_in: bool, trains: bool,
-            rank: int) -> bool:
-    """Adds y = W x (+ B A x) to ``fl``; returns whether y requires grad."""
+            rank: int, times: float = 1) -> bool:
+    """Adds y = W x (+ B A x) to ``fl``, ``times`` per token (an MoE's top_k experts);
+    returns whether y requires grad."""
     n_in, n_out = shape
-    fl.forward += 2 * n_in * n_out + 2 * rank * (n_in + n_out)
+    fl.forward += times * (2 * n_in * n_out + 2 * rank * (n_in + n_out))
     if rg_in:  # dx = W^T dy (+ A^T d(Ax))
-        fl.backward_input += 2 * n_in * n_out + 2 * rank * n_in
+        fl.backward_input += times * (2 * n_in * n_out + 2 * rank * n_in)
     if trains:  # dW = dy x^T
-        fl.backward_weight += 2 * n_in * n_out
+        fl.backward_weight += times * 2 * n_in * n_out
     if rank:  # dB = dy (Ax)^T, d(Ax) = B^T dy, dA = d(Ax) x^T
-        fl.backward_input += 2 * rank * n_out
-        fl.backward_weight += 2 * rank * (n_in + n_out)
+        fl.backward_input += times * 2 * rank * n_out
+        fl.backward_weight += times * 2 * rank * (n_in + n_out)
     return rg_in or trains or rank > 0
+
+
+def _moe(fl: FlopsBreakdown, moe: Any, expert_names: tuple, tr: Trainability,
+         rg_in: bool) -> bool:
+    """Adds one MoE layer's active FLOPs per token to ``fl``: the router (dim x experts),
+    the top_k experts each token is sent to (gate_up, then down; their biases and the
+    weighting are no matmuls) and the shared experts (a gated MLP of n_shared x ffn);
+    returns whether its output requires grad.
+
+    LoRA on the stacked experts is counted as the low-rank math would cost per token,
+    2 r (in + out) per expert applied (as ``_linear`` counts an adapter), not as
+    ``peft.expert_lora`` runs it: folding scaling * B A into a copy of the whole stack each
+    forward costs E x out x r x in per step, and makes the grouped product compute the
+    full weight gradient of the folded copy (tests/unit/perf/test_flops_moe.py checks
+    the difference by hand). Model FLOPs, so MFU, do not depend on that choice."""
+    d, f, k = moe.dim, moe.ffn_dim, moe.top_k
+    gate_up, down = expert_names
+    logits = _linear(fl, (d, moe.n_experts), rg_in, tr.trains(ROUTER), 0)
+    hidden = _linear(fl, (d, 2 * f), rg_in, tr.trains(gate_up), tr.rank(gate_up), times=k)
+    routed = _linear(fl, (f, d), hidden, tr.trains(down), tr.rank(down), times=k)
+    shared = moe.n_shared_experts * f
+    if shared:
+        trains = tr.trains(SHARED_EXPERTS)
+        _linear(fl, (d, 2 * shared), rg_in, trains, 0)  # gate and up: one cost, summed
+        shared_out = _linear(fl, (shared, d), rg_in or trains, trains, 0)
+        routed = routed or shared_out
+    return routed or logits  # (the routing weights scale the experts' outputs)
 
 
 def mean_keys_per_query(seq_len: int, window: Optional[int] = None) -> float:
@@ -247,7 +340,9 @@ def flops_breakdown(args: Any, seq_len: int, trainable: Optional[Trainability] =
         return [done[name] for name in block.sources(projections)]
 
     rg = tr.embedding  # the residual stream
-    for kind in block.attention or ("global",) * args.n_layers:
+    sparse = set(block.sparse_layers or ()) if block.moe is not None else set()
+    kinds = block.attention or ("global",) * args.n_layers
+    for layer_id, kind in enumerate(kinds):
         window = block.sliding_window if kind == "sliding" else None
         keys = mean_keys_per_query(seq_len, window) if causal else seq_len
         per_product = 2 * keys * args.n_heads * args.head_dim  # one of Q K^T, P V, per token
@@ -260,8 +355,11 @@ def flops_breakdown(args: Any, seq_len: int, trainable: Optional[Trainability] =
             n2 = n1
         else:  # the MLP's norm reads the stream after attention (Llama)
             n2 = rg or o or tr.norms
-        hidden = any(outputs(names.mlp_inputs, n2))
-        mlp_out = linear(names.mlp_output, hidden)
+        if layer_id in sparse:
+            mlp_out = _moe(fl, block.moe, names.experts, tr, n2)
+        else:
+            hidden = any(outputs(names.mlp_inputs, n2))
+            mlp_out = linear(names.mlp_output, hidden)
         rg = rg or o or mlp_out
     _linear(fl, (args.dim, args.vocab_size), rg or tr.norms, tr.head, 0)
     return fl

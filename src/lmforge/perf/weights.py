@@ -11,7 +11,7 @@ from lmforge.job import resolve
 from lmforge.models.registry import BlockSpec, family_of
 from lmforge.parallel import pipeline
 from lmforge.perf.estimate_setup import DTYPE_BYTES, Setup, frozen_weight_dtype
-from lmforge.perf.flops import projection_shapes
+from lmforge.perf.flops import ROUTER, SHARED_EXPERTS, projection_shapes
 
 # Bytes per parameter of a quantized frozen weight (peft/quant.py): NF4 packs two 4-bit
 # codes per byte plus one absmax per block of 64, itself int8 with an fp32 scale per 256
@@ -40,6 +40,11 @@ class Weights:
     # and/or adapter) and the bytes of its autocast bf16 weight copy.
     mlp_out_trainable: int = 0
     mlp_out_copy: float = 0.0
+    # An MoE layer's stacked experts as its forward multiplies by them, beside the
+    # weights (bytes, the stage's blocks): the bf16 copy grouped_linear makes under
+    # autocast, or a LoRA run's folded W + scaling B A (peft.expert_lora), each made per
+    # forward and kept by the grouped product for backward.
+    expert_copies: float = 0.0
 
 
 def model_parameters(args) -> int:
@@ -94,6 +99,15 @@ class _Tally:
         else:
             self._add_frozen(int(n), matmul)
 
+    def add_stored(self, n: float, trains: bool, matmul: bool) -> None:
+        """``n`` parameters stored in train.param_dtype whether they train or not (an
+        MoE's router and stacked experts: no nn.Linear for the frozen base's cast)."""
+        if trains:
+            self._add_trained(int(n), matmul)
+        else:
+            self.weights.frozen_params += int(n)
+            self.weights.frozen_bytes += self.param_bytes * int(n)
+
     def add_quantized(self, n: float, storage: float) -> None:
         self.weights.frozen_params += int(n)
         self.weights.frozen_bytes += storage
@@ -120,8 +134,8 @@ def stage_weights(setup: Setup, stage: int) -> Weights:
     the first stage, the final norm and the head on the last."""
     args, tp = setup.args, setup.layout.tp
     tally = _Tally(setup)
-    for _ in range(stage_layers(setup, stage)):
-        _add_block(tally, setup)
+    for layer_id in stage_layer_ids(setup, stage):
+        _add_block(tally, setup, layer_id)
     if stage == 0:
         tally.add(args.vocab_size * args.dim / tp, setup.trainable.embedding, matmul=False)
     if stage == setup.layout.pp - 1:
@@ -148,17 +162,22 @@ def bias_per_device(setup: Setup, name: str, n_out: int) -> float:
     return n_out if row_parallel else n_out / setup.layout.tp
 
 
-def _add_block(tally: _Tally, setup: Setup) -> None:
+def _add_block(tally: _Tally, setup: Setup, layer_id: int) -> None:
     """One transformer block: its projections (quantized when frozen under QLoRA, with
-    their adapters and biases), its norms (one in a parallel block, else two); records
-    the block's totals for the FSDP transients."""
+    their adapters and biases), its norms (one in a parallel block, else two), an MoE
+    layer's experts in place of the MLP; records the block's totals for the FSDP
+    transients."""
     w, trainable, tp = tally.weights, setup.trainable, setup.layout.tp
     family = family_of(setup.args)
+    sparse = is_sparse(setup.args, layer_id)
+    skipped = set(family.projections.mlp) if sparse else set()
     biased = family.block(setup.args).biased
     quantize = setup.lora.quantize if setup.lora is not None else None
     trainable_before = w.trainable_params
     total_before = w.trainable_params + w.frozen_params
     for name, (n_in, n_out) in projection_shapes(setup.args).items():
+        if name in skipped:
+            continue
         trains, rank = trainable.trains(name), trainable.rank(name)
         if not trains and quantize:
             tally.add_quantized(n_in * n_out / tp, quantized_bytes(quantize, n_in, n_out) / tp)
@@ -174,6 +193,8 @@ def _add_block(tally: _Tally, setup: Setup) -> None:
             tally.add(bias, trains, matmul=False)
         if name == family.projections.mlp_output:
             _add_mlp_output_terms(tally, setup, trains, rank, (n_in, n_out), bias)
+    if sparse:
+        _add_experts(tally, setup)
     norms = len(family.block(setup.args).norms)
     # Qwen3's q and k norms: one head_dim weight each, shared by the heads (replicated
     # under tensor parallelism)
@@ -217,3 +238,59 @@ def _add_final_norm_and_head(tally: _Tally, setup: Setup) -> None:
         # (tied: the fp32 embedding)
         w.head_copy = 2.0 * args.vocab_size * args.dim / setup.layout.tp
     w.matmul_trainable_fp32, w.matmul_frozen_fp32 = block_copies
+
+
+# ------------------------------------------------------------------ mixture of experts
+
+def is_sparse(args, layer_id: int) -> bool:
+    """Whether layer ``layer_id`` is an MoE (``BlockSpec.sparse_layers``)."""
+    block = family_of(args).block(args)
+    return block.moe is not None and layer_id in (block.sparse_layers or ())
+
+
+def active_parameters(args) -> int:
+    """The parameters one token's forward uses: every parameter but the experts a token
+    is not routed to (n_experts - top_k of each MoE layer's, with their biases); the
+    router, shared experts, attention, norms, embedding and head all count."""
+    block = family_of(args).block(args)
+    total = model_parameters(args)
+    if block.moe is None:
+        return total
+    moe = block.moe
+    expert = 3 * moe.dim * moe.ffn_dim + (2 * moe.ffn_dim + moe.dim) * moe.expert_bias
+    return total - len(block.sparse_layers or ()) * (moe.n_experts - moe.top_k) * expert
+
+
+def _add_experts(tally: _Tally, setup: Setup) -> None:
+    """One MoE layer's parameters: the router (fp32, as the trainer keeps it: it is not an
+    nn.Linear, so a LoRA run's frozen base stays fp32 there), the stacked experts (fp32
+    likewise) with their biases and LoRA adapters, the shared experts (a GatedMLP of
+    linear layers, stored as the dense projections); and the experts' per-forward copies
+    (``Weights.expert_copies``) and the down stack's share of the MLP-output terms."""
+    w, trainable, moe = tally.weights, setup.trainable, family_of(setup.args).block(setup.args).moe
+    d, e, f = moe.dim, moe.n_experts, moe.ffn_dim
+    trains = trainable.trains(ROUTER)
+    tally.add_stored(d * e + e * moe.router_bias, trains, matmul=trains)
+    if not trains and tally.param_bytes == 4:
+        w.matmul_frozen_fp32 += d * e  # (autocast's bf16 copy per use)
+    gate_up, down = family_of(setup.args).projections.experts
+    for name, (n_out, n_in) in ((gate_up, (2 * f, d)), (down, (d, f))):
+        trains, rank = trainable.trains(name), trainable.rank(name)
+        tally.add_stored(e * (n_in * n_out + n_out * moe.expert_bias), trains, matmul=False)
+        tally.add_stored(e * rank * (n_in + n_out), True, matmul=False)
+        copy = _expert_copy_bytes(setup, tally, rank) * e * n_in * n_out
+        w.expert_copies += copy
+        if name == down:
+            w.mlp_out_trainable = trains * e * n_in * n_out + e * rank * (n_in + n_out)
+            w.mlp_out_copy = copy
+    shared = moe.n_shared_experts * f
+    if shared:
+        tally.add(3 * d * shared, trainable.trains(SHARED_EXPERTS), matmul=True)
+
+
+def _expert_copy_bytes(setup: Setup, tally: _Tally, rank: int) -> float:
+    """Bytes per element of a stack's per-forward copy: bf16 under autocast (of the fp32
+    stack, or of the folded one), the fold in the stack's dtype with LoRA, else none."""
+    if setup.autocast and (tally.param_bytes == 4 or rank):
+        return 2.0
+    return float(tally.param_bytes) if rank else 0.0
