@@ -71,9 +71,9 @@ def assert_lora_round_trip(hf_model, path: Path, out: Path, x: torch.Tensor,
     ours = load_hf_model(path).eval()
     apply_lora(ours, LoraConfig(enabled=True, rank=4, alpha=8.0, targets=targets))
     g = torch.Generator().manual_seed(2)
-    for layer in lora_layers(ours).values():  # fresh adapters are a no-op (B = 0)
-        layer.lora_a.copy_(torch.randn(layer.lora_a.shape, generator=g) * 0.2)
-        layer.lora_b.copy_(torch.randn(layer.lora_b.shape, generator=g) * 0.2)
+    for name, p in ours.named_parameters():  # fresh adapters are a no-op (B = 0)
+        if name.endswith(("lora_a", "lora_b")):  # (linear layers' and the experts')
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
     adapter = save_adapter(ours, out / "adapter", base_model_path=str(path))
     merged = export_merged(ours, out / "merged", dtype=torch.float32)
     base = hf_model(x).logits

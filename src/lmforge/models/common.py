@@ -28,10 +28,21 @@ class Projections:
     # A part's usual name -> the fused projection that computes it (Phi-3's q_proj ->
     # qkv_proj): not a layer of its own, so a target naming it is refused with the hint.
     fused_parts: Mapping[str, str] = field(default_factory=dict)
+    # A mixture of experts' stacked weights that LoRA adapts (``peft.expert_lora``),
+    # spelled ``experts.<parameter>``, and the one each MLP projection name stands for
+    # there: a target naming the MLP's projection adapts the experts' too, so "down_proj"
+    # never silently leaves the experts out.
+    experts: tuple[str, ...] = ()
+    experts_for: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def all(self) -> tuple[str, ...]:
         return self.attention + self.mlp
+
+    @property
+    def adaptable(self) -> tuple[str, ...]:
+        """Everything LoRA may adapt: the linear layers, then the experts' weights."""
+        return self.all + self.experts
 
     @property
     def attention_output(self) -> str:

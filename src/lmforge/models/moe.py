@@ -263,16 +263,19 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(args)
         shared = args.n_shared_experts * args.ffn_dim
         self.shared_experts = GatedMLP(args.dim, shared, "silu") if shared else None
-        # The last forward's choice, kept for the trainer (``take_routings``): a side
-        # channel, so that a block's output stays one tensor for the stack, pipeline
-        # stages and activation checkpointing alike.
-        self.routing: Optional[Routing] = None
+        # The choices of the forwards that build a graph (training's), kept for the
+        # trainer's load-balancing loss (``take_routings``): a side channel, so that a
+        # block's output stays one tensor for the stack, pipeline stages and activation
+        # checkpointing alike. Forwards without gradients (evaluation, generation, a
+        # reference model) keep nothing.
+        self.routings: list[Routing] = []
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
         """x: (..., dim), e.g. (batch, seq, dim)."""
         flat = x.reshape(-1, x.shape[-1])  # (tokens, dim)
         routing = self.gate(flat)
-        self.routing = routing
+        if torch.is_grad_enabled():
+            self.routings.append(routing)
         out = self.experts(flat, routing.indices, routing.weights)  # (tokens, dim)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
@@ -293,14 +296,14 @@ class MoE(nn.Module):
 # ------------------------------------------------------------------------- balancing
 
 def take_routings(model: nn.Module) -> list[Routing]:
-    """The ``Routing`` of each MoE layer of ``model``'s last forward, in layer order,
-    forgotten by the layers (so a later forward without a reader, as generation's, holds
-    no graph); [] for a dense model."""
+    """The ``Routing`` of each MoE layer in each forward with gradients since the last
+    call, forgotten by the layers; [] for a dense model. (Call it before a micro-batch's
+    forward too: activation checkpointing's recomputation in the backward adds one.)"""
     found = []
     for module in model.modules():
-        if isinstance(module, MoE) and module.routing is not None:
-            found.append(module.routing)
-            module.routing = None
+        if isinstance(module, MoE):
+            found += module.routings
+            module.routings = []
     return found
 
 

@@ -34,7 +34,9 @@ from lmforge.peft.adapter_spec import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PRE
                                        AdapterConfig, AdapterError, adapter_linears,
                                        adapter_pairs, check_against_base,
                                        parse_adapter_config)
-from lmforge.peft.lora import LoraLinear, apply_lora, lora_layers
+from lmforge.peft import expert_lora
+from lmforge.peft.lora import (LoraLinear, apply_lora, expert_layers, is_lora_param,
+                               lora_layers)
 from lmforge.peft.quant import QuantizedLinear, is_quantized
 from lmforge.peft.targets import target_modules
 
@@ -51,12 +53,13 @@ def _module_names(model: nn.Module) -> dict[str, str]:
 
 
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The LoRA weights under peft's key names (CPU, contiguous, their own dtype)."""
+    """The LoRA weights under peft's key names (CPU, contiguous, their own dtype); the
+    experts' as peft's ``target_parameters`` adapters store them (``expert_lora``)."""
     names = _module_names(model)
     layers = lora_layers(model)
-    if not layers:
+    if not layers and not expert_layers(model):
         raise AdapterError("save_adapter: the model has no LoRA layers")
-    sd = {}
+    sd = _expert_state_dict(model, names)
     for ours, layer in layers.items():
         if layer.merged:
             raise AdapterError(f"save_adapter: {ours} is merged; unmerge_lora(model) first")
@@ -66,6 +69,33 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         rows = fused_rows(model.args, ours, to_hf=True)  # a fused projection's: HF's order
         sd[f"{theirs}.lora_B.weight"] = (lora_b if rows is None else lora_b[rows]).contiguous()
     return sd
+
+
+def _expert_state_dict(model: nn.Module, names: dict[str, str]) -> dict[str, torch.Tensor]:
+    sd = {}
+    for ours, experts in expert_layers(model).items():
+        block = {f"experts.{k}": full_value(v).cpu() for k, v in experts.state_dict().items()
+                 if is_lora_param(k)}
+        sd |= expert_lora.to_peft(block, _expert_prefix(names, ours))
+    return sd
+
+
+def _expert_prefix(names: dict[str, str], experts: str) -> str:
+    """The HF module holding the experts module ``experts`` (ours), with a trailing dot:
+    ``layers.3.feed_forward.experts`` -> ``model.layers.3.mlp.``."""
+    return names[f"{experts}.down_proj"].removesuffix("experts.down_proj")
+
+
+def _target_parameters(model: nn.Module, names: dict[str, str]) -> Optional[list[str]]:
+    """peft's ``target_parameters``: each adapted stacked weight's HF name inside its
+    layer (``mlp.experts.gate_up_proj``), as peft matches them; None without any."""
+    found = []
+    for ours, experts in expert_layers(model).items():
+        for target in experts.lora:
+            inside = names[f"{ours}.{target}"].split(".", 3)[-1]  # past model.layers.{i}.
+            if inside not in found:
+                found.append(inside)
+    return found or None
 
 
 # ------------------------------------------------------------------------- save
@@ -84,7 +114,9 @@ def save_adapter(model: nn.Module, out_dir: str | Path, base_model_path: Optiona
     sd = adapter_state_dict(model)
     names = _module_names(model)
     layers = {names[ours]: layer for ours, layer in lora_layers(model).items()}
-    config = _peft_config(layers, base_model_path, lora_cfg)
+    config = _peft_config(layers, base_model_path, lora_cfg,
+                          list(expert_layers(model).values()))
+    config["target_parameters"] = _target_parameters(model, names)
     out = Path(out_dir)
     if out.exists() and not (out.is_dir() and ((out / ADAPTER_CONFIG).is_file()
                                                or not any(out.iterdir()))):
@@ -96,19 +128,26 @@ def save_adapter(model: nn.Module, out_dir: str | Path, base_model_path: Optiona
     return out
 
 
-def _peft_config(layers: dict[str, LoraLinear], base_model_path, lora_cfg) -> dict:
-    """``layers``: HF module name -> LoRA layer."""
-    ranks = Counter(layer.rank for layer in layers.values())
-    alphas = Counter(layer.alpha for layer in layers.values())
-    rslora = {layer.rslora for layer in layers.values()}
+def _peft_config(layers: dict[str, LoraLinear], base_model_path, lora_cfg,
+                 experts: list = ()) -> dict:
+    """``layers``: HF module name -> LoRA layer; ``experts``: the experts' adapters
+    (``LoraGroupedExperts``), whose rank and alpha must be the common ones (peft's
+    patterns name modules, and the experts' adapters nest in one module)."""
+    adapters = [a for e in experts for a in e.lora.values()]
+    ranks = Counter([layer.rank for layer in layers.values()] + [a.rank for a in adapters])
+    alphas = Counter([layer.alpha for layer in layers.values()] + [a.alpha for a in adapters])
+    rslora = {layer.rslora for layer in [*layers.values(), *adapters]}
     if len(rslora) > 1:
         raise AdapterError("save_adapter: layers mix rsLoRA and plain scaling")
     r, alpha = ranks.most_common(1)[0][0], alphas.most_common(1)[0][0]
     # Layers off the common rank/alpha are written as peft patterns (full module names).
     rank_pattern = {name: x.rank for name, x in layers.items() if x.rank != r}
     alpha_pattern = {name: x.alpha for name, x in layers.items() if x.alpha != alpha}
-    first = next(iter(layers.values()))
-    dropout = float(getattr(lora_cfg, "dropout", first.dropout))
+    if any(a.rank != r or a.alpha != alpha for a in adapters):
+        raise AdapterError("save_adapter: the experts' adapters' rank or alpha differs "
+                           "from the other layers'")
+    first = next(iter(layers.values()), None)
+    dropout = float(getattr(lora_cfg, "dropout", first.dropout if first else 0.0))
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM",
         "base_model_name_or_path": None if base_model_path is None else str(base_model_path),
@@ -269,9 +308,14 @@ def merged_state_dict(model: nn.Module, dtype: Optional[torch.dtype] = None
             replaced.add(name)
             if module.bias is not None:
                 out[f"{name}.bias"] = full_value(module.bias).to("cpu", dtype or module.bias.dtype)
+    for name, experts in expert_layers(model).items():
+        for target, adapter in experts.lora.items():
+            weight = full_value(getattr(experts, target))
+            merged = weight.float() + full_value(adapter.delta(torch.float32))
+            out[f"{name}.{target}"] = merged.to("cpu", dtype or weight.dtype)
     for key, value in model.state_dict().items():
         module_name = key.rsplit(".", 1)[0]
-        if module_name in replaced or module_name.endswith(".quantized") or (
+        if key in out or module_name in replaced or module_name.endswith(".quantized") or (
                 key.rsplit(".", 1)[-1] in ("lora_a", "lora_b")):
             continue
         value = full_value(value)

@@ -46,7 +46,7 @@ from torch import nn
 
 from lmforge.models.moe import GroupedExperts, MoE
 from lmforge.peft.adapter_spec import PEFT_PREFIX
-from lmforge.peft.lora import is_lora_param, lora_scaling
+from lmforge.peft.scaling import is_lora_param, lora_scaling
 
 EXPERT_TARGETS = ("gate_up_proj", "down_proj")  # the registration order peft nests by
 
@@ -115,6 +115,7 @@ class LoraGroupedExperts(GroupedExperts):
         for name in ("gate_up_proj_bias", "down_proj_bias"):
             if getattr(experts, name) is None:
                 setattr(new, name, None)
+        new.disabled = False  # (peft.lora.adapters_disabled: the base experts alone)
         new.lora = nn.ModuleDict()
         for name in EXPERT_TARGETS:  # peft's nesting order, whatever order was asked
             if name in targets:
@@ -128,7 +129,8 @@ class LoraGroupedExperts(GroupedExperts):
     def weight_of(self, name: str) -> torch.Tensor:
         """The stacked weight ``name`` as the forward uses it: adapted where targeted."""
         weight = getattr(self, name)
-        return self.lora[name].adapted(weight) if name in self.lora else weight
+        adapted = name in self.lora and not self.disabled
+        return self.lora[name].adapted(weight) if adapted else weight
 
 
 # ------------------------------------------------------------------------ block API

@@ -35,17 +35,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmforge.models.moe import MoE
+from lmforge.peft.expert_lora import (LoraGroupedExperts, apply_expert_lora,
+                                      init_expert_lora, merge_expert_lora)
 from lmforge.peft.quant import QuantizedLinear, quantize_base
+from lmforge.peft.scaling import LORA_PARAM_NAMES, is_lora_param, lora_scaling
 from lmforge.peft.targets import model_projections, resolve_targets
 
-LORA_PARAM_NAMES = ("lora_a", "lora_b")
-
-
-def lora_scaling(alpha: float, rank: int, rslora: bool) -> float:
-    """The factor of B A: alpha / rank, or rsLoRA's alpha / sqrt(rank) (peft's rule, for
-    linear layers and grouped experts alike)."""
-    return alpha / (math.sqrt(rank) if rslora else rank)
-
+__all__ = ["LORA_PARAM_NAMES", "LoraError", "LoraLinear", "adapters_disabled",
+           "after_materialize", "apply_lora", "count_trainable", "freeze_base",
+           "init_lora_weights", "is_lora_param", "lora_layers", "lora_scaling",
+           "merge_lora", "prepare_model_for_lora", "trainable_summary", "unmerge_lora"]
 
 class LoraError(ValueError):
     """A LoRA request cannot be honoured; the message names the field or module."""
@@ -199,12 +199,27 @@ def apply_lora(model: nn.Module, cfg, module_names: Optional[Iterable[str]] = No
     ``lmforge.config.LoraConfig``; targets as ``peft.targets`` reads them).
     ``module_names`` (full module names) overrides ``targets``. Layers already LoRA are
     left alone. Returns the swapped module names."""
+    experts: list[str] = []
     if module_names is not None:
         wanted = set(module_names)
         match = lambda name: name in wanted  # noqa: E731
     else:
-        leaves = set(resolve_targets(cfg.targets, model_projections(model)))
+        projections = model_projections(model)
+        resolved = resolve_targets(cfg.targets, projections)
+        leaves = set(resolved) - set(projections.experts)
+        experts = [t.removeprefix("experts.") for t in resolved if t in projections.experts]
         match = lambda name: name.rsplit(".", 1)[-1] in leaves  # noqa: E731
+    swapped = _swap_linears(model, cfg, match)
+    if experts:
+        swapped += _adapt_experts(model, cfg, experts)
+    if not swapped and not any(isinstance(m, (LoraLinear, LoraGroupedExperts))
+                               for m in model.modules()):
+        what = sorted(module_names) if module_names is not None else cfg.targets
+        raise LoraError(f"lora.targets: no module of the model matches {what}")
+    return swapped
+
+
+def _swap_linears(model: nn.Module, cfg, match) -> list[str]:
     swapped = []
     for name, module in list(model.named_modules()):
         if not match(name) or isinstance(module, LoraLinear):
@@ -215,10 +230,22 @@ def apply_lora(model: nn.Module, cfg, module_names: Optional[Iterable[str]] = No
         new = LoraLinear.from_linear(module, cfg.rank, cfg.alpha, cfg.dropout, cfg.rslora)
         model.set_submodule(name, new)
         swapped.append(name)
-    if not swapped and not any(isinstance(m, LoraLinear) for m in model.modules()):
-        what = sorted(module_names) if module_names is not None else cfg.targets
-        raise LoraError(f"lora.targets: no module of the model matches {what}")
     return swapped
+
+
+def _adapt_experts(model: nn.Module, cfg, targets: list[str]) -> list[str]:
+    """Adapters on ``targets`` (``gate_up_proj``, ``down_proj``) of every MoE layer's
+    experts without them yet; returns the experts modules' names."""
+    adapted = []
+    for name, module in list(model.named_modules()):
+        if isinstance(module, MoE) and not isinstance(module.experts, LoraGroupedExperts):
+            try:
+                apply_expert_lora(module, targets, cfg.rank, cfg.alpha, cfg.dropout,
+                                  cfg.rslora)
+            except ValueError as e:
+                raise LoraError(f"lora: {name}.experts: {e}") from None
+            adapted.append(f"{name}.experts")
+    return adapted
 
 
 def freeze_base(model: nn.Module) -> None:
@@ -227,27 +254,31 @@ def freeze_base(model: nn.Module) -> None:
         p.requires_grad_(is_lora_param(name))
 
 
-def is_lora_param(name: str) -> bool:
-    return name.rsplit(".", 1)[-1] in LORA_PARAM_NAMES
-
-
 def lora_layers(model: nn.Module) -> dict[str, LoraLinear]:
+    """The LoRA linear layers (the experts' adapters: ``expert_layers``)."""
     return {name: m for name, m in model.named_modules() if isinstance(m, LoraLinear)}
+
+
+def expert_layers(model: nn.Module) -> dict[str, LoraGroupedExperts]:
+    """The MoE layers' experts that carry adapters, by module name."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoraGroupedExperts)}
 
 
 @torch.no_grad()
 def init_lora_weights(model: nn.Module) -> None:
-    """A Kaiming-uniform, B zero in every LoRA layer: call after ``to_empty``."""
+    """A Kaiming-uniform, B zero in every LoRA layer and expert adapter: call after
+    ``to_empty``."""
     for layer in lora_layers(model).values():
         layer.reset_lora_parameters()
+    init_expert_lora(model)
 
 
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module):
     """The base model inside the block: every LoRA layer computes its base alone (the
     reference model of DPO and IPO under LoRA, with no second copy in memory)."""
-    layers = list(lora_layers(model).values())
-    if any(layer.merged for layer in layers):
+    layers = list(lora_layers(model).values()) + list(expert_layers(model).values())
+    if any(getattr(layer, "merged", False) for layer in layers):
         raise LoraError("adapters merged into the weights cannot be switched off")
     for layer in layers:
         layer.disabled = True
@@ -260,11 +291,17 @@ def adapters_disabled(model: nn.Module):
 
 def merge_lora(model: nn.Module) -> int:
     """Merge every adapter into its base weight; returns how many layers were merged.
-    Refuses a quantized base (see ``dequantize_base`` / ``export_merged``)."""
+    Refuses a quantized base (see ``dequantize_base`` / ``export_merged``). The experts'
+    adapters are merged for good (plain experts are put back; ``unmerge_lora`` cannot
+    take them out again)."""
     layers = lora_layers(model)
     for layer in layers.values():
         layer.merge()
-    return len(layers)
+    moes = [m for m in model.modules()
+            if isinstance(m, MoE) and isinstance(m.experts, LoraGroupedExperts)]
+    for moe in moes:
+        merge_expert_lora(moe)
+    return len(layers) + len(moes)
 
 
 def unmerge_lora(model: nn.Module) -> int:
@@ -318,10 +355,38 @@ def count_trainable(model: nn.Module) -> tuple[int, int]:
 
 
 def trainable_summary(model: nn.Module) -> str:
-    """e.g. ``4.19M trainable / 6.74B total (0.06%)``."""
+    """e.g. ``4.19M trainable / 6.74B total (0.06%)``; a mixture of experts' adds the
+    trainable parameters by kind (``attention 1.2M, experts 3.1M, ...``), so that a user
+    sees whether the experts learn."""
     trainable, total = count_trainable(model)
     share = 100.0 * trainable / max(total, 1)
-    return f"{_human(trainable)} trainable / {_human(total)} total ({share:.2f}%)"
+    line = f"{_human(trainable)} trainable / {_human(total)} total ({share:.2f}%)"
+    if not any(isinstance(m, MoE) for m in model.modules()):
+        return line
+    kinds = trainable_by_kind(model)
+    return line + ": " + ", ".join(f"{kind} {_human(n)}" for kind, n in kinds.items())
+
+
+# A kind and the part of a parameter's name that says it, in the order they are told
+# apart (a dense MLP's parameters are the feed-forward's that are none of the others').
+_KINDS = (("attention", ".attention."), ("experts", ".experts."),
+          ("shared experts", ".shared_experts."), ("router", ".feed_forward.gate."),
+          ("mlp", ".feed_forward."))
+
+
+def trainable_by_kind(model: nn.Module) -> dict[str, int]:
+    """Trainable parameters by kind: attention, mlp (dense layers), experts, shared
+    experts, router, other (embedding, norms, head); the kinds with none left out."""
+    counts = dict.fromkeys(("attention", "mlp", "experts", "shared experts", "router",
+                            "other"), 0)
+    seen = set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        kind = next((k for k, part in _KINDS if part in f".{name}"), "other")
+        counts[kind] += p.numel()
+    return {kind: n for kind, n in counts.items() if n}
 
 
 def _human(n: int) -> str:

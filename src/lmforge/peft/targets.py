@@ -19,6 +19,15 @@ surrounding spaces ignored:
   head), ``attention`` (q, k, v and the attention output), ``mlp`` (the MLP's); spelled
   also ``all_linear``, ``attn`` / ``self_attn``, ``ffn`` / ``feed_forward``.
 
+A mixture of experts (Qwen3-MoE, Mixtral, ...) adds its experts' stacked weights,
+spelled ``experts.gate_up_proj`` and ``experts.down_proj`` (also ``mlp.experts.down_proj``,
+and the group ``experts``). There, as peft reads targets on transformers 5's MoE models,
+the MLP means the routed experts: ``all-linear`` is the attention and the experts, ``mlp``
+the experts, and an MLP projection's name their matching weight (``gate_proj``,
+``up_proj``: ``experts.gate_up_proj``, which holds both; ``down_proj``); so the experts are
+never left out silently, and every adapter is one peft loads. Dense layers' MLPs (Qwen3-MoE's
+``mlp_only_layers``) and the router take no adapters.
+
 Refused with an error naming ``lora.targets``: anything else, an empty list, ``all``
 (it could be read to include the embedding and the head), and a path through one layer
 (``layers.0.attention.q_proj``: targets apply to every layer). The result is the
@@ -52,25 +61,34 @@ def resolve_targets(targets: Any, projections: Projections) -> tuple[str, ...]:
     found: set[str] = set()
     for item in items:
         found.update(_resolve_one(item, projections))
-    return tuple(p for p in projections.all if p in found)
+    return tuple(p for p in projections.adaptable if p in found)
 
 
 def _resolve_one(item: Any, projections: Projections) -> tuple[str, ...]:
     key = str(item).strip().lower()
     if key in _GROUPS:
+        if projections.experts and _GROUPS[key] != "attention":  # (the MLP: the experts)
+            return (projections.attention if _GROUPS[key] == "all" else ()) + projections.experts
         return getattr(projections, _GROUPS[key])
+    if key == "experts" and projections.experts:
+        return projections.experts
     path = key.split(".")
     if any(part.isdigit() for part in path):
         raise ConfigError(f"lora.targets: {item!r} names one layer; targets apply to every "
                           f"layer (write {path[-1]!r})")
+    if len(path) > 1 and path[-2] == "experts" and f"experts.{path[-1]}" in projections.experts:
+        return (f"experts.{path[-1]}",)
     leaf = projections.aliases.get(path[-1], path[-1])
+    expert = projections.experts_for.get(leaf)
+    if expert is not None:  # an MLP projection's name: the experts' stacked weight
+        return (expert,)
     if leaf in projections.fused_parts:
         fused = projections.fused_parts[leaf]
         raise ConfigError(f"lora.targets: {item!r} is computed inside {fused} in this model "
                           f"(a fused projection, as peft names it): target {fused!r}")
     if leaf not in projections.all:
         raise ConfigError(f"lora.targets: unknown module {item!r} (known: "
-                          f"{', '.join(projections.all)}, other names for them "
+                          f"{', '.join(projections.adaptable)}, other names for them "
                           f"({', '.join(projections.aliases)}), paths ending in one, or the "
                           f"groups all-linear, attention, mlp)")
     return (leaf,)
@@ -124,6 +142,13 @@ def lora_spec(cfg: Any, projections: Projections) -> Optional[LoraSpec]:
         quantize = None
     if quantize is not None and str(quantize).lower() not in QUANTIZE_FORMATS:
         raise ConfigError(f"lora.quantize: {quantize!r} is not one of nf4, int8, none")
+    dropout = float(getattr(section, "dropout", 0.0) or 0.0)
+    experts = [t for t in targets if t in projections.experts]
+    if dropout and experts:
+        raise ConfigError(f"lora.dropout: {dropout} cannot apply to the experts' stacked "
+                          f"weights ({', '.join(experts)}: their adapter is folded into the "
+                          f"weight, as peft's target_parameters); set lora.dropout=0 or "
+                          f"leave the experts out of lora.targets")
     spec = LoraSpec(rank=int(rank), targets=targets,
                     dropout=float(getattr(section, "dropout", 0.0) or 0.0),
                     base_dtype=getattr(section, "base_dtype", None))

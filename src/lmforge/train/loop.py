@@ -30,6 +30,7 @@ from lmforge.perf.auto_batch import size_micro_batch
 from lmforge.perf.budget import require_fit
 from lmforge.perf.flops import device_peak_flops, model_flops_per_token
 from lmforge.train import metrics as M
+from lmforge.train.balance import ExpertBalance
 from lmforge.train.checkpoints import Checkpoints
 from lmforge.train.finish import finish
 from lmforge.train.model_setup import TrainModel, build_train_model, clip_grad_norm
@@ -256,8 +257,9 @@ def train_step(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optim
     scaler = optimizers.scaler  # fp16's loss scale (a no-op otherwise)
     counts = step_counts(micro_batches, rt.dims, rt.device, flops_per_token, model.objective)
     stats: dict = {}
+    balance = ExpertBalance.of(model.parts[0], len(micro_batches))  # (None: dense)
     local_loss = model.forward_backward(micro_batches, counts.valid, rt.device, rt.autocast,
-                                        scaler.scale, stats)
+                                        scaler.scale, stats, balance)
     loss = global_step_loss(local_loss, rt.dims)
     scaler.unscale(optimizers.optimizers)  # the true gradients, for the norm and clipping
     # With the update fused into backward no gradient outlives its parameter's step.
@@ -267,8 +269,12 @@ def train_step(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optim
     finite = check_finite(rt, step, local_loss, loss, None if scaler.enabled else grad_norm,
                           micro_batches, cfg.train.on_nonfinite)
     optimizers.step(update=finite, step=step)
-    return StepResult(loss, local_loss, grad_norm, counts, lr, finite,
-                      mean_stats(stats, rt.dims, counts.valid))
+    metrics = mean_stats(stats, rt.dims, counts.valid)
+    if balance is not None:
+        dims = rt.dims
+        metrics |= balance.metrics(dims.group(dims.dp_cp_group)
+                                   if dims.mesh is not None and dims.dp * dims.cp > 1 else None)
+    return StepResult(loss, local_loss, grad_norm, counts, lr, finite, metrics)
 
 
 def eval_due(cfg: JobConfig, step: int, data: DataBundle) -> bool:

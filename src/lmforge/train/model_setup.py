@@ -34,7 +34,7 @@ from lmforge.parallel.pipeline import (TiedEmbedding, build_schedule, has_first_
 from lmforge.peft.adapters import load_adapter
 from lmforge.peft.lora import after_materialize, is_lora_param, prepare_model_for_lora
 from lmforge.train.objectives import NEXT_TOKEN, NextToken, objective_for
-from lmforge.train.step import accumulate_gradients, normalize_loss
+from lmforge.train.step import ExpertBalance, accumulate_gradients, normalize_loss
 
 LAYOUT_INDEPENDENT_INIT_BYTES = 4 * 2**30
 
@@ -91,10 +91,11 @@ class TrainModel:
 
     def forward_backward(self, micro_batches: list[dict], n_valid: int,
                          device: torch.device, autocast, loss_scale: float = 1.0,
-                         stats: Optional[dict] = None) -> torch.Tensor:
+                         stats: Optional[dict] = None,
+                         balance: Optional[ExpertBalance] = None) -> torch.Tensor:
         """This rank's share of the step loss (sum of its units' losses / n_valid);
         backward runs on it times ``loss_scale`` (fp16's, else 1); ``stats`` gains the
-        objective's metric sums."""
+        objective's metric sums; ``balance``: an MoE model's load balancing."""
         with self.loss_context():
             if self.schedule is None:
                 # (FSDP averages over dp x cp ranks: normalize_loss's factor covers both)
@@ -102,7 +103,7 @@ class TrainModel:
                                             device, autocast, n_valid,
                                             self.dims.dp * self.dims.cp,
                                             self.loss_chunk_tokens, loss_scale,
-                                            self.objective, stats)
+                                            self.objective, stats, balance)
             return self._pipeline_step(micro_batches, n_valid, device, autocast, loss_scale)
 
     def _pipeline_step(self, micro_batches, n_valid, device, autocast, loss_scale

@@ -21,6 +21,7 @@ from torch import nn
 
 from lmforge.parallel import full_value
 from lmforge.parallel.mesh import ParallelDims
+from lmforge.train.balance import ExpertBalance
 from lmforge.train.objectives import NEXT_TOKEN
 
 
@@ -96,22 +97,29 @@ def accumulate_gradients(model: nn.Module, micro_batches: list[dict], device: to
                          autocast=contextlib.nullcontext, n_valid: int | None = None,
                          dp: int = 1, loss_chunk_tokens: int = 0,
                          loss_scale: float = 1.0, objective=NEXT_TOKEN,
-                         stats: Optional[dict] = None) -> torch.Tensor:
+                         stats: Optional[dict] = None,
+                         balance: Optional[ExpertBalance] = None) -> torch.Tensor:
     """Forward/backward over the micro-batches of one step; returns this rank's share of
     the step loss. ``n_valid``, ``dp``: see ``normalize_loss`` (default: this rank's own
     valid tokens, one process). ``loss_chunk_tokens``: see ``chunked_loss_sum`` (0: the
     whole micro-batch's logits at once). ``loss_scale``: what each micro-batch's
     back-propagated loss is multiplied by (fp16: ``precision.LossScaler``).
     ``objective``: what each micro-batch's loss sum is (``train.objectives``); ``stats``
-    (when given) gains the sums of its metrics over the step's units.
+    (when given) gains the sums of its metrics over the step's units. ``balance``: a
+    mixture of experts' load-balancing loss, added to what is back-propagated.
     """
     if n_valid is None:
         n_valid = count_valid_tokens(micro_batches, objective)
     loss_sum = torch.zeros((), device=device)
     for batch in micro_batches:
+        if balance is not None:
+            balance.before_forward()
         micro_loss = objective.loss_sum(model, batch, device, autocast, loss_chunk_tokens,
                                         stats=stats)
-        (normalize_loss(micro_loss, n_valid, dp) * loss_scale).backward()
+        loss = normalize_loss(micro_loss, n_valid, dp)
+        if balance is not None:
+            loss = loss + balance.loss(device)
+        (loss * loss_scale).backward()
         loss_sum += full_value(micro_loss)  # (a replicated DTensor under loss parallel)
     return normalize_loss(loss_sum, n_valid)
 

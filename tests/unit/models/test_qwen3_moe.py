@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from helpers.hf_models import random_hf_causal_lm
 from helpers.hf_parity import (assert_export_round_trip, assert_greedy_decode_equal,
-                               assert_logits_equal, tokens)
+                               assert_logits_equal, assert_lora_round_trip, tokens)
 from lmforge.config import ConfigError
 from lmforge.models.hf import HFCheckpointError, load_hf_model, read_model_args
 from lmforge.models.presets import check_model_args
@@ -59,6 +59,25 @@ def test_export_keeps_the_per_expert_tensors_and_loads_in_transformers(hf_dir, t
         tmp_path / "out" / "model.safetensors"))
     assert read_model_args(tmp_path / "out") == read_model_args(path)
     assert after["num_hidden_layers"] == hf_model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("targets", ["all-linear", ["experts"], ["down_proj"]],
+                         ids=["all-linear", "experts-only", "down_proj"])
+def test_lora_on_the_experts_loads_in_peft_and_the_merged_export_agrees(hf_dir, tmp_path,
+                                                                        targets):
+    """peft loads the adapter (target_parameters for the stacked experts) on transformers'
+    model with our logits; the merged export, loaded by transformers, gives them again.
+    "down_proj" means the experts' down_proj, as peft reads it on an MoE model."""
+    hf_model, path = hf_dir
+    adapted = assert_lora_round_trip(hf_model, path, tmp_path,
+                                     tokens(hf_model.config.vocab_size, 24), targets)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    want = (["mlp.experts.down_proj"] if targets == ["down_proj"] else
+            ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    assert config["target_parameters"] == want
+    # the linear layers' adapters: the attention's (a dense layer's MLP has none, as peft's)
+    assert all(".attention." in n for n in adapted)
+    assert bool(adapted) == (targets == "all-linear")
 
 
 def test_dense_layers_follow_mlp_only_layers_and_decoder_sparse_step(tmp_path):

@@ -5,7 +5,7 @@ Mixtral is the same block with Mistral's attention (its folder builds this model
 
 The blocks keep Llama's names (``attention``, ``feed_forward``, the two norms); an MoE
 layer's ``feed_forward`` is an ``MoE`` whose last ``Routing`` the trainer reads for the
-load-balancing loss and the expert load (``moe.routings``).
+load-balancing loss and the expert load (``moe.take_routings``).
 """
 from __future__ import annotations
 
@@ -29,7 +29,10 @@ PROJECTIONS = Projections(
     mlp=("gate_proj", "up_proj", "down_proj"),
     aliases={"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
              "gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
-    lora_default=("q_proj", "v_proj"))
+    lora_default=("q_proj", "v_proj"),
+    experts=("experts.gate_up_proj", "experts.down_proj"),
+    experts_for={"gate_proj": "experts.gate_up_proj", "up_proj": "experts.gate_up_proj",
+                 "gate_up_proj": "experts.gate_up_proj", "down_proj": "experts.down_proj"})
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,70 @@
+"""A mixture of experts' share of a training step: the load-balancing loss
+(``router_aux_loss_coef`` x Switch Transformer's auxiliary loss, as transformers adds it
+to the loss it back-propagates) and the expert load, logged as ``moe/aux_loss`` and
+``moe/load_max_over_mean``.
+
+Each micro-batch's auxiliary loss is back-propagated divided by the step's micro-batch
+count; data parallelism averages the gradients over its ranks. So the step follows the
+gradient of coef x (the mean auxiliary loss over micro-batches and ranks), whatever the
+split, as one transformers forward of one batch does. The logged ``loss`` stays the
+objective's (comparable with ``eval_loss``); the auxiliary loss is logged beside it.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lmforge.models.moe import (MoE, load_balancing_loss, max_load_ratio, take_routings,
+                                tokens_per_expert)
+
+
+class ExpertBalance:
+    """One step's load-balancing loss and expert load over ``model``'s MoE layers."""
+
+    def __init__(self, model: nn.Module, moes: list[MoE], micro_batches: int):
+        self.model, self.moes, self.micro_batches = model, moes, micro_batches
+        self.coef = float(getattr(model.args, "router_aux_loss_coef", 0.0))
+        self.top_k, n_experts = moes[0].args.top_k, moes[0].args.n_experts
+        self.aux_sum = torch.zeros((), dtype=torch.float64)
+        self.counts = torch.zeros(len(moes), n_experts, dtype=torch.float64)  # (layers, experts)
+
+    @classmethod
+    def of(cls, model: nn.Module, micro_batches: int) -> Optional["ExpertBalance"]:
+        """None for a dense model."""
+        moes = [m for m in model.modules() if isinstance(m, MoE)]
+        return cls(model, moes, micro_batches) if moes else None
+
+    def before_forward(self) -> None:
+        """Forget choices no loss reads (activation checkpointing's recomputation)."""
+        take_routings(self.model)
+
+    def loss(self, device: torch.device) -> torch.Tensor:
+        """The micro-batch's share of coef x aux (its forwards' routings), and the
+        expert load it adds up."""
+        logits = []
+        for layer, moe in enumerate(self.moes):
+            routings, moe.routings = moe.routings, []
+            for r in routings:
+                logits.append(r.logits)
+                self.counts[layer] += tokens_per_expert(r.indices, r.logits.shape[-1]).cpu()
+        if not logits:  # (a stage or forward without MoE layers)
+            return torch.zeros((), device=device)
+        aux = load_balancing_loss(logits, self.top_k)
+        self.aux_sum += aux.detach().double().cpu()
+        return aux * (self.coef / self.micro_batches)
+
+    def metrics(self, group=None) -> dict[str, float]:
+        """The step's mean auxiliary loss and its busiest expert's assignments over the
+        mean expert's, in its worst layer, over the data-parallel ranks (``group``)."""
+        aux = self.aux_sum / self.micro_batches
+        counts = self.counts
+        if group is not None:
+            both = torch.cat([aux.reshape(1), counts.flatten()])
+            dist.all_reduce(both, group=group)
+            aux = both[0] / dist.get_world_size(group)
+            counts = both[1:].view_as(counts)
+        return {"moe/aux_loss": float(aux),
+                "moe/load_max_over_mean": float(max_load_ratio(counts).max())}
