@@ -54,7 +54,8 @@ class Projections:
 
     @property
     def mlp_output(self) -> str:
-        return self.mlp[-1]
+        """"" when the family has no dense MLP (gpt-oss: experts in every layer)."""
+        return self.mlp[-1] if self.mlp else ""
 
 
 @dataclass

@@ -128,6 +128,9 @@ class ModelFamily:
     # (HF state dict, args, source) -> state dict; (state dict, args) -> HF state dict.
     checkpoint_in: Callable[[dict, Any, str], dict] = lambda sd, args, source: sd
     checkpoint_out: Callable[[dict, Any], dict] = lambda sd, args: sd
+    # The layout of transformers' in-memory experts (``models.moe_hf``), which peft's
+    # target_parameters adapters follow (``peft.expert_lora.to_peft``).
+    expert_layout: str = "fused"
     # How llama.cpp reads the family (architecture, write_hparams, tensors; see
     # models/llama/gguf.py), or why it has no GGUF form (a sentence, for the refusal).
     gguf: Any = "lmforge has no GGUF form for it"

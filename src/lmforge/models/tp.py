@@ -32,11 +32,14 @@ def megatron_block_plan(projections: Projections, norms: tuple[str, ...],
             desired_input_layouts=(Replicate(), None, None, None)),
         **{f"attention.{p}": ColwiseParallel() for p in projections.attention[:-1]},
         f"attention.{projections.attention_output}": RowwiseParallel(output_layouts=residual),
-        "feed_forward": PrepareModuleInput(input_layouts=(residual,),
-                                           desired_input_layouts=(Replicate(),)),
-        **{f"feed_forward.{p}": ColwiseParallel() for p in projections.mlp_inputs},
-        f"feed_forward.{projections.mlp_output}": RowwiseParallel(output_layouts=residual),
     }
+    if projections.mlp:  # (a family of experts in every layer has no dense MLP)
+        plan |= {
+            "feed_forward": PrepareModuleInput(input_layouts=(residual,),
+                                               desired_input_layouts=(Replicate(),)),
+            **{f"feed_forward.{p}": ColwiseParallel() for p in projections.mlp_inputs},
+            f"feed_forward.{projections.mlp_output}": RowwiseParallel(output_layouts=residual),
+        }
     if sequence_parallel:
         plan.update({norm: SequenceParallel() for norm in norms})
     return plan

@@ -28,7 +28,7 @@ from torch import nn
 from lmforge import fsio
 from lmforge.config import LoraConfig
 from lmforge.models.hf import fused_rows, hf_names, save_hf_model
-from lmforge.models.registry import build_model
+from lmforge.models.registry import build_model, family_of
 from lmforge.parallel import full_value
 from lmforge.peft.adapter_spec import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX,
                                        AdapterConfig, AdapterError, adapter_linears,
@@ -73,10 +73,11 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _expert_state_dict(model: nn.Module, names: dict[str, str]) -> dict[str, torch.Tensor]:
     sd = {}
+    layout = family_of(model.args).expert_layout
     for ours, experts in expert_layers(model).items():
         block = {f"experts.{k}": full_value(v).cpu() for k, v in experts.state_dict().items()
                  if is_lora_param(k)}
-        sd |= expert_lora.to_peft(block, _expert_prefix(names, ours))
+        sd |= expert_lora.to_peft(block, _expert_prefix(names, ours), layout)
     return sd
 
 

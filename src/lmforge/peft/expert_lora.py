@@ -32,9 +32,11 @@ target but the last gains a ``base_layer.`` per later one, e.g. for Qwen3-MoE wi
     base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight   gate_up_proj
     base_model.model.model.layers.0.mlp.experts.lora_A.weight              down_proj
 
-``to_peft`` / ``from_peft`` convert (names and layout) for the layouts whose expert
-weights are transformers' own (Qwen3-MoE, Mixtral, DeepSeek-V3: ``moe_hf``'s ``fused``);
-gpt-oss's transposed, interleaved layout is not mapped yet.
+``to_peft`` / ``from_peft`` convert (names and layout): for Qwen3-MoE, Mixtral and
+DeepSeek-V3 (``moe_hf``'s ``fused``) as above; for gpt-oss, whose experts transformers
+stores transposed (experts, in, out) with gate and up outputs interleaved, peft keeps A
+and B in the same shapes (it reads ``is_transposed``), and B's rows of gate_up_proj are
+interleaved as the outputs are.
 """
 from __future__ import annotations
 
@@ -212,10 +214,13 @@ def _targets_in(sd: dict[str, torch.Tensor]) -> list[str]:
     return [t for t in EXPERT_TARGETS if f"experts.lora.{t}.lora_a" in sd]
 
 
-def to_peft(sd: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+def to_peft(sd: dict[str, torch.Tensor], prefix: str,
+            layout: str = "fused") -> dict[str, torch.Tensor]:
     """One block's adapters (our names, as ``experts.lora.<target>.lora_a``) in peft's
     keys and layout: A (experts, rank, in) -> (experts * rank, in); B (experts, out,
-    rank) -> (out, rank * experts), expert-minor."""
+    rank) -> (out, rank * experts), expert-minor. ``layout``: of transformers' experts
+    (``moe_hf``); gpt-oss's gate_up_proj interleaves gate and up outputs, and so do the
+    rows of its B."""
     names = peft_names(_targets_in(sd), prefix)
     out = {}
     for ours, theirs in names.items():
@@ -223,13 +228,17 @@ def to_peft(sd: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]
         if ours.endswith("lora_a"):
             out[theirs] = t.reshape(-1, t.shape[-1]).contiguous()  # (experts * rank, in)
         else:
+            if layout == "gpt_oss" and ".gate_up_proj." in ours:
+                gate, up = t.chunk(2, dim=1)
+                t = torch.stack((gate, up), dim=2).flatten(1, 2)  # rows: gate, up, gate, ...
             b = t.permute(1, 2, 0)  # (out, rank, experts): experts the fastest
             out[theirs] = b.flatten(1).contiguous()  # (out, rank * experts)
     return out
 
 
 def from_peft(sd: dict[str, torch.Tensor], prefix: str, n_experts: int,
-              targets: Sequence[str] = EXPERT_TARGETS) -> dict[str, torch.Tensor]:
+              targets: Sequence[str] = EXPERT_TARGETS,
+              layout: str = "fused") -> dict[str, torch.Tensor]:
     """``to_peft``'s inverse for the block at ``prefix``: peft's keys for ``targets``
     (all must be there; other keys are ignored) in our names and layout."""
     out = {}
@@ -244,6 +253,8 @@ def from_peft(sd: dict[str, torch.Tensor], prefix: str, n_experts: int,
         if ours.endswith("lora_a"):
             out[ours] = t.reshape(n_experts, -1, t.shape[-1]).contiguous()  # (experts, rank, in)
         else:
-            b = t.unflatten(1, (-1, n_experts))  # (out, rank, experts)
-            out[ours] = b.permute(2, 0, 1).contiguous()  # (experts, out, rank)
+            b = t.unflatten(1, (-1, n_experts)).permute(2, 0, 1)  # (experts, out, rank)
+            if layout == "gpt_oss" and ".gate_up_proj." in ours:
+                b = torch.cat((b[:, 0::2], b[:, 1::2]), dim=1)  # gate rows, then up
+            out[ours] = b.contiguous()
     return out

@@ -100,6 +100,18 @@ def test_lora_on_the_default_targets_loads_in_peft(hf_dir, tmp_path):
                                                           "kv_b_proj"}
 
 
+def test_lora_on_attention_and_experts_loads_in_peft_and_the_merged_export_agrees(
+        hf_dir, tmp_path):
+    """all-linear: the attention's linears and the routed experts' stacked weights (the
+    dense layers' and shared experts' MLPs take none, as peft reads it)."""
+    hf_model, path = hf_dir
+    layers = assert_lora_round_trip(hf_model, path, tmp_path,
+                                    tokens(hf_model.config.vocab_size, 12))
+    assert all(".attention." in name for name in layers)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
 def test_the_first_layers_are_dense_and_the_correction_bias_loads(hf_dir):
     hf_model, path = hf_dir
     model = load_hf_model(path)

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from helpers.hf_models import random_hf_causal_lm
 from helpers.hf_parity import (assert_export_round_trip, assert_greedy_decode_equal,
+                               assert_lora_round_trip,
                                assert_logits_equal, tokens)
 from lmforge.models.attention import DocumentMask, attend
 from lmforge.models.common import count_parameters
@@ -182,3 +183,16 @@ def test_presets_have_the_released_parameter_counts():
     model = build_model(PRESETS["gpt-oss-debug"], "cpu")  # the test size builds and runs
     model.init_weights()
     assert model(torch.zeros(1, 12, dtype=torch.long)).shape == (1, 12, 259)
+
+
+def test_lora_on_attention_and_experts_loads_in_peft_and_the_merged_export_agrees(
+        hf_dir, tmp_path):
+    """all-linear: the attention's linears and the experts' stacked weights (peft's
+    target_parameters); peft loads the adapter on transformers' model with our logits."""
+    hf_model, path = hf_dir
+    # (5e-5: peft adds B A to the transposed, interleaved stack in another order; a
+    # wrong layout is off by ~1)
+    assert_lora_round_trip(hf_model, path, tmp_path, tokens(hf_model.config.vocab_size, 24),
+                           tolerance=5e-5)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from helpers.hf_models import random_hf_causal_lm
 from helpers.hf_parity import (assert_export_round_trip, assert_greedy_decode_equal,
+                               assert_lora_round_trip,
                                assert_logits_equal, tokens)
 from lmforge.models.hf import HFCheckpointError, load_hf_model, read_model_args
 from lmforge.models.registry import (PRESETS, args_from_hf_config, family_of,
@@ -128,3 +129,13 @@ def test_configs_it_cannot_compute_are_refused_naming_the_field(saved, tmp_path,
     path = _edited(saved, tmp_path, **{field: value})
     with pytest.raises(HFCheckpointError, match=field):
         read_model_args(path)
+
+
+def test_lora_on_attention_and_experts_loads_in_peft_and_the_merged_export_agrees(
+        hf_dir, tmp_path):
+    """all-linear: the attention's linears and the experts' stacked weights (peft's
+    target_parameters); peft loads the adapter on transformers' model with our logits."""
+    hf_model, path = hf_dir
+    assert_lora_round_trip(hf_model, path, tmp_path, tokens(hf_model.config.vocab_size, 24))
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]

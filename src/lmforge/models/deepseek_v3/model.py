@@ -40,7 +40,12 @@ PROJECTIONS = Projections(
              "up": "up_proj", "w2": "down_proj", "down": "down_proj"},
     # peft has no default for deepseek_v3; ours is every projection that makes queries,
     # keys and values (each model has the ones its q_lora_rank gives it).
-    lora_default=("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"))
+    lora_default=("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"),
+    # The MLP names mean the routed experts, as peft reads them on transformers 5's
+    # DeepSeek-V3 (peft.targets): the dense layers' and shared experts' MLPs take none.
+    experts=("experts.gate_up_proj", "experts.down_proj"),
+    experts_for={"gate_proj": "experts.gate_up_proj", "up_proj": "experts.gate_up_proj",
+                 "gate_up_proj": "experts.gate_up_proj", "down_proj": "experts.down_proj"})
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from lmforge.models.llama.hf import rope_scaling_from
 FAMILY = from_folder(model, hf, plan, presets, name="gpt_oss", model_types=("gpt_oss",),
                      build=GptOss, args_from_dict=GptOssArgs.from_dict,
                      rope_scaling=rope_scaling_from, checkpoint_in=hf.checkpoint_in,
-                     checkpoint_out=hf.checkpoint_out,
+                     checkpoint_out=hf.checkpoint_out, expert_layout="gpt_oss",
                      gguf="lmforge has no GGUF form for gpt-oss yet")
 
 __all__ = ["FAMILY", "GptOss", "GptOssArgs", "GptOssBlock"]

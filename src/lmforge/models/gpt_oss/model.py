@@ -31,7 +31,10 @@ from lmforge.models.moe import MoE, MoEArgs
 PROJECTIONS = Projections(
     attention=("q_proj", "k_proj", "v_proj", "o_proj"), mlp=(),
     aliases={"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"},
-    lora_default=("q_proj", "v_proj"))
+    lora_default=("q_proj", "v_proj"),
+    experts=("experts.gate_up_proj", "experts.down_proj"),
+    experts_for={"gate_proj": "experts.gate_up_proj", "up_proj": "experts.gate_up_proj",
+                 "gate_up_proj": "experts.gate_up_proj", "down_proj": "experts.down_proj"})
 
 SLIDING, GLOBAL = "sliding", "global"
 
