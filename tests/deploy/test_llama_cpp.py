@@ -57,6 +57,10 @@ FAMILIES = {
         "layer_types": ["full_attention", "sliding_attention", "sliding_attention",
                         "full_attention"], "rope_scaling": {"rope_type": "linear", "factor": 4.0},
         "tie_word_embeddings": False}),
+    # mixtures of experts: experts stacked per layer, the router kept in f32
+    "qwen3_moe": ("qwen3_moe", {"moe_intermediate_size": 32, "num_experts": 8,
+                                "num_experts_per_tok": 2, "head_dim": 24,
+                                "norm_topk_prob": True}),
 }
 ORIGINAL = 16  # original_max_position_embeddings of the LongRoPE case
 
@@ -84,19 +88,20 @@ def family_dir(request, tmp_path_factory):
 
 
 def as_stored(model, dtype: str):
-    """``model`` with its matrices rounded as the GGUF file stores them (vectors stay
-    f32), so that llama.cpp and lmforge compute with the same numbers."""
+    """``model`` with its matrices (and stacked experts) rounded as the GGUF file stores
+    them (vectors, routers and biases stay f32), so that llama.cpp and lmforge compute
+    with the same numbers."""
     import gguf
 
     q8 = gguf.GGMLQuantizationType.Q8_0
     with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() != 2 or dtype == "f32":
+        for name, p in model.named_parameters():
+            if p.dim() < 2 or dtype == "f32" or name.endswith(("gate.weight", "_bias")):
                 continue
             if dtype == "f16" or not q8_0_fits(p.shape):
                 p.copy_(p.to(torch.float16).float())
             else:  # q8_0: quantized and read back as the file holds it
-                packed = gguf.quantize(p.numpy(), q8)
+                packed = gguf.quantize(p.numpy(), q8)  # (by rows, whatever the rank)
                 p.copy_(torch.from_numpy(gguf.dequantize(packed, q8)).reshape(p.shape))
     return model
 

@@ -338,10 +338,17 @@ def _file_type(gguf, dtype: str) -> int:
             "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype]
 
 
+# Matrices llama.cpp's converter keeps in f32 whatever the file type: an MoE router's
+# (which picks the experts: rounding it would change the choice)
+F32_MATRICES = (".ffn_gate_inp.weight", ".ffn_gate_inp_shexp.weight")
+
+
 def _add_tensor(gguf, writer, name: str, tensor: torch.Tensor, dtype: str) -> None:
-    """Matrices in ``dtype``; vectors (norms, biases, rope factors) in f32."""
+    """Matrices in ``dtype``; vectors (norms, biases, rope factors), MoE routers and any
+    tensor that is not a weight (gpt-oss's per-expert biases) in f32, as llama.cpp's
+    converter keeps them."""
     data = tensor.detach().float().cpu().numpy()
-    if data.ndim < 2 or dtype == "f32":
+    if data.ndim < 2 or dtype == "f32" or kept_f32(name):
         writer.add_tensor(name, data.astype(np.float32))
     elif dtype == "f16":
         writer.add_tensor(name, data.astype(np.float16))
@@ -353,6 +360,13 @@ def _add_tensor(gguf, writer, name: str, tensor: torch.Tensor, dtype: str) -> No
     else:  # (the writer reads the element shape back from the packed bytes' shape)
         packed = gguf.quantize(data, gguf.GGMLQuantizationType.Q8_0)
         writer.add_tensor(name, packed, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+
+
+def kept_f32(gguf_name: str) -> bool:
+    """Whether a matrix is stored in f32 whatever the file type (``F32_MATRICES``, and
+    what is neither a weight nor a LoRA adapter's A or B)."""
+    return (gguf_name.endswith(F32_MATRICES)
+            or not gguf_name.endswith((".weight", ".lora_a", ".lora_b")))
 
 
 def q8_0_fits(shape) -> bool:

@@ -362,3 +362,63 @@ def test_a_size_label_is_counted_from_the_tensors_where_the_name_has_none(tmp_pa
     n = sum(int(t.n_elements) for t in reader.tensors)
     assert _field(reader, "general.name") == "Model"  # (the converter's title case)
     assert _field(reader, "general.size_label") == gguf.size_label(n, n, 0, 0)
+
+
+# ------------------------------------------------------------ mixtures of experts
+
+MOE = dict(num_experts_per_tok=2, num_hidden_layers=2)
+MOE_FAMILIES = {  # id -> (model_type, config, GGUF architecture, keys beyond the counts)
+    "qwen3_moe": ("qwen3_moe", dict(MOE, num_experts=8, moe_intermediate_size=32,
+                                    norm_topk_prob=True),
+                  "qwen3moe", {"expert_feed_forward_length": 32, "feed_forward_length": 192}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MOE_FAMILIES))
+def test_each_layers_experts_are_stacked_and_its_router_kept_in_f32(tmp_path, case):
+    """The experts of a layer as one (experts, out, in) tensor per projection, gate and
+    up apart, as llama.cpp's converter stacks them; the router in f32 in an f16 file, as
+    the converter keeps it (tests/deploy compares every key and tensor with the
+    converter's and runs the file in llama.cpp)."""
+    model_type, config, arch, keys = MOE_FAMILIES[case]
+    src = model_dir(tmp_path / "model", model_type, **config)
+    reader = gguf.GGUFReader(export_gguf(src, tmp_path / "m.gguf", "f16"))
+    assert _field(reader, "general.architecture") == arch
+    for key, value in {"expert_count": 8, "expert_used_count": 2, **keys}.items():
+        assert _field(reader, f"{arch}.{key}") == value, key
+    model = load_hf_model(src)
+    last = model.args.n_layers - 1
+    ours = {k: v for k, v in model.state_dict().items() if k.startswith(f"layers.{last}.")}
+    gate_up = ours[f"layers.{last}.feed_forward.experts.gate_up_proj"]
+    width = gate_up.shape[1] // 2
+    expected = {"ffn_gate_exps": gate_up[:, :width], "ffn_up_exps": gate_up[:, width:],
+                "ffn_down_exps": ours[f"layers.{last}.feed_forward.experts.down_proj"],
+                "ffn_gate_inp": ours[f"layers.{last}.feed_forward.gate.weight"]}
+    stored = {t.name: t for t in reader.tensors}
+    for name, tensor in expected.items():
+        t = stored[f"blk.{last}.{name}.weight"]
+        router = name == "ffn_gate_inp"
+        assert t.tensor_type.name == ("F32" if router else "F16"), name
+        torch.testing.assert_close(torch.from_numpy(t.data.astype("float32")),
+                                   tensor if router else tensor.half().float(), rtol=0, atol=0)
+
+
+MOE_REFUSED = {  # id -> (model_type, config, what the refusal says)
+    "qwen3_moe dense layers": ("qwen3_moe", dict(MOE, num_experts=8, moe_intermediate_size=32,
+                                                 norm_topk_prob=True, mlp_only_layers=[0]),
+                               r"layers \[0\] have a dense MLP .* llama\.cpp's qwen3moe has "
+                               r"experts in every layer"),
+    "qwen3_moe raw weights": ("qwen3_moe", dict(MOE, num_experts=8, moe_intermediate_size=32,
+                                                norm_topk_prob=False),
+                              r"norm_topk_prob is false, and llama\.cpp's qwen3moe always "
+                              r"rescales"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MOE_REFUSED))
+def test_an_moe_llama_cpp_would_run_otherwise_is_refused_before_writing(tmp_path, case):
+    model_type, config, message = MOE_REFUSED[case]
+    src = model_dir(tmp_path / "model", model_type, **config)
+    with pytest.raises(GGUFError, match=message):
+        export_gguf(src, tmp_path / "m.gguf")
+    assert not list(tmp_path.glob("*.gguf*"))
