@@ -177,11 +177,12 @@ def check_layout_fits(cfg: JobConfig, args) -> None:
     check_parallel_fits(cfg, args)
     tp = cfg.parallel.tp
     if family_of(args).block(args).moe is not None:
-        for key, value in (("tp", tp), ("pp", cfg.parallel.pp)):
+        # (cp: each rank would balance the experts over its own chunk of the sequences)
+        for key, value in (("tp", tp), ("pp", cfg.parallel.pp), ("cp", cfg.parallel.cp)):
             if value > 1:
                 raise ConfigError(f"parallel.{key}: {value} is not supported for a mixture "
                                   f"of experts yet ({args.family}); use FSDP2 "
-                                  f"(parallel.dp_shard) or context parallelism")
+                                  f"(parallel.dp_shard, parallel.dp_replicate)")
     for name, fused in family_of(args).block(args).fused.items():
         if fused.groups % tp:
             parts = ", ".join(part for part, _ in fused.parts)

@@ -34,6 +34,7 @@ from lmforge.parallel.pipeline import (TiedEmbedding, build_schedule, has_first_
 from lmforge.peft.adapters import load_adapter
 from lmforge.peft.lora import after_materialize, is_lora_param, prepare_model_for_lora
 from lmforge.train.objectives import NEXT_TOKEN, NextToken, objective_for
+from lmforge.train.precision import frozen_linears_to_bf16
 from lmforge.train.step import ExpertBalance, accumulate_gradients, normalize_loss
 
 LAYOUT_INDEPENDENT_INIT_BYTES = 4 * 2**30
@@ -288,19 +289,6 @@ def _finish_lora(tm: TrainModel, job: Job) -> None:
             load_adapter(part, cfg.lora.adapter_from)
         if job.compute == "bf16" and not cfg.lora.quantize:
             frozen_linears_to_bf16(part)
-
-
-def frozen_linears_to_bf16(model: nn.Module) -> None:
-    """Store frozen projection weights in bf16 when computing in bf16 anyway: autocast
-    would otherwise keep a bf16 copy of every frozen fp32 weight until backward (half
-    again the base model's size). Embeddings, norms and a tied head stay fp32."""
-    tied = getattr(model, "output", None) is not None and model.args.tie_embeddings
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or module.weight.requires_grad:
-            continue
-        if tied and module is model.output:
-            continue
-        module.weight.data = module.weight.data.to(torch.bfloat16)
 
 
 def _materialize_all(tm: TrainModel, device: torch.device) -> None:

@@ -18,8 +18,10 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from lmforge.job import Job
+from lmforge.models.moe import GroupedExperts
 
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 INIT_SCALE = 2.0**16  # the first loss scale
@@ -146,3 +148,21 @@ class LossScaler:
                                      "_growth_tracker": state["growth_tracker"]})
         self.skipped_steps = int(state["skipped_steps"])
         self.step_scale = float(state["scale"])
+
+
+def frozen_linears_to_bf16(model: nn.Module) -> None:
+    """Store frozen projection weights (and an MoE's frozen stacked experts) in bf16 when
+    computing in bf16 anyway: autocast would otherwise keep a bf16 copy of every frozen
+    fp32 weight until backward (half again the base model's size). Embeddings, norms,
+    biases and a tied head stay fp32."""
+    tied = getattr(model, "output", None) is not None and model.args.tie_embeddings
+    for name, module in model.named_modules():
+        if isinstance(module, GroupedExperts):
+            for weight in (module.gate_up_proj, module.down_proj):
+                if not weight.requires_grad:
+                    weight.data = weight.data.to(torch.bfloat16)
+        if not isinstance(module, nn.Linear) or module.weight.requires_grad:
+            continue
+        if tied and module is model.output:
+            continue
+        module.weight.data = module.weight.data.to(torch.bfloat16)

@@ -1,0 +1,57 @@
+"""The mixture-of-experts families train under FSDP2 (dp_shard=2), plain and with LoRA on
+the attention and the experts, exactly as one process does: the same per-step loss and
+gradient norm (1e-5 relative, the load-balancing loss in every step) and final weights
+(1e-4), fp32 on the CPU with gloo, through the trainer's own step
+(tests/helpers/moe_training.py, one 2-process launch)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import moe_training
+
+pytestmark = pytest.mark.slow
+WORKER = Path(moe_training.__file__)
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
+    out = tmp_path_factory.mktemp("moe")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        [str(SRC), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node=2", str(WORKER), str(out)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return json.loads((out / "results-2.json").read_text()), out
+
+
+def _record(results: dict, key: str) -> dict:
+    assert key in results, f"{key} did not run"
+    assert "error" not in results[key], f"{key} failed:\n{results[key]['error']}"
+    return results[key]
+
+
+@pytest.mark.parametrize("layout", list(moe_training.LAYOUTS))
+@pytest.mark.parametrize("family", list(moe_training.FAMILIES))
+def test_moe_family_trains_under_fsdp_like_one_process(launch, family, layout):
+    results, out = launch
+    reference = "lora_single" if "lora" in layout else "single"
+    got = _record(results, f"{layout}/{family}")["history"]
+    want = _record(results, f"{reference}/{family}")["history"]
+    assert len(got) == len(want) == 4
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got, want), 1):
+        assert loss == pytest.approx(ref_loss, rel=1e-5), f"step {step}: loss {loss} vs {ref_loss}"
+        assert norm == pytest.approx(ref_norm, rel=1e-5), \
+            f"step {step}: grad norm {norm} vs {ref_norm}"
+    weights = torch.load(out / f"{layout}-{family}.pt")
+    ref_weights = torch.load(out / f"{reference}-{family}.pt")
+    assert weights.keys() == ref_weights.keys()
+    for key in ref_weights:
+        torch.testing.assert_close(weights[key], ref_weights[key], rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"{key}: {m}")
