@@ -61,6 +61,10 @@ FAMILIES = {
     "qwen3_moe": ("qwen3_moe", {"moe_intermediate_size": 32, "num_experts": 8,
                                 "num_experts_per_tok": 2, "head_dim": 24,
                                 "norm_topk_prob": True}),
+    # (llama.cpp's llama applies no sliding window: as Mistral's, none here)
+    "mixtral-tied": ("mixtral", {"intermediate_size": 32, "num_local_experts": 8,
+                                 "num_experts_per_tok": 2, "sliding_window": None,
+                                 "tie_word_embeddings": True}),
 }
 ORIGINAL = 16  # original_max_position_embeddings of the LongRoPE case
 

@@ -371,6 +371,8 @@ MOE_FAMILIES = {  # id -> (model_type, config, GGUF architecture, keys beyond th
     "qwen3_moe": ("qwen3_moe", dict(MOE, num_experts=8, moe_intermediate_size=32,
                                     norm_topk_prob=True),
                   "qwen3moe", {"expert_feed_forward_length": 32, "feed_forward_length": 192}),
+    "mixtral": ("mixtral", dict(MOE, num_local_experts=8, intermediate_size=32), "llama",
+                {"feed_forward_length": 32}),
 }
 
 

@@ -3,7 +3,7 @@ experts as the MLP on every layer. The model and its tensor-parallel plan are
 Qwen3-MoE's (``models/qwen3_moe``: ``SparseLlama``), with no dense layers and the top-k
 weights always renormalised."""
 from lmforge.models.family import from_folder
-from lmforge.models.mixtral import hf, presets  # the family's parts
+from lmforge.models.mixtral import gguf, hf, presets  # the family's parts
 from lmforge.models.qwen3_moe import model, plan
 from lmforge.models.qwen3_moe.model import SparseArgs, SparseLlama
 
@@ -11,6 +11,6 @@ FAMILY = from_folder(model, hf, plan, presets, name="mixtral", model_types=("mix
                      build=SparseLlama, args_from_dict=SparseArgs.from_dict,
                      rope_scaling=hf.rope_scaling_from, checkpoint_in=hf.checkpoint_in,
                      checkpoint_out=hf.checkpoint_out,
-                     gguf="lmforge has no GGUF form for Mixtral yet")
+                     gguf=gguf)
 
 __all__ = ["FAMILY"]
