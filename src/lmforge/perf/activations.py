@@ -7,14 +7,15 @@ the run computes in; ``stage_activations`` multiplies them out for a pipeline st
 micro-batches it holds at once, activation checkpointing)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lmforge.models.fused_loss import FUSED_CHUNK_TOKENS
 from lmforge.parallel.offload import MIN_OFFLOAD_BYTES
 from lmforge.perf.block_walk import Term, BlockWalk
 from lmforge.perf.estimate_setup import Setup, compute_bytes
 from lmforge.perf.masks import dense_masks
-from lmforge.perf.weights import stage_layer_ids
+from lmforge.perf.moe_walk import aux_loss_bytes, moe_backward_buffers, routing_chain
+from lmforge.perf.weights import is_sparse, stage_layer_ids
 
 BATCH_BYTES_PER_TOKEN = 16.0  # the batch's input ids and labels (int64)
 
@@ -48,19 +49,53 @@ class Activations:
     freed_mlp_out_input: float
     input_is_saved: bool  # the block's first norm keeps the block input itself
     masks: float = 0.0  # the dense attention masks the layers share (perf/masks.py)
+    # An MoE's later sparse layers (terms as other_terms'), and what each sparse layer
+    # keeps outside the block: the load-balancing loss's softmax (layer 0's apart)
+    sparse_layers: float = 0.0
+    sparse_terms: list = field(default_factory=list)
+    aux_loss: float = 0.0
+    first_aux_loss: float = 0.0
+    # What a checkpointed MoE layer's recomputation leaves behind: MoE.forward keeps the
+    # recomputed Routing too (moe.routings, read at the next micro-batch), and with it
+    # the recomputed graph up to the router (the block's saved tensors before the
+    # experts, and the logits), until the next forward (perf/moe_walk.py)
+    routing_chain: float = 0.0
+
+    def layer(self, setup: Setup, layer_id: int, first: bool = True) -> float:
+        """Bytes per token block ``layer_id`` saves when it keeps everything (``first``:
+        block 0 as it is, with an input that may not require grad)."""
+        sparse = is_sparse(setup.args, layer_id)
+        if layer_id == 0 and first:
+            return self.first_layer
+        return self.sparse_layers if sparse else self.other_layers
+
+    def outside(self, setup: Setup, layer_id: int) -> float:
+        """What an MoE layer keeps outside its block (checkpointed or not)."""
+        if not is_sparse(setup.args, layer_id):
+            return 0.0
+        return self.first_aux_loss if layer_id == 0 else self.aux_loss
 
 
 def activation_model(setup: Setup) -> Activations:
     """Walks the first block (its input requires grad only if the embedding trains), a
     later one, and the final norm and head; then the loss head and the backward buffers."""
     args, walker = setup.args, BlockWalk(setup)
-    first_terms, output_needs_grad = walker.walk(setup.trainable.embedding)
+    first_terms, output_needs_grad = walker.walk(setup.trainable.embedding,
+                                                 is_sparse(args, 0))
+    first_ffn_input = output_needs_grad or setup.trainable.norms  # (close enough for block 0)
     other_terms = walker.walk(True)[0] if args.n_layers > 1 else first_terms
+    sparse_terms = walker.walk(True, True)[0] if walker.block.moe is not None else []
     if args.n_layers > 1:
         # every later block sees a residual stream that requires grad once anything trains
         output_needs_grad = True
     mlp_out = walker.names.mlp_output
     mlp_out_input = [t for t in other_terms if t.name.startswith(mlp_out)]
+    buffers, freed = _backward_buffers(setup, walker), per_device(mlp_out_input, setup)
+    if sparse_terms:  # an MoE layer's peak comes first; a dense layer's, if larger
+        dense = any(not is_sparse(args, i) for i in range(args.n_layers))
+        buffers = max(moe_backward_buffers(walker, _dim_per_device(setup)),
+                      buffers - freed if dense else 0.0)
+        freed = 0.0
     return Activations(first_layer=per_device(first_terms, setup),
                        other_layers=per_device(other_terms, setup),
                        first_terms=first_terms, other_terms=other_terms,
@@ -70,10 +105,13 @@ def activation_model(setup: Setup) -> Activations:
                        logits=walker.matmul_bytes * args.vocab_size / setup.layout.tp,
                        log_softmax=4 * args.vocab_size / setup.layout.tp,
                        batch_inputs=BATCH_BYTES_PER_TOKEN,
-                       backward_buffers=_backward_buffers(setup, walker),
-                       freed_mlp_out_input=per_device(mlp_out_input, setup),
+                       backward_buffers=buffers, freed_mlp_out_input=freed,
                        input_is_saved=walker.keeps_block_input(),
-                       masks=dense_masks(setup).shared_bytes)
+                       masks=dense_masks(setup).shared_bytes,
+                       sparse_layers=per_device(sparse_terms, setup), sparse_terms=sparse_terms,
+                       aux_loss=aux_loss_bytes(walker),
+                       first_aux_loss=aux_loss_bytes(walker, first_ffn_input),
+                       routing_chain=per_device(routing_chain(walker, sparse_terms), setup))
 
 
 def _head_terms(setup: Setup, input_needs_grad: bool) -> list[Term]:
@@ -147,6 +185,10 @@ class StageActivations:
     # (the stage output, kept for its backward) and log-softmax (kept by the loss)
     pending_heads: float = 0.0
     masks: float = 0.0  # the dense attention masks of the micro-batches in flight
+    # checkpointed MoE layers' recomputed routings (Activations.routing_chain): those of
+    # the later blocks when the backward reaches the first, every one after the backward
+    routings_at_first_block: float = 0.0
+    routings_after_backward: float = 0.0
 
     @property
     def at_forward_end(self) -> float:
@@ -160,7 +202,8 @@ class StageActivations:
     @property
     def at_first_block(self) -> float:
         return (self.blocks_at_first_block + self.recomputed_first_block + self.stage_input
-                - self.freed_mlp_out_input + self.pending_heads + self.masks)
+                - self.freed_mlp_out_input + self.pending_heads + self.masks
+                + self.routings_at_first_block)
 
 
 def stage_activations(setup: Setup, act: Activations, stage: int) -> StageActivations:
@@ -181,10 +224,14 @@ def stage_activations(setup: Setup, act: Activations, stage: int) -> StageActiva
         host = held * moved
         blocks -= host
         blocks_at_first_block -= (held - 1) * moved
+    recomputed_moe = [i for i in ids if setup.checkpointed(i) and is_sparse(setup.args, i)]
     bf16_logits = compute_bytes(setup) == 2
     pending = (held - 1) * (act.head_inputs + act.logits + act.log_softmax) if last else 0.0
     return StageActivations(
         pending_heads=pending, masks=held * act.masks,
+        routings_at_first_block=act.routing_chain * len([i for i in recomputed_moe
+                                                         if i != ids[0]]),
+        routings_after_backward=act.routing_chain * len(recomputed_moe),
         host=host, blocks=blocks, blocks_at_first_block=blocks_at_first_block,
         recomputed_last_block=recomputed_by_block(setup, act, ids[-1]),
         recomputed_first_block=recomputed_by_block(setup, act, ids[0]),
@@ -201,8 +248,8 @@ def kept_by_block(setup: Setup, act: Activations, layer_id: int) -> float:
     input when checkpointed, else every tensor it saves (block 0 saves less when its
     input, the embedding's output, does not require grad)."""
     if setup.checkpointed(layer_id):
-        return act.layer_input
-    return act.first_layer if layer_id == 0 else act.other_layers
+        return act.layer_input + act.outside(setup, layer_id)
+    return act.layer(setup, layer_id) + act.outside(setup, layer_id)
 
 
 def recomputed_by_block(setup: Setup, act: Activations, layer_id: int) -> float:
@@ -210,7 +257,8 @@ def recomputed_by_block(setup: Setup, act: Activations, layer_id: int) -> float:
     block's first norm keeps that input itself when it saves its input as is)."""
     if not setup.checkpointed(layer_id):
         return 0.0
-    return act.other_layers - (act.layer_input if act.input_is_saved else 0.0)
+    own = act.layer(setup, layer_id, first=False)
+    return own - (act.layer_input if act.input_is_saved else 0.0)
 
 
 def offloaded_per_layer(setup: Setup, act: Activations, checkpointed: bool) -> float:

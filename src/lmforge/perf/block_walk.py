@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from lmforge.models.registry import family_of
 from lmforge.perf.estimate_setup import Setup, adapter_bytes, compute_bytes, residual_bytes
 from lmforge.perf.masks import dense_masks
+from lmforge.perf.moe_walk import walk_moe
 
 
 @dataclass
@@ -48,8 +49,9 @@ class BlockWalk:
         return (input_needs_grad or self.trainable.trains(projection)
                 or self.trainable.rank(projection) > 0)
 
-    def walk(self, input_needs_grad: bool) -> tuple[list[Term], bool]:
-        """The terms one block saves, and whether its output requires grad."""
+    def walk(self, input_needs_grad: bool, sparse: bool = False) -> tuple[list[Term], bool]:
+        """The terms one block saves (``sparse``: an MoE layer's), and whether its
+        output requires grad."""
         self.terms = []
         qkv, mlp_inputs = self.names.attention[:-1], self.names.mlp_inputs
         normed_needs_grad = self.norm("attention norm", input_needs_grad)
@@ -63,8 +65,12 @@ class BlockWalk:
                                                self._attention(normed_needs_grad))
         hidden_needs_grad = input_needs_grad or attention_needs_grad  # h = x + attention
         ffn_normed_needs_grad = self.norm("ffn norm", hidden_needs_grad)
-        self.block_inputs(mlp_inputs, ffn_normed_needs_grad)
-        mlp_needs_grad = self._post_norm("post-MLP norm", self._mlp(ffn_normed_needs_grad))
+        if sparse:
+            mlp_needs_grad = walk_moe(self, ffn_normed_needs_grad)
+        else:
+            self.block_inputs(mlp_inputs, ffn_normed_needs_grad)
+            mlp_needs_grad = self._mlp(ffn_normed_needs_grad)
+        mlp_needs_grad = self._post_norm("post-MLP norm", mlp_needs_grad)
         return list(self.terms), hidden_needs_grad or mlp_needs_grad
 
     def _post_norm(self, label: str, branch_needs_grad: bool) -> bool:

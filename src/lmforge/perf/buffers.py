@@ -100,6 +100,7 @@ def autocast_copies(setup: Setup, weights: Weights, stage: int) -> AutocastCopie
     # the share of the stage's blocks whose matmuls keep their copies: not checkpointed
     kept_share = sum(not setup.checkpointed(i) for i in ids) / layers
     cache, frozen = 2 * weights.matmul_trainable_fp32, 2 * weights.matmul_frozen_fp32
+    frozen += weights.expert_copies  # (an MoE's stacks as multiplied: made per forward too)
     return AutocastCopies(
         trainable_cache=cache, frozen=kept_share * frozen,
         kept_for_backward=kept_share * (cache + frozen),

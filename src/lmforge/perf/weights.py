@@ -262,11 +262,13 @@ def active_parameters(args) -> int:
 
 
 def _add_experts(tally: _Tally, setup: Setup) -> None:
-    """One MoE layer's parameters: the router (fp32, as the trainer keeps it: it is not an
-    nn.Linear, so a LoRA run's frozen base stays fp32 there), the stacked experts (fp32
-    likewise) with their biases and LoRA adapters, the shared experts (a GatedMLP of
-    linear layers, stored as the dense projections); and the experts' per-forward copies
-    (``Weights.expert_copies``) and the down stack's share of the MLP-output terms."""
+    """One MoE layer's parameters: the router (in train.param_dtype whether it trains or
+    not: it is no nn.Linear, so a LoRA run's bf16 base leaves it fp32), the stacked
+    experts (frozen ones stored as the frozen projections, ``precision.
+    frozen_linears_to_bf16``) with their biases and LoRA adapters, the shared experts (a
+    GatedMLP of linear layers, stored as the dense projections); and the experts'
+    per-forward copies (``Weights.expert_copies``) and the down stack's share of the
+    MLP-output terms."""
     w, trainable, moe = tally.weights, setup.trainable, family_of(setup.args).block(setup.args).moe
     d, e, f = moe.dim, moe.n_experts, moe.ffn_dim
     trains = trainable.trains(ROUTER)
@@ -276,21 +278,30 @@ def _add_experts(tally: _Tally, setup: Setup) -> None:
     gate_up, down = family_of(setup.args).projections.experts
     for name, (n_out, n_in) in ((gate_up, (2 * f, d)), (down, (d, f))):
         trains, rank = trainable.trains(name), trainable.rank(name)
-        tally.add_stored(e * (n_in * n_out + n_out * moe.expert_bias), trains, matmul=False)
+        stack = e * n_in * n_out
+        tally.add_stored(e * n_out * moe.expert_bias, trains, matmul=False)
+        if trains:
+            tally.add_stored(stack, True, matmul=False)
+        else:  # (a frozen stack: stored as the frozen projections)
+            tally.add_quantized(stack, tally.frozen_projection_bytes * stack)
         tally.add_stored(e * rank * (n_in + n_out), True, matmul=False)
-        copy = _expert_copy_bytes(setup, tally, rank) * e * n_in * n_out
+        stored = tally.param_bytes if trains else tally.frozen_projection_bytes
+        copy = _expert_copy_bytes(setup, stored, rank) * stack
+        if rank and stored != tally.param_bytes:  # the fold's copies of the fp32 A and B
+            copy += stored * e * rank * (n_in + n_out)
         w.expert_copies += copy
         if name == down:
-            w.mlp_out_trainable = trains * e * n_in * n_out + e * rank * (n_in + n_out)
+            w.mlp_out_trainable = trains * stack + e * rank * (n_in + n_out)
             w.mlp_out_copy = copy
     shared = moe.n_shared_experts * f
     if shared:
         tally.add(3 * d * shared, trainable.trains(SHARED_EXPERTS), matmul=True)
 
 
-def _expert_copy_bytes(setup: Setup, tally: _Tally, rank: int) -> float:
-    """Bytes per element of a stack's per-forward copy: bf16 under autocast (of the fp32
-    stack, or of the folded one), the fold in the stack's dtype with LoRA, else none."""
-    if setup.autocast and (tally.param_bytes == 4 or rank):
+def _expert_copy_bytes(setup: Setup, stored: int, rank: int) -> float:
+    """Bytes per element of a stack's per-forward copy (stored in ``stored`` bytes): the
+    bf16 copy of an fp32 one under autocast, or of its LoRA fold (folded in the stack's
+    dtype); the fold itself without autocast; else none."""
+    if setup.autocast and (stored == 4 or rank):
         return 2.0
-    return float(tally.param_bytes) if rank else 0.0
+    return float(stored) if rank else 0.0
