@@ -31,7 +31,9 @@ from lmforge.perf.estimate_setup import DTYPE_BYTES, Setup, frozen_weight_dtype
 from lmforge.perf.flops import projection_shapes
 from lmforge.perf.rollout import (ROLLOUT, describe_rollout, kv_cache_bytes_per_token,  # noqa: F401
                                   rollout_terms)
-from lmforge.perf.weights import Weights, model_parameters, stage_layers, stage_weights
+from lmforge.models.registry import family_of
+from lmforge.perf.weights import (Weights, active_parameters, model_parameters, stage_layers,
+                                  stage_weights)
 
 GiB = 2**30
 # Optimizer states per trainable parameter (count, stored in the parameter's dtype).
@@ -245,6 +247,7 @@ class MemoryEstimate:
         return {
             "model": describe_model(s.args),
             "parameters": model_parameters(s.args),
+            "active_parameters": active_parameters(s.args),
             "setup": {"seq_len": s.batch.seq_len, "micro_batch": s.micro_batch,
                       "device": s.device, "compute": s.compute,
                       "checkpointing": t.activation_checkpointing,
@@ -271,7 +274,15 @@ class MemoryEstimate:
 
 
 def describe_model(args) -> str:
-    return (f"{args.family}, {model_parameters(args):,} parameters, dim {args.dim}, "
+    """One line; an MoE's names its active parameters (docs/estimate.md, "Mixture of
+    experts") and its experts."""
+    moe = family_of(args).block(args).moe
+    total = f"{model_parameters(args):,} parameters"
+    if moe is not None:
+        total += (f" ({active_parameters(args):,} active: top {moe.top_k} of "
+                  f"{moe.n_experts} experts of ffn {moe.ffn_dim}"
+                  + (f", {moe.n_shared_experts} shared" if moe.n_shared_experts else "") + ")")
+    return (f"{args.family}, {total}, dim {args.dim}, "
             f"{args.n_layers} layers, {args.n_heads}/{args.n_kv_heads} heads, "
             f"ffn {args.ffn_dim}, vocab {args.vocab_size}")
 

@@ -214,9 +214,10 @@ def projection_shapes(args: Any) -> dict[str, tuple[int, int]]:
     return dict(family_of(args).block(args).shapes)
 
 
-def matmul_params(args: Any) -> int:
+def matmul_params(args: Any, active: bool = True) -> int:
     """Weights that take part in a token's matrix multiplies: every projection and the
-    head; of an MoE layer only what a token uses (router, top_k experts, shared ones)."""
+    head; of an MoE layer only what a token uses (router, top_k experts, shared ones),
+    or with ``active=False`` every expert."""
     family = family_of(args)
     block, mlp = family.block(args), set(family.projections.mlp)
     attention = sum(i * o for name, (i, o) in block.shapes.items() if name not in mlp)
@@ -224,15 +225,16 @@ def matmul_params(args: Any) -> int:
     sparse = len(block.sparse_layers or ()) if block.moe is not None else 0
     total = args.n_layers * attention + (args.n_layers - sparse) * dense_mlp
     if sparse:
-        total += sparse * moe_active_matmul_params(block.moe)
+        total += sparse * moe_active_matmul_params(block.moe, active)
     return total + args.dim * args.vocab_size
 
 
-def moe_active_matmul_params(moe: Any) -> int:
+def moe_active_matmul_params(moe: Any, active: bool = True) -> int:
     """One MoE layer's matmul weights a token uses: the router, top_k experts and the
-    shared experts (3 x dim x ffn per expert)."""
+    shared experts (3 x dim x ffn per expert); ``active=False``: every expert."""
     expert = 3 * moe.dim * moe.ffn_dim
-    return moe.dim * moe.n_experts + (moe.top_k + moe.n_shared_experts) * expert
+    routed = moe.top_k if active else moe.n_experts
+    return moe.dim * moe.n_experts + (routed + moe.n_shared_experts) * expert
 
 
 @dataclass

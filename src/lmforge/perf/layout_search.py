@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 from lmforge.config import ConfigError, JobConfig, set_field
+from lmforge.models.registry import family_of
 from lmforge.perf.estimate import GiB, estimate_memory
 from lmforge.perf.rollout import rollout_changes
 from lmforge.perf.estimate_setup import Setup, setup_from_config
@@ -65,15 +66,18 @@ def meshes(args, gpus: int, per_node: int, seq_len: int = 0) -> Iterator[dict]:
     """(dp_replicate, dp_shard, cp, tp, pp) with product ``gpus``: tp inside a node and
     dividing both head counts, pp dividing the layers, cp with tp inside a node (its
     gathers run every layer) and splitting ``seq_len`` into 2 cp chunks (none without
-    one). The trainer's validation drops the rest (cp with pp, for one)."""
+    one). A mixture of experts: data parallelism only (the trainer refuses tp, pp and cp
+    for one yet: ``models.presets.check_layout_fits``). The trainer's validation drops
+    the rest (cp with pp, for one)."""
+    moe = family_of(args).block(args).moe is not None
     for tp in divisors(min(gpus, per_node)):
-        if gpus % tp or args.n_heads % tp or args.n_kv_heads % tp:
+        if gpus % tp or args.n_heads % tp or args.n_kv_heads % tp or moe and tp > 1:
             continue
         for cp in divisors(per_node // tp if per_node % tp == 0 else 1):
-            if gpus % (tp * cp) or cp > 1 and (not seq_len or seq_len % (2 * cp)):
+            if gpus % (tp * cp) or cp > 1 and (not seq_len or seq_len % (2 * cp) or moe):
                 continue
             for pp in divisors(gpus // (tp * cp)):
-                if args.n_layers % pp:
+                if args.n_layers % pp or moe and pp > 1:
                     continue
                 for rep in divisors(gpus // (tp * cp * pp)):
                     yield {"parallel.dp_replicate": rep,

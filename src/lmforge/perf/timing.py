@@ -165,8 +165,9 @@ def flops_per_token(setup: Setup) -> tuple[float, float]:
 
 
 def param_count(args) -> float:
-    """Weights FSDP gathers: the matmul weights and the embedding (norms are negligible)."""
-    return matmul_params(args) + args.dim * args.vocab_size
+    """Weights FSDP gathers: the matmul weights (every expert of an MoE) and the
+    embedding (norms are negligible)."""
+    return matmul_params(args, active=False) + args.dim * args.vocab_size
 
 
 def step_time(setup: Setup, device: Device, gpus_per_node: int) -> StepTime:
