@@ -41,6 +41,10 @@ pytestmark = pytest.mark.deploy
 NEW_TOKENS = 32
 GEMMA3 = dict(num_hidden_layers=4, head_dim=20, intermediate_size=88, sliding_window=6,
               query_pre_attn_scalar=18, rope_theta=50_000.0, rope_local_base_freq=500.0)
+DEEPSEEK = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
+                qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=10, intermediate_size=96,
+                moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                num_hidden_layers=3, first_k_dense_replace=1, q_lora_rank=24)
 FAMILIES = {
     "llama-untied": ("llama", {}),
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
@@ -65,6 +69,15 @@ FAMILIES = {
     "mixtral-tied": ("mixtral", {"intermediate_size": 32, "num_local_experts": 8,
                                  "num_experts_per_tok": 2, "sliding_window": None,
                                  "tie_word_embeddings": True}),
+    # latent attention, a dense first layer, group-limited sigmoid routing with a
+    # correction bias (randomised: randomised_biases), renormalised; and (second) raw
+    # weights scaled, two shared experts, tied
+    "deepseek_v3-groups": ("deepseek_v3", DEEPSEEK | {"n_group": 4, "topk_group": 2,
+                                                      "norm_topk_prob": True}),
+    "deepseek_v3-shared-scaled-tied": ("deepseek_v3", DEEPSEEK | {
+        "n_group": 1, "topk_group": 1, "norm_topk_prob": False,
+        "routed_scaling_factor": 2.446, "n_shared_experts": 2, "num_hidden_layers": 2,
+        "tie_word_embeddings": True}),
 }
 ORIGINAL = 16  # original_max_position_embeddings of the LongRoPE case
 
@@ -87,8 +100,27 @@ def family_dir(request, tmp_path_factory):
     # (llama.cpp keys special-token rules on general.name, the directory's name: a name
     # with "phi3" in it makes it look for Phi-3's own tokens, which the test tokenizer
     # lacks)
-    return hf_model_dir(tmp_path_factory.mktemp("model") / "model", model_type, seed=3,
-                        **config)
+    return randomised_biases(hf_model_dir(tmp_path_factory.mktemp("model") / "model",
+                                          model_type, seed=3, **config))
+
+
+# the MoE tensors transformers starts at zero (which would hide a mapping mistake):
+# DeepSeek-V3's correction bias, gpt-oss's sinks, router and expert biases
+ZERO_STARTED = ("e_score_correction_bias", "sinks", "_bias", "mlp.router.bias")
+
+
+def randomised_biases(model_dir):
+    """``model_dir`` with its ``ZERO_STARTED`` tensors made random."""
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    g = torch.Generator().manual_seed(3)
+    for name, t in tensors.items():
+        if name.endswith(ZERO_STARTED):
+            tensors[name] = t + 0.3 * torch.randn(t.shape, generator=g).to(t.dtype)
+    save_file(tensors, path, metadata={"format": "pt"})
+    return model_dir
 
 
 def as_stored(model, dtype: str):
@@ -126,13 +158,26 @@ def test_q8_0_greedy_tokens_agree_with_lmforges_until_rounding_flips_a_near_tie(
     rounds the activations too. lmforge decodes with the weights as the file holds them;
     on these random tiny models, whose next-token distributions are nearly flat, 3 to 32
     of the 32 tokens agreed (the 7 families, measured: 13, 19, 19, 3, 12, 7, 32). The
-    stated bound: the first 2 agree."""
+    stated bound: the first 2 agree, or the first that differs is a near tie in lmforge's
+    logits (DeepSeek-V3's first token: 113 over 364 by 0.02)."""
     out = export_gguf(family_dir, tmp_path / "model.gguf", "q8_0")
     ours = as_stored(load_hf_model(family_dir), "q8_0")
     prompt = torch.randint(0, ours.args.vocab_size - 10, (6,),
                            generator=torch.Generator().manual_seed(5)).tolist()
     got, want = _run(out, prompt), generate(ours, prompt, NEW_TOKENS, greedy=True)
-    assert got[:2] == want[:2]
+    assert got[:2] == want[:2] or _near_tie(ours, prompt, want, got), (got, want)
+
+
+NEAR_TIE = 0.05  # logits this close are a tie q8_0's rounding may break either way
+
+
+def _near_tie(model, prompt: list[int], want: list[int], got: list[int]) -> bool:
+    """Whether, where ``got`` first leaves ``want``, its token's logit after the same
+    prefix is within ``NEAR_TIE`` of the top one's in ``model``."""
+    first = next(i for i, (a, b) in enumerate(zip(want, got)) if a != b)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + want[:first]]))[0, -1]
+    return float(logits[want[first]] - logits[got[first]]) < NEAR_TIE
 
 
 def test_phi3_longrope_equals_lmforge_past_the_pretraining_length(tmp_path):

@@ -367,12 +367,24 @@ def test_a_size_label_is_counted_from_the_tensors_where_the_name_has_none(tmp_pa
 # ------------------------------------------------------------ mixtures of experts
 
 MOE = dict(num_experts_per_tok=2, num_hidden_layers=2)
+DEEPSEEK = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
+                qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=10, intermediate_size=96,
+                moe_intermediate_size=32, n_routed_experts=8, first_k_dense_replace=1,
+                q_lora_rank=24, n_group=4, topk_group=2)
 MOE_FAMILIES = {  # id -> (model_type, config, GGUF architecture, keys beyond the counts)
     "qwen3_moe": ("qwen3_moe", dict(MOE, num_experts=8, moe_intermediate_size=32,
                                     norm_topk_prob=True),
                   "qwen3moe", {"expert_feed_forward_length": 32, "feed_forward_length": 192}),
     "mixtral": ("mixtral", dict(MOE, num_local_experts=8, intermediate_size=32), "llama",
                 {"feed_forward_length": 32}),
+    "deepseek_v3": ("deepseek_v3", dict(MOE, **DEEPSEEK), "deepseek2", {
+        "expert_feed_forward_length": 32, "feed_forward_length": 96, "expert_group_count": 4,
+        "expert_group_used_count": 2, "expert_gating_func": 2,  # sigmoid
+        "leading_dense_block_count": 1, "expert_shared_count": 1,
+        "attention.head_count_kv": 1, "attention.kv_lora_rank": 16,
+        "attention.q_lora_rank": 24, "attention.key_length": 16 + 4,
+        "attention.value_length": 16, "attention.key_length_mla": 8 + 4,
+        "attention.value_length_mla": 10, "rope.dimension_count": 4}),
 }
 
 
@@ -405,6 +417,24 @@ def test_each_layers_experts_are_stacked_and_its_router_kept_in_f32(tmp_path, ca
                                    tensor if router else tensor.half().float(), rtol=0, atol=0)
 
 
+def test_deepseek_v3s_kv_b_proj_is_split_per_head_as_llama_cpp_reads_it(tmp_path):
+    """kv_b_proj's rows, per head (nope, then v), as attn_k_b (heads, latent, nope:
+    transposed) and attn_v_b (heads, v, latent), as llama.cpp's converter writes them;
+    the correction bias as exp_probs_b.bias."""
+    src = model_dir(tmp_path / "model", "deepseek_v3", **MOE, **DEEPSEEK)
+    reader = gguf.GGUFReader(export_gguf(src, tmp_path / "m.gguf", "f32"))
+    stored = {t.name: torch.from_numpy(t.data.copy()) for t in reader.tensors}
+    ours = load_hf_model(src).state_dict()
+    kv_b = ours["layers.1.attention.kv_b_proj.weight"].reshape(4, 8 + 10, 16)
+    torch.testing.assert_close(stored["blk.1.attn_k_b.weight"], kv_b[:, :8].transpose(1, 2))
+    torch.testing.assert_close(stored["blk.1.attn_v_b.weight"], kv_b[:, 8:])
+    assert "blk.1.attn_kv_b.weight" not in stored
+    torch.testing.assert_close(stored["blk.1.exp_probs_b.bias"],
+                               ours["layers.1.feed_forward.gate.e_score_correction_bias"])
+    assert "blk.0.ffn_gate.weight" in stored and "blk.0.ffn_gate_exps.weight" not in stored
+    assert stored["blk.1.ffn_up_shexp.weight"].shape == (32, 64)
+
+
 MOE_REFUSED = {  # id -> (model_type, config, what the refusal says)
     "qwen3_moe dense layers": ("qwen3_moe", dict(MOE, num_experts=8, moe_intermediate_size=32,
                                                  norm_topk_prob=True, mlp_only_layers=[0]),
@@ -414,6 +444,15 @@ MOE_REFUSED = {  # id -> (model_type, config, what the refusal says)
                                                 norm_topk_prob=False),
                               r"norm_topk_prob is false, and llama\.cpp's qwen3moe always "
                               r"rescales"),
+    # (measured in llama.cpp: these give other tokens)
+    "deepseek_v3 halves": ("deepseek_v3", dict(MOE, **DEEPSEEK, rope_interleave=False),
+                           r"rope_interleave is false .* llama\.cpp's deepseek2 rotates "
+                           r"adjacent pairs"),
+    "deepseek_v3 q_proj": ("deepseek_v3", dict(MOE, **{**DEEPSEEK, "q_lora_rank": None}),
+                           r"q_lora_rank is null .* DeepSeek-V2-Lite's depth \(26 or 27"),
+    "deepseek_v3 yarn": ("deepseek_v3", dict(MOE, **DEEPSEEK, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 32}), r"YaRN RoPE scaling is not written"),
 }
 
 
