@@ -83,18 +83,22 @@ def activation_model(setup: Setup) -> Activations:
     first_terms, output_needs_grad = walker.walk(setup.trainable.embedding,
                                                  is_sparse(args, 0))
     first_ffn_input = output_needs_grad or setup.trainable.norms  # (close enough for block 0)
-    other_terms = walker.walk(True)[0] if args.n_layers > 1 else first_terms
+    dense = any(not is_sparse(args, i) for i in range(args.n_layers))
     sparse_terms = walker.walk(True, True)[0] if walker.block.moe is not None else []
+    if args.n_layers == 1 or not dense:  # (gpt-oss: no dense MLP at all)
+        other_terms = sparse_terms if args.n_layers > 1 else first_terms
+    else:
+        other_terms = walker.walk(True)[0]
     if args.n_layers > 1:
         # every later block sees a residual stream that requires grad once anything trains
         output_needs_grad = True
-    mlp_out = walker.names.mlp_output
-    mlp_out_input = [t for t in other_terms if t.name.startswith(mlp_out)]
-    buffers, freed = _backward_buffers(setup, walker), per_device(mlp_out_input, setup)
+    buffers = freed = 0.0
+    if dense:
+        mlp_out = walker.names.mlp_output
+        mlp_out_input = [t for t in other_terms if t.name.startswith(mlp_out)]
+        buffers, freed = _backward_buffers(setup, walker), per_device(mlp_out_input, setup)
     if sparse_terms:  # an MoE layer's peak comes first; a dense layer's, if larger
-        dense = any(not is_sparse(args, i) for i in range(args.n_layers))
-        buffers = max(moe_backward_buffers(walker, _dim_per_device(setup)),
-                      buffers - freed if dense else 0.0)
+        buffers = max(moe_backward_buffers(walker, _dim_per_device(setup)), buffers - freed)
         freed = 0.0
     return Activations(first_layer=per_device(first_terms, setup),
                        other_layers=per_device(other_terms, setup),

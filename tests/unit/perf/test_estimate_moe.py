@@ -69,3 +69,17 @@ def test_plan_keeps_an_moe_to_data_parallel_layouts(preset, gpus):
                          for k in tried)
     result = plan(cfg, gpus, 8, dataclasses.replace(DEVICES["h100"], memory_gib=1e6))
     assert result.tried == len(tried) and result.candidates
+
+
+@pytest.mark.parametrize("extra", [[], ["lora.enabled=true", "lora.targets=all-linear"],
+                                   ["train.activation_checkpointing=full"]])
+def test_gpt_oss_experts_in_every_layer_and_no_dense_mlp(extra):
+    """gpt-oss has no dense MLP (Projections.mlp is empty): every block is walked as an
+    MoE. OpenAI's active counts (3.6B, 5.1B) leave the embedding out; ours keep it."""
+    from lmforge.models.registry import PRESETS as ALL
+
+    setup = setup_from_config(load_config(None, ["model.preset=gpt-oss-debug",
+                                                 "data.seq_len=64"] + extra), device="cuda")
+    assert estimate_memory(setup).peak_bytes > 0
+    a = ALL["gpt-oss-20b"]
+    assert (active_parameters(a) - a.vocab_size * a.dim) / 1e9 == pytest.approx(3.6, abs=0.05)
