@@ -28,12 +28,11 @@ from lmforge.perf.activations import (Activations, StageActivations, activation_
 from lmforge.perf.buffers import (autocast_copies, dequantization_scratch, fsdp_buffers,
                                   optimizer_temporaries, stage_gradients)
 from lmforge.perf.estimate_setup import DTYPE_BYTES, Setup, frozen_weight_dtype
-from lmforge.perf.flops import projection_shapes
 from lmforge.perf.rollout import (ROLLOUT, describe_rollout, kv_cache_bytes_per_token,  # noqa: F401
                                   rollout_terms)
 from lmforge.models.registry import family_of
-from lmforge.perf.weights import (Weights, active_parameters, model_parameters, stage_layers,
-                                  stage_weights)
+from lmforge.perf.weights import (Weights, active_parameters, largest_trained_matrix,
+                                  model_parameters, stage_layers, stage_weights)
 
 GiB = 2**30
 # Optimizer states per trainable parameter (count, stored in the parameter's dtype).
@@ -184,9 +183,7 @@ def step_in_backward_phases(setup: Setup, phases: dict[str, dict[str, float]]) -
                                             IN_BACKWARD_STEP_BYTES_DEFAULT)
     grad_bytes = DTYPE_BYTES[setup.cfg.train.param_dtype]
     trainable, args = setup.trainable, setup.args
-    largest_projection = max((n_in * n_out / setup.layout.tp for name, (n_in, n_out)
-                              in projection_shapes(args).items() if trainable.trains(name)),
-                             default=0.0)
+    largest_projection = largest_trained_matrix(setup)
     table = args.vocab_size * args.dim / setup.layout.tp  # the embedding's, or the head's
     tied = args.tie_embeddings and setup.layout.pp == 1
     waiting = grad_bytes * table if tied and trainable.embedding else 0.0

@@ -261,6 +261,20 @@ def active_parameters(args) -> int:
     return total - len(block.sparse_layers or ()) * (moe.n_experts - moe.top_k) * expert
 
 
+def largest_trained_matrix(setup: Setup) -> float:
+    """The largest trained weight of a block on one device: a projection, or an MoE's
+    stacked experts (one parameter of experts x out x in)."""
+    trainable, args = setup.trainable, setup.args
+    sizes = [n_in * n_out / setup.layout.tp for name, (n_in, n_out)
+             in projection_shapes(args).items() if trainable.trains(name)]
+    moe = family_of(args).block(args).moe
+    if moe is not None:
+        gate_up, down = family_of(args).projections.experts
+        stack = moe.n_experts * moe.dim * moe.ffn_dim
+        sizes += [2 * stack] * trainable.trains(gate_up) + [stack] * trainable.trains(down)
+    return max(sizes, default=0.0)
+
+
 def _add_experts(tally: _Tally, setup: Setup) -> None:
     """One MoE layer's parameters: the router (in train.param_dtype whether it trains or
     not: it is no nn.Linear, so a LoRA run's bf16 base leaves it fp32), the stacked

@@ -62,6 +62,7 @@ TINY["qwen3_moe"] = SparseArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, voca
                                ffn_dim=176, max_seq_len=128, qk_norm=True,
                                explicit_head_dim=24, n_experts=8, top_k=2, moe_ffn_dim=32,
                                dense_layers=())
+TINY["qwen3_moe, dense layer 0"] = dataclasses.replace(TINY["qwen3_moe"], dense_layers=(0,))
 SEQ = 64
 
 
@@ -193,6 +194,10 @@ QWEN3 = [dict(family="qwen3", lora=False, ckpt=False, micro_batch=4),
 MOE = [dict(family="qwen3_moe", lora=lora, ckpt=ckpt, micro_batch=4, bf16=bf16,
             targets=("all-linear",))
        for lora in (False, True) for ckpt in (False, True) for bf16 in (False, True)]
+# a dense layer 0 before two sparse ones (its MLP untouched by all-linear LoRA)
+MOE += [dict(family="qwen3_moe, dense layer 0", layers=3, lora=lora, ckpt=ckpt,
+             micro_batch=4, targets=("all-linear",))
+        for lora, ckpt in ((False, True), (True, "selective"))]
 MOE_TOLERANCE = 0.10
 
 
