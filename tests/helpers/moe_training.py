@@ -2,8 +2,9 @@
 tiny Qwen3-MoE (a dense layer among the sparse ones), Mixtral (a window of 8 keys under
 24 tokens), gpt-oss (sinks, a sliding and a global layer, biased experts) and DeepSeek-V3
 (latent attention, group-limited routing, shared experts, a dense first layer), in the
-layouts an MoE model takes today: FSDP2, and LoRA (attention and experts) under it, each
-against one process. Every step adds the load-balancing loss (``train.balance``).
+layouts an MoE model takes today: FSDP2, LoRA (attention and experts) under it, and tp=2
+(the attention split, the experts whole on each rank) with and without sequence
+parallelism, each against one process. Every step adds the load-balancing loss (``train.balance``).
 
 ``torchrun --nproc-per-node=2 moe_training.py OUT`` writes OUT/results-2.json as
 ``family_training`` does."""
@@ -28,12 +29,14 @@ FAMILIES = {
     "gpt_oss": dataclasses.replace(PRESETS["gpt-oss-debug"], **_SHAPE),
     "deepseek_v3": dataclasses.replace(PRESETS["deepseek-v3-debug"], **_SHAPE),
 }
-LAYOUTS = {name: ft.LAYOUTS[name] for name in ("fsdp_dp2", "lora_fsdp_dp2")}
+LAYOUTS = {name: ft.LAYOUTS[name] for name in ("fsdp_dp2", "lora_fsdp_dp2", "tp2_sp")}
+LAYOUTS["tp2"] = (2, {"parallel.tp": 2})
 
 
 def use_moe_families() -> None:
     """Point the shared worker at the MoE families and their layouts."""
     ft.FAMILIES, ft.LAYOUTS = FAMILIES, LAYOUTS
+    ft.REFERENCE_OF = {**ft.REFERENCE_OF, "tp2": "single"}
 
 
 if __name__ == "__main__":

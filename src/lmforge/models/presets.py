@@ -178,7 +178,7 @@ def check_layout_fits(cfg: JobConfig, args) -> None:
     tp = cfg.parallel.tp
     if family_of(args).block(args).moe is not None:
         # (cp: each rank would balance the experts over its own chunk of the sequences)
-        for key, value in (("tp", tp), ("pp", cfg.parallel.pp), ("cp", cfg.parallel.cp)):
+        for key, value in (("pp", cfg.parallel.pp), ("cp", cfg.parallel.cp)):
             if value > 1:
                 raise ConfigError(f"parallel.{key}: {value} is not supported for a mixture "
                                   f"of experts yet ({args.family}); use FSDP2 "

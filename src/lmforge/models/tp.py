@@ -10,9 +10,11 @@ head stays vocab-sharded (with its bias) for the parallel loss.
 """
 from __future__ import annotations
 
-from torch.distributed.tensor import Replicate, Shard
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -57,3 +59,54 @@ def model_plan(sequence_parallel: bool) -> dict:
     if sequence_parallel:
         plan["norm"] = SequenceParallel()
     return plan
+
+
+class ReplicatedMoE(ParallelStyle):
+    """A mixture of experts computed whole on every tensor-parallel rank: its input
+    gathered to the whole sequence (a plain tensor), its weights plain (each rank holds
+    every expert and computes the same gradients; FSDP2 may still shard them over the
+    data-parallel ranks), its output cut back to this rank's part of the sequence when
+    the input came sequence-parallel (a DTensor sharded by sequence, from a
+    SequenceParallel norm; a plain input is the whole sequence already: a family whose
+    blocks run unsplit). Each rank's router sees the whole sequence, so the routing and
+    the load-balancing loss are one process's. (Splitting the experts is expert
+    parallelism's, not this style's.)"""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        sharded = []  # (per call: whether the output goes back to sequence shards)
+
+        def gather(_, args):
+            x = args[0]
+            sharded.append(isinstance(x, DTensor) and x.placements == (Shard(1),))
+            if isinstance(x, DTensor):
+                x = x.redistribute(placements=(Replicate(),)).to_local()
+            return (x, *args[1:])
+
+        def scatter(_, args, output):
+            out, routing = output  # (batch, seq, dim), the same on every rank
+            if not sharded.pop():
+                return output
+            whole = DTensor.from_local(out, device_mesh, (Replicate(),), run_check=False)
+            return whole.redistribute(placements=(Shard(1),)).to_local(), routing
+
+        module.register_forward_pre_hook(gather)
+        module.register_forward_hook(scatter)
+        return module
+
+
+class ShardedParameters(ParallelStyle):
+    """A module's own parameters ``names`` split by dim 0 over the tensor-parallel ranks
+    (gpt-oss's per-head attention sinks, which follow the heads q_proj's columns split),
+    after ``then``, the module's other style (its input's, say)."""
+
+    def __init__(self, *names: str, then: ParallelStyle = None):
+        super().__init__()
+        self.names, self.then = names, then
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        for name in self.names:
+            param = getattr(module, name)
+            sharded = distribute_tensor(param.data, device_mesh, (Shard(0),))
+            module.register_parameter(name, nn.Parameter(sharded, param.requires_grad))
+        return self.then._apply(module, device_mesh) if self.then is not None else module
+

@@ -14,7 +14,9 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
+from lmforge.models.moe import MoE
 from lmforge.models.registry import family_of
+from lmforge.models.tp import ReplicatedMoE
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
@@ -25,7 +27,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool) ->
             and model.output.weight is model.tok_embeddings.weight)
     parallelize_module(model, tp_mesh, _present(model, family.model_plan(sequence_parallel)))
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, _present(block, family.block_plan(sequence_parallel)))
+        plan = family.block_plan(sequence_parallel)
+        if isinstance(getattr(block, "feed_forward", None), MoE):  # whole on every rank
+            plan = {name: style for name, style in plan.items()
+                    if name.split(".")[0] != "feed_forward"}
+            plan["feed_forward"] = ReplicatedMoE()
+        parallelize_module(block, tp_mesh, _present(block, plan))
     if tied:
         # Both styles shard the (vocab, dim) weight by rows, so one DTensor serves both.
         model.output.weight = model.tok_embeddings.weight

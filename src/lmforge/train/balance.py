@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lmforge.models.moe import (MoE, load_balancing_loss, max_load_ratio, take_routings,
                                 tokens_per_expert)
@@ -41,9 +42,16 @@ class ExpertBalance:
         """Forget choices no loss reads (activation checkpointing's recomputation)."""
         take_routings(self.model)
 
-    def loss(self, device: torch.device) -> torch.Tensor:
+    def loss(self, device: torch.device, like: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The micro-batch's share of coef x aux (its forwards' routings), and the
-        expert load it adds up."""
+        expert load it adds up; a replicated DTensor when ``like`` (the objective's loss)
+        is one (tensor parallelism's loss_parallel)."""
+        share = self._loss(device)
+        if isinstance(like, DTensor):  # (every tp rank routed the whole sequence alike)
+            return DTensor.from_local(share, like.device_mesh, like.placements, run_check=False)
+        return share
+
+    def _loss(self, device: torch.device) -> torch.Tensor:
         logits = []
         for layer, moe in enumerate(self.moes):
             routings, moe.routings = moe.routings, []

@@ -118,7 +118,7 @@ def accumulate_gradients(model: nn.Module, micro_batches: list[dict], device: to
                                         stats=stats)
         loss = normalize_loss(micro_loss, n_valid, dp)
         if balance is not None:
-            loss = loss + balance.loss(device)
+            loss = loss + balance.loss(device, like=loss)
         (loss * loss_scale).backward()
         loss_sum += full_value(micro_loss)  # (a replicated DTensor under loss parallel)
     return normalize_loss(loss_sum, n_valid)

@@ -119,8 +119,10 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.append(k, v)  # (b, kv, past + s, hd)
+        # (tensor parallelism splits the sinks as the heads: this rank's, as a tensor)
+        sinks = self.sinks.to_local() if hasattr(self.sinks, "to_local") else self.sinks
         out = attend(q, k, v, mask, past=past, window=self.window,
-                     sinks=self.sinks)  # (b, h, s, hd)
+                     sinks=sinks)  # (b, h, s, hd)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def reset_parameters(self, std: float, out_std: float) -> None:
