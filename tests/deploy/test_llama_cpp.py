@@ -45,6 +45,11 @@ DEEPSEEK = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
                 qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=10, intermediate_size=96,
                 moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
                 num_hidden_layers=3, first_k_dense_replace=1, q_lora_rank=24)
+# gpt-oss's YaRN with its correction band truncated to whole dimensions, as llama.cpp
+# computes it (gpt-oss's own is not: llama.cpp runs those approximately, gguf.py says)
+GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True,
+                "original_max_position_embeddings": 4096}
 FAMILIES = {
     "llama-untied": ("llama", {}),
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
@@ -78,14 +83,22 @@ FAMILIES = {
         "n_group": 1, "topk_group": 1, "norm_topk_prob": False,
         "routed_scaling_factor": 2.446, "n_shared_experts": 2, "num_hidden_layers": 2,
         "tie_word_embeddings": True}),
+    # sinks, router and expert biases (randomised), clamped SwiGLU experts, YaRN, a
+    # window shorter than the prompt and the 32 tokens on the sliding layers
+    "gpt_oss": ("gpt_oss", {"num_local_experts": 8, "num_experts_per_tok": 2, "head_dim": 16,
+                            "intermediate_size": 64, "sliding_window": 6,
+                            "num_hidden_layers": 3, "rope_parameters": GPT_OSS_YARN}),
 }
 ORIGINAL = 16  # original_max_position_embeddings of the LongRoPE case
+F32_CACHE = 0  # GGML_TYPE_F32, as llama.cpp's KV cache type
 
 
 def _run(path, prompt: list[int], n: int = NEW_TOKENS, **kwargs) -> list[int]:
-    """llama.cpp's greedy continuation of ``prompt`` (top-k 1, no repeat penalty)."""
+    """llama.cpp's greedy continuation of ``prompt`` (top-k 1, no repeat penalty), its
+    keys and values cached in f32 as lmforge keeps them (llama.cpp's default f16 cache
+    rounds them: gpt-oss's tiny model has a near tie that this flips)."""
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, n_threads=1, verbose=False,
-                          seed=0, **kwargs)
+                          seed=0, type_k=F32_CACHE, type_v=F32_CACHE, **kwargs)
     out = []
     for token in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0):
         out.append(int(token))

@@ -385,6 +385,11 @@ MOE_FAMILIES = {  # id -> (model_type, config, GGUF architecture, keys beyond th
         "attention.q_lora_rank": 24, "attention.key_length": 16 + 4,
         "attention.value_length": 16, "attention.key_length_mla": 8 + 4,
         "attention.value_length_mla": 10, "rope.dimension_count": 4}),
+    "gpt_oss": ("gpt_oss", dict(MOE, num_local_experts=8, intermediate_size=32, head_dim=16,
+                                sliding_window=6),
+                "gpt-oss", {"expert_feed_forward_length": 32, "attention.sliding_window": 6,
+                            "rope.scaling.type": "yarn", "rope.scaling.factor": 32.0,
+                            "attention.key_length": 16}),
 }
 
 
@@ -450,6 +455,14 @@ MOE_REFUSED = {  # id -> (model_type, config, what the refusal says)
                            r"adjacent pairs"),
     "deepseek_v3 q_proj": ("deepseek_v3", dict(MOE, **{**DEEPSEEK, "q_lora_rank": None}),
                            r"q_lora_rank is null .* DeepSeek-V2-Lite's depth \(26 or 27"),
+    "gpt_oss swiglu_limit": ("gpt_oss", dict(MOE, num_local_experts=8, intermediate_size=32,
+                                             swiglu_limit=5.0),
+                             r"swiglu_limit is 5\.0, and llama\.cpp's gpt-oss computes its "
+                             r"experts with 7\.0"),
+    "gpt_oss layer kinds": ("gpt_oss", dict(MOE, num_local_experts=8, intermediate_size=32,
+                                            layer_types=["full_attention",
+                                                         "sliding_attention"]),
+                            r"layer_types are not sliding and full attention in turn"),
     "deepseek_v3 yarn": ("deepseek_v3", dict(MOE, **DEEPSEEK, rope_parameters={
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
         "original_max_position_embeddings": 32}), r"YaRN RoPE scaling is not written"),
