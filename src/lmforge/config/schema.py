@@ -211,6 +211,11 @@ class TrainConfig:
                                  "waits only for the copy to CPU)")
     on_nonfinite: str = key("stop", "a NaN/Inf loss or gradient norm: skip the step | stop",
                             choices=("skip", "stop"))
+    expert_bias_update: float = key(0.0, "DeepSeek-V3's auxiliary-loss-free balancing: "
+                                    "after each step every expert's routing bias moves "
+                                    "this much towards the mean load (the paper: 0.001); "
+                                    "0: off; routers with a correction bias only",
+                                    bound=">= 0")
     loss_chunk_tokens: int = key(0, "apply the output layer and the loss this many tokens "
                                  "at a time, recomputing each chunk's logits in backward "
                                  "(0: all at once)", bound=">= 0")

@@ -13,10 +13,14 @@ def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
     """Whether ``torch._grouped_mm`` runs forward and backward on this device type and
     dtype (CUDA: bf16 on Hopper and later; torch 2.13's CPU: fp32 and bf16 too), probed
     once on tiny tensors with an empty group, with gradients on even when the first call
-    comes under ``no_grad`` (evaluation), so the answer cached holds for training too."""
+    comes under ``no_grad`` (evaluation), so the answer cached holds for training too.
+    Its own saved tensors stay its own (identity hooks): a first call inside an
+    activation-checkpointed block would otherwise count them among the block's, and the
+    recomputation, which finds the answer cached, would save fewer and fail."""
     if not hasattr(torch, "_grouped_mm"):
         return False
-    with torch.inference_mode(False), torch.enable_grad():
+    with torch.inference_mode(False), torch.enable_grad(), \
+            torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         try:
             x = torch.ones(3, 16, device=device_type, dtype=dtype, requires_grad=True)
             w = torch.ones(2, 16, 16, device=device_type, dtype=dtype, requires_grad=True)

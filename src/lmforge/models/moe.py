@@ -167,7 +167,8 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> Routing:
         """x: (tokens, dim)."""
         bias = None if self.bias is None else self.bias.float()
-        logits = F.linear(x.float(), self.weight.float(), bias)  # (tokens, experts)
+        with torch.autocast(x.device.type, enabled=False):  # (fp32 under autocast too)
+            logits = F.linear(x.float(), self.weight.float(), bias)  # (tokens, experts)
         if self.args.router == "softmax_topk":
             indices, weights = softmax_topk(logits, self.args.top_k, self.args.norm_topk_prob)
         elif self.args.router == "topk_softmax":
@@ -274,7 +275,7 @@ class MoE(nn.Module):
         """x: (..., dim), e.g. (batch, seq, dim)."""
         flat = x.reshape(-1, x.shape[-1])  # (tokens, dim)
         routing = self.gate(flat)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not _in_backward():
             self.routings.append(routing)
         out = self.experts(flat, routing.indices, routing.weights)  # (tokens, dim)
         if self.shared_experts is not None:
@@ -294,6 +295,14 @@ class MoE(nn.Module):
 
 
 # ------------------------------------------------------------------------- balancing
+
+def _in_backward() -> bool:
+    """Whether this forward is activation checkpointing's recomputation, inside a
+    backward: its routing must not be kept (it would hold the recomputed block's graph
+    until the next step's forward)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and current() != -1
+
 
 def take_routings(model: nn.Module) -> list[Routing]:
     """The ``Routing`` of each MoE layer in each forward with gradients since the last

@@ -176,7 +176,12 @@ def check_layout_fits(cfg: JobConfig, args) -> None:
     every rank holds matching slices of its parts."""
     check_parallel_fits(cfg, args)
     tp = cfg.parallel.tp
-    if family_of(args).block(args).moe is not None:
+    moe = family_of(args).block(args).moe
+    if cfg.train.expert_bias_update and (moe is None or moe.router != "sigmoid_group_topk"):
+        raise ConfigError(f"train.expert_bias_update: {cfg.train.expert_bias_update} needs "
+                          f"routers with a correction bias (DeepSeek-V3's); "
+                          f"{args.family}'s have none")
+    if moe is not None:
         # (cp: each rank would balance the experts over its own chunk of the sequences)
         for key, value in (("pp", cfg.parallel.pp), ("cp", cfg.parallel.cp)):
             if value > 1:

@@ -14,7 +14,7 @@ from lmforge.parallel.offload import MIN_OFFLOAD_BYTES
 from lmforge.perf.block_walk import Term, BlockWalk
 from lmforge.perf.estimate_setup import Setup, compute_bytes
 from lmforge.perf.masks import dense_masks
-from lmforge.perf.moe_walk import aux_loss_bytes, moe_backward_buffers, routing_chain
+from lmforge.perf.moe_walk import aux_loss_bytes, moe_backward_buffers
 from lmforge.perf.weights import is_sparse, stage_layer_ids
 
 BATCH_BYTES_PER_TOKEN = 16.0  # the batch's input ids and labels (int64)
@@ -55,11 +55,6 @@ class Activations:
     sparse_terms: list = field(default_factory=list)
     aux_loss: float = 0.0
     first_aux_loss: float = 0.0
-    # What a checkpointed MoE layer's recomputation leaves behind: MoE.forward keeps the
-    # recomputed Routing too (moe.routings, read at the next micro-batch), and with it
-    # the recomputed graph up to the router (the block's saved tensors before the
-    # experts, and the logits), until the next forward (perf/moe_walk.py)
-    routing_chain: float = 0.0
 
     def layer(self, setup: Setup, layer_id: int, first: bool = True) -> float:
         """Bytes per token block ``layer_id`` saves when it keeps everything (``first``:
@@ -114,8 +109,7 @@ def activation_model(setup: Setup) -> Activations:
                        masks=dense_masks(setup).shared_bytes,
                        sparse_layers=per_device(sparse_terms, setup), sparse_terms=sparse_terms,
                        aux_loss=aux_loss_bytes(walker),
-                       first_aux_loss=aux_loss_bytes(walker, first_ffn_input),
-                       routing_chain=per_device(routing_chain(walker, sparse_terms), setup))
+                       first_aux_loss=aux_loss_bytes(walker, first_ffn_input))
 
 
 def _head_terms(setup: Setup, input_needs_grad: bool) -> list[Term]:
@@ -189,10 +183,6 @@ class StageActivations:
     # (the stage output, kept for its backward) and log-softmax (kept by the loss)
     pending_heads: float = 0.0
     masks: float = 0.0  # the dense attention masks of the micro-batches in flight
-    # checkpointed MoE layers' recomputed routings (Activations.routing_chain): those of
-    # the later blocks when the backward reaches the first, every one after the backward
-    routings_at_first_block: float = 0.0
-    routings_after_backward: float = 0.0
 
     @property
     def at_forward_end(self) -> float:
@@ -206,8 +196,7 @@ class StageActivations:
     @property
     def at_first_block(self) -> float:
         return (self.blocks_at_first_block + self.recomputed_first_block + self.stage_input
-                - self.freed_mlp_out_input + self.pending_heads + self.masks
-                + self.routings_at_first_block)
+                - self.freed_mlp_out_input + self.pending_heads + self.masks)
 
 
 def stage_activations(setup: Setup, act: Activations, stage: int) -> StageActivations:
@@ -228,14 +217,10 @@ def stage_activations(setup: Setup, act: Activations, stage: int) -> StageActiva
         host = held * moved
         blocks -= host
         blocks_at_first_block -= (held - 1) * moved
-    recomputed_moe = [i for i in ids if setup.checkpointed(i) and is_sparse(setup.args, i)]
     bf16_logits = compute_bytes(setup) == 2
     pending = (held - 1) * (act.head_inputs + act.logits + act.log_softmax) if last else 0.0
     return StageActivations(
         pending_heads=pending, masks=held * act.masks,
-        routings_at_first_block=act.routing_chain * len([i for i in recomputed_moe
-                                                         if i != ids[0]]),
-        routings_after_backward=act.routing_chain * len(recomputed_moe),
         host=host, blocks=blocks, blocks_at_first_block=blocks_at_first_block,
         recomputed_last_block=recomputed_by_block(setup, act, ids[-1]),
         recomputed_first_block=recomputed_by_block(setup, act, ids[0]),

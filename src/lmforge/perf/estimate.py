@@ -167,7 +167,6 @@ def step_phases(t: StageTerms) -> dict[str, dict[str, float]]:
             "FSDP unsharded parameters": t.fsdp.params_in_blocks,
             "FSDP gradient buffers": t.fsdp.gradients_first_block},
         "optimizer step": {
-            "activations": t.tokens * act.routings_after_backward,
             "gradients": grads.total,
             "optimizer temporaries": t.optimizer_temporaries},
     }

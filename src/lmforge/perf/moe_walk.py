@@ -7,7 +7,6 @@ index_add back; the shared experts; and, outside the block, the load-balancing l
 softmax over the same logits, which the trainer computes after the forward."""
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from lmforge.perf.flops import ROUTER, SHARED_EXPERTS
@@ -89,21 +88,6 @@ def aux_loss_bytes(walk: BlockWalk, normed_needs_grad: bool = True) -> float:
     if moe is None or not (normed_needs_grad or walk.trainable.trains(ROUTER)):
         return 0.0
     return 4.0 * moe.n_experts
-
-
-def routing_chain(walk: BlockWalk, sparse_terms: list) -> list:
-    """The terms a recomputed MoE layer leaves alive through its Routing: the block's
-    saved tensors before the experts, and the logits (the router linear's output, in the
-    compute dtype under autocast). A defect of the side channel more than a cost of MoE:
-    MoE.forward appends the recomputation's Routing too, which the trainer drops only at
-    the next micro-batch's forward (train/balance.py: before_forward)."""
-    names = [t.name for t in sparse_terms]
-    if not sparse_terms or EXPERTS_FIRST not in names:
-        return []
-    logits_bytes = walk.matmul_bytes if walk.autocast else 4
-    return (sparse_terms[:names.index(EXPERTS_FIRST)]
-            + [dataclasses.replace(sparse_terms[0], name="router logits", split="none",
-                                   bytes=logits_bytes * walk.block.moe.n_experts)])
 
 
 def moe_backward_buffers(walk: BlockWalk, dim: float) -> float:

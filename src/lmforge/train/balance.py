@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lmforge.models.moe import (MoE, load_balancing_loss, max_load_ratio, take_routings,
-                                tokens_per_expert)
+                                tokens_per_expert, update_correction_bias)
 
 
 class ExpertBalance:
@@ -64,15 +64,24 @@ class ExpertBalance:
         self.aux_sum += aux.detach().double().cpu()
         return aux * (self.coef / self.micro_batches)
 
-    def metrics(self, group=None) -> dict[str, float]:
-        """The step's mean auxiliary loss and its busiest expert's assignments over the
-        mean expert's, in its worst layer, over the data-parallel ranks (``group``)."""
-        aux = self.aux_sum / self.micro_batches
-        counts = self.counts
+    def reduce(self, group=None) -> None:
+        """Sum the step's expert counts and average its auxiliary loss over the
+        data-parallel ranks (``group``; None: one process), once per step."""
+        self.aux_sum = self.aux_sum / self.micro_batches
         if group is not None:
-            both = torch.cat([aux.reshape(1), counts.flatten()])
+            both = torch.cat([self.aux_sum.reshape(1), self.counts.flatten()])
             dist.all_reduce(both, group=group)
-            aux = both[0] / dist.get_world_size(group)
-            counts = both[1:].view_as(counts)
-        return {"moe/aux_loss": float(aux),
-                "moe/load_max_over_mean": float(max_load_ratio(counts).max())}
+            self.aux_sum = both[0] / dist.get_world_size(group)
+            self.counts = both[1:].view_as(self.counts)
+
+    def metrics(self) -> dict[str, float]:
+        """The step's mean auxiliary loss and its busiest expert's assignments over the
+        mean expert's, in its worst layer (after ``reduce``)."""
+        return {"moe/aux_loss": float(self.aux_sum),
+                "moe/load_max_over_mean": float(max_load_ratio(self.counts).max())}
+
+    def update_biases(self, step_size: float) -> None:
+        """DeepSeek-V3's auxiliary-loss-free balancing (``moe.update_correction_bias``)
+        from the step's counts (after ``reduce``: every rank moves them alike)."""
+        for moe, counts in zip(self.moes, self.counts):
+            update_correction_bias(moe.gate, counts, step_size)

@@ -272,8 +272,11 @@ def train_step(cfg: JobConfig, rt: Runtime, model: TrainModel, optimizers: Optim
     metrics = mean_stats(stats, rt.dims, counts.valid)
     if balance is not None:
         dims = rt.dims
-        metrics |= balance.metrics(dims.group(dims.dp_cp_group)
-                                   if dims.mesh is not None and dims.dp * dims.cp > 1 else None)
+        balance.reduce(dims.group(dims.dp_cp_group)
+                       if dims.mesh is not None and dims.dp * dims.cp > 1 else None)
+        metrics |= balance.metrics()
+        if finite and cfg.train.expert_bias_update:
+            balance.update_biases(cfg.train.expert_bias_update)
     return StepResult(loss, local_loss, grad_norm, counts, lr, finite, metrics)
 
 

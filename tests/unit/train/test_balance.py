@@ -37,6 +37,7 @@ def test_step_gradients_and_aux_loss_equal_transformers(models):
     balance = ExpertBalance.of(ours, 1)
     accumulate_gradients(ours, [{"input_ids": x, "labels": labels}], torch.device("cpu"),
                          balance=balance)
+    balance.reduce()
     assert balance.metrics()["moe/aux_loss"] == pytest.approx(float(out.aux_loss), rel=1e-5)
     theirs = dict(hf.named_parameters())
     for ours_name, theirs_name in (
@@ -52,8 +53,34 @@ def test_expert_load_is_the_busiest_expert_over_the_mean_in_the_worst_layer():
     balance = ExpertBalance.of(model, 1)
     balance.counts[:] = 1.0
     balance.counts[-1, 0] = 17.0  # 16 experts: mean 2, busiest 17
+    balance.reduce()
     assert balance.metrics()["moe/load_max_over_mean"] == pytest.approx(8.5)
 
 
 def test_a_dense_model_has_no_balance():
     assert ExpertBalance.of(build_model(PRESETS["debug"], "meta"), 1) is None
+
+
+def test_expert_bias_update_moves_each_routers_bias_towards_the_mean_load():
+    """DeepSeek-V3's aux-loss-free balancing: +step for an underloaded expert, -step for
+    an overloaded one, from the step's counts."""
+    model = build_model(PRESETS["deepseek-v3-debug"], "cpu")
+    balance = ExpertBalance.of(model, 1)
+    balance.counts[:] = torch.arange(balance.counts.shape[1], dtype=torch.float64)
+    balance.reduce()
+    for moe in balance.moes:
+        moe.gate.e_score_correction_bias.zero_()
+    balance.update_biases(0.001)
+    load = balance.counts[0]
+    want = 0.001 * torch.sign(load.mean() - load).float()
+    for moe in balance.moes:
+        torch.testing.assert_close(moe.gate.e_score_correction_bias, want)
+    assert want[0] > 0 and want[-1] < 0
+
+
+def test_expert_bias_update_is_refused_for_routers_without_a_correction_bias():
+    from lmforge.config import ConfigError, load_config
+    from lmforge.models.presets import validate_job
+    cfg = load_config(None, ["model.preset=qwen3-moe-debug", "train.expert_bias_update=0.001"])
+    with pytest.raises(ConfigError, match="train.expert_bias_update: 0.001 needs routers"):
+        validate_job(cfg)
