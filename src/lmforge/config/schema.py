@@ -72,6 +72,11 @@ class ModelConfig:
                                         bound="> 0")
     rotary_dim: Optional[int] = key(None, "features of each head that rotate (GPT-J)",
                                     bound="> 0")
+    n_experts: Optional[int] = key(None, "a mixture of experts' routed experts per layer",
+                                   bound="> 0")
+    top_k: Optional[int] = key(None, "experts each token is routed to (MoE)", bound="> 0")
+    moe_ffn_dim: Optional[int] = key(None, "an expert's width (Qwen3-MoE, Mixtral, "
+                                     "DeepSeek-V3)", bound="> 0")
     # typed Any: a mapping, in transformers' form (YAML, or {...} on the command line)
     rope_scaling: Any = key(None, "extend the context: {rope_type: yarn | linear | llama3, "
                             "factor: F, original_max_position_embeddings: N, ...} as in "

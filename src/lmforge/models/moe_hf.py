@@ -18,6 +18,15 @@ _PER_EXPERT = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight
 _LAYER_MLP = re.compile(r"(model\.layers\.\d+\.mlp\.)(.+)")
 
 
+def check_top_k(top_k: int, n_experts: int, source: str,
+                experts_key: str = "num_experts") -> None:
+    """config.json's ``num_experts_per_tok`` within its expert count (``experts_key``)."""
+    if top_k > n_experts:
+        raise HFCheckpointError(f"{source}: num_experts_per_tok: {top_k} exceeds the "
+                                f"{n_experts} experts ({experts_key}): a token cannot "
+                                f"choose more experts than there are")
+
+
 def checkpoint_from_hf(sd: dict[str, torch.Tensor], layout: str, n_experts: int,
                        source: str) -> dict[str, torch.Tensor]:
     """A whole checkpoint's tensors with each layer's ``model.layers.{i}.mlp.*`` through

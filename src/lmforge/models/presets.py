@@ -34,7 +34,8 @@ _ARG_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_di
 
 # model.<key> -> the args field it sets, where the family's args have it
 _FAMILY_FIELDS = {"head_dim": "explicit_head_dim", "sliding_window": "sliding_window",
-                  "rotary_dim": "rotary_dim"}
+                  "rotary_dim": "rotary_dim", "n_experts": "n_experts", "top_k": "top_k",
+                  "moe_ffn_dim": "moe_ffn_dim"}
 
 
 def model_args(cfg: JobConfig, base: Optional[Any] = None) -> Any:
@@ -73,9 +74,9 @@ def job_model_args(cfg: JobConfig, tokenizer_vocab: Optional[int] = None):
     if cfg.model.init_from:
         base = read_model_args(cfg.model.init_from)
         for name in ("family", "dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size",
-                     "ffn_dim", "head_dim", "tie_embeddings"):
+                     "ffn_dim", "head_dim", "tie_embeddings", "n_experts", "moe_ffn_dim"):
             value = getattr(cfg.model, name)
-            if value is not None and value != getattr(base, name):
+            if value is not None and value != getattr(base, name, None):
                 raise ConfigError(f"model.{name}: {value} differs from {getattr(base, name)} "
                                   f"in {cfg.model.init_from}/config.json (shapes come from "
                                   "the checkpoint)")

@@ -17,7 +17,7 @@ from lmforge.models.llama.model import RopeScaling
 from lmforge.models.mapping import (HFCheckpointError, check_multiple, config_bool,
                                     config_float, config_int, decoder_config_fields,
                                     decoder_hf_names)
-from lmforge.models.moe_hf import checkpoint_from_hf, checkpoint_to_hf
+from lmforge.models.moe_hf import check_top_k, checkpoint_from_hf, checkpoint_to_hf
 from lmforge.models.mxfp4 import MXFP4Error, dequantize_state_dict
 
 _LAYER_NAMES = {  # ours -> Hugging Face's, inside layers.{i} (the experts: moe_hf's names)
@@ -55,6 +55,9 @@ def args_from_hf_config(cfg: dict, source: str = "config.json") -> GptOssArgs:
     max_positions = config_int(cfg, "max_position_embeddings", source,
                                _DEFAULTS["max_position_embeddings"])
     theta, scaling = _rope(cfg, source, max_positions)
+    check_top_k(config_int(cfg, "num_experts_per_tok", source),
+                config_int(cfg, ("num_local_experts", "num_experts"), source), source,
+                "num_local_experts")
     return GptOssArgs(
         dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
         vocab_size=config_int(cfg, "vocab_size", source),

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from lmforge.models.llama import hf as llama_hf
 from lmforge.models.mapping import (HFCheckpointError, config_bool, config_float,
                                     config_int)
-from lmforge.models.moe_hf import checkpoint_from_hf, checkpoint_to_hf
+from lmforge.models.moe_hf import check_top_k, checkpoint_from_hf, checkpoint_to_hf
 from lmforge.models.qwen3_moe.model import SparseArgs
 
 rope_scaling_from = llama_hf.rope_scaling_from
@@ -52,10 +52,12 @@ def args_from_hf_config(cfg: dict, source: str = "config.json") -> SparseArgs:
                                 f"{cfg['router_jitter_noise']!r} is not supported (lmforge "
                                 f"routes without noise)")
     n_experts = config_int(cfg, experts.count, source)
+    top_k = config_int(cfg, "num_experts_per_tok", source)
+    check_top_k(top_k, n_experts, source, next(k for k in experts.count if k in cfg))
     norm = experts.norm_topk_prob
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
     return SparseArgs(
-        **fields, n_experts=n_experts, top_k=config_int(cfg, "num_experts_per_tok", source),
+        **fields, n_experts=n_experts, top_k=top_k,
         moe_ffn_dim=config_int(cfg, experts.width, source),
         norm_topk_prob=norm if norm is not None else config_bool(
             cfg, "norm_topk_prob", source, _DEFAULTS["norm_topk_prob"]),
