@@ -141,6 +141,12 @@ def _stack_experts(sd: dict[str, torch.Tensor],
             if missing:
                 raise ValueError(f"experts.{missing[0]}.{proj}.weight: missing, with "
                                  f"{n} experts in the {'config' if n_experts else 'checkpoint'}")
+        for proj, experts in parts.items():  # (torch.stack would fail with no name)
+            shape = experts[0].shape
+            odd = next((e for e in range(n) if experts[e].shape != shape), None)
+            if odd is not None:
+                raise ValueError(f"experts.{odd}.{proj}.weight: shape "
+                                 f"{tuple(experts[odd].shape)}, expert 0's is {tuple(shape)}")
         stacked = {p: torch.stack([parts[p][e] for e in range(n)]) for p in parts}
         out["experts.gate_up_proj"] = torch.cat((stacked["gate_proj"], stacked["up_proj"]), 1)
         out["experts.down_proj"] = stacked["down_proj"]

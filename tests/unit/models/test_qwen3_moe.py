@@ -112,6 +112,16 @@ def test_a_checkpoint_missing_an_expert_is_refused_naming_the_tensor(tmp_path):
         load_hf_model(path)
 
 
+def test_a_misshaped_expert_is_refused_naming_the_tensor(tmp_path):
+    path = _saved(tmp_path)
+    sd = load_file(path / "model.safetensors")
+    name = "model.layers.0.mlp.experts.5.down_proj.weight"
+    sd[name] = sd[name][:, :-1].contiguous()
+    save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(HFCheckpointError, match=rf"{name.replace('.', '[.]')}: shape"):
+        load_hf_model(path)
+
+
 def test_a_checkpoint_with_more_experts_than_its_config_is_refused(tmp_path):
     path = _saved(tmp_path)
     config = json.loads((path / "config.json").read_text())
