@@ -3,6 +3,8 @@ on the same random model, each side in its own process, side by side in one run.
 
     python bench/generate.py [--batches 1,8] [--new-tokens 128] [--prompt-len 32]
                              [--threads N] [--compile] [--json FILE]
+    python bench/generate.py --preset qwen3-30b-a3b --dim 512 --layers 4 --heads 8 \
+        --kv-heads 4 --experts 64 --top-k 8 --moe-ffn 256 --vocab 32000 --batches 1,8
 
 The default model has SmolLM2-135M's shape (Llama, 30 layers, dim 576, 9 heads, 3 kv
 heads, FFN 1536, vocabulary 49,152, tied embeddings) with random weights, fp32, saved
@@ -12,7 +14,13 @@ warm up, then the timed decode: ``--new-tokens`` greedy tokens per row, no early
 transformers runs with its static cache (``cache_implementation="static"``) where the
 installed version supports it, else its dynamic cache; the table says which. The table:
 new tokens per second over the whole batch, and lmforge's over transformers'. Both sides
-must produce the same tokens (fp32 greedy); a difference is printed.
+must produce the same tokens (fp32 greedy); the count of differing tokens is printed.
+
+``--preset`` names any family's preset instead (a mixture of experts: Qwen3-MoE,
+Mixtral, ...), shaped by the overrides ``--dim --layers --heads --kv-heads --head-dim
+--ffn --vocab --experts --top-k --moe-ffn --dense-layers`` (``bench/moe_bench.py``), with
+lmforge's random initialisation written once for both sides; transformers' experts run
+as ``--reference-experts`` says (grouped_mm, its fastest, by default).
 
 Run it on a quiet machine: the figures depend on every core being free.
 """
@@ -29,6 +37,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import moe_bench  # noqa: E402
 
 SMOLLM2_135M = dict(layers=30, dim=576, heads=9, kv_heads=3, ffn=1536, vocab=49152)
 
@@ -45,6 +56,37 @@ def _save_model(path: Path, a) -> None:
         eos_token_id=None, pad_token_id=None)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(path)
+
+
+def _write_model(path: Path, a) -> str:
+    """The model both sides load, written to ``path``; ``a.vocab`` set to its vocabulary
+    (the prompts'); returns its shape in words."""
+    if a.preset is None:
+        given = [f for f in moe_bench.SHAPE_FLAGS if f not in SMOLLM2_135M
+                 and getattr(a, f) is not None] + (["dense_layers"] if a.dense_layers
+                                                     is not None else [])
+        if given:
+            raise SystemExit(f"--{given[0].replace('_', '-')} needs --preset (the default "
+                             f"model is a Llama)")
+        for name, value in SMOLLM2_135M.items():
+            setattr(a, name, value if getattr(a, name) is None else getattr(a, name))
+        _save_model(path, a)
+        return (f"{a.layers} layers, dim {a.dim}, {a.heads} heads, {a.kv_heads} kv, "
+                f"ffn {a.ffn}, vocab {a.vocab}")
+    args = moe_bench.model_args(a.preset, a, a.prompt_len + a.new_tokens)
+    moe_bench.write_weights(args, path)
+    a.vocab = args.vocab_size
+    if not moe_bench.is_moe(args):
+        return f"{a.preset} ({args.family}), vocab {args.vocab_size}"
+    a.reference_experts = a.reference_experts or "grouped_mm"
+    return (f"{moe_bench.describe(args)}; transformers' experts_implementation="
+            f"{a.reference_experts}")
+
+
+def _differing(ours: list[list[int]], theirs: list[list[int]]) -> int:
+    """Token positions where the two sides' greedy ids differ (rows of equal length)."""
+    return sum(x != y for a, b in zip(ours, theirs) for x, y in zip(a, b)) + sum(
+        abs(len(a) - len(b)) for a, b in zip(ours, theirs))
 
 
 def _prompts(batch: int, length: int, vocab: int):
@@ -72,8 +114,13 @@ def _worker(a) -> dict:
     else:
         import transformers
 
+        experts = ({"experts_implementation": a.reference_experts}
+                   if a.reference_experts else {})
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            a.model_dir, dtype=torch.float32).eval()
+            a.model_dir, dtype=torch.float32, **experts).eval()
+        if a.reference_experts and model.config._experts_implementation != a.reference_experts:
+            raise SystemExit(f"transformers chose experts_implementation="
+                             f"{model.config._experts_implementation!r}")
         cache = "static"
 
         def run(new: int) -> list[list[int]]:
@@ -103,7 +150,8 @@ def _side(a, side: str, batch: int, model_dir: Path) -> dict:
     argv = [sys.executable, __file__, "--worker", side, "--batch", str(batch),
             "--model-dir", str(model_dir), "--threads", str(a.threads),
             "--new-tokens", str(a.new_tokens), "--prompt-len", str(a.prompt_len),
-            "--vocab", str(a.vocab)] + (["--compile"] if a.compile else [])
+            "--vocab", str(a.vocab)] + (["--compile"] if a.compile else []) + (
+               ["--reference-experts", a.reference_experts] if a.reference_experts else [])
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{side} at batch {batch} failed:\n{done.stderr[-3000:]}")
@@ -112,8 +160,13 @@ def _side(a, side: str, batch: int, model_dir: Path) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name, value in SMOLLM2_135M.items():
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
+    p.add_argument("--preset", default=None,
+                   help="any family's preset, shaped by the overrides (default: a "
+                        "SmolLM2-135M-shaped Llama)")
+    p.add_argument("--reference-experts", default=None,
+                   choices=moe_bench.EXPERTS_IMPLEMENTATIONS,
+                   help="an MoE reference's experts_implementation (default grouped_mm)")
+    moe_bench.add_shape_flags(p)
     p.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=32)
@@ -129,23 +182,24 @@ def main(argv=None) -> int:
         return 0
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        _save_model(Path(tmp), a)
+        shape = _write_model(Path(tmp), a)
         for batch in [int(b) for b in a.batches.split(",")]:
             ours, theirs = (_side(a, s, batch, Path(tmp)) for s in ("lmforge", "transformers"))
-            same = ours.pop("tokens") == theirs.pop("tokens")
+            differ = _differing(ours.pop("tokens"), theirs.pop("tokens"))
             rows.append({"batch": batch, "lmforge": ours, "transformers": theirs,
                          "ratio": ours["tokens_per_s"] / theirs["tokens_per_s"],
-                         "same_tokens": same})
-    shape = (f"{a.layers} layers, dim {a.dim}, {a.heads} heads, {a.kv_heads} kv, ffn {a.ffn}, "
-             f"vocab {a.vocab}; prompt {a.prompt_len}, {a.new_tokens} new tokens, fp32, "
-             f"{a.threads} threads")
+                         "same_tokens": differ == 0, "tokens_differing": differ})
+    shape += (f"; prompt {a.prompt_len}, {a.new_tokens} new tokens, fp32, "
+              f"{a.threads} threads")
     print(f"greedy decoding, {shape}")
     print(f"{'batch':>5}  {'lmforge tok/s':>13}  {'transformers tok/s':>18}  {'ratio':>5}  "
           f"transformers cache  same tokens")
     for r in rows:
+        same = "yes" if r["same_tokens"] else (
+            f"NO: {r['tokens_differing']} of {r['batch'] * a.new_tokens} differ")
         print(f"{r['batch']:>5}  {r['lmforge']['tokens_per_s']:>13.1f}  "
               f"{r['transformers']['tokens_per_s']:>18.1f}  {r['ratio']:>5.2f}  "
-              f"{r['transformers']['cache']:<18}  {'yes' if r['same_tokens'] else 'NO'}")
+              f"{r['transformers']['cache']:<18}  {same}")
     if a.json:
         Path(a.json).write_text(json.dumps({"shape": shape, "rows": rows}, indent=1))
     return 0

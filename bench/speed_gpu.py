@@ -5,12 +5,21 @@ fit the time given; the rest wait for the next GPU.
     python3 bench/speed_gpu.py --out $OUT --budget-s 540            # on the GPU machine
     python3 bench/speed_gpu.py --out $OUT --done OLD/speed_gpu.jsonl # skip what ran before
     python3 bench/speed_gpu.py --dry-run                               # the plan, no run
+    python3 bench/speed_gpu.py --out $OUT --only moe-30b               # the MoE rows alone
 
 A step starts only if its expected seconds fit what is left of the budget; it is stopped
 at the budget's end. Each step's output goes to ``OUT/<step>.log`` and one JSON line per
 step to ``OUT/speed_gpu.jsonl`` as it ends (name, exit status, seconds, the command), so a
 call cut short keeps what it measured. The 7B rows' reference needs bitsandbytes: a wheel
 under ``.whl/`` is installed into a private folder first (docs/benchmarks.md).
+
+The MoE rows (``moe-30b-*``): Qwen3-30B-A3B with LoRA (rank 16, ``all-linear``: the
+attention and the experts) at seq 2048, lmforge against transformers 5 (grouped_mm
+experts) + peft (``target_modules`` on the attention, ``target_parameters`` on the
+experts), both with a bf16 base and fp32 adapters, each side's own random weights (30B
+are too many to write for both): peak memory (to set beside Unsloth's published 63 GB
+for this model's bf16 LoRA) and tokens/s; with and without activation checkpointing.
+``--only moe-30b`` runs them first when a GPU is lent.
 """
 from __future__ import annotations
 
@@ -26,6 +35,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = "bench"
 ONE_B = ["--preset", "llama3.2-1b", "--compile", "--fused-loss"]
+MOE_30B_LORA = ["--preset", "qwen3-30b-a3b", "--method", "lora", "--lora-rank", "16",
+                "--lora-targets", "all-linear", "--base-dtype", "bf16", "--random-weights",
+                "--seq-len", "2048", "--batch", "1", "--steps", "4", "--warmup", "2"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +74,10 @@ def steps(out: str) -> list[Step]:
              330, bitsandbytes=True),
         Step("7b-int8-b7", seven_b + ("--rows", "int8-b7"), 240, bitsandbytes=True),
         Step("7b-full-low-memory", seven_b + ("--rows", "full-low-memory"), 300),
+        # the MoE issue's GPU rows: run them with --only moe-30b
+        *[Step(f"moe-30b-lora-2048{tag}", train_step + (*MOE_30B_LORA, *flags, "--json",
+               f"{out}/moe-30b-lora-2048{tag}.json"), 420)
+          for tag, flags in (("", ()), ("-ac", ("--activation-checkpointing",)))],
     ]
 
 
@@ -75,6 +91,11 @@ def runnable(plan: list[Step], done: set[str], budget_s: float) -> list[Step]:
         chosen.append(step)
         left -= step.expect_s
     return chosen
+
+
+def only(plan: list[Step], prefixes) -> list[Step]:
+    """The steps whose names start with one of ``prefixes`` (all when there are none)."""
+    return [s for s in plan if not prefixes or s.name.startswith(tuple(prefixes))]
 
 
 def done_before(path) -> set[str]:
@@ -119,10 +140,12 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=540.0,
                    help="seconds for every step together (a device call allows 600)")
     p.add_argument("--done", help="an earlier call's speed_gpu.jsonl: skip its finished steps")
+    p.add_argument("--only", nargs="+", metavar="NAME",
+                   help="only the steps whose names start with these (e.g. moe-30b)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and stop")
     a = p.parse_args(argv)
     out = Path(a.out)
-    plan = runnable(steps(str(out)), done_before(a.done), a.budget_s)
+    plan = runnable(only(steps(str(out)), a.only), done_before(a.done), a.budget_s)
     for step in plan:
         print(f"{step.name:<22} ~{step.expect_s:>4} s  python3 {' '.join(step.argv)}")
     if a.dry_run:

@@ -16,6 +16,22 @@ next), which the table names. Weights are random (no download). The reference is
 attention and torch.optim.AdamW; for lora/qlora, peft's LoRA on the same modules
 (qlora's reference: the base's projections as bitsandbytes NF4 Linear4bit with double
 quantization and bf16 compute, QLoRA's setting; it needs bitsandbytes).
+
+A mixture of experts (any family's MoE preset, shaped by the overrides ``--dim --layers
+--heads --kv-heads --head-dim --ffn --vocab --experts --top-k --moe-ffn --dense-layers``,
+which any preset takes) is compared with transformers' model of the same config.json,
+its experts as ``--reference-experts`` says (grouped_mm, transformers 5's fastest, by
+default), from the same random weights: written once (``save_hf_model``) and loaded by
+both sides (``--random-weights``: each side initialises its own, for a model too large
+to write, such as Qwen3-30B-A3B on a GPU). lmforge's loss is the trainer's (cross-entropy
++ router_aux_loss_coef x the balance loss, ``ExpertBalance``), transformers' the same
+with ``output_router_logits=True``; both first-step losses are printed with their
+difference. LoRA (``--method lora``) adapts the attention and the experts on both sides
+(peft: ``target_modules`` and ``target_parameters``). See ``bench/moe_bench.py``.
+
+    python bench/train_step.py --preset qwen3-30b-a3b --dim 512 --layers 4 --heads 8 \
+        --kv-heads 4 --experts 64 --top-k 8 --moe-ffn 256 --vocab 32000 --seq-len 512 \
+        --batch 1 --device cpu
 """
 from __future__ import annotations
 
@@ -25,12 +41,16 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # (moe_bench, when imported)
+
+import moe_bench  # noqa: E402
 
 from lmforge.config import resolve_device  # noqa: E402
 from lmforge.models.llama import FAMILY, LlamaArgs, build_llama, materialize  # noqa: E402
@@ -77,10 +97,22 @@ def parse_args(argv=None):
     p.add_argument("--lora-targets", default=",".join(LORA_TARGETS),
                    help="projections LoRA adapts on both sides, by commas (default: all "
                         "seven; peft's own default is q_proj,v_proj)")
+    p.add_argument("--reference-experts", default="grouped_mm",
+                   choices=moe_bench.EXPERTS_IMPLEMENTATIONS,
+                   help="an MoE reference's experts_implementation")
+    p.add_argument("--random-weights", action="store_true",
+                   help="an MoE: each side initialises its own weights (no shared copy "
+                        "written; the losses then differ)")
+    p.add_argument("--base-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="an MoE under LoRA: bf16 stores lmforge's frozen projections and "
+                        "experts in bf16 (the trainer's rule under bf16 compute) and builds "
+                        "the reference in bf16")
     p.add_argument("--lmforge-only", action="store_true",
                    help="time lmforge's side alone (comparing its own options)")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--side", choices=("lmforge", "reference"), help=argparse.SUPPRESS)
+    p.add_argument("--weights-dir", help=argparse.SUPPRESS)  # (an MoE's shared weights)
+    moe_bench.add_shape_flags(p)
     return p.parse_args(argv)
 
 
@@ -108,6 +140,8 @@ def build_lmforge(args, model_args: LlamaArgs, device):
     from lmforge.parallel.mesh import ParallelDims
     from lmforge.parallel.parallelize import apply_model_parallel
 
+    if moe_bench.is_moe(model_args):
+        return build_lmforge_moe(args, model_args, device)
     torch.manual_seed(0)
     model = build_llama(model_args)
     cfg = JobConfig()
@@ -141,6 +175,35 @@ def build_lmforge(args, model_args: LlamaArgs, device):
     return model, step
 
 
+def build_lmforge_moe(args, model_args, device):
+    """An MoE as the trainer builds and steps it (``moe_bench``)."""
+    from lmforge.config import JobConfig
+    from lmforge.parallel.mesh import ParallelDims
+    from lmforge.parallel.parallelize import apply_model_parallel
+
+    lora = None
+    if args.method == "lora":
+        from lmforge.config import LoraConfig
+
+        lora = LoraConfig(enabled=True, rank=args.lora_rank, alpha=2 * args.lora_rank,
+                          targets=args.lora_targets.split(","))
+    elif args.method != "full":
+        raise SystemExit(f"--method {args.method}: an MoE bench takes full or lora")
+    if args.base_dtype == "bf16" and (device.type != "cuda" or lora is None):
+        raise SystemExit("--base-dtype bf16: a frozen base under LoRA on a GPU (bf16 "
+                         "autocast); the CPU computes in fp32")
+    model = moe_bench.lmforge_model(model_args, device, args.weights_dir, lora,
+                                    frozen_bf16=args.base_dtype == "bf16")
+    cfg = JobConfig()
+    cfg.train.compile = args.compile
+    cfg.train.activation_checkpointing = "full" if args.activation_checkpointing else "none"
+    apply_model_parallel(model, ParallelDims(), cfg)
+    model.fused_loss = args.fused_loss
+    forward = _whole_compiled(model) if args.compile_whole else model
+    return model, moe_bench.lmforge_moe_step(forward, device, lambda: autocast(device),
+                                             args.loss_chunk_tokens)
+
+
 def _whole_compiled(model):
     """The model compiled as one graph, its attributes (args, output, fused_loss) still
     read from the model itself, as the loss functions read them."""
@@ -154,6 +217,8 @@ def build_reference(args, model_args: LlamaArgs, device):
 
     from lmforge.models.hf import hf_config_from_args
 
+    if moe_bench.is_moe(model_args):
+        return build_reference_moe(args, model_args, device)
     torch.manual_seed(0)
     config = transformers.LlamaConfig(**hf_config_from_args(model_args))
     config._attn_implementation = "sdpa"
@@ -186,6 +251,33 @@ def build_reference(args, model_args: LlamaArgs, device):
         return loss
 
     return model, step
+
+
+def build_reference_moe(args, model_args, device):
+    """transformers' model of the same config.json and weights, experts as
+    ``--reference-experts``; peft's LoRA on the attention (target_modules) and the
+    experts (target_parameters)."""
+    from lmforge.models.registry import family_of
+
+    if args.method not in ("full", "lora"):
+        raise SystemExit(f"--method {args.method}: an MoE bench takes full or lora")
+    dtype = torch.bfloat16 if args.base_dtype == "bf16" else torch.float32
+    model = moe_bench.reference_model(model_args, device, args.weights_dir,
+                                      args.reference_experts, dtype)
+    if args.activation_checkpointing:
+        model.gradient_checkpointing_enable()
+        if args.method != "full":
+            model.enable_input_require_grads()
+    if args.method == "lora":
+        attention = family_of(model_args).projections.attention
+        targets = [t.strip().lower() for t in args.lora_targets.split(",")]
+        every = "all-linear" in targets or "all_linear" in targets
+        experts = every or bool(set(targets) & set(moe_bench.EXPERT_TARGETS))
+        model = moe_bench.reference_lora(
+            model, args.lora_rank, [t for t in attention if every or t in targets], experts)
+    forward = torch.compile(model) if args.reference_compile else model
+    return model, moe_bench.reference_moe_step(forward, model_args.router_aux_loss_coef,
+                                               lambda: autocast(device))
 
 
 def _hf_llama_on(transformers, config, device, dtype):
@@ -257,7 +349,7 @@ def quantize_reference_8bit(model) -> None:
 
 def run_side(args) -> dict:
     device = resolve_device(args.device, "--device")
-    model_args = PRESETS[args.preset]
+    model_args = moe_bench.model_args(args.preset, args, args.seq_len)
     build = build_lmforge if args.side == "lmforge" else build_reference
     model, step = build(args, model_args, device)
     if args.low_memory:
@@ -268,7 +360,7 @@ def run_side(args) -> dict:
     optimizer = build_optimizer(args, params, device)
     for batch in args.batch:  # (largest first: the first that fits is timed)
         try:
-            times = timed_steps(args, model_args, step, optimizer, batch, device)
+            times, losses = timed_steps(args, model_args, step, optimizer, batch, device)
             break
         except torch.OutOfMemoryError:
             if batch == args.batch[-1]:
@@ -282,29 +374,34 @@ def run_side(args) -> dict:
             "tflops": tokens_per_s * flops / 1e12,
             "mfu": tokens_per_s * flops / peak if peak else None,
             "peak_mem_gib": M.peak_memory_gib(device),
-            "trainable": sum(p.numel() for p in params)}
+            "trainable": sum(p.numel() for p in params), "losses": losses,
+            **({"experts_implementation": model.config._experts_implementation}
+               if args.side == "reference" and moe_bench.is_moe(model_args) else {})}
 
 
-def timed_steps(args, model_args, step, optimizer, batch: int, device) -> list[float]:
-    """Warm-up, then the timed steps' seconds, at micro-batch ``batch``."""
+def timed_steps(args, model_args, step, optimizer, batch: int,
+                device) -> tuple[list[float], list[float]]:
+    """Warm-up, then the timed steps' seconds, at micro-batch ``batch``; and every step's
+    loss (the first before any update: both sides' match when their weights do)."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model_args.vocab_size, (batch, args.seq_len + 1), generator=g)
     ids = ids.to(device)
     inputs, labels = ids[:, :-1], ids[:, 1:]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
+    times, losses = [], []
     for i in range(args.warmup + args.steps):
         _sync(device)
         start = time.perf_counter()
-        step(inputs, labels)
+        loss = step(inputs, labels)
         if optimizer is not None:  # (None: each parameter was updated in backward)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         _sync(device)
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
-    return times
+        losses.append(float(loss.detach() if torch.is_tensor(loss) else loss))
+    return times, losses
 
 
 def free_after_oom(params: list, optimizer, device) -> None:
@@ -359,19 +456,42 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     method = args.method + (" (low-memory: bf16 weights and states)" if args.low_memory else "")
     batch = ",".join(map(str, args.batch))
+    model_args = moe_bench.model_args(args.preset, args, args.seq_len)
     print(f"{args.preset} {method}, seq {args.seq_len}, micro-batch {batch}, "
           f"{args.steps} timed steps after {args.warmup} warm-up, on {name}")
-    results = [run_child(argv, side) for side in
-               (("lmforge",) if args.lmforge_only else ("lmforge", "reference"))]
+    sides = ("lmforge",) if args.lmforge_only else ("lmforge", "reference")
+    moe = moe_bench.is_moe(model_args)
+    if moe:
+        print(f"{moe_bench.describe(model_args)}; reference experts_implementation="
+              f"{args.reference_experts}; weights: "
+              + ("each side its own" if args.random_weights or args.weights_dir
+                 else "one random set, shared"))
+    if moe and not args.random_weights and not args.weights_dir:
+        with tempfile.TemporaryDirectory() as tmp:
+            moe_bench.write_weights(model_args, Path(tmp) / "model")
+            shared = [*argv, "--weights-dir", str(Path(tmp) / "model")]
+            results = [run_child(shared, side) for side in sides]
+    else:
+        results = [run_child(argv, side) for side in sides]
     print(format_table(results))
     ours, ref = results[0], results[-1]
     if len(results) == 2 and "error" not in ours and "error" not in ref:
         print(f"speed ratio lmforge/reference: {ours['tokens_per_s'] / ref['tokens_per_s']:.2f}x"
               f"   peak memory ratio: {ours['peak_mem_gib'] / ref['peak_mem_gib']:.2f}")
+        if moe:
+            print(loss_line(ours, ref, shared=not (args.random_weights or args.weights_dir)))
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "device": name,
                                                "results": results}, indent=2))
     return 0 if "error" not in ours else 1
+
+
+def loss_line(ours: dict, ref: dict, shared: bool) -> str:
+    """Both sides' first-step loss (before any update) and their difference."""
+    a, b = ours["losses"][0], ref["losses"][0]
+    note = "" if shared else " (different random weights: not comparable)"
+    return (f"first-step loss (cross-entropy + router_aux_loss_coef x aux): lmforge {a:.6f}, "
+            f"reference {b:.6f}, |difference| {abs(a - b):.2e}{note}")
 
 
 def format_table(results: list[dict]) -> str:

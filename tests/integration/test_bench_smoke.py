@@ -84,3 +84,34 @@ def test_the_compile_and_adamw_options_to_measure_run_on_lmforges_side_alone(tmp
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())["results"]
     assert [r["side"] for r in results] == ["lmforge"] and results[0]["tokens_per_s"] > 0
+
+
+TINY_MOE = ["--preset", "qwen3-moe-debug", "--device", "cpu", "--dim", "64", "--layers", "2",
+            "--experts", "8", "--top-k", "2", "--moe-ffn", "64", "--dense-layers", "none",
+            "--seq-len", "32", "--batch", "2", "--steps", "1", "--warmup", "1"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["full", pytest.param("lora", marks=pytest.mark.long)])
+def test_an_moe_bench_compares_with_transformers_grouped_mm_from_the_same_weights(
+        method, tmp_path):
+    """The MoE shape overrides, the shared weights and both losses (cross-entropy +
+    router_aux_loss_coef x aux): the first step's agree to 1e-4; the reference's experts
+    ran as grouped_mm; LoRA trains as many parameters on both sides."""
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, str(BENCH), *TINY_MOE, "--method", method,
+                           "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "first-step loss" in proc.stdout and "8 experts top-2" in proc.stdout
+    ours, ref = json.loads(out.read_text())["results"]
+    assert "error" not in ours and "error" not in ref, (ours, ref)
+    assert ref["experts_implementation"] == "grouped_mm"
+    assert abs(ours["losses"][0] - ref["losses"][0]) < 1e-4
+    assert ours["trainable"] == ref["trainable"]
+
+
+def test_a_shape_override_the_presets_args_lack_is_refused():
+    bench = _load_bench()
+    args = bench.parse_args(["--preset", "debug", "--experts", "8", "--side", "lmforge"])
+    with pytest.raises(SystemExit, match="--experts"):
+        bench.moe_bench.model_args(args.preset, args)

@@ -51,3 +51,30 @@ def test_a_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("python3 bench/") == len(SPEED.steps("x"))
     assert not (tmp_path / "o").exists()
+
+
+def test_the_moe_rows_are_planned_and_only_selects_them():
+    moe = SPEED.only(SPEED.steps("/tmp/out"), ["moe-30b"])
+    assert [s.name for s in moe] == ["moe-30b-lora-2048", "moe-30b-lora-2048-ac"]
+    for step in moe:
+        assert "qwen3-30b-a3b" in step.argv and "all-linear" in step.argv
+    assert SPEED.only(SPEED.steps("/tmp/out"), None) == SPEED.steps("/tmp/out")
+
+
+@pytest.mark.slow
+def test_the_moe_rows_command_runs_on_tiny_shapes_on_the_cpu(tmp_path):
+    """The MoE step's own arguments, shrunk by shape overrides (later flags win), on the
+    CPU, which computes fp32 (so without --base-dtype bf16): both sides train."""
+    step = SPEED.only(SPEED.steps(str(tmp_path)), ["moe-30b-lora-2048"])[0]
+    script, *argv = step.argv
+    i = argv.index("--base-dtype")
+    del argv[i:i + 2]
+    tiny = ["--device", "cpu", "--dim", "64", "--layers", "2", "--heads", "4", "--kv-heads",
+            "2", "--head-dim", "16", "--experts", "8", "--top-k", "2", "--moe-ffn", "64",
+            "--vocab", "512", "--seq-len", "32", "--steps", "1", "--warmup", "0"]
+    proc = subprocess.run([sys.executable, script, *argv, *tiny],
+                          cwd=BENCH.parent, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "moe-30b-lora-2048.json").read_text())["results"]
+    assert [r["side"] for r in results] == ["lmforge", "reference"]
+    assert all("error" not in r and r["tokens_per_s"] > 0 for r in results), results
