@@ -8,7 +8,9 @@ rather than ignored, and so is any setting lmforge does not know unless it is le
 (null, false, empty). ``adapter_model.safetensors``: every tensor must be the lora_A or
 lora_B of a linear layer of the base model that takes adapters, named by
 ``target_modules``, with the shape ``r`` (or ``rank_pattern``) and the base layer give
-it, in floating point and finite.
+it, in floating point and finite. ``target_parameters`` may name a mixture of experts'
+stacked weights (``mlp.experts.gate_up_proj`` / ``down_proj``), nothing else; their
+tensors are checked by ``peft.expert_adapters``.
 
 Every path that loads an adapter (``lmforge lora merge``, ``eval-sft --adapter``,
 ``generate --adapter``, ``lora.adapter_from`` in training) reads it through
@@ -26,16 +28,16 @@ import torch
 
 from lmforge.models.mapping import first_nonfinite
 from lmforge.models.registry import family_of, hf_names
+from lmforge.peft.scaling import PEFT_PREFIX  # noqa: F401 (this module's readers import it)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-PEFT_PREFIX = "base_model.model."
 _PEFT_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])"
                        r"(?:\.(?P<adapter>[^.]+))?\.weight$")
 # peft settings that change what the weights mean: refused unless at these values (off).
 _REFUSED_OPTIONS = {
     "use_dora": False, "lora_bias": False, "fan_in_fan_out": False, "bias": "none",
-    "modules_to_save": None, "layer_replication": None, "target_parameters": None,
+    "modules_to_save": None, "layer_replication": None,
     "trainable_token_indices": None, "use_qalora": False, "alora_invocation_tokens": None,
     "arrow_config": None, "use_bdlora": None, "velora_config": None,
     "monteclora_config": None, "kasa_config": None}
@@ -47,7 +49,7 @@ _IGNORED = {"task_type", "auto_mapping", "peft_version", "base_model_name_or_pat
             "qalora_group_size", "ensure_weight_tying", "runtime_config", "layers_pattern"}
 _READ = {"peft_type", "r", "lora_alpha", "lora_dropout", "use_rslora", "target_modules",
          "exclude_modules", "rank_pattern", "alpha_pattern", "layers_to_transform",
-         "init_lora_weights"}
+         "init_lora_weights", "target_parameters"}
 # init_lora_weights values that only say how peft drew fresh adapters; the others
 # (pissa, olora, loftq, corda) make peft rewrite the base weights when it loads the
 # adapter, which lmforge does not do: the adapter would be added to the wrong base.
@@ -68,11 +70,14 @@ class AdapterConfig:
     lora_alpha: float
     lora_dropout: float
     use_rslora: bool
-    target_modules: str | tuple[str, ...]
+    target_modules: str | tuple[str, ...] | None  # None: only target_parameters
     exclude_modules: str | tuple[str, ...] | None
     rank_pattern: dict[str, int]
     alpha_pattern: dict[str, float]
     layers_to_transform: Optional[tuple[int, ...]]
+    # peft's names of adapted nn.Parameters (the experts' stacks), matched as peft does:
+    # a parameter's full HF name equal to one or ending with ``.`` + one
+    target_parameters: Optional[tuple[str, ...]] = None
 
     def rank(self, module: str) -> int:
         return _pattern_value(self.rank_pattern, module, self.r)
@@ -87,6 +92,8 @@ class AdapterConfig:
             return False
         if self.layers_to_transform is not None and layer not in self.layers_to_transform:
             return False
+        if self.target_modules is None:
+            return False
         return self.target_modules == "all-linear" or _names(self.target_modules, module)
 
 
@@ -100,17 +107,19 @@ def parse_adapter_config(raw: Any, path: Path) -> AdapterConfig:
                            f"adapters are supported")
     _refuse_unsupported(raw, path)
     field = _Fields(raw, path)
+    target_parameters = field.parameter_names("target_parameters")
     return AdapterConfig(
         path=path, r=field.positive_int("r"),
         lora_alpha=field.positive_number("lora_alpha", default=8),
         lora_dropout=field.dropout(), use_rslora=field.boolean("use_rslora"),
-        target_modules=field.module_names("target_modules", required=True),
+        target_modules=field.module_names("target_modules",
+                                          required=target_parameters is None),
         exclude_modules=field.module_names("exclude_modules"),
         rank_pattern=field.patterns("rank_pattern", _Fields.is_positive_int,
                                     "a positive integer"),
         alpha_pattern=field.patterns("alpha_pattern", _Fields.is_positive_number,
                                      "a positive finite number"),
-        layers_to_transform=field.layers())
+        layers_to_transform=field.layers(), target_parameters=target_parameters)
 
 
 def _refuse_unsupported(raw: dict, path: Path) -> None:
@@ -179,7 +188,7 @@ class _Fields:
         """A list of module names (peft: a name or a dotted suffix) or one regular
         expression (peft: matched against the whole module name)."""
         value = self.raw.get(key)
-        if value is None and not required:
+        if value in (None, []) and not required:  # (peft writes [] beside target_parameters)
             return None
         if isinstance(value, str) and value.strip():
             _compile(value, f"{self.path}: {key}")
@@ -189,6 +198,15 @@ class _Fields:
             return tuple(value)
         raise self._bad(key, value, "a non-empty list of module names or a regular "
                                     "expression")
+
+    def parameter_names(self, key: str) -> Optional[tuple[str, ...]]:
+        """peft's list of parameter names; None when absent or empty."""
+        value = self.raw.get(key)
+        if not value:
+            return None
+        if isinstance(value, list) and all(isinstance(v, str) and v.strip() for v in value):
+            return tuple(value)
+        raise self._bad(key, value, "a list of parameter names")
 
     def patterns(self, key: str, valid, what: str) -> dict:
         value = self.raw.get(key) or {}
@@ -265,7 +283,9 @@ def check_against_base(config: AdapterConfig, linears: dict[str, Linear],
                        n_layers: int) -> None:
     """Every target_modules entry names a linear layer the base model has, and every
     layer in layers_to_transform exists."""
-    if isinstance(config.target_modules, tuple):
+    if config.target_modules is None:
+        pass
+    elif isinstance(config.target_modules, tuple):
         leaves = sorted({name.rsplit(".", 1)[-1] for name in linears})
         for name in config.target_modules:
             if not any(_names((name,), module) for module in linears):
@@ -285,15 +305,21 @@ def check_against_base(config: AdapterConfig, linears: dict[str, Linear],
 # ------------------------------------------------------------------ the tensors
 
 def adapter_pairs(config: AdapterConfig, sd: dict[str, torch.Tensor],
-                  linears: dict[str, Linear], source: Path
+                  linears: dict[str, Linear], source: Path, allow_empty: bool = False
                   ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """HF module name -> (lora_A, lora_B), every tensor of ``sd`` (read from ``source``)
-    checked against ``config`` and the base model's ``linears``."""
+    checked against ``config`` and the base model's ``linears``. The experts' tensors
+    (``target_parameters``) are not read here: ``expert_adapters.checked_tensors`` takes
+    them out first, and a caller that reads only linears refuses them."""
     pairs = _group_keys(sd, source)
-    if not pairs:
+    if not pairs and not allow_empty:
         raise AdapterError(f"{source}: holds no LoRA weights")
     for module, (a, b) in pairs.items():
         linear = linears.get(module)
+        if linear is None and config.target_parameters:
+            raise AdapterError(f"{source}: {module} is not a linear layer; an adapter of "
+                               f"target_parameters {list(config.target_parameters)} is read "
+                               f"by load_adapter only (merge it: lmforge lora merge)")
         if linear is None:
             raise AdapterError(f"{source}: {module} is not a linear layer of the base model "
                                f"that takes adapters (no such module, or the embedding or "
@@ -330,7 +356,7 @@ def _check_shapes(config: AdapterConfig, module: str, a: torch.Tensor, b: torch.
 def _targeting(config: AdapterConfig) -> str:
     """The settings that choose the adapted modules, those that are set."""
     shown = lambda names: repr(names if isinstance(names, str) else list(names))  # noqa: E731
-    parts = [f"target_modules: {shown(config.target_modules)}"]
+    parts = [f"target_modules: {shown(config.target_modules or [])}"]
     if config.exclude_modules is not None:
         parts.append(f"exclude_modules: {shown(config.exclude_modules)}")
     if config.layers_to_transform is not None:

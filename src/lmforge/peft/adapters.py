@@ -30,13 +30,14 @@ from lmforge.config import LoraConfig
 from lmforge.models.hf import fused_rows, hf_names, save_hf_model
 from lmforge.models.registry import build_model, family_of
 from lmforge.parallel import full_value
+from lmforge.peft import expert_lora
 from lmforge.peft.adapter_spec import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX,
                                        AdapterConfig, AdapterError, adapter_linears,
-                                       adapter_pairs, check_against_base,
                                        parse_adapter_config)
-from lmforge.peft import expert_lora
+from lmforge.peft.expert_adapters import checked_tensors, load_experts, present_experts
 from lmforge.peft.lora import (LoraLinear, apply_lora, expert_layers, is_lora_param,
                                lora_layers)
+from lmforge.peft.scaling import copy_into
 from lmforge.peft.quant import QuantizedLinear, is_quantized
 from lmforge.peft.targets import target_modules
 
@@ -115,8 +116,10 @@ def save_adapter(model: nn.Module, out_dir: str | Path, base_model_path: Optiona
     sd = adapter_state_dict(model)
     names = _module_names(model)
     layers = {names[ours]: layer for ours, layer in lora_layers(model).items()}
-    config = _peft_config(layers, base_model_path, lora_cfg,
-                          list(expert_layers(model).values()))
+    experts = {names[f"{ours}.{target}"]: adapter
+               for ours, module in expert_layers(model).items()
+               for target, adapter in module.lora.items()}
+    config = _peft_config(layers, base_model_path, lora_cfg, experts)
     config["target_parameters"] = _target_parameters(model, names)
     out = Path(out_dir)
     if out.exists() and not (out.is_dir() and ((out / ADAPTER_CONFIG).is_file()
@@ -130,23 +133,20 @@ def save_adapter(model: nn.Module, out_dir: str | Path, base_model_path: Optiona
 
 
 def _peft_config(layers: dict[str, LoraLinear], base_model_path, lora_cfg,
-                 experts: list = ()) -> dict:
-    """``layers``: HF module name -> LoRA layer; ``experts``: the experts' adapters
-    (``LoraGroupedExperts``), whose rank and alpha must be the common ones (peft's
-    patterns name modules, and the experts' adapters nest in one module)."""
-    adapters = [a for e in experts for a in e.lora.values()]
-    ranks = Counter([layer.rank for layer in layers.values()] + [a.rank for a in adapters])
-    alphas = Counter([layer.alpha for layer in layers.values()] + [a.alpha for a in adapters])
-    rslora = {layer.rslora for layer in [*layers.values(), *adapters]}
+                 experts: Optional[dict] = None) -> dict:
+    """``layers``: HF module name -> LoRA layer; ``experts``: HF parameter name (peft's
+    key for a target parameter, ``model.layers.0.mlp.experts.down_proj``) -> its
+    ``ExpertLora``. A rank or alpha off the common one is written as a peft pattern (full
+    names)."""
+    adapters = {**layers, **(experts or {})}
+    ranks = Counter(x.rank for x in adapters.values())
+    alphas = Counter(x.alpha for x in adapters.values())
+    rslora = {x.rslora for x in adapters.values()}
     if len(rslora) > 1:
         raise AdapterError("save_adapter: layers mix rsLoRA and plain scaling")
     r, alpha = ranks.most_common(1)[0][0], alphas.most_common(1)[0][0]
-    # Layers off the common rank/alpha are written as peft patterns (full module names).
-    rank_pattern = {name: x.rank for name, x in layers.items() if x.rank != r}
-    alpha_pattern = {name: x.alpha for name, x in layers.items() if x.alpha != alpha}
-    if any(a.rank != r or a.alpha != alpha for a in adapters):
-        raise AdapterError("save_adapter: the experts' adapters' rank or alpha differs "
-                           "from the other layers'")
+    rank_pattern = {name: x.rank for name, x in adapters.items() if x.rank != r}
+    alpha_pattern = {name: x.alpha for name, x in adapters.items() if x.alpha != alpha}
     first = next(iter(layers.values()), None)
     dropout = float(getattr(lora_cfg, "dropout", first.dropout if first else 0.0))
     return {
@@ -202,7 +202,8 @@ def _read(root: Path) -> tuple[dict, AdapterConfig, dict[str, torch.Tensor]]:
 def load_adapter(model: nn.Module, adapter_dir: str | Path, strict: bool = True):
     """Load a peft LoRA adapter into ``model``: target linears without LoRA are swapped
     first (rank, alpha, rsLoRA and dropout from the config), existing LoRA layers must have
-    the same rank. The whole adapter is checked against the model's architecture
+    the same rank; the MoE experts' adapters (``target_parameters``) likewise
+    (``expert_adapters``). The whole adapter is checked against the model's architecture
     (``adapter_spec``) before the model is touched. ``strict``: every tensor must find its
     module in ``model`` (set False on a pipeline stage that holds only some layers).
     Returns a ``lmforge.config.LoraConfig`` describing the adapter."""
@@ -212,26 +213,38 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, strict: bool = True)
     if args is None:
         raise AdapterError("load_adapter: the model has no .args (an lmforge model is "
                            "needed to translate module names)")
+    pairs, experts = checked_tensors(config, sd, args, root / ADAPTER_WEIGHTS)
     linears = adapter_linears(args)
-    check_against_base(config, linears, args.n_layers)
-    pairs = adapter_pairs(config, sd, linears, root / ADAPTER_WEIGHTS)
+    present = _present_linears(model, pairs, linears, config, strict, root)
+    moe_present = present_experts(model, experts, strict, root / ADAPTER_WEIGHTS)
+    if not present and not moe_present:
+        raise AdapterError(f"{root / ADAPTER_WEIGHTS}: no LoRA weights matched the model")
+    for hf_module, (a, b) in present.items():
+        _load_pair(model, linears[hf_module].ours, config, hf_module, a, b)
+    load_experts(model, moe_present, config)
+    ranks = Counter([config.rank(m) for m in present]
+                    + [r for e in moe_present for r in e.ranks])
+    expert_targets = [f"experts.{t}" for t in expert_lora.EXPERT_TARGETS
+                      if any(t in e.targets for e in experts)]
+    return LoraConfig(enabled=True, rank=ranks.most_common(1)[0][0],
+                      alpha=config.lora_alpha, dropout=config.lora_dropout,
+                      targets=target_modules(pairs) + expert_targets,
+                      rslora=config.use_rslora, adapter_from=str(root))
+
+
+def _present_linears(model: nn.Module, pairs: dict, linears: dict, config: AdapterConfig,
+                     strict: bool, root: Path) -> dict:
+    """The pairs whose linear ``model`` holds (all, when ``strict``), each checked to fit
+    the LoRA layer the model has already."""
     modules = dict(model.named_modules())
     present = {m: ab for m, ab in pairs.items() if linears[m].ours in modules}
     if strict and len(present) < len(pairs):
         missing = next(m for m in pairs if m not in present)
         raise AdapterError(f"{root / ADAPTER_WEIGHTS}: {missing} has no matching module "
                            f"in the model")
-    if not present:
-        raise AdapterError(f"{root / ADAPTER_WEIGHTS}: no LoRA weights matched the model")
     for hf_module in present:
         _check_layer(modules[linears[hf_module].ours], config, hf_module, root)
-    for hf_module, (a, b) in present.items():
-        _load_pair(model, linears[hf_module].ours, config, hf_module, a, b)
-    ranks = Counter(config.rank(m) for m in present)
-    return LoraConfig(enabled=True, rank=ranks.most_common(1)[0][0],
-                      alpha=config.lora_alpha, dropout=config.lora_dropout,
-                      targets=target_modules(pairs), rslora=config.use_rslora,
-                      adapter_from=str(root))
+    return present
 
 
 def _check_layer(layer: nn.Module, config: AdapterConfig, hf_module: str,
@@ -259,25 +272,8 @@ def _load_pair(model: nn.Module, ours: str, config: AdapterConfig, hf_module: st
         layer = model.get_submodule(ours)
     layer.alpha, layer.rslora, layer.dropout = alpha, config.use_rslora, config.lora_dropout
     rows = fused_rows(model.args, ours, to_hf=False)  # a fused projection's: our order
-    _copy_into(layer.lora_a, a)
-    _copy_into(layer.lora_b, b if rows is None else b[rows])
-
-
-@torch.no_grad()
-def _copy_into(param: torch.Tensor, value: torch.Tensor) -> None:
-    value = value.to(device=_local_device(param), dtype=param.dtype)
-    placements = getattr(param, "placements", None)
-    if placements is not None:
-        from torch.distributed.tensor import distribute_tensor
-
-        value = distribute_tensor(value, param.device_mesh, placements)
-    param.copy_(value)
-
-
-def _local_device(t: torch.Tensor) -> torch.device:
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return local.device
-
+    copy_into(layer.lora_a, a)
+    copy_into(layer.lora_b, b if rows is None else b[rows])
 
 
 

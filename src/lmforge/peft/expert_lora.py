@@ -47,8 +47,7 @@ import torch
 from torch import nn
 
 from lmforge.models.moe import GroupedExperts, MoE
-from lmforge.peft.adapter_spec import PEFT_PREFIX
-from lmforge.peft.scaling import is_lora_param, lora_scaling
+from lmforge.peft.scaling import PEFT_PREFIX, is_lora_param, lora_scaling
 
 EXPERT_TARGETS = ("gate_up_proj", "down_proj")  # the registration order peft nests by
 
@@ -121,12 +120,18 @@ class LoraGroupedExperts(GroupedExperts):
         new.lora = nn.ModuleDict()
         for name in EXPERT_TARGETS:  # peft's nesting order, whatever order was asked
             if name in targets:
-                weight = getattr(experts, name)
-                n_experts, out_features, in_features = weight.shape
-                new.lora[name] = ExpertLora(n_experts, out_features, in_features, rank,
-                                            alpha, rslora, device=weight.device,
-                                            dtype=weight.dtype)
+                new.add_adapter(name, rank, alpha, rslora)
         return new
+
+    def add_adapter(self, name: str, rank: int, alpha: float,
+                    rslora: bool = False) -> ExpertLora:
+        """A fresh adapter (A uniform, B zero; empty on meta) on stack ``name``, replacing
+        any it had."""
+        weight = getattr(self, name)
+        n_experts, out_features, in_features = weight.shape
+        self.lora[name] = ExpertLora(n_experts, out_features, in_features, rank, alpha,
+                                     rslora, device=weight.device, dtype=weight.dtype)
+        return self.lora[name]
 
     def weight_of(self, name: str) -> torch.Tensor:
         """The stacked weight ``name`` as the forward uses it: adapted where targeted."""
