@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from lmforge.models.registry import family_of
 from lmforge.perf.estimate_setup import Setup, adapter_bytes, compute_bytes, residual_bytes
 from lmforge.perf.masks import dense_masks
+from lmforge.perf.mla import latent_attention
+from lmforge.perf.mla_walk import walk_mla
 from lmforge.perf.moe_walk import walk_moe
 
 
@@ -32,6 +34,7 @@ class BlockWalk:
         self.family = family_of(setup.args)
         self.names = self.family.projections
         self.block = self.family.block(setup.args)
+        self.mla = latent_attention(setup.args)  # DeepSeek-V3's latent attention, or None
         self.matmul_bytes = compute_bytes(setup)
         self.residual_bytes = residual_bytes(setup)
         self.autocast = setup.autocast
@@ -53,7 +56,7 @@ class BlockWalk:
         """The terms one block saves (``sparse``: an MoE layer's), and whether its
         output requires grad."""
         self.terms = []
-        qkv, mlp_inputs = self.names.attention[:-1], self.names.mlp_inputs
+        qkv, mlp_inputs = self.attention_inputs, self.names.mlp_inputs
         normed_needs_grad = self.norm("attention norm", input_needs_grad)
         if self.block.parallel:  # x + attention(norm(x)) + mlp(norm(x))
             self._parallel_block_inputs(normed_needs_grad)
@@ -73,6 +76,12 @@ class BlockWalk:
         mlp_needs_grad = self._post_norm("post-MLP norm", mlp_needs_grad)
         return list(self.terms), hidden_needs_grad or mlp_needs_grad
 
+    @property
+    def attention_inputs(self) -> tuple[str, ...]:
+        """The projections that read the attention's normalised input: q, k and v (or a
+        fused qkv), or MLA's query and latent projections."""
+        return self.mla.inputs if self.mla is not None else self.names.attention[:-1]
+
     def _post_norm(self, label: str, branch_needs_grad: bool) -> bool:
         """A branch output's own norm before the residual add (Gemma 3), over the output
         projection's result; whether its output requires grad."""
@@ -85,7 +94,7 @@ class BlockWalk:
         """One norm output read by q/k/v and by the MLP's input projection(s): one copy
         kept for all, unless sequence parallelism gathers it for each branch apart (the
         tensor-parallel plan prepares each branch's input)."""
-        qkv, mlp_inputs = self.names.attention[:-1], self.names.mlp_inputs
+        qkv, mlp_inputs = self.attention_inputs, self.names.mlp_inputs
         if self.setup.cfg.parallel.sequence_parallel and self.setup.layout.tp > 1:
             self.block_inputs(qkv, normed_needs_grad)
             self.block_inputs(mlp_inputs, normed_needs_grad)
@@ -175,6 +184,8 @@ class BlockWalk:
     def _attention(self, normed_needs_grad: bool) -> bool:
         """q/k/v (their input kept by ``block_inputs``) -> RoPE -> SDPA -> the output
         projection; whether its output requires grad."""
+        if self.mla is not None:
+            return walk_mla(self, self.mla, normed_needs_grad)
         args = self.args
         q_dim = args.n_heads * args.head_dim
         inputs, out = self.names.attention[:-1], self.names.attention_output

@@ -342,7 +342,8 @@ def format_table(est: MemoryEstimate, device_memory_gib: Optional[float] = None,
     s = est.setup
     lora = "full training"
     if s.lora is not None:
-        lora = (f"LoRA r{s.lora.rank} on {','.join(s.lora.targets)}, base "
+        targets = ",".join(name for name, _ in s.trainable.adapters)  # (the model's own)
+        lora = (f"LoRA r{s.lora.rank} on {targets}, base "
                 f"{s.lora.quantize or frozen_weight_dtype(s)}")
     t, layout = s.cfg.train, s.layout
     every = t.activation_checkpointing_every

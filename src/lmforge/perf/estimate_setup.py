@@ -11,6 +11,7 @@ from typing import Any, Optional
 from lmforge.config import ConfigError
 from lmforge.job import Job, resolve
 from lmforge.models.preference import NEEDS_REFERENCE
+from lmforge.models.registry import family_of
 from lmforge.parallel.parallelize import checkpointed_block
 from lmforge.perf.flops import Trainability
 from lmforge.peft.targets import LoraSpec
@@ -85,7 +86,11 @@ class Setup:
     def trainable(self) -> Trainability:
         """Which weights train: LoRA's adapters (with the norms and biases it names), or
         every weight."""
-        return Trainability.full() if self.lora is None else Trainability.lora(self.lora)
+        if self.lora is None:
+            return Trainability.full()
+        family = family_of(self.args)
+        present = set(family.block(self.args).shapes) | set(family.projections.experts)
+        return Trainability.lora(self.lora, present)
 
     def checkpointed(self, layer_id: int) -> bool:
         """Whether block ``layer_id`` keeps only its input and recomputes the rest in

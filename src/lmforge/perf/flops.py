@@ -24,6 +24,7 @@ import torch
 
 from lmforge.models.registry import family_of
 from lmforge.peft.targets import LoraSpec, lora_spec
+from lmforge.perf.mla import latent_attention, mla_flops
 
 # --------------------------------------------------------------------------- peaks
 
@@ -111,9 +112,12 @@ class Trainability:
         return cls()
 
     @classmethod
-    def lora(cls, spec: LoraSpec) -> "Trainability":
+    def lora(cls, spec: LoraSpec, present: Optional[set] = None) -> "Trainability":
+        """``present``: the model's projections, where a target may name one it lacks
+        (DeepSeek-V3's q_proj beside q_a_proj and q_b_proj)."""
         return cls(embedding=False, norms=False, head=False, linears=frozenset(),
-                   adapters=tuple((t, spec.rank) for t in spec.targets))
+                   adapters=tuple((t, spec.rank) for t in spec.targets
+                                  if present is None or t in present))
 
     @classmethod
     def from_model(cls, model: Any) -> "Trainability":
@@ -344,15 +348,19 @@ def flops_breakdown(args: Any, seq_len: int, trainable: Optional[Trainability] =
     rg = tr.embedding  # the residual stream
     sparse = set(block.sparse_layers or ()) if block.moe is not None else set()
     kinds = block.attention or ("global",) * args.n_layers
+    mla = latent_attention(args)  # DeepSeek-V3's latent attention (perf/mla.py), or None
     for layer_id, kind in enumerate(kinds):
         window = block.sliding_window if kind == "sliding" else None
         keys = mean_keys_per_query(seq_len, window) if causal else seq_len
-        per_product = 2 * keys * args.n_heads * args.head_dim  # one of Q K^T, P V, per token
         n1 = rg or tr.norms
-        q, k, v = outputs(names.attention[:-1], n1)
-        fl.attention_forward += 2 * per_product
-        fl.attention_backward += per_product * ((q or k) + v + q + k)  # dP, dV, dQ, dK
-        o = linear(names.attention_output, q or k or v)
+        if mla is not None:
+            o = mla_flops(fl, mla, linear, tr.norms, n1, keys)
+        else:
+            per_product = 2 * keys * args.n_heads * args.head_dim  # Q K^T or P V, per token
+            q, k, v = outputs(names.attention[:-1], n1)
+            fl.attention_forward += 2 * per_product
+            fl.attention_backward += per_product * ((q or k) + v + q + k)  # dP, dV, dQ, dK
+            o = linear(names.attention_output, q or k or v)
         if block.parallel:  # the MLP reads the attention's input norm (GPT-J)
             n2 = n1
         else:  # the MLP's norm reads the stream after attention (Llama)

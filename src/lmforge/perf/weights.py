@@ -12,6 +12,7 @@ from lmforge.models.registry import BlockSpec, family_of
 from lmforge.parallel import pipeline
 from lmforge.perf.estimate_setup import DTYPE_BYTES, Setup, frozen_weight_dtype
 from lmforge.perf.flops import ROUTER, SHARED_EXPERTS, projection_shapes
+from lmforge.perf.mla import latent_attention
 
 # Bytes per parameter of a quantized frozen weight (peft/quant.py): NF4 packs two 4-bit
 # codes per byte plus one absmax per block of 64, itself int8 with an fp32 scale per 256
@@ -199,8 +200,10 @@ def _add_block(tally: _Tally, setup: Setup, layer_id: int) -> None:
     # Qwen3's q and k norms: one head_dim weight each, shared by the heads (replicated
     # under tensor parallelism)
     head_norms = 2 * setup.args.head_dim if family.block(setup.args).head_norms else 0
-    tally.add(norms * norm_params(family.block(setup.args), setup.args.dim) + head_norms,
-              trainable.norms, matmul=False)
+    mla = latent_attention(setup.args)  # MLA's q and kv latent norms
+    latent_norms = mla.latent_norm_params if mla is not None else 0
+    tally.add(norms * norm_params(family.block(setup.args), setup.args.dim) + head_norms
+              + latent_norms, trainable.norms, matmul=False)
     w.block_trainable = w.trainable_params - trainable_before
     w.block_total = w.trainable_params + w.frozen_params - total_before
 

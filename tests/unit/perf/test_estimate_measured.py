@@ -22,6 +22,7 @@ from lmforge.config import JobConfig
 from lmforge.models.preference import PreferenceParams
 from lmforge.models.common import materialize
 from lmforge.models.grouped_mm import grouped_mm_supported
+from lmforge.models.deepseek_v3.presets import PRESETS as DEEPSEEK_V3
 from lmforge.models.gemma3.model import Gemma3Args
 from lmforge.models.phi3.model import Phi3Args
 from lmforge.models.qwen3_moe.model import SparseArgs
@@ -63,6 +64,10 @@ TINY["qwen3_moe"] = SparseArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, voca
                                explicit_head_dim=24, n_experts=8, top_k=2, moe_ffn_dim=32,
                                dense_layers=())
 TINY["qwen3_moe, dense layer 0"] = dataclasses.replace(TINY["qwen3_moe"], dense_layers=(0,))
+# DeepSeek-V3's debug size: multi-head latent attention (query and kv latents with their
+# norms, a rotary key shared by the heads), layer 0 dense, then sigmoid-routed experts
+# with a shared one
+TINY["deepseek_v3"] = dataclasses.replace(DEEPSEEK_V3["deepseek-v3-debug"], max_seq_len=128)
 SEQ = 64
 
 
@@ -198,6 +203,13 @@ MOE = [dict(family="qwen3_moe", lora=lora, ckpt=ckpt, micro_batch=4, bf16=bf16,
 MOE += [dict(family="qwen3_moe, dense layer 0", layers=3, lora=lora, ckpt=ckpt,
              micro_batch=4, targets=("all-linear",))
         for lora, ckpt in ((False, True), (True, "selective"))]
+# DeepSeek-V3 (2 layers: one dense, one MoE): full fine-tuning and LoRA on every
+# projection that has one (all-linear: MLA's five and the routed experts), with and
+# without checkpointing, fp32; and full fine-tuning under bf16 autocast
+MOE += [dict(family="deepseek_v3", lora=lora, ckpt=ckpt, micro_batch=4,
+             targets=("all-linear",)) for lora in (False, True) for ckpt in (False, True)]
+MOE += [dict(family="deepseek_v3", lora=False, ckpt=False, micro_batch=4, bf16=True,
+             targets=("all-linear",))]
 MOE_TOLERANCE = 0.10
 
 

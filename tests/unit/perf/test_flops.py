@@ -20,7 +20,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from lmforge.config import LoraConfig
+from lmforge.models.deepseek_v3.presets import PRESETS as DEEPSEEK_V3
 from lmforge.models.gemma3.model import Gemma3Args
+from lmforge.models.grouped_mm import grouped_mm_supported
 from lmforge.models.llama import build_llama, materialize
 from lmforge.models.phi3.model import Phi3Args
 from lmforge.models.presets import PRESETS
@@ -34,10 +36,12 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 BATCH, SEQ = 2, 32
 
 
-def counted_training_flops(model) -> int:
-    """FLOPs of one forward + backward, as FlopCounterMode sees them."""
+def counted_training_flops(model, mapping=None) -> int:
+    """FLOPs of one forward + backward, as FlopCounterMode sees them (``mapping``: its
+    formulas for ops it does not count itself)."""
     tokens = torch.randint(0, model.args.vocab_size, (BATCH, SEQ))
-    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False,
+                                                       custom_mapping=mapping) as counter:
         logits = model(tokens)
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
     return counter.get_total_flops()
@@ -195,3 +199,35 @@ def test_gemma3_sliding_layers_cost_less_than_global_ones_at_long_sequences():
     args = PRESETS["gemma3-1b"]
     all_global = dataclasses.replace(args, layer_types=("global",) * args.n_layers)
     assert F.flops_per_token(args, 32768) < F.flops_per_token(all_global, 32768)
+
+
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """``torch._grouped_mm``, which FlopCounterMode counts as 0: 2 x rows x in x out, the
+    (token, expert) assignments' work (as tests/unit/perf/test_flops_moe.py counts it)."""
+    return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
+
+
+# DeepSeek-V3's debug size at 2 layers (layer 0 dense, layer 1 MoE with a shared expert);
+# its multi-head latent attention with a query latent, without one (Moonlight), and with
+# a value head (8) narrower than the key's (16)
+DEEPSEEK = dataclasses.replace(DEEPSEEK_V3["deepseek-v3-debug"], n_layers=2, vocab_size=256)
+
+
+@pytest.mark.parametrize("targets", [None, ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+                                            "kv_b_proj", "q_proj", "o_proj"]])
+@pytest.mark.parametrize("mla", [{}, dict(q_lora_rank=None), dict(v_head_dim=8)],
+                         ids=["q latent", "q_proj", "v head 8"])
+def test_deepseek_v3_latent_attention_counts_exactly(mla, targets):
+    """MLA's five or six projections (a frozen query latent's input gradient flows through
+    q_a_layernorm only where something upstream trains), the score product over the
+    qk head dim (nope + rope) and the value product over v_head_dim."""
+    torch.manual_seed(0)
+    model = build_model(dataclasses.replace(DEEPSEEK, **mla))
+    if targets:
+        prepare_model_for_lora(model, LoraConfig(enabled=True, rank=4, targets=targets))
+    materialize(model, "cpu")
+    grouped_mm_supported("cpu", torch.float32)  # (its cached probe runs a tiny _grouped_mm)
+    trainable = F.Trainability.from_model(model)
+    ours = F.flops_breakdown(model.args, SEQ, trainable, causal=False).total * BATCH * SEQ
+    counted = counted_training_flops(model, {torch.ops.aten._grouped_mm: _grouped_mm_flops})
+    assert ours == counted
