@@ -1,10 +1,12 @@
 """Parameter-efficient fine-tuning: LoRA, QLoRA (NF4 / int8 frozen base), peft-format
 adapters and merged exports. Modules, each building on the ones before it:
 ``targets`` (projection names and the rule reading ``lora.targets``), ``quant`` (quantized
-frozen linears; knows nothing of LoRA), ``lora`` (the LoRA layer and the model-wide swap; ``expert_lora``
-its counterpart on an MoE block's stacked experts), ``adapter_spec`` (what an adapter
-directory may say, checked whole before it is used; ``expert_adapters`` its experts' part,
-peft's ``target_parameters``), ``adapters`` (peft's on-disk layout, merged exports).
+frozen linears; knows nothing of LoRA; ``quant_experts`` the same for an MoE's stacked
+expert weights), ``lora`` (the LoRA layer and the model-wide swap; ``expert_lora`` its
+counterpart on an MoE block's stacked experts; ``summary`` the parameter counts),
+``adapter_spec`` (what an adapter directory may say, checked whole before it is used;
+``expert_adapters`` its experts' part, peft's ``target_parameters``), ``adapters``
+(peft's on-disk layout, merged exports).
 
 The trainer's calls, in order::
 

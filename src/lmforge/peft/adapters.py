@@ -39,6 +39,7 @@ from lmforge.peft.lora import (LoraLinear, apply_lora, expert_layers, is_lora_pa
                                lora_layers)
 from lmforge.peft.scaling import copy_into
 from lmforge.peft.quant import QuantizedLinear, is_quantized
+from lmforge.peft.quant_experts import STACKS, QuantizableExperts
 from lmforge.peft.targets import target_modules
 
 # ------------------------------------------------------------------------ names
@@ -305,20 +306,33 @@ def merged_state_dict(model: nn.Module, dtype: Optional[torch.dtype] = None
             replaced.add(name)
             if module.bias is not None:
                 out[f"{name}.bias"] = full_value(module.bias).to("cpu", dtype or module.bias.dtype)
-    for name, experts in expert_layers(model).items():
-        for target, adapter in experts.lora.items():
-            weight = full_value(getattr(experts, target))
-            merged = weight.float() + full_value(adapter.delta(torch.float32))
-            out[f"{name}.{target}"] = merged.to("cpu", dtype or weight.dtype)
+    out |= _merged_stacks(model, dtype)
     for key, value in model.state_dict().items():
         module_name = key.rsplit(".", 1)[0]
-        if key in out or module_name in replaced or module_name.endswith(".quantized") or (
+        if key in out or module_name in replaced or ".quantized." in f"{module_name}." or (
                 key.rsplit(".", 1)[-1] in ("lora_a", "lora_b")):
             continue
         value = full_value(value)
         if dtype is not None and value.is_floating_point():
             value = value.to(dtype)
         out[key] = value.cpu()
+    return out
+
+
+def _merged_stacks(model: nn.Module, dtype: Optional[torch.dtype]) -> dict:
+    """Each experts' stack that is adapted or quantized: dequantized, plus its adapter."""
+    out = {}
+    for name, experts in model.named_modules():
+        if not isinstance(experts, QuantizableExperts):
+            continue
+        lora = getattr(experts, "lora", {})
+        for target in STACKS:
+            if not (experts.is_quantized(target) or target in lora):
+                continue
+            merged = full_value(experts.base_weight(target, torch.float32))
+            if target in lora:
+                merged = merged + full_value(lora[target].delta(torch.float32))
+            out[f"{name}.{target}"] = merged.to("cpu", dtype or getattr(experts, target).dtype)
     return out
 
 

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from lmforge.models.moe import GroupedExperts, MoE
+from lmforge.peft.quant_experts import QuantizableExperts
 from lmforge.peft.scaling import PEFT_PREFIX, is_lora_param, lora_scaling
 
 EXPERT_TARGETS = ("gate_up_proj", "down_proj")  # the registration order peft nests by
@@ -94,7 +95,7 @@ class ExpertLora(nn.Module):
         return f"rank={self.rank}, alpha={self.alpha:g}, rslora={self.rslora}"
 
 
-class LoraGroupedExperts(GroupedExperts):
+class LoraGroupedExperts(QuantizableExperts):
     """``GroupedExperts`` whose chosen stacked weights carry per-expert LoRA adapters
     (``lora``: target name -> ``ExpertLora``).
 
@@ -107,15 +108,9 @@ class LoraGroupedExperts(GroupedExperts):
     @classmethod
     def from_experts(cls, experts: GroupedExperts, targets: Sequence[str], rank: int,
                      alpha: float, rslora: bool = False) -> "LoraGroupedExperts":
-        """Wrap ``experts``, reusing its parameter tensors (no copy; meta stays meta)."""
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.args = experts.args
-        for name, param in experts.named_parameters(recurse=False):
-            setattr(new, name, param)
-        for name in ("gate_up_proj_bias", "down_proj_bias"):
-            if getattr(experts, name) is None:
-                setattr(new, name, None)
+        """Wrap ``experts``, reusing its parameter tensors (no copy; meta stays meta; a
+        quantized stack stays quantized)."""
+        new = cls.wrap(experts)
         new.disabled = False  # (peft.lora.adapters_disabled: the base experts alone)
         new.lora = nn.ModuleDict()
         for name in EXPERT_TARGETS:  # peft's nesting order, whatever order was asked
@@ -127,15 +122,18 @@ class LoraGroupedExperts(GroupedExperts):
                     rslora: bool = False) -> ExpertLora:
         """A fresh adapter (A uniform, B zero; empty on meta) on stack ``name``, replacing
         any it had."""
-        weight = getattr(self, name)
-        n_experts, out_features, in_features = weight.shape
-        self.lora[name] = ExpertLora(n_experts, out_features, in_features, rank, alpha,
-                                     rslora, device=weight.device, dtype=weight.dtype)
+        if self.is_quantized(name):  # adapters in the stack's own dtype beside its codes
+            device, dtype = self.quantized[name].device(), self.quantized[name].base_dtype
+        else:
+            device, dtype = getattr(self, name).device, getattr(self, name).dtype
+        self.lora[name] = ExpertLora(*self.stack_shape(name), rank, alpha, rslora,
+                                     device=device, dtype=dtype)
         return self.lora[name]
 
     def weight_of(self, name: str) -> torch.Tensor:
-        """The stacked weight ``name`` as the forward uses it: adapted where targeted."""
-        weight = getattr(self, name)
+        """The stacked weight ``name`` as the forward uses it: dequantized where
+        quantized, adapted where targeted."""
+        weight = self.base_weight(name)
         adapted = name in self.lora and not self.disabled
         return self.lora[name].adapted(weight) if adapted else weight
 
@@ -189,6 +187,11 @@ def merge_expert_lora(moe: MoE) -> GroupedExperts:
     lora_experts = moe.experts
     if not isinstance(lora_experts, LoraGroupedExperts):
         raise ValueError("merge_expert_lora: the experts have no LoRA adapters")
+    if lora_experts.quantized is not None:
+        raise ValueError(f"cannot merge LoRA into {lora_experts.quantized_format()}-"
+                         f"quantized expert stacks; "
+                         f"dequantize them to 16-bit first (dequantize_base) or export "
+                         f"with export_merged, which does")
     for name, adapter in lora_experts.lora.items():
         weight = getattr(lora_experts, name)
         weight.add_(adapter.delta(torch.float32).to(weight.dtype))

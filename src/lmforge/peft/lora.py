@@ -39,7 +39,9 @@ from lmforge.models.moe import MoE
 from lmforge.peft.expert_lora import (LoraGroupedExperts, apply_expert_lora,
                                       init_expert_lora, merge_expert_lora)
 from lmforge.peft.quant import QuantizedLinear, quantize_base
+from lmforge.peft.quant_experts import quantize_experts
 from lmforge.peft.scaling import LORA_PARAM_NAMES, is_lora_param, lora_scaling
+from lmforge.peft.summary import count_trainable, trainable_summary  # (re-exported)
 from lmforge.peft.targets import model_projections, resolve_targets
 
 __all__ = ["LORA_PARAM_NAMES", "LoraError", "LoraLinear", "adapters_disabled",
@@ -295,10 +297,15 @@ def merge_lora(model: nn.Module) -> int:
     adapters are merged for good (plain experts are put back; ``unmerge_lora`` cannot
     take them out again)."""
     layers = lora_layers(model)
-    for layer in layers.values():
-        layer.merge()
     moes = [m for m in model.modules()
             if isinstance(m, MoE) and isinstance(m.experts, LoraGroupedExperts)]
+    quantized = next((m.experts for m in moes if m.experts.quantized is not None), None)
+    if quantized is not None:  # refused before anything is merged
+        raise LoraError(f"cannot merge LoRA into {quantized.quantized_format()}-quantized "
+                        f"expert stacks; dequantize them to 16-bit first (dequantize_base) "
+                        f"or export with export_merged, which does")
+    for layer in layers.values():
+        layer.merge()
     for moe in moes:
         merge_expert_lora(moe)
     return len(layers) + len(moes)
@@ -331,66 +338,7 @@ def after_materialize(model: nn.Module, cfg, init_lora: bool = True) -> None:
     may run after sharding too (initialising sharded adapters is fine)."""
     if init_lora:
         init_lora_weights(model)
-    if getattr(cfg, "quantize", None):
+    if getattr(cfg, "quantize", None):  # the linears, and an MoE's expert stacks
         quantize_base(model, cfg.quantize, "all-linear")
+        quantize_experts(model, cfg.quantize, "all-linear")
     freeze_base(model)
-
-
-def count_trainable(model: nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameter counts. Tied tensors count once; a quantized layer
-    counts the weights it stands for, not its packed bytes."""
-    seen: dict[int, torch.Tensor] = {}
-    storage: set[int] = set()
-    total = 0
-    for m in model.modules():
-        if isinstance(m, QuantizedLinear):
-            total += m.in_features * m.out_features
-            storage.update(id(t) for t in m.quantized_tensors().values())
-    for p in model.parameters():
-        if id(p) not in storage:
-            seen[id(p)] = p
-    total += sum(p.numel() for p in seen.values())
-    trainable = sum(p.numel() for p in seen.values() if p.requires_grad)
-    return trainable, total
-
-
-def trainable_summary(model: nn.Module) -> str:
-    """e.g. ``4.19M trainable / 6.74B total (0.06%)``; a mixture of experts' adds the
-    trainable parameters by kind (``attention 1.2M, experts 3.1M, ...``), so that a user
-    sees whether the experts learn."""
-    trainable, total = count_trainable(model)
-    share = 100.0 * trainable / max(total, 1)
-    line = f"{_human(trainable)} trainable / {_human(total)} total ({share:.2f}%)"
-    if not any(isinstance(m, MoE) for m in model.modules()):
-        return line
-    kinds = trainable_by_kind(model)
-    return line + ": " + ", ".join(f"{kind} {_human(n)}" for kind, n in kinds.items())
-
-
-# A kind and the part of a parameter's name that says it, in the order they are told
-# apart (a dense MLP's parameters are the feed-forward's that are none of the others').
-_KINDS = (("attention", ".attention."), ("experts", ".experts."),
-          ("shared experts", ".shared_experts."), ("router", ".feed_forward.gate."),
-          ("mlp", ".feed_forward."))
-
-
-def trainable_by_kind(model: nn.Module) -> dict[str, int]:
-    """Trainable parameters by kind: attention, mlp (dense layers), experts, shared
-    experts, router, other (embedding, norms, head); the kinds with none left out."""
-    counts = dict.fromkeys(("attention", "mlp", "experts", "shared experts", "router",
-                            "other"), 0)
-    seen = set()
-    for name, p in model.named_parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        kind = next((k for k, part in _KINDS if part in f".{name}"), "other")
-        counts[kind] += p.numel()
-    return {kind: n for kind, n in counts.items() if n}
-
-
-def _human(n: int) -> str:
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g}{unit}"
-    return str(n)

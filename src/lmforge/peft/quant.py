@@ -301,8 +301,14 @@ def dequantize_base(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> li
     return done
 
 
+def _holds_codes(module: nn.Module) -> bool:
+    """A quantized linear, or another module of stored codes (``quant_experts``'s
+    stacks), told by the method they share."""
+    return callable(getattr(module, "quantized_tensors", None))
+
+
 def is_quantized(model: nn.Module) -> bool:
-    return any(isinstance(m, QuantizedLinear) for m in model.modules())
+    return any(_holds_codes(m) for m in model.modules())
 
 
 def _check_format(fmt: str) -> None:
@@ -314,5 +320,5 @@ def _check_format(fmt: str) -> None:
 def quantized_bytes(model: nn.Module) -> int:
     """Bytes held by quantized weights (codes and scales)."""
     return sum(t.numel() * t.element_size() for m in model.modules()
-               if isinstance(m, QuantizedLinear) for t in m.quantized_tensors().values())
+               if _holds_codes(m) for t in m.quantized_tensors().values())
 
