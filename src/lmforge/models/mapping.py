@@ -69,6 +69,20 @@ def _lookup(cfg: dict, names, source: str, default) -> tuple[Optional[str], Any]
     return None, default
 
 
+def config_layer_types(cfg: dict, n_layers: int, kinds: dict[str, str],
+                       source: str) -> Optional[tuple[str, ...]]:
+    """config.json's ``layer_types`` as our kinds (``kinds``: transformers' name -> ours),
+    one per layer; None when absent. Refused, naming the key: another length or kind."""
+    given = cfg.get("layer_types")
+    if given is None:
+        return None
+    if not isinstance(given, list) or len(given) != n_layers or any(
+            kind not in kinds for kind in given):
+        raise HFCheckpointError(f"{source}: layer_types: expected {n_layers} entries of "
+                                f"{' or '.join(kinds)}, got {given!r}")
+    return tuple(kinds[kind] for kind in given)
+
+
 def check_multiple(source: str, name: str, value: int, of_name: str, of: int) -> None:
     """``value`` (config.json's ``name``) is a multiple of ``of`` (its ``of_name``)."""
     if value % of:

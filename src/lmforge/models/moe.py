@@ -223,16 +223,22 @@ class GroupedExperts(nn.Module):
         experts = flat[order]  # (assignments,)
         counts = tokens_per_expert(flat, self.args.n_experts)  # (experts,)
         tokens = order // indices.shape[1]  # (assignments,) the token each one reads
-        h = grouped_linear(x[tokens], self.weight_of("gate_up_proj"), counts,
-                           experts)  # (assignments, 2 ffn)
+        h = self.product("gate_up_proj", x[tokens], counts, experts)  # (assignments, 2 ffn)
         if self.gate_up_proj_bias is not None:
             h = h + self.gate_up_proj_bias[experts]
         h = self.activate(h)  # (assignments, ffn)
-        y = grouped_linear(h, self.weight_of("down_proj"), counts, experts)  # (assignments, dim)
+        y = self.product("down_proj", h, counts, experts)  # (assignments, dim)
         if self.down_proj_bias is not None:
             y = y + self.down_proj_bias[experts]
         y = y * weights.flatten()[order].unsqueeze(-1).to(y.dtype)
         return x.new_zeros(x.shape).index_add(0, tokens, y.to(x.dtype))  # (tokens, dim)
+
+    def product(self, name: str, rows: torch.Tensor, counts: torch.Tensor,
+                experts: torch.Tensor) -> torch.Tensor:
+        """Each of ``rows`` (sorted by expert) times its expert's ``name`` weight: one
+        grouped product (CPU decoding packs the experts' weights and replaces this for its
+        length: ``models.packed_linear``)."""
+        return grouped_linear(rows, self.weight_of(name), counts, experts)
 
     def weight_of(self, name: str) -> torch.Tensor:
         """The stacked weight ``name`` as the forward multiplies by it (an adapter's

@@ -32,13 +32,7 @@ def checkpoint_from_hf(sd: dict[str, torch.Tensor], layout: str, n_experts: int,
     """A whole checkpoint's tensors with each layer's ``model.layers.{i}.mlp.*`` through
     ``from_hf`` (a dense layer's MLP passes unchanged); a missing expert is refused
     naming its tensor and ``source``."""
-    out, blocks = {}, {}
-    for name, t in sd.items():
-        match = _LAYER_MLP.fullmatch(name)
-        if match is None:
-            out[name] = t
-        else:
-            blocks.setdefault(match[1], {})[match[2]] = t
+    out, blocks = _split_layer_mlps(sd)
     for prefix, block in blocks.items():
         try:
             converted = from_hf(block, layout, n_experts)
@@ -50,6 +44,16 @@ def checkpoint_from_hf(sd: dict[str, torch.Tensor], layout: str, n_experts: int,
 
 def checkpoint_to_hf(sd: dict[str, torch.Tensor], layout: str) -> dict[str, torch.Tensor]:
     """``checkpoint_from_hf``'s inverse over a whole state dict in HF names."""
+    out, blocks = _split_layer_mlps(sd)
+    for prefix, block in blocks.items():
+        converted = to_hf(block, layout) if "experts.down_proj" in block else block
+        out.update({prefix + k: v for k, v in converted.items()})
+    return out
+
+
+def _split_layer_mlps(sd: dict[str, torch.Tensor]) -> tuple[dict, dict[str, dict]]:
+    """(the tensors outside every layer's MLP, {``model.layers.{i}.mlp.``: that MLP's
+    tensors by their names inside it})."""
     out, blocks = {}, {}
     for name, t in sd.items():
         match = _LAYER_MLP.fullmatch(name)
@@ -57,10 +61,7 @@ def checkpoint_to_hf(sd: dict[str, torch.Tensor], layout: str) -> dict[str, torc
             out[name] = t
         else:
             blocks.setdefault(match[1], {})[match[2]] = t
-    for prefix, block in blocks.items():
-        converted = to_hf(block, layout) if "experts.down_proj" in block else block
-        out.update({prefix + k: v for k, v in converted.items()})
-    return out
+    return out, blocks
 
 
 def from_hf(sd: dict[str, torch.Tensor], layout: str,

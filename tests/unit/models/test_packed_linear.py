@@ -177,3 +177,26 @@ def test_packed_decoding_under_autocast_gives_the_plain_decodes_tokens(monkeypat
     for a, b in zip(packed, plain):
         assert a.ids == b.ids
         torch.testing.assert_close(a.model_logprobs, b.model_logprobs, rtol=0, atol=2e-2)
+
+
+@pytest.mark.skipif(not available(), reason="oneDNN cannot pack fp32 on this CPU")
+def test_moe_experts_are_packed_when_chosen_and_give_the_grouped_products_output():
+    """CPU decoding packs each expert's weights the first time a token chooses it (a
+    short decode reads few), runs only the chosen experts, and gives the grouped
+    product's output; the plain product comes back after."""
+    from lmforge.models.moe import GroupedExperts
+    from lmforge.models.registry import PRESETS, build_model
+
+    torch.manual_seed(0)
+    model = materialize(build_model(PRESETS["qwen3-moe-debug"]), "cpu").eval()
+    x = torch.randint(0, model.args.vocab_size, (1, 3))
+    with torch.no_grad():
+        plain = model(x)
+        with packed_linears(model, 1, 10**12) as packed:
+            stacks = [m for m in model.modules() if type(m) is GroupedExperts]
+            assert packed and all("product" in m.__dict__ for m in stacks)
+            got = model(x)
+            chosen = {e for _, e in stacks[0].product.packed}
+            assert 0 < len(chosen) <= 3 * model.args.top_k < model.args.n_experts
+    torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-5)
+    assert not any("product" in m.__dict__ for m in stacks)

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from lmforge.models.deepseek_v3.model import DeepseekV3Args, DeepseekV3Block
+from lmforge.models.llama.hf import rope_theta
 from lmforge.models.mapping import (HFCheckpointError, config_bool, config_float,
                                     config_int, decoder_config_fields, decoder_hf_names)
 from lmforge.models.mla import YarnScaling
@@ -67,7 +68,7 @@ def args_from_hf_config(cfg: dict, source: str = "config.json") -> DeepseekV3Arg
         n_layers=config_int(cfg, "num_hidden_layers", source), n_heads=n_heads,
         n_kv_heads=n_heads, vocab_size=config_int(cfg, "vocab_size", source),
         ffn_dim=config_int(cfg, "intermediate_size", source), max_seq_len=max_positions,
-        rope_theta=_rope_theta(cfg, source),
+        rope_theta=rope_theta(cfg, source, _DEFAULTS["rope_theta"]),
         rope_scaling=_rope_scaling(cfg, source, max_positions),
         norm_eps=config_float(cfg, "rms_norm_eps", source, d["rms_norm_eps"]),
         tie_embeddings=config_bool(cfg, "tie_word_embeddings", source,
@@ -162,17 +163,6 @@ def _check_experts(args: DeepseekV3Args, source: str) -> None:
         for ours, theirs in _EXPERT_KEYS.items():
             message = re.sub(rf"\b{ours}\b", theirs, message)
         raise HFCheckpointError(f"{source}: {message}") from None
-
-
-def _rope_theta(cfg: dict, source: str) -> float:
-    # transformers 5 moved rope_theta into rope_parameters; 4.x keeps it at the top level.
-    if cfg.get("rope_theta") is not None:
-        return config_float(cfg, "rope_theta", source)
-    params = cfg.get("rope_parameters") or {}
-    if not isinstance(params, dict):
-        raise HFCheckpointError(f"{source}: rope_parameters: {params!r} is not an object")
-    return config_float(params, "rope_theta", f"{source}: rope_parameters",
-                        _DEFAULTS["rope_theta"])
 
 
 def _rope_scaling(cfg: dict, source: str, max_positions: int) -> Optional[YarnScaling]:

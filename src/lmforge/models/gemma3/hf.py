@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from lmforge.models.gemma3.model import GLOBAL, SLIDING, Gemma3Args
 from lmforge.models.mapping import (HFCheckpointError, check_multiple, config_bool,
-                                    config_float, config_int, decoder_config_fields,
-                                    decoder_hf_names)
+                                    config_float, config_int, config_layer_types,
+                                    decoder_config_fields, decoder_hf_names)
 
 _LAYER_NAMES = {  # ours -> Hugging Face, inside layers.{i}
     **{f"attention.{p}.weight": f"self_attn.{p}.weight"
@@ -64,14 +64,9 @@ def _check_fixed(cfg: dict, source: str) -> None:
 
 def _layer_types(cfg: dict, n_layers: int, pattern: int, source: str):
     """config.json's per-layer kinds, or None where they follow the pattern."""
-    given = cfg.get("layer_types")
-    if given is None:
+    kinds = config_layer_types(cfg, n_layers, _KINDS, source)
+    if kinds is None:
         return None
-    if not isinstance(given, list) or len(given) != n_layers or any(
-            kind not in _KINDS for kind in given):
-        raise HFCheckpointError(f"{source}: layer_types: expected {n_layers} entries of "
-                                f"{' or '.join(_KINDS)}, got {given!r}")
-    kinds = tuple(_KINDS[kind] for kind in given)
     by_pattern = Gemma3Args(1, n_layers, 1, 1, 1, 1, sliding_pattern=pattern).attention_kinds
     return None if kinds == by_pattern else kinds
 

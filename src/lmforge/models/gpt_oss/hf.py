@@ -15,8 +15,8 @@ from lmforge.models.gpt_oss.model import GLOBAL, SLIDING, GptOssArgs, expert_sha
 from lmforge.models.llama.hf import rope_scaling_dict, rope_scaling_from
 from lmforge.models.llama.model import RopeScaling
 from lmforge.models.mapping import (HFCheckpointError, check_multiple, config_bool,
-                                    config_float, config_int, decoder_config_fields,
-                                    decoder_hf_names)
+                                    config_float, config_int, config_layer_types,
+                                    decoder_config_fields, decoder_hf_names)
 from lmforge.models.moe_hf import check_top_k, checkpoint_from_hf, checkpoint_to_hf
 from lmforge.models.mxfp4 import MXFP4Error, dequantize_state_dict
 
@@ -95,14 +95,9 @@ def _check_fixed(cfg: dict, source: str) -> None:
 def _layer_types(cfg: dict, n_layers: int, source: str) -> Optional[tuple[str, ...]]:
     """config.json's per-layer kinds, or None where they alternate as transformers'
     default (sliding first)."""
-    given = cfg.get("layer_types")
-    if given is None:
+    kinds = config_layer_types(cfg, n_layers, _KINDS, source)
+    if kinds is None:
         return None
-    if not isinstance(given, list) or len(given) != n_layers or any(
-            kind not in _KINDS for kind in given):
-        raise HFCheckpointError(f"{source}: layer_types: expected {n_layers} entries of "
-                                f"{' or '.join(_KINDS)}, got {given!r}")
-    kinds = tuple(_KINDS[kind] for kind in given)
     default = GptOssArgs(1, n_layers, 1, 1, 1, 1).attention_kinds
     return None if kinds == default else kinds
 

@@ -128,7 +128,7 @@ def args_from_hf_config(cfg: dict, source: str = "config.json") -> LlamaArgs:
         ffn_dim=config_int(cfg, "intermediate_size", source),
         max_seq_len=config_int(cfg, "max_position_embeddings", source,
                                d["max_position_embeddings"]),
-        rope_theta=_rope_theta(cfg, source), rope_scaling=_rope_scaling(cfg, source),
+        rope_theta=rope_theta(cfg, source), rope_scaling=_rope_scaling(cfg, source),
         norm_eps=config_float(cfg, "rms_norm_eps", source, d["rms_norm_eps"]),
         tie_embeddings=config_bool(cfg, "tie_word_embeddings", source,
                                    d["tie_word_embeddings"]),
@@ -139,15 +139,16 @@ def args_from_hf_config(cfg: dict, source: str = "config.json") -> LlamaArgs:
         sliding_window=_sliding_window(cfg, family, source))
 
 
-def _rope_theta(cfg: dict, source: str) -> float:
-    # transformers 5 moved rope_theta into rope_parameters; 4.x keeps it at the top level.
+def rope_theta(cfg: dict, source: str,
+               default: float = _LLAMA_DEFAULTS["rope_theta"]) -> float:
+    """config.json's RoPE base: transformers 5 moved rope_theta into rope_parameters;
+    4.x keeps it at the top level."""
     if cfg.get("rope_theta") is not None:
         return config_float(cfg, "rope_theta", source)
     params = cfg.get("rope_parameters") or {}
     if not isinstance(params, dict):
         raise HFCheckpointError(f"{source}: rope_parameters: {params!r} is not an object")
-    return config_float(params, "rope_theta", f"{source}: rope_parameters",
-                        _LLAMA_DEFAULTS["rope_theta"])
+    return config_float(params, "rope_theta", f"{source}: rope_parameters", default)
 
 
 def _rope_scaling(cfg: dict, source: str) -> Optional[RopeScaling]:
