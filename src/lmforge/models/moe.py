@@ -322,10 +322,6 @@ def take_routings(model: nn.Module) -> list[Routing]:
     return found
 
 
-def is_moe(model: nn.Module) -> bool:
-    return any(isinstance(m, MoE) for m in model.modules())
-
-
 def load_balancing_loss(router_logits: Sequence[torch.Tensor], top_k: int,
                         attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Switch Transformer's auxiliary loss as transformers' ``load_balancing_loss_func``

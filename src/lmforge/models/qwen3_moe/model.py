@@ -92,12 +92,6 @@ class SparseLlama(Llama):
     block_class = SparseBlock
 
 
-def expert_shapes(args: SparseArgs) -> dict[str, tuple[int, ...]]:
-    """The stacked expert weights of one MoE layer: name -> (experts, out, in)."""
-    e, d, f = args.n_experts, args.dim, args.moe_ffn_dim
-    return {"gate_up_proj": (e, 2 * f, d), "down_proj": (e, d, f)}
-
-
 def block_spec(args: SparseArgs) -> BlockSpec:
     """Llama's spec (attention and the dense layers' MLP), with the experts."""
     return dataclasses.replace(llama_block_spec(args), moe=args.moe,
