@@ -29,8 +29,12 @@ class ExpertBalance:
         self.model, self.moes, self.micro_batches = model, moes, micro_batches
         self.coef = float(getattr(model.args, "router_aux_loss_coef", 0.0))
         self.top_k, n_experts = moes[0].args.top_k, moes[0].args.n_experts
-        self.aux_sum = torch.zeros((), dtype=torch.float64)
-        self.counts = torch.zeros(len(moes), n_experts, dtype=torch.float64)  # (layers, experts)
+        # On the model's device: no sync per layer, and NCCL reduces them as they are.
+        device = moes[0].gate.weight.device
+        device = torch.device("cpu") if device.type == "meta" else device
+        self.aux_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.counts = torch.zeros(len(moes), n_experts, dtype=torch.float64,
+                                  device=device)  # (layers, experts)
 
     @classmethod
     def of(cls, model: nn.Module, micro_batches: int) -> Optional["ExpertBalance"]:
@@ -57,11 +61,12 @@ class ExpertBalance:
             routings, moe.routings = moe.routings, []
             for r in routings:
                 logits.append(r.logits)
-                self.counts[layer] += tokens_per_expert(r.indices, r.logits.shape[-1]).cpu()
+                self.counts[layer] += tokens_per_expert(r.indices, r.logits.shape[-1]).to(
+                    self.counts.device)
         if not logits:  # (a stage or forward without MoE layers)
             return torch.zeros((), device=device)
         aux = load_balancing_loss(logits, self.top_k)
-        self.aux_sum += aux.detach().double().cpu()
+        self.aux_sum += aux.detach().double().to(self.aux_sum.device)
         return aux * (self.coef / self.micro_batches)
 
     def reduce(self, group=None) -> None:
