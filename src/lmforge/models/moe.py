@@ -312,8 +312,8 @@ def _in_backward() -> bool:
 
 def take_routings(model: nn.Module) -> list[Routing]:
     """The ``Routing`` of each MoE layer in each forward with gradients since the last
-    call, forgotten by the layers; [] for a dense model. (Call it before a micro-batch's
-    forward too: activation checkpointing's recomputation in the backward adds one.)"""
+    call (not activation checkpointing's recomputations), forgotten by the layers; [] for
+    a dense model."""
     found = []
     for module in model.modules():
         if isinstance(module, MoE):

@@ -43,7 +43,8 @@ class ExpertBalance:
         return cls(model, moes, micro_batches) if moes else None
 
     def before_forward(self) -> None:
-        """Forget choices no loss reads (activation checkpointing's recomputation)."""
+        """Forget choices this step's loss does not read: those of a forward with
+        gradients made outside the step (a caller's own), kept since."""
         take_routings(self.model)
 
     def loss(self, device: torch.device, like: Optional[torch.Tensor] = None) -> torch.Tensor:
