@@ -7,8 +7,8 @@
     scaling = alpha / rank    (rsLoRA: alpha / sqrt(rank))
 
 A is Kaiming-uniform and B zero at initialisation, so a fresh adapter changes nothing.
-Dropout is refused, as peft refuses it: it would act on the expert's input, which the
-folded weight ``W + BA`` never sees separately.
+Dropout is refused, as peft refuses it (peft folds B A into the weight, which leaves no
+input of the adapter's own to drop): an adapter trained with it would not be peft's.
 
 ``apply_expert_lora`` swaps ``moe.experts`` for ``LoraGroupedExperts``, which keeps the
 base weights (and gpt-oss's biases, which LoRA leaves alone) at their names, so base
@@ -46,6 +46,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from lmforge.models.grouped_mm import grouped_linear
 from lmforge.models.moe import GroupedExperts, MoE
 from lmforge.peft.quant_experts import QuantizableExperts
 from lmforge.peft.scaling import PEFT_PREFIX, is_lora_param, lora_scaling
@@ -80,13 +81,6 @@ class ExpertLora(nn.Module):
         nn.init.uniform_(self.lora_a, -bound, bound)
         nn.init.zeros_(self.lora_b)
 
-    def adapted(self, weight: torch.Tensor) -> torch.Tensor:
-        """weight + scaling * B A per expert, in the weight's dtype, as peft folds it
-        (``_LoraFactorsProxy``: one baddbmm, autocast off)."""
-        a, b = self.lora_a.to(weight.dtype), self.lora_b.to(weight.dtype)
-        with torch.autocast(weight.device.type, enabled=False):
-            return torch.baddbmm(weight, b, a, alpha=self.scaling)  # (experts, out, in)
-
     def delta(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """scaling * B A, the (experts, out, in) update merging adds."""
         return torch.bmm(self.lora_b.to(dtype), self.lora_a.to(dtype)) * self.scaling
@@ -99,11 +93,12 @@ class LoraGroupedExperts(QuantizableExperts):
     """``GroupedExperts`` whose chosen stacked weights carry per-expert LoRA adapters
     (``lora``: target name -> ``ExpertLora``).
 
-    Each forward folds the adapters into a fresh copy of the targeted stack (one tensor of
-    the stack's size per target, and its gradient in the backward), as peft's ParamWrapper
-    does; computing x A_e^T then B_e as two rank-wide grouped products would avoid that
-    copy but needs torch._grouped_mm to take rank-wide operands (CUDA wants 16-byte
-    aligned strides, which small ranks in bf16 are not): left for when it is measured."""
+    A targeted product is the base's plus two rank-wide grouped products, x A_e^T then
+    B_e, scaled: no adapted copy of the stack is made. (peft's ParamWrapper folds B A
+    into a fresh copy of the whole stack every forward and keeps it for the backward: for
+    Qwen3-30B-A3B, 48 layers' gate_up and down stacks, about 58 GB in bf16.) A rank whose
+    rows are not 16-byte aligned (rank 4 in bf16) takes the padded product
+    (``models.grouped_mm``)."""
 
     @classmethod
     def from_experts(cls, experts: GroupedExperts, targets: Sequence[str], rank: int,
@@ -130,12 +125,17 @@ class LoraGroupedExperts(QuantizableExperts):
                                      device=device, dtype=dtype)
         return self.lora[name]
 
-    def weight_of(self, name: str) -> torch.Tensor:
-        """The stacked weight ``name`` as the forward uses it: dequantized where
-        quantized, adapted where targeted."""
-        weight = self.base_weight(name)
-        adapted = name in self.lora and not self.disabled
-        return self.lora[name].adapted(weight) if adapted else weight
+    def product(self, name: str, rows: torch.Tensor, counts: torch.Tensor,
+                experts: torch.Tensor) -> torch.Tensor:
+        """The base stack's grouped product (dequantized where quantized), plus, where
+        ``name`` is adapted, scaling * (rows A_e^T) B_e^T for each row's expert e."""
+        out = grouped_linear(rows, self.weight_of(name), counts, experts)  # (rows, out)
+        if name not in self.lora or self.disabled:
+            return out
+        adapter = self.lora[name]
+        a, b = adapter.lora_a.to(rows.dtype), adapter.lora_b.to(rows.dtype)
+        low = grouped_linear(rows, a, counts, experts)  # (rows, rank)
+        return out + adapter.scaling * grouped_linear(low.to(rows.dtype), b, counts, experts)
 
 
 # ------------------------------------------------------------------------ block API
@@ -156,8 +156,8 @@ def apply_expert_lora(moe: MoE, targets: Sequence[str] = EXPERT_TARGETS, rank: i
         raise ValueError(f"expert LoRA rank: must be a positive integer, got {rank!r}")
     if dropout:
         raise ValueError(f"expert LoRA dropout: {dropout} is not supported on grouped "
-                         f"experts (the adapter is folded into the weight, so the input "
-                         f"cannot be dropped for it alone; peft refuses it likewise)")
+                         f"experts (peft's target_parameters adapters take none: it folds "
+                         f"them into the weight)")
     if not isinstance(getattr(moe, "experts", None), GroupedExperts):
         raise ValueError(f"apply_expert_lora: {type(moe).__name__} has no GroupedExperts "
                          f"at .experts")

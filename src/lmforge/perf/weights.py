@@ -304,8 +304,8 @@ def _add_experts(tally: _Tally, setup: Setup) -> None:
         tally.add_stored(e * rank * (n_in + n_out), True, matmul=False)
         stored = tally.param_bytes if trains else tally.frozen_projection_bytes
         copy = _expert_copy_bytes(setup, stored, rank) * stack
-        if rank and stored != tally.param_bytes:  # the fold's copies of the fp32 A and B
-            copy += stored * e * rank * (n_in + n_out)
+        if rank and setup.autocast:  # autocast's bf16 copies of A and B
+            copy += 2 * e * rank * (n_in + n_out)
         w.expert_copies += copy
         if name == down:
             w.mlp_out_trainable = trains * stack + e * rank * (n_in + n_out)
@@ -317,8 +317,6 @@ def _add_experts(tally: _Tally, setup: Setup) -> None:
 
 def _expert_copy_bytes(setup: Setup, stored: int, rank: int) -> float:
     """Bytes per element of a stack's per-forward copy (stored in ``stored`` bytes): the
-    bf16 copy of an fp32 one under autocast, or of its LoRA fold (folded in the stack's
-    dtype); the fold itself without autocast; else none."""
-    if setup.autocast and (stored == 4 or rank):
-        return 2.0
-    return float(stored) if rank else 0.0
+    bf16 copy of an fp32 one under autocast; else none (LoRA on a stack adds two
+    rank-wide products, no adapted copy: ``peft.expert_lora``)."""
+    return 2.0 if setup.autocast and stored == 4 else 0.0
