@@ -7,29 +7,21 @@ rank whose tokens choose none of its experts (and which receives nothing); an ep
 does not divide the experts refused naming ``parallel.ep``. One launch
 (tests/helpers/expert_parallel.py)."""
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from helpers import expert_parallel
+from helpers.runs import launch_worker
 
 pytestmark = pytest.mark.slow
 WORKER = Path(expert_parallel.__file__)
-SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("ep")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(SRC), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node=2", str(WORKER), str(out)],
-                          capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    launch_worker(WORKER, out, 2, timeout=120)
     return [json.loads((out / f"results-{rank}.json").read_text()) for rank in range(2)]
 
 

@@ -13,31 +13,23 @@ and 4 (pp=2 x tp=2 with sequence parallelism, pp=2 x FSDP2 dp_shard=2, cp=4 over
 documents, cp=2 x dp_shard=2, cp=2 x tp=2 with sequence parallelism). About 3 min on an
 idle 2-core CPU."""
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from helpers import family_training as ft
+from helpers.runs import launch_worker
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # make test-long: kept out of make test's 15 minutes
 WORKER = Path(ft.__file__)
-SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def _launch(out: Path, nproc: int) -> tuple[dict, Path]:
     """One launch's results (``run/family`` -> {"history": [(loss, grad norm), ...]} or
     {"error": traceback}, references included) and the folder of its final weights."""
     out.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(SRC), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc-per-node={nproc}", str(WORKER), str(out)],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    launch_worker(WORKER, out, nproc)
     return json.loads((out / f"results-{nproc}.json").read_text()), out
 
 

@@ -6,30 +6,22 @@ gradient norm (1e-5; tp 5e-5) and final weights (1e-4; tp 1e-3, a tenth of the l
 gloo, through the trainer's own step (tests/helpers/moe_training.py, one 2-process
 launch)."""
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from helpers import moe_training
+from helpers.runs import launch_worker
 
 pytestmark = pytest.mark.slow
 WORKER = Path(moe_training.__file__)
-SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
     out = tmp_path_factory.mktemp("moe")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(SRC), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node=2", str(WORKER), str(out)],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    launch_worker(WORKER, out, 2)
     return json.loads((out / "results-2.json").read_text()), out
 
 
