@@ -1,7 +1,8 @@
 """The mixture-of-experts families train under FSDP2 (dp_shard=2), plain and with LoRA on
 the attention and the experts, and under tensor parallelism (tp=2, with and without
-sequence parallelism: the attention split, the experts whole on each rank) as one process
-does: the same per-step loss (1e-5 relative, the load-balancing loss in every step),
+sequence parallelism: the attention split, the experts whole on each rank), and with
+expert parallelism over the FSDP ranks (parallel.ep = dp_shard = 2: half of each layer's
+experts per rank, tokens sent by all-to-all) as one process does: the same per-step loss (1e-5 relative, the load-balancing loss in every step),
 gradient norm (1e-5; tp 5e-5) and final weights (1e-4; tp 1e-3, a tenth of the lr), fp32 on the CPU with
 gloo, through the trainer's own step (tests/helpers/moe_training.py, one 2-process
 launch)."""

@@ -4,7 +4,8 @@ tiny Qwen3-MoE (a dense layer among the sparse ones), Mixtral (a window of 8 key
 (latent attention, group-limited routing, shared experts, a dense first layer), in the
 layouts an MoE model takes today: FSDP2, LoRA (attention and experts) under it, and tp=2
 (the attention split, the experts whole on each rank) with and without sequence
-parallelism, each against one process. Every step adds the load-balancing loss (``train.balance``).
+parallelism, and expert parallelism over the FSDP ranks (ep = dp_shard = 2), each against
+one process. Every step adds the load-balancing loss (``train.balance``).
 
 ``torchrun --nproc-per-node=2 moe_training.py OUT`` writes OUT/results-2.json as
 ``family_training`` does."""
@@ -31,12 +32,14 @@ FAMILIES = {
 }
 LAYOUTS = {name: ft.LAYOUTS[name] for name in ("fsdp_dp2", "lora_fsdp_dp2", "tp2_sp")}
 LAYOUTS["tp2"] = (2, {"parallel.tp": 2})
+# expert parallel over the FSDP ranks: each holds half of every MoE layer's experts
+LAYOUTS["ep2_dp2"] = (2, {"parallel.dp_shard": 2, "parallel.ep": 2})
 
 
 def use_moe_families() -> None:
     """Point the shared worker at the MoE families and their layouts."""
     ft.FAMILIES, ft.LAYOUTS = FAMILIES, LAYOUTS
-    ft.REFERENCE_OF = {**ft.REFERENCE_OF, "tp2": "single"}
+    ft.REFERENCE_OF = {**ft.REFERENCE_OF, "tp2": "single", "ep2_dp2": "single"}
 
 
 if __name__ == "__main__":

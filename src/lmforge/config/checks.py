@@ -30,6 +30,7 @@ def validate(cfg: "JobConfig", world_size: int = 1, distributed: Optional[bool] 
     validate_rl(cfg, world_size)
     _validate_cp(cfg)  # (before the layout's sizes: why a cp layout cannot run comes first)
     _validate_batch(cfg, world_size)
+    _validate_ep(cfg, world_size)
     _validate_grouping(cfg.data)
     _validate_in_backward(cfg, world_size, distributed)
     _validate_lora(cfg.lora)
@@ -85,6 +86,24 @@ def _validate_batch(cfg: "JobConfig", world_size: int) -> None:
                           f"micro_batch_size x data-parallel size = {per_step}")
     if cfg.parallel.pp > 1:
         pipeline_microbatches(cfg, dp_size)  # raises when the batch cannot be split
+
+
+def _validate_ep(cfg: "JobConfig", world_size: int) -> None:
+    """The expert-parallel layouts built so far: ep = 1, or ep = dp_shard alone (the FSDP
+    ranks are the expert ranks). The model's part (its experts) is in
+    ``models.presets.check_layout_fits``."""
+    p = cfg.parallel
+    if p.ep == 1:
+        return
+    dp_shard = resolve_layout(p, world_size)["dp_shard"]
+    if p.ep != dp_shard:
+        raise ConfigError(f"parallel.ep: {p.ep} is not parallel.dp_shard ({dp_shard}); only "
+                          f"parallel.ep = parallel.dp_shard is built yet")
+    for name in ("dp_replicate", "tp", "pp", "cp"):
+        if getattr(p, name) > 1:
+            raise ConfigError(f"parallel.ep: {p.ep} with parallel.{name}="
+                              f"{getattr(p, name)} is not supported yet (only parallel.ep = "
+                              f"parallel.dp_shard, alone)")
 
 
 def _validate_grouping(data: "DataConfig") -> None:

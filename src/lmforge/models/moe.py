@@ -49,10 +49,18 @@ from lmforge.models.grouped_mm import grouped_linear, tokens_per_expert
 
 __all__ = ["MoE", "MoEArgs", "Routing", "Router", "GroupedExperts", "grouped_linear",
            "tokens_per_expert", "load_balancing_loss", "max_load_ratio", "take_routings",
-           "update_correction_bias"]
+           "update_correction_bias", "check_ep"]
 
 ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_group_topk")
 ACTIVATIONS = ("swiglu", "clamped_swiglu")
+
+
+def check_ep(n_experts: int, ep: int) -> None:
+    """Refuses an ep that does not split the experts evenly (one line, naming the key):
+    the config's check (``models.presets.check_layout_fits``) and ``parallel.expert``'s."""
+    if ep <= 0 or n_experts % ep:
+        raise ValueError(f"parallel.ep: {ep} does not divide the model's {n_experts} "
+                         f"experts (each rank keeps n_experts / ep of them)")
 
 
 @dataclass(frozen=True)

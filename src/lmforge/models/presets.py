@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 from lmforge.config import ConfigError, JobConfig, check_parallel_fits
 from lmforge.models.hf import read_hf_config, read_model_args
+from lmforge.models.moe import check_ep
 from lmforge.models.registry import PRESETS, ModelFamily, family_for_config, family_of
 
 __all__ = ["PRESETS", "check_layout_fits", "check_model_args", "job_family", "job_model_args",
@@ -182,6 +183,14 @@ def check_layout_fits(cfg: JobConfig, args) -> None:
         raise ConfigError(f"train.expert_bias_update: {cfg.train.expert_bias_update} needs "
                           f"routers with a correction bias (DeepSeek-V3's); "
                           f"{args.family}'s have none")
+    if cfg.parallel.ep > 1:
+        if moe is None:
+            raise ConfigError(f"parallel.ep: {cfg.parallel.ep} needs a mixture of experts; "
+                              f"{args.family} has none")
+        try:
+            check_ep(moe.n_experts, cfg.parallel.ep)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if moe is not None:
         # (cp: each rank would balance the experts over its own chunk of the sequences)
         for key, value in (("pp", cfg.parallel.pp), ("cp", cfg.parallel.cp)):

@@ -25,19 +25,13 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from lmforge.models.moe import GroupedExperts, MoE, tokens_per_expert
+from lmforge.models.moe import GroupedExperts, MoE, check_ep, tokens_per_expert
 
-__all__ = ["ExpertParallel", "check_ep", "full_experts_state_dict", "shard_experts"]
+__all__ = ["ExpertParallel", "check_ep", "expert_parallel_params", "full_experts_state_dict",
+           "shard_experts"]
 
 # The experts' stacked parameters, each (experts, ...); gpt-oss's biases may be None.
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
-
-
-def check_ep(n_experts: int, ep: int) -> None:
-    """Refuses an ep that does not split the experts evenly (one line, naming the key)."""
-    if ep <= 0 or n_experts % ep:
-        raise ValueError(f"parallel.ep: {ep} does not divide the model's {n_experts} "
-                         f"experts (each rank keeps n_experts / ep of them)")
 
 
 class ExpertParallel(ParallelStyle):
@@ -69,6 +63,13 @@ def shard_experts(moe: MoE, ep_mesh) -> None:
     parallelize_module(moe.experts, ep_mesh, ExpertParallel())
 
 
+def expert_parallel_params(model: nn.Module) -> set[nn.Parameter]:
+    """The parameters ``ExpertParallel`` sharded in ``model`` (FSDP2 leaves them alone:
+    ``fully_shard``'s ``ignored_params``)."""
+    return {param for module in model.modules() if isinstance(module, ExpertParallelMixin)
+            for param in module.parameters(recurse=False)}
+
+
 def full_experts_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """``module``'s state dict with every sharded tensor gathered whole (a collective:
     every ep rank calls it), detached."""
@@ -80,7 +81,17 @@ class ExpertParallelMixin:
     """The forward of ``GroupedExperts`` with its local experts only: the assignments
     sorted by expert (so by owner rank, the experts being consecutive), sent to their
     owners, computed there, sent back, weighted and summed per token as in
-    ``GroupedExperts.forward``."""
+    ``GroupedExperts.forward``.
+
+    ``grad_scale``: what the local weights' gradients are multiplied by in backward (the
+    trainer's 1 / dp, ``parallel.parallelize.apply_expert_parallel``: FSDP does not
+    average them). On the module, not a hook on the parameters: materializing the model
+    (``to_empty``) replaces those. ``param_dtype``: what the local weights are cast to
+    for the products (FSDP2's mixed precision, which does not reach the parameters it
+    ignores); None: as stored."""
+
+    grad_scale: float = 1.0
+    param_dtype = None
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
@@ -113,16 +124,21 @@ class ExpertParallelMixin:
         counts = arriving.sum(dim=0).to(rows.device)  # (local experts,)
         h = self.product("gate_up_proj", rows[regroup], counts, experts)  # (arrived, 2 ffn)
         if self.gate_up_proj_bias is not None:
-            h = h + _local(self.gate_up_proj_bias)[experts]
+            h = h + self._local(self.gate_up_proj_bias)[experts]
         h = self.activate(h)  # (arrived, ffn)
         y = self.product("down_proj", h, counts, experts)  # (arrived, dim)
         if self.down_proj_bias is not None:
-            y = y + _local(self.down_proj_bias)[experts]
+            y = y + self._local(self.down_proj_bias)[experts]
         return y[regroup.argsort()]  # (arrived, dim) back in arrival order
 
     def weight_of(self, name: str) -> torch.Tensor:
         """This rank's experts of the stacked weight ``name`` (local expert ids)."""
-        return _local(super().weight_of(name))
+        return self._local(super().weight_of(name))
+
+    def _local(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's part of ``t`` in ``param_dtype``, its gradient times ``grad_scale``."""
+        t = _local(t) if self.param_dtype is None else _local(t).to(self.param_dtype)
+        return t if self.grad_scale == 1.0 else _ScaleGrad.apply(t, self.grad_scale)
 
 
 @functools.cache
@@ -138,6 +154,19 @@ def _exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
     arriving = torch.empty_like(counts)
     dist.all_to_all_single(arriving, counts.contiguous(), group=group)
     return arriving.view(dist.get_world_size(group), -1)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """The identity, its gradient times ``scale``."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -21,16 +21,22 @@ from torch import nn
 
 
 def apply_fsdp(model: nn.Module, dp_mesh, zero: int, param_dtype: Optional[torch.dtype],
-               reduce_dtype: torch.dtype = torch.float32) -> None:
+               reduce_dtype: torch.dtype = torch.float32,
+               ignored_params: Optional[set] = None) -> None:
+    """``ignored_params``: parameters FSDP neither shards nor reduces (expert parallelism's,
+    already split over their own mesh)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     reshard = zero == 3
+    ignored = ignored_params or None
     for layer in model.layers.values():
-        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp,
+                    ignored_params=ignored)
     # The root unit holds the embedding, final norm and head. Its parameters are needed
     # again first in backward, so keeping them gathered after forward costs nothing extra.
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp,
+                ignored_params=ignored)
     _prefetch_neighbours(list(model.layers.values()))
 
 

@@ -1,6 +1,7 @@
 """Apply parallelism and training wraps to a plain Llama (or a pipeline stage of one), in
-a fixed order: tensor + sequence parallel -> activation checkpointing -> per-block
-compile -> FSDP2. Parameter names never change, so checkpoints do not depend on it."""
+a fixed order: expert parallel -> tensor + sequence parallel -> activation checkpointing
+-> per-block compile -> FSDP2 (which leaves the expert-parallel weights to their own
+mesh). Parameter names never change, so checkpoints do not depend on it."""
 from __future__ import annotations
 
 from typing import Optional
@@ -10,13 +11,19 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lmforge.config import JobConfig
+from lmforge.models.moe import MoE
+from lmforge.parallel.expert import (ExpertParallelMixin, expert_parallel_params,
+                                     shard_experts)
 from lmforge.parallel.fsdp import apply_fsdp
 from lmforge.parallel.mesh import ParallelDims
 from lmforge.parallel.tensor import apply_tensor_parallel
 
 
 def apply_model_parallel(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> None:
-    """Tensor + sequence parallel, then activation checkpointing and compile per block."""
+    """Expert parallel, tensor + sequence parallel, then activation checkpointing and
+    compile per block."""
+    if cfg.parallel.ep > 1:
+        apply_expert_parallel(model, dims)
     if dims.tp > 1:
         apply_tensor_parallel(model, dims.mesh["tp"], cfg.parallel.sequence_parallel)
     for layer in model.layers.values():
@@ -35,7 +42,28 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, cfg: JobConfig,
         # shards over them too (as torchtitan does)
         shard = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
         dp_mesh = mesh[shard] if dims.dp_replicate == 1 else mesh["dp_replicate", shard]
-        apply_fsdp(model, dp_mesh, cfg.parallel.zero, param_dtype)
+        experts = expert_parallel_params(model)
+        for module in model.modules():  # (FSDP's param_dtype does not reach them)
+            if isinstance(module, ExpertParallelMixin):
+                module.param_dtype = param_dtype
+        apply_fsdp(model, dp_mesh, cfg.parallel.zero, param_dtype, ignored_params=experts)
+
+
+def apply_expert_parallel(model: nn.Module, dims: ParallelDims) -> None:
+    """Every MoE layer's routed experts split over the dp_shard ranks (``parallel.ep`` =
+    ``parallel.dp_shard``, the one layout built yet: ``config.checks._validate_ep``).
+
+    Their gradients are not FSDP's (it ignores them): each rank's expert gradient already
+    holds every rank's tokens routed to its experts (the all-to-all's backward brings
+    them), and each rank's loss is multiplied by dp (``train.step.normalize_loss``) for
+    FSDP's average to be a sum, so here they are divided by dp, as FSDP would have
+    (``ExpertParallelMixin.grad_scale``)."""
+    ep_mesh = dims.mesh["dp_shard"]
+    for layer in model.layers.values():
+        moe = getattr(layer, "feed_forward", None)
+        if isinstance(moe, MoE):
+            shard_experts(moe, ep_mesh)
+            moe.experts.grad_scale = 1.0 / dims.dp
 
 
 def _checkpointed(cfg: JobConfig, layer_id: int) -> bool:
