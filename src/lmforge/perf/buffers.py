@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from lmforge.perf.activations import in_flight, loss_chunk_tokens
 from lmforge.perf.estimate_setup import DTYPE_BYTES, Setup, compute_bytes
-from lmforge.perf.weights import Weights, stage_layer_ids, stage_layers
+from lmforge.perf.weights import Weights, fsdp_share, stage_layer_ids, stage_layers
 
 # Scratch while one weight is dequantized (codes -> int64 indices -> fp32 values -> the
 # compute dtype), per parameter of the largest quantized matrix; measured on peft/quant.py.
@@ -42,8 +42,9 @@ class Gradients:
 
 def stage_gradients(setup: Setup, weights: Weights, stage: int) -> Gradients:
     grad_bytes, shard = DTYPE_BYTES[setup.cfg.train.param_dtype], setup.layout.fsdp_shard
-    every = grad_bytes * weights.trainable_params / shard
-    per_block = grad_bytes * weights.block_trainable / shard
+    w = weights  # (this rank's experts under parallel.ep: their gradients are whole)
+    every = grad_bytes * fsdp_share(w.trainable_params, w.ep_trainable_params, shard)
+    per_block = grad_bytes * fsdp_share(w.block_trainable, w.ep_block_trainable, shard)
     before_blocks = every - stage_layers(setup, stage) * per_block
     args, tied = setup.args, setup.args.tie_embeddings and setup.layout.pp == 1
     if setup.trainable.embedding and stage == 0 and not tied:  # the embedding's comes last
@@ -53,7 +54,8 @@ def stage_gradients(setup: Setup, weights: Weights, stage: int) -> Gradients:
                    and (setup.layout.pp == 1 or setup.cfg.parallel.pp_schedule != "gpipe"
                         and setup.batch.microbatches > in_flight(setup, stage)))
     return Gradients(total=every, per_block=per_block,
-                     mlp_out=grad_bytes * weights.mlp_out_trainable / shard,
+                     mlp_out=grad_bytes * fsdp_share(w.mlp_out_trainable,
+                                                     w.ep_mlp_out_trainable, shard),
                      before_blocks=before_blocks,
                      accumulated=every if accumulates else 0.0,
                      root_unsharded=before_blocks * shard if setup.fsdp else 0.0)
@@ -129,11 +131,15 @@ def fsdp_buffers(setup: Setup, weights: Weights, grads: Gradients, stage: int) -
     if not setup.fsdp:
         return FsdpBuffers()
     layers, param_bytes = stage_layers(setup, stage), compute_bytes(setup)
-    block = weights.block_total
-    root = weights.trainable_params + weights.frozen_params - layers * block
+    w, shard = weights, setup.layout.fsdp_shard
+    # (parallel.ep: FSDP neither gathers nor reduces this rank's experts)
+    block = w.block_total - w.ep_block_total
+    root = w.trainable_params + w.frozen_params - w.ep_total - layers * block
     kept = layers if setup.cfg.parallel.zero < 3 else 0
-    in_block_grads = grads.mlp_out * (setup.layout.fsdp_shard - 1)  # beyond the sharded mlp_out
-    reduce_input = 4 * weights.block_trainable
+    mlp_out_sharded = (grads.mlp_out - DTYPE_BYTES[setup.cfg.train.param_dtype]
+                       * w.ep_mlp_out_trainable)
+    in_block_grads = mlp_out_sharded * (shard - 1)  # beyond the sharded mlp_out
+    reduce_input = 4 * (w.block_trainable - w.ep_block_trainable)
     return FsdpBuffers(
         params_outside_blocks=param_bytes * (root + kept * block),
         params_in_blocks=param_bytes * (root + max(kept, 2) * block),
@@ -159,5 +165,6 @@ def optimizer_temporaries(setup: Setup, weights: Weights) -> float:
     if fused or setup.cfg.optim.name not in ("adamw", "adam"):
         return 0.0
     if setup.device == "cuda":
-        return 4 * weights.trainable_params / setup.layout.fsdp_shard
+        return 4 * fsdp_share(weights.trainable_params, weights.ep_trainable_params,
+                              setup.layout.fsdp_shard)
     return 2 * 4 * weights.largest_trainable

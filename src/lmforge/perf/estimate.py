@@ -31,8 +31,9 @@ from lmforge.perf.estimate_setup import DTYPE_BYTES, Setup, frozen_weight_dtype
 from lmforge.perf.rollout import (ROLLOUT, describe_rollout, kv_cache_bytes_per_token,  # noqa: F401
                                   rollout_terms)
 from lmforge.models.registry import family_of
-from lmforge.perf.weights import (Weights, active_parameters, largest_trained_matrix,
-                                  model_parameters, stage_layers, stage_weights)
+from lmforge.perf.weights import (Weights, active_parameters, fsdp_share,
+                                  largest_trained_matrix, model_parameters, stage_layers,
+                                  stage_weights)
 
 GiB = 2**30
 # Optimizer states per trainable parameter (count, stored in the parameter's dtype).
@@ -58,12 +59,14 @@ def static_terms(setup: Setup, weights: Weights) -> dict[str, float]:
     """What every phase holds (the steady state, from step 2 on). FSDP2 (zero 2 and 3
     alike) shards parameters and optimizer state over dp_shard (x cp)."""
     shard = setup.layout.fsdp_shard
-    terms = {"weights (trainable)": weights.trainable_bytes / shard,
-             "weights (frozen base)": weights.frozen_bytes / shard,
+    terms = {"weights (trainable)": fsdp_share(weights.trainable_bytes,
+                                               weights.ep_trainable_bytes, shard),
+             "weights (frozen base)": fsdp_share(weights.frozen_bytes,
+                                                 weights.ep_frozen_bytes, shard),
              "optimizer states": optimizer_state_bytes(setup, weights)}
     if setup.reference == "copy":  # DPO/IPO's frozen reference, stored and sharded alike
-        terms["weights (reference copy)"] = (weights.trainable_bytes
-                                             + weights.frozen_bytes) / shard
+        terms["weights (reference copy)"] = (terms["weights (trainable)"]
+                                             + terms["weights (frozen base)"])
     return terms
 
 
@@ -75,7 +78,9 @@ def optimizer_state_bytes(setup: Setup, weights: Weights) -> float:
         raise ValueError(f"optim.name: no memory model for {setup.cfg.optim.name!r} "
                          f"(known: {', '.join(OPTIMIZER_STATES)})")
     state_bytes = STATE_BYTES.get(setup.cfg.optim.name, 4)
-    return state_bytes * n_states * weights.trainable_params / setup.layout.fsdp_shard
+    return state_bytes * n_states * fsdp_share(weights.trainable_params,
+                                               weights.ep_trainable_params,
+                                               setup.layout.fsdp_shard)
 
 
 # ------------------------------------------------------------------------------ phases

@@ -107,6 +107,13 @@ class Setup:
         return self.layout.dp * self.layout.cp > 1
 
     @property
+    def ep(self) -> int:
+        """Expert-parallel ranks (``parallel.ep``: 1, or dp_shard, the one layout built):
+        each keeps ``n_experts / ep`` of every MoE layer's routed experts whole, outside
+        FSDP (parallel/expert.py)."""
+        return self.cfg.parallel.ep
+
+    @property
     def local_seq(self) -> int:
         """Positions of each sequence on one device: context parallelism gives each of
         its ranks 1 / cp of every row (two chunks, parallel/context.py)."""

@@ -33,6 +33,8 @@ class Candidate:
     def describe(self) -> str:
         s, k = self.setup, self.keys
         text = f"dp{s.layout.dp_replicate}x{s.layout.dp_shard} tp{s.layout.tp} pp{s.layout.pp}"
+        if s.ep > 1:
+            text += f" ep{s.ep}"
         if s.layout.cp > 1:
             text += f" cp{s.layout.cp}"
         if s.layout.pp > 1:
@@ -80,9 +82,22 @@ def meshes(args, gpus: int, per_node: int, seq_len: int = 0) -> Iterator[dict]:
                 if args.n_layers % pp or moe and pp > 1:
                     continue
                 for rep in divisors(gpus // (tp * cp * pp)):
-                    yield {"parallel.dp_replicate": rep,
-                           "parallel.dp_shard": gpus // (tp * cp * pp * rep),
-                           "parallel.cp": cp, "parallel.tp": tp, "parallel.pp": pp}
+                    shard = gpus // (tp * cp * pp * rep)
+                    mesh = {"parallel.dp_replicate": rep, "parallel.dp_shard": shard,
+                            "parallel.cp": cp, "parallel.tp": tp, "parallel.pp": pp}
+                    yield mesh
+                    if expert_parallel(args, mesh):
+                        yield {**mesh, "parallel.ep": shard}
+
+
+def expert_parallel(args, mesh: dict) -> bool:
+    """Whether an MoE's experts can split over ``mesh``'s FSDP ranks (``parallel.ep`` =
+    dp_shard, the one layout built: dp_replicate, tp, pp and cp at 1, the experts
+    divisible)."""
+    moe = family_of(args).block(args).moe
+    shard = mesh["parallel.dp_shard"]
+    alone = all(mesh[f"parallel.{name}"] == 1 for name in ("dp_replicate", "tp", "pp", "cp"))
+    return moe is not None and shard > 1 and alone and moe.n_experts % shard == 0
 
 
 def schedules(args, pp: int) -> list[dict]:

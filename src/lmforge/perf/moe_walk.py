@@ -14,6 +14,21 @@ from lmforge.perf.flops import ROUTER, SHARED_EXPERTS
 BlockWalk = Any  # perf.block_walk.BlockWalk, which calls walk_moe
 
 INDEX_BYTES = 8  # int64 indices
+# Expert parallelism: the rows a rank receives, as a multiple of the balanced share (top_k
+# per token of its own micro-batch). The load-balancing loss keeps the routing near
+# balance but not at it: the estimate allows the busiest rank a quarter more (a capacity
+# factor of 1.25, as GShard's and Switch's are set), capped by what routing can send it
+# (each token at most min(top_k, n_experts / ep) of its experts, from each of ep ranks).
+EP_IMBALANCE = 1.25
+
+
+def arrived_share(setup, moe) -> float:
+    """The rows an expert-parallel rank computes per top_k of its own tokens: 1 without
+    ep, else ``EP_IMBALANCE`` capped by the routing's bound."""
+    ep = setup.ep
+    if ep == 1:
+        return 1.0
+    return min(EP_IMBALANCE, ep * min(moe.top_k, moe.n_experts // ep) / moe.top_k)
 EXPERTS_FIRST = "expert assignments' tokens (int64)"  # the first term after the routing
 
 
@@ -36,13 +51,19 @@ def walk_moe(walk: BlockWalk, normed_needs_grad: bool) -> bool:
     # x[tokens] keeps the token of each assignment (index_add reads the same tensor)
     if normed_needs_grad or hidden:
         walk.add(EXPERTS_FIRST, INDEX_BYTES * k, "none")
+    # the experts' rows: this rank's own under ep = 1, else those the all-to-all brought
+    arrived = k * arrived_share(walk.setup, moe)
+    if walk.setup.ep > 1 and (normed_needs_grad or hidden):
+        # the arrived rows' regrouping by local expert and its inverse (int64 each)
+        walk.add("arrived rows' regrouping and its inverse (int64, ep)",
+                 2 * INDEX_BYTES * arrived, "none")
     if tr.trains(gate_up) or tr.rank(gate_up):  # the grouped product's weight gradient
-        walk.add("gathered rows (gate_up input)", c * k * d, "none")
+        walk.add("gathered rows (gate_up input)", c * arrived * d, "none")
     if hidden:  # silu(gate) keeps h (gate and up are its halves), the product silu(gate)
-        walk.add("experts' gate_up output (silu input, up)", c * k * 2 * moe.ffn_dim)
-        walk.add("experts' silu output", c * k * moe.ffn_dim)
+        walk.add("experts' gate_up output (silu input, up)", c * arrived * 2 * moe.ffn_dim)
+        walk.add("experts' silu output", c * arrived * moe.ffn_dim)
     if tr.trains(down) or tr.rank(down):
-        walk.add("experts' down input", c * k * moe.ffn_dim)
+        walk.add("experts' down input", c * arrived * moe.ffn_dim)
     routed = walk.needs_grad(down, hidden)
     if logits and routed:  # y * weight keeps both: y, the gathered weights and their order
         walk.add("experts' outputs (times the routing weights)", c * k * d)
@@ -94,6 +115,10 @@ def moe_backward_buffers(walk: BlockWalk, dim: float) -> float:
     """The peak inside an MoE layer's backward, at its start: the incoming gradient
     (dim), index_add's gradient gathered to the assignments (top_k rows, x's dtype), and
     the routing weights' product's two gradients (the rows' and, before its sum, the
-    weights')."""
-    k, c, r = walk.block.moe.top_k, walk.matmul_bytes, walk.residual_bytes
-    return r * dim + r * k * walk.block.moe.dim + 2 * c * k * walk.block.moe.dim
+    weights'). Under expert parallelism the combine's all-to-all then brings the rows'
+    gradient to the experts' ranks: its receive buffer (the arrived rows, compute dtype)
+    beside them."""
+    moe = walk.block.moe
+    k, c, r = moe.top_k, walk.matmul_bytes, walk.residual_bytes
+    received = c * k * arrived_share(walk.setup, moe) * moe.dim if walk.setup.ep > 1 else 0.0
+    return r * dim + r * k * moe.dim + 2 * c * k * moe.dim + received

@@ -12,7 +12,9 @@ from typing import Optional
 
 from lmforge.perf.estimate_setup import Setup, compute_bytes
 from lmforge.perf.flops import flops_breakdown, match_peak_tflops, matmul_params
+from lmforge.models.registry import family_of
 from lmforge.perf.masks import dense_masks
+from lmforge.perf.moe_walk import arrived_share
 
 
 @dataclass(frozen=True)
@@ -113,11 +115,12 @@ class StepTime:
     model_flops: float  # per device per step
     tokens: float  # per device per step (global tokens / devices)
     peak_flops: float
+    ep_comm: float = 0.0  # exposed: expert parallelism's all-to-alls
 
     @property
     def total(self) -> float:
         return (self.compute + self.recompute + self.tp_comm + self.cp_comm + self.dp_comm
-                + self.pp_comm + self.bubble + self.overhead)
+                + self.pp_comm + self.ep_comm + self.bubble + self.overhead)
 
     @property
     def tokens_per_s(self) -> float:
@@ -131,7 +134,7 @@ class StepTime:
     def largest(self) -> str:
         terms = {"compute": self.compute, "recomputation": self.recompute,
                  "exposed communication": (self.tp_comm + self.cp_comm + self.dp_comm
-                                           + self.pp_comm),
+                                           + self.pp_comm + self.ep_comm),
                  "pipeline bubble": self.bubble, "per-pass overhead": self.overhead}
         return max(terms, key=terms.get)
 
@@ -164,10 +167,40 @@ def flops_per_token(setup: Setup) -> tuple[float, float]:
     return fl.total, extra
 
 
-def param_count(args) -> float:
-    """Weights FSDP gathers: the matmul weights (every expert of an MoE) and the
-    embedding (norms are negligible)."""
-    return matmul_params(args, active=False) + args.dim * args.vocab_size
+def param_count(args, ep: int = 1) -> float:
+    """Weights FSDP gathers: the matmul weights (every expert of an MoE, none of them
+    under expert parallelism: each rank keeps its own whole) and the embedding (norms are
+    negligible)."""
+    return (matmul_params(args, active=False) + args.dim * args.vocab_size
+            - (routed_expert_params(args) if ep > 1 else 0))
+
+
+def routed_expert_params(args) -> float:
+    """The stacked experts' weights of every MoE layer (0 for a dense model)."""
+    block = family_of(args).block(args)
+    moe = block.moe
+    if moe is None:
+        return 0.0
+    return len(block.sparse_layers or ()) * moe.n_experts * 3 * moe.dim * moe.ffn_dim
+
+
+def ep_seconds(setup: Setup, device: Device, gpus_per_node: int) -> float:
+    """Expert parallelism's all-to-alls, all exposed (the experts wait for their rows, the
+    combine for the experts): per MoE layer and micro-batch the forward sends each token's
+    top_k rows out and their outputs back (micro-batch x seq x top_k x dim, compute
+    dtype, each way; (ep-1)/ep of them leave the rank), the backward the same two
+    reversed, a checkpointed layer's recomputation the forward's again; each at the
+    busiest rank's share (``moe_walk.EP_IMBALANCE``)."""
+    ep = setup.ep
+    block = family_of(setup.args).block(setup.args)
+    if ep == 1 or block.moe is None:
+        return 0.0
+    moe = block.moe
+    link = group_link(device, ep, gpus_per_node)
+    rows = setup.tokens * moe.top_k * arrived_share(setup, moe)
+    one = link.seconds(rows * moe.dim * compute_bytes(setup) * (ep - 1) / ep, ep - 1)
+    sparse = len(block.sparse_layers or ())
+    return 2 * one * (2 + recompute_fraction(setup)) * sparse * setup.batch.microbatches
 
 
 def step_time(setup: Setup, device: Device, gpus_per_node: int) -> StepTime:
@@ -188,7 +221,8 @@ def step_time(setup: Setup, device: Device, gpus_per_node: int) -> StepTime:
     return StepTime(compute=compute, recompute=recompute, tp_comm=tp, cp_comm=cp, dp_comm=dp,
                     pp_comm=pp,
                     bubble=bubble, overhead=overhead, model_flops=model * seq_tokens / split,
-                    tokens=seq_tokens / split, peak_flops=device.peak_flops)
+                    tokens=seq_tokens / split, peak_flops=device.peak_flops,
+                    ep_comm=ep_seconds(setup, device, gpus_per_node))
 
 
 def block_passes(setup: Setup) -> float:
@@ -251,7 +285,7 @@ def dp_seconds(setup: Setup, device: Device, gpus_per_node: int, compute: float)
     shard = layout.fsdp_shard
     if shard * layout.dp_replicate == 1:
         return 0.0
-    params = param_count(setup.args) / (setup.layout.tp * setup.layout.pp)
+    params = param_count(setup.args, setup.ep) / (setup.layout.tp * setup.layout.pp)
     trains = 0.0 if setup.lora is not None else params  # adapters are negligible
     shard_link = group_link(device, layout.tp * shard, gpus_per_node)
     rep_link = group_link(device, layout.tp * shard * layout.dp_replicate, gpus_per_node)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 class TensorMemoryTracker(TorchDispatchMode):
@@ -61,7 +62,10 @@ class TensorMemoryTracker(TorchDispatchMode):
 
 def _owner(t: torch.Tensor):
     """What holds ``t``'s bytes: its storage, or the tensor itself for an opaque one
-    (oneDNN's packed weights, ``models/packed_linear.py``, expose no storage)."""
+    (oneDNN's packed weights, ``models/packed_linear.py``, expose no storage); a
+    DTensor's, its local tensor's (FSDP's shards, expert parallelism's experts)."""
+    if isinstance(t, DTensor):
+        t = t.to_local()
     return t if t.is_mkldnn else t.untyped_storage()
 
 

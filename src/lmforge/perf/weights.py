@@ -46,6 +46,23 @@ class Weights:
     # autocast, or a LoRA run's folded W + scaling B A (peft.expert_lora), each made per
     # forward and kept by the grouped product for backward.
     expert_copies: float = 0.0
+    # Expert parallelism (parallel.ep > 1): the part of the totals above that is this
+    # rank's n_experts / ep routed experts, which FSDP neither shards nor gathers
+    # (``fsdp_share``): parameters that train, bytes of trained and frozen ones, per block
+    # (the last's, as block_trainable), and the down stack's share of mlp_out_trainable.
+    ep_trainable_params: int = 0
+    ep_trainable_bytes: float = 0.0
+    ep_frozen_bytes: float = 0.0
+    ep_block_trainable: int = 0
+    ep_block_total: int = 0
+    ep_mlp_out_trainable: int = 0
+    ep_total: int = 0  # every local expert parameter, trained or frozen
+
+
+def fsdp_share(total: float, expert_parallel: float, shard: int) -> float:
+    """What one device holds of ``total``: FSDP's 1 / ``shard`` of it, except the
+    ``expert_parallel`` part (this rank's experts under parallel.ep), held whole."""
+    return (total - expert_parallel) / shard + expert_parallel
 
 
 def model_parameters(args) -> int:
@@ -174,8 +191,8 @@ def _add_block(tally: _Tally, setup: Setup, layer_id: int) -> None:
     skipped = set(family.projections.mlp) if sparse else set()
     biased = family.block(setup.args).biased
     quantize = setup.lora.quantize if setup.lora is not None else None
-    trainable_before = w.trainable_params
-    total_before = w.trainable_params + w.frozen_params
+    trainable_before, ep_trainable_before = w.trainable_params, w.ep_trainable_params
+    total_before, ep_total_before = w.trainable_params + w.frozen_params, w.ep_total
     for name, (n_in, n_out) in projection_shapes(setup.args).items():
         if name in skipped:
             continue
@@ -206,6 +223,8 @@ def _add_block(tally: _Tally, setup: Setup, layer_id: int) -> None:
               + latent_norms, trainable.norms, matmul=False)
     w.block_trainable = w.trainable_params - trainable_before
     w.block_total = w.trainable_params + w.frozen_params - total_before
+    w.ep_block_trainable = w.ep_trainable_params - ep_trainable_before
+    w.ep_block_total = w.ep_total - ep_total_before
 
 
 def _add_mlp_output_terms(tally: _Tally, setup: Setup, trains: bool, rank: int,
@@ -293,15 +312,20 @@ def _add_experts(tally: _Tally, setup: Setup) -> None:
     if not trains and tally.param_bytes == 4:
         w.matmul_frozen_fp32 += d * e  # (autocast's bf16 copy per use)
     gate_up, down = family_of(setup.args).projections.experts
+    e //= setup.ep  # (expert parallelism: this rank's experts, whole)
     for name, (n_out, n_in) in ((gate_up, (2 * f, d)), (down, (d, f))):
         trains, rank = trainable.trains(name), trainable.rank(name)
+        rank = rank if setup.ep == 1 else 0  # (LoRA on the experts is refused with ep)
         stack = e * n_in * n_out
+        before = (w.trainable_params, w.trainable_bytes, w.frozen_params, w.frozen_bytes)
         tally.add_stored(e * n_out * moe.expert_bias, trains, matmul=False)
         if trains:
             tally.add_stored(stack, True, matmul=False)
         else:  # (a frozen stack: stored as the frozen projections)
             tally.add_quantized(stack, tally.frozen_projection_bytes * stack)
         tally.add_stored(e * rank * (n_in + n_out), True, matmul=False)
+        if setup.ep > 1:
+            _add_expert_parallel(w, before)
         stored = tally.param_bytes if trains else tally.frozen_projection_bytes
         copy = _expert_copy_bytes(setup, stored, rank) * stack
         if rank and setup.autocast:  # autocast's bf16 copies of A and B
@@ -309,14 +333,29 @@ def _add_experts(tally: _Tally, setup: Setup) -> None:
         w.expert_copies += copy
         if name == down:
             w.mlp_out_trainable = trains * stack + e * rank * (n_in + n_out)
+            w.ep_mlp_out_trainable = trains * stack if setup.ep > 1 else 0
             w.mlp_out_copy = copy
     shared = moe.n_shared_experts * f
     if shared:
         tally.add(3 * d * shared, trainable.trains(SHARED_EXPERTS), matmul=True)
 
 
+def _add_expert_parallel(w: Weights, before: tuple) -> None:
+    """Records what the stack just added (``before``: the totals before it) as this
+    rank's expert-parallel share, which FSDP leaves whole."""
+    trainable, trainable_bytes, frozen, frozen_bytes = before
+    w.ep_trainable_params += w.trainable_params - trainable
+    w.ep_trainable_bytes += w.trainable_bytes - trainable_bytes
+    w.ep_frozen_bytes += w.frozen_bytes - frozen_bytes
+    w.ep_total += w.trainable_params - trainable + w.frozen_params - frozen
+
+
 def _expert_copy_bytes(setup: Setup, stored: int, rank: int) -> float:
     """Bytes per element of a stack's per-forward copy (stored in ``stored`` bytes): the
-    bf16 copy of an fp32 one under autocast; else none (LoRA on a stack adds two
-    rank-wide products, no adapted copy: ``peft.expert_lora``)."""
-    return 2.0 if setup.autocast and stored == 4 else 0.0
+    bf16 copy of an fp32 one under autocast, or under expert parallelism with FSDP's
+    half param_dtype (which does not reach the experts: ``ExpertParallelMixin`` casts
+    its local weights each forward, and the grouped product keeps the copy); else none
+    (LoRA on a stack adds two rank-wide products, no adapted copy:
+    ``peft.expert_lora``)."""
+    cast = setup.autocast or (setup.ep > 1 and setup.fsdp and setup.half)
+    return 2.0 if cast and stored == 4 else 0.0

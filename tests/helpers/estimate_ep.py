@@ -1,0 +1,82 @@
+"""The worker of tests/distributed/test_estimate_ep.py: a tiny Qwen3-MoE (qwen3-moe-debug's
+shape: layer 0 dense, layer 1 16 experts of width 64, top 4) trained by the trainer's own
+step (``build_train_model``, ``train_step``) over 2 processes, FSDP2 over dp_shard=2 with
+and without expert parallelism (ep=2); TensorMemoryTracker records each rank's peak of
+live tensor storage over step 2 (step 1 creates the optimizer state).
+
+``torchrun --nproc-per-node=2 estimate_ep.py OUT`` writes OUT/peaks-RANK.json:
+layout -> measured peak bytes."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from lmforge.config import JobConfig
+from lmforge.job import resolve
+from lmforge.models.registry import PRESETS
+from lmforge.parallel.mesh import build_parallel_dims
+from lmforge.perf.tracker import TensorMemoryTracker
+from lmforge.train.loop import Runtime, train_step
+from lmforge.train.model_setup import build_train_model
+from lmforge.train.optim import Optimizers
+
+ARGS = dataclasses.replace(PRESETS["qwen3-moe-debug"], vocab_size=256, max_seq_len=128,
+                           router_aux_loss_coef=0.01)
+SEQ, MICRO_BATCH, WORLD = 64, 4, 2
+LAYOUTS = {"ep2_dp2": {"parallel.dp_shard": 2, "parallel.ep": 2},
+           "dp2": {"parallel.dp_shard": 2}}
+
+
+def job_config(fields: dict) -> JobConfig:
+    """The measured run's config (the test's estimate reads the same one)."""
+    cfg = JobConfig()
+    cfg.data.seq_len, cfg.data.micro_batch_size = SEQ, MICRO_BATCH
+    cfg.data.global_batch_size = MICRO_BATCH * WORLD
+    cfg.train.device, cfg.train.max_steps = "cpu", 10
+    for dotted, value in fields.items():
+        section, name = dotted.split(".")
+        setattr(getattr(cfg, section), name, value)
+    return cfg
+
+
+def measure(fields: dict) -> int:
+    cfg = job_config(fields).validate(world_size=WORLD, distributed=True)
+    dims = build_parallel_dims(cfg.parallel, WORLD, "cpu")
+    job = resolve(cfg, WORLD, distributed=True, args=ARGS)
+    rt = Runtime(torch.device("cpu"), contextlib.nullcontext, rank=dist.get_rank(), dims=dims)
+    torch.manual_seed(0)
+    model = build_train_model(job, rt.device, dims)
+    optimizers = Optimizers(model.parts, cfg.optim, cfg.train.max_steps)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    ids = torch.randint(0, ARGS.vocab_size, (MICRO_BATCH, SEQ), generator=gen)
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    train_step(cfg, rt, model, optimizers, [batch], 1)
+    tracker = TensorMemoryTracker()
+    params = [p for part in model.parts for p in part.parameters()]
+    tracker.track(params + [ids, batch["labels"]])
+    tracker.track(t for opt in optimizers.optimizers for state in opt.state.values()
+                  for t in state.values())
+    with tracker:
+        train_step(cfg, rt, model, optimizers, [batch], 2)
+    del model, optimizers
+    gc.collect()
+    return tracker.peak
+
+
+def main(out: Path) -> None:
+    dist.init_process_group("gloo")
+    peaks = {name: measure(fields) for name, fields in LAYOUTS.items()}
+    (out / f"peaks-{dist.get_rank()}.json").write_text(json.dumps(peaks))
+    gc.collect()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
