@@ -5,6 +5,7 @@ model (``materialize``)."""
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
@@ -129,6 +130,33 @@ class GatedMLP(nn.Module):
         """Truncated N(0, std) inputs; the output, which adds to the residual, ``out_std``."""
         for proj, s in ((self.gate_proj, std), (self.up_proj, std), (self.down_proj, out_std)):
             nn.init.trunc_normal_(proj.weight, std=s, a=-3 * s, b=3 * s)
+
+
+class PreNormBlock(nn.Module):
+    """h = x + attention(attention_norm(x)); h + feed_forward(ffn_norm(h)): Llama's block,
+    and the mixture-of-experts families' (Qwen3-MoE, Mixtral, gpt-oss, DeepSeek-V3),
+    whose MoE feed-forward also returns its ``Routing`` (kept by the MoE for the trainer,
+    so only the output joins the residual). A family builds the four parts."""
+
+    def __init__(self, layer_id: int, attention_norm: nn.Module, attention: nn.Module,
+                 ffn_norm: nn.Module, feed_forward: nn.Module):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm, self.attention = attention_norm, attention
+        self.ffn_norm, self.feed_forward = ffn_norm, feed_forward
+
+    def forward(self, x, positions=None, mask=None, cache=None):
+        h = x + self.attention(self.attention_norm(x), positions, mask, cache)
+        out = self.feed_forward(self.ffn_norm(h))
+        return h + (out[0] if isinstance(out, tuple) else out)  # (batch, seq, dim)
+
+    def reset_parameters(self, std: float, n_layers: int) -> None:
+        # Residual-branch outputs shrink with depth so the residual stream keeps unit scale.
+        out_std = std / math.sqrt(2 * n_layers)
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.reset_parameters(std, out_std)
+        self.feed_forward.reset_parameters(std, out_std)
 
 
 class DecoderStack(nn.Module):

@@ -15,13 +15,12 @@ are treated).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
 from torch import nn
 
-from lmforge.models.common import DecoderStack, GatedMLP, Projections
+from lmforge.models.common import DecoderStack, GatedMLP, PreNormBlock, Projections
 from lmforge.models.family import BlockSpec
 from lmforge.models.llama.model import RMSNorm
 from lmforge.models.mla import MLAttention, YarnScaling
@@ -113,29 +112,12 @@ class DeepseekV3Args:
         return cls(**{**fields, "rope_scaling": YarnScaling(**scaling) if scaling else None})
 
 
-class DeepseekV3Block(nn.Module):
+class DeepseekV3Block(PreNormBlock):
     def __init__(self, args: DeepseekV3Args, layer_id: int):
-        super().__init__()
-        self.layer_id = layer_id
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = MLAttention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.sparse = layer_id >= args.first_k_dense
-        self.feed_forward = (MoE(args.moe) if self.sparse
-                             else GatedMLP(args.dim, args.ffn_dim, "silu"))
-
-    def forward(self, x, positions=None, mask=None, cache=None):
-        h = x + self.attention(self.attention_norm(x), positions, mask, cache)  # (b, s, dim)
-        out = self.feed_forward(self.ffn_norm(h))
-        return h + (out[0] if self.sparse else out)  # (an MoE also returns its Routing)
-
-    def reset_parameters(self, std: float, n_layers: int) -> None:
-        # Residual-branch outputs shrink with depth so the residual stream keeps unit scale.
-        out_std = std / math.sqrt(2 * n_layers)
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.reset_parameters(std, out_std)
-        self.feed_forward.reset_parameters(std, out_std)
+        sparse = layer_id >= args.first_k_dense
+        super().__init__(layer_id, RMSNorm(args.dim, args.norm_eps), MLAttention(args),
+                         RMSNorm(args.dim, args.norm_eps),
+                         MoE(args.moe) if sparse else GatedMLP(args.dim, args.ffn_dim, "silu"))
 
 
 class DeepseekV3(DecoderStack):

@@ -13,7 +13,6 @@ The blocks keep Llama's names (``attention``, ``feed_forward``, the two norms); 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -21,7 +20,7 @@ import torch
 from torch import nn
 
 from lmforge.models.attention import attend, per_forward
-from lmforge.models.common import DecoderStack, KVCache, Projections
+from lmforge.models.common import DecoderStack, KVCache, PreNormBlock, Projections
 from lmforge.models.family import BlockSpec
 from lmforge.models.llama.model import RMSNorm, RopeScaling, apply_rope, rope_cos_sin
 from lmforge.models.moe import MoE, MoEArgs
@@ -133,28 +132,13 @@ class Attention(nn.Module):
         nn.init.normal_(self.sinks, std=std)  # as the reference initialises them
 
 
-class GptOssBlock(nn.Module):
+class GptOssBlock(PreNormBlock):
     """Pre-norm attention, then the mixture of experts."""
 
     def __init__(self, args: GptOssArgs, layer_id: int):
-        super().__init__()
-        self.layer_id = layer_id
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args, args.attention_kinds[layer_id] == SLIDING)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = MoE(args.moe)
-
-    def forward(self, x, positions=None, mask=None, cache=None):
-        h = x + self.attention(self.attention_norm(x), positions, mask, cache)
-        out, _ = self.feed_forward(self.ffn_norm(h))  # (the MoE keeps its Routing)
-        return h + out
-
-    def reset_parameters(self, std: float, n_layers: int) -> None:
-        out_std = std / math.sqrt(2 * n_layers)  # residual outputs shrink with depth
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.reset_parameters(std, out_std)
-        self.feed_forward.reset_parameters(std, out_std)
+        super().__init__(layer_id, RMSNorm(args.dim, args.norm_eps),
+                         Attention(args, args.attention_kinds[layer_id] == SLIDING),
+                         RMSNorm(args.dim, args.norm_eps), MoE(args.moe))
 
 
 class GptOss(DecoderStack):

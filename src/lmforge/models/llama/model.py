@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmforge.models.attention import attend, per_forward
-from lmforge.models.common import DecoderStack, GatedMLP, KVCache, Projections
+from lmforge.models.common import (DecoderStack, GatedMLP, KVCache, PreNormBlock,
+                                   Projections)
 from lmforge.models.family import BlockSpec
 
 # Hugging Face's names for the block's linear layers, and the names users also give them.
@@ -246,26 +247,10 @@ class FeedForward(GatedMLP):
         super().__init__(args.dim, args.ffn_dim, "silu")
 
 
-class TransformerBlock(nn.Module):
+class TransformerBlock(PreNormBlock):
     def __init__(self, args: LlamaArgs, layer_id: int):
-        super().__init__()
-        self.layer_id = layer_id
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args)
-
-    def forward(self, x, positions=None, mask=None, cache=None):
-        h = x + self.attention(self.attention_norm(x), positions, mask, cache)
-        return h + self.feed_forward(self.ffn_norm(h))
-
-    def reset_parameters(self, std: float, n_layers: int) -> None:
-        # Residual-branch outputs shrink with depth so the residual stream keeps unit scale.
-        out_std = std / math.sqrt(2 * n_layers)
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.reset_parameters(std, out_std)
-        self.feed_forward.reset_parameters(std, out_std)
+        super().__init__(layer_id, RMSNorm(args.dim, args.norm_eps), Attention(args),
+                         RMSNorm(args.dim, args.norm_eps), FeedForward(args))
 
 
 class Llama(DecoderStack):

@@ -10,13 +10,9 @@ load-balancing loss and the expert load (``moe.take_routings``).
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
-import torch
-from torch import nn
-
-from lmforge.models.common import Projections
+from lmforge.models.common import PreNormBlock, Projections
 from lmforge.models.family import BlockSpec
 from lmforge.models.llama.model import (Attention, FeedForward, Llama, LlamaArgs, RMSNorm,
                                         block_spec as llama_block_spec)
@@ -62,29 +58,14 @@ class SparseArgs(LlamaArgs):
         return dataclasses.replace(base, dense_layers=tuple(recorded.get("dense_layers", ())))
 
 
-class SparseBlock(nn.Module):
+class SparseBlock(PreNormBlock):
     """Llama's block whose feed-forward is an ``MoE`` unless the layer is dense."""
 
     def __init__(self, args: SparseArgs, layer_id: int):
-        super().__init__()
-        self.layer_id = layer_id
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.sparse = layer_id not in args.dense_layers
-        self.feed_forward = MoE(args.moe) if self.sparse else FeedForward(args)
-
-    def forward(self, x, positions=None, mask=None, cache=None):
-        h = x + self.attention(self.attention_norm(x), positions, mask, cache)
-        out = self.feed_forward(self.ffn_norm(h))
-        return h + (out[0] if self.sparse else out)  # (an MoE also returns its Routing)
-
-    def reset_parameters(self, std: float, n_layers: int) -> None:
-        out_std = std / math.sqrt(2 * n_layers)  # as Llama's block
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.reset_parameters(std, out_std)
-        self.feed_forward.reset_parameters(std, out_std)
+        sparse = layer_id not in args.dense_layers
+        super().__init__(layer_id, RMSNorm(args.dim, args.norm_eps), Attention(args),
+                         RMSNorm(args.dim, args.norm_eps),
+                         MoE(args.moe) if sparse else FeedForward(args))
 
 
 class SparseLlama(Llama):
