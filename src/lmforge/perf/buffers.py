@@ -42,9 +42,10 @@ class Gradients:
 
 def stage_gradients(setup: Setup, weights: Weights, stage: int) -> Gradients:
     grad_bytes, shard = DTYPE_BYTES[setup.cfg.train.param_dtype], setup.layout.fsdp_shard
-    w = weights  # (this rank's experts under parallel.ep: their gradients are whole)
-    every = grad_bytes * fsdp_share(w.trainable_params, w.ep_trainable_params, shard)
-    per_block = grad_bytes * fsdp_share(w.block_trainable, w.ep_block_trainable, shard)
+    # (this rank's experts under parallel.ep: their gradients sharded over dp_shard / ep)
+    w, es = weights, setup.expert_shard
+    every = grad_bytes * fsdp_share(w.trainable_params, w.ep_trainable_params, shard, es)
+    per_block = grad_bytes * fsdp_share(w.block_trainable, w.ep_block_trainable, shard, es)
     before_blocks = every - stage_layers(setup, stage) * per_block
     args, tied = setup.args, setup.args.tie_embeddings and setup.layout.pp == 1
     if setup.trainable.embedding and stage == 0 and not tied:  # the embedding's comes last
@@ -55,7 +56,7 @@ def stage_gradients(setup: Setup, weights: Weights, stage: int) -> Gradients:
                         and setup.batch.microbatches > in_flight(setup, stage)))
     return Gradients(total=every, per_block=per_block,
                      mlp_out=grad_bytes * fsdp_share(w.mlp_out_trainable,
-                                                     w.ep_mlp_out_trainable, shard),
+                                                     w.ep_mlp_out_trainable, shard, es),
                      before_blocks=before_blocks,
                      accumulated=every if accumulates else 0.0,
                      root_unsharded=before_blocks * shard if setup.fsdp else 0.0)
@@ -131,18 +132,24 @@ def fsdp_buffers(setup: Setup, weights: Weights, grads: Gradients, stage: int) -
     if not setup.fsdp:
         return FsdpBuffers()
     layers, param_bytes = stage_layers(setup, stage), compute_bytes(setup)
-    w, shard = weights, setup.layout.fsdp_shard
-    # (parallel.ep: FSDP neither gathers nor reduces this rank's experts)
+    w, shard, es = weights, setup.layout.fsdp_shard, setup.expert_shard
+    # parallel.ep: FSDP gathers this rank's experts whole for their layer and reduces
+    # their gradients when other ranks hold the same ones (Setup.experts_in_fsdp), else
+    # neither gathers nor reduces them
+    in_fsdp = setup.experts_in_fsdp
     block = w.block_total - w.ep_block_total
     root = w.trainable_params + w.frozen_params - w.ep_total - layers * block
+    gathered = block + (w.ep_block_total if in_fsdp else 0)  # a block as it computes
     kept = layers if setup.cfg.parallel.zero < 3 else 0
-    mlp_out_sharded = (grads.mlp_out - DTYPE_BYTES[setup.cfg.train.param_dtype]
-                       * w.ep_mlp_out_trainable)
-    in_block_grads = mlp_out_sharded * (shard - 1)  # beyond the sharded mlp_out
-    reduce_input = 4 * (w.block_trainable - w.ep_block_trainable)
+    grad_bytes = DTYPE_BYTES[setup.cfg.train.param_dtype]
+    mlp_out_sharded = (w.mlp_out_trainable - w.ep_mlp_out_trainable) * grad_bytes / shard
+    # the unsharded gradient beyond the shards: the MLP output's, the local down stack's
+    in_block_grads = (mlp_out_sharded * (shard - 1)
+                      + grad_bytes * w.ep_mlp_out_trainable * (es - 1) / es)
+    reduce_input = 4 * (w.block_trainable - (0 if in_fsdp else w.ep_block_trainable))
     return FsdpBuffers(
-        params_outside_blocks=param_bytes * (root + kept * block),
-        params_in_blocks=param_bytes * (root + max(kept, 2) * block),
+        params_outside_blocks=param_bytes * (root + kept * gathered),
+        params_in_blocks=param_bytes * (root + max(kept, 2) * gathered),
         gradients_last_block=in_block_grads,
         gradients_first_block=in_block_grads + reduce_input)
 
@@ -166,5 +173,5 @@ def optimizer_temporaries(setup: Setup, weights: Weights) -> float:
         return 0.0
     if setup.device == "cuda":
         return 4 * fsdp_share(weights.trainable_params, weights.ep_trainable_params,
-                              setup.layout.fsdp_shard)
+                              setup.layout.fsdp_shard, setup.expert_shard)
     return 2 * 4 * weights.largest_trainable

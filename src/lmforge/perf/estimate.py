@@ -58,11 +58,11 @@ CPU_PROCESS_GIB = 0.3  # Python, torch, lmforge (0.22 GiB measured after import)
 def static_terms(setup: Setup, weights: Weights) -> dict[str, float]:
     """What every phase holds (the steady state, from step 2 on). FSDP2 (zero 2 and 3
     alike) shards parameters and optimizer state over dp_shard (x cp)."""
-    shard = setup.layout.fsdp_shard
+    shard, es = setup.layout.fsdp_shard, setup.expert_shard
     terms = {"weights (trainable)": fsdp_share(weights.trainable_bytes,
-                                               weights.ep_trainable_bytes, shard),
+                                               weights.ep_trainable_bytes, shard, es),
              "weights (frozen base)": fsdp_share(weights.frozen_bytes,
-                                                 weights.ep_frozen_bytes, shard),
+                                                 weights.ep_frozen_bytes, shard, es),
              "optimizer states": optimizer_state_bytes(setup, weights)}
     if setup.reference == "copy":  # DPO/IPO's frozen reference, stored and sharded alike
         terms["weights (reference copy)"] = (terms["weights (trainable)"]
@@ -80,7 +80,7 @@ def optimizer_state_bytes(setup: Setup, weights: Weights) -> float:
     state_bytes = STATE_BYTES.get(setup.cfg.optim.name, 4)
     return state_bytes * n_states * fsdp_share(weights.trainable_params,
                                                weights.ep_trainable_params,
-                                               setup.layout.fsdp_shard)
+                                               setup.layout.fsdp_shard, setup.expert_shard)
 
 
 # ------------------------------------------------------------------------------ phases

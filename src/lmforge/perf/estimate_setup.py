@@ -108,10 +108,30 @@ class Setup:
 
     @property
     def ep(self) -> int:
-        """Expert-parallel ranks (``parallel.ep``: 1, or dp_shard, the one layout built):
-        each keeps ``n_experts / ep`` of every MoE layer's routed experts whole, outside
-        FSDP (parallel/expert.py)."""
+        """Expert-parallel ranks (``parallel.ep``, a divisor of dp_shard): each keeps
+        ``n_experts / ep`` of every MoE layer's routed experts (parallel/expert.py),
+        sharded further by FSDP over ``expert_shard`` ranks."""
         return self.cfg.parallel.ep
+
+    @property
+    def expert_shard(self) -> int:
+        """The ranks FSDP shards each rank's local experts over under expert parallelism:
+        dp_shard / ep (torchtitan's dp_shard_mod_ep); 1 when ep = dp_shard (the experts
+        whole, no gather or reduce-scatter) and without ep (the experts then are FSDP's
+        like every other weight, over the whole fsdp_shard)."""
+        if self.ep == 1:
+            return 1
+        return max(self.layout.fsdp_shard // self.ep, 1)
+
+    @property
+    def experts_in_fsdp(self) -> bool:
+        """Whether FSDP holds the local experts under expert parallelism (each MoE
+        layer's experts its own unit, ``parallel.fsdp.apply_fsdp_to_experts``): whenever
+        other data-parallel ranks hold the same experts, dp / ep > 1 (ep < dp_shard, or
+        dp_replicate > 1: HSDP over dp_replicate x dp_shard / ep). It then gathers them in
+        its param_dtype for their layer and reduces their gradients; at ep = dp_shard
+        without dp_replicate it ignores them."""
+        return self.ep > 1 and self.layout.dp // self.ep > 1
 
     @property
     def local_seq(self) -> int:

@@ -68,9 +68,11 @@ def meshes(args, gpus: int, per_node: int, seq_len: int = 0) -> Iterator[dict]:
     """(dp_replicate, dp_shard, cp, tp, pp) with product ``gpus``: tp inside a node and
     dividing both head counts, pp dividing the layers, cp with tp inside a node (its
     gathers run every layer) and splitting ``seq_len`` into 2 cp chunks (none without
-    one). A mixture of experts: data parallelism only (the trainer refuses tp, pp and cp
-    for one yet: ``models.presets.check_layout_fits``). The trainer's validation drops
-    the rest (cp with pp, for one)."""
+    one). A mixture of experts: data parallelism only (the trainer refuses pp and cp for
+    one: ``models.presets.check_layout_fits``; tp would run every expert whole on each tp
+    rank, which the step time does not model), each mesh without ep and with every ep
+    ``expert_parallel`` allows. The trainer's validation drops the rest (cp with pp, for
+    one)."""
     moe = family_of(args).block(args).moe is not None
     for tp in divisors(min(gpus, per_node)):
         if gpus % tp or args.n_heads % tp or args.n_kv_heads % tp or moe and tp > 1:
@@ -86,18 +88,20 @@ def meshes(args, gpus: int, per_node: int, seq_len: int = 0) -> Iterator[dict]:
                     mesh = {"parallel.dp_replicate": rep, "parallel.dp_shard": shard,
                             "parallel.cp": cp, "parallel.tp": tp, "parallel.pp": pp}
                     yield mesh
-                    if expert_parallel(args, mesh):
-                        yield {**mesh, "parallel.ep": shard}
+                    for ep in expert_parallel(args, mesh):
+                        yield {**mesh, "parallel.ep": ep}
 
 
-def expert_parallel(args, mesh: dict) -> bool:
-    """Whether an MoE's experts can split over ``mesh``'s FSDP ranks (``parallel.ep`` =
-    dp_shard, the one layout built: dp_replicate, tp, pp and cp at 1, the experts
-    divisible)."""
+def expert_parallel(args, mesh: dict) -> list[int]:
+    """The ``parallel.ep`` > 1 an MoE's experts can split over on ``mesh``: each divisor of
+    dp_shard that divides the experts (the rest of dp_shard, dp_shard / ep ranks, shards
+    each rank's experts by FSDP), with pp and cp at 1 (refused for an MoE); none for a
+    dense model."""
     moe = family_of(args).block(args).moe
-    shard = mesh["parallel.dp_shard"]
-    alone = all(mesh[f"parallel.{name}"] == 1 for name in ("dp_replicate", "tp", "pp", "cp"))
-    return moe is not None and shard > 1 and alone and moe.n_experts % shard == 0
+    if moe is None or mesh["parallel.pp"] > 1 or mesh["parallel.cp"] > 1:
+        return []
+    return [ep for ep in divisors(mesh["parallel.dp_shard"])
+            if ep > 1 and moe.n_experts % ep == 0]
 
 
 def schedules(args, pp: int) -> list[dict]:

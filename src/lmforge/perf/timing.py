@@ -168,9 +168,9 @@ def flops_per_token(setup: Setup) -> tuple[float, float]:
 
 
 def param_count(args, ep: int = 1) -> float:
-    """Weights FSDP gathers: the matmul weights (every expert of an MoE, none of them
-    under expert parallelism: each rank keeps its own whole) and the embedding (norms are
-    negligible)."""
+    """Weights FSDP gathers over dp_shard: the matmul weights (every expert of an MoE,
+    none of them under expert parallelism: ``expert_dp_seconds`` has those) and the
+    embedding (norms are negligible)."""
     return (matmul_params(args, active=False) + args.dim * args.vocab_size
             - (routed_expert_params(args) if ep > 1 else 0))
 
@@ -196,7 +196,9 @@ def ep_seconds(setup: Setup, device: Device, gpus_per_node: int) -> float:
     if ep == 1 or block.moe is None:
         return 0.0
     moe = block.moe
-    link = group_link(device, ep, gpus_per_node)
+    # (the ep ranks: consecutive within dp_shard, tp ranks apart, as torchtitan's
+    # dp_shard_in_ep; the experts' FSDP group strides over them)
+    link = group_link(device, ep * setup.layout.tp, gpus_per_node)
     rows = setup.tokens * moe.top_k * arrived_share(setup, moe)
     one = link.seconds(rows * moe.dim * compute_bytes(setup) * (ep - 1) / ep, ep - 1)
     sparse = len(block.sparse_layers or ())
@@ -294,6 +296,8 @@ def dp_seconds(setup: Setup, device: Device, gpus_per_node: int, compute: float)
     reduce = ring("reduce_scatter", trains * GRAD_REDUCE_BYTES, shard, shard_link)
     replicate = ring("all_reduce", trains * GRAD_REDUCE_BYTES / shard, layout.dp_replicate,
                      rep_link)
+    e_gather, e_reduce, e_replicate = expert_dp_seconds(setup, device, gpus_per_node)
+    gather, reduce, replicate = gather + e_gather, reduce + e_reduce, replicate + e_replicate
     per_micro = gathers * gather + reduce + replicate
     blocks = setup.args.n_layers / setup.layout.pp
     unhidden = (gather + reduce + replicate) / blocks  # the first gather, the last reduce
@@ -301,6 +305,27 @@ def dp_seconds(setup: Setup, device: Device, gpus_per_node: int, compute: float)
     if not device.overlaps_communication:
         return m * per_micro
     return max(0.0, m * per_micro - compute) + m * unhidden
+
+
+def expert_dp_seconds(setup: Setup, device: Device,
+                      gpus_per_node: int) -> tuple[float, float, float]:
+    """(gather, reduce-scatter, all-reduce) seconds of the routed experts under expert
+    parallelism, which ``dp_seconds``' FSDP traffic leaves out: each rank's n_experts / ep
+    experts gathered over dp_shard / ep ranks and their gradients reduce-scattered there
+    (none at ep = dp_shard), then all-reduced over dp_replicate (1 / dp_shard of them)."""
+    layout = setup.layout
+    if setup.ep == 1:
+        return 0.0, 0.0, 0.0
+    local = routed_expert_params(setup.args) / setup.ep
+    trains = 0.0 if setup.lora is not None else local  # adapters are negligible
+    es = setup.expert_shard
+    link = group_link(device, layout.tp * layout.fsdp_shard, gpus_per_node)
+    rep_link = group_link(device, layout.tp * layout.fsdp_shard * layout.dp_replicate,
+                          gpus_per_node)
+    return (ring("all_gather", local * compute_bytes(setup), es, link),
+            ring("reduce_scatter", trains * GRAD_REDUCE_BYTES, es, link),
+            ring("all_reduce", trains * GRAD_REDUCE_BYTES / es, layout.dp_replicate,
+                 rep_link))
 
 
 def pp_seconds(setup: Setup, device: Device, gpus_per_node: int) -> float:

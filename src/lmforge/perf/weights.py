@@ -47,9 +47,11 @@ class Weights:
     # forward and kept by the grouped product for backward.
     expert_copies: float = 0.0
     # Expert parallelism (parallel.ep > 1): the part of the totals above that is this
-    # rank's n_experts / ep routed experts, which FSDP neither shards nor gathers
-    # (``fsdp_share``): parameters that train, bytes of trained and frozen ones, per block
-    # (the last's, as block_trainable), and the down stack's share of mlp_out_trainable.
+    # rank's n_experts / ep routed experts (with their LoRA adapters), whole: FSDP shards
+    # them over Setup.expert_shard = dp_shard / ep ranks, not dp_shard (``fsdp_share``),
+    # and gathers them whole only then. Parameters that train, bytes of trained and
+    # frozen ones, per block (the last's, as block_trainable), and the down stack's share
+    # of mlp_out_trainable.
     ep_trainable_params: int = 0
     ep_trainable_bytes: float = 0.0
     ep_frozen_bytes: float = 0.0
@@ -59,10 +61,13 @@ class Weights:
     ep_total: int = 0  # every local expert parameter, trained or frozen
 
 
-def fsdp_share(total: float, expert_parallel: float, shard: int) -> float:
+def fsdp_share(total: float, expert_parallel: float, shard: int,
+               expert_shard: int = 1) -> float:
     """What one device holds of ``total``: FSDP's 1 / ``shard`` of it, except the
-    ``expert_parallel`` part (this rank's experts under parallel.ep), held whole."""
-    return (total - expert_parallel) / shard + expert_parallel
+    ``expert_parallel`` part (this rank's experts under parallel.ep), of which it holds
+    1 / ``expert_shard`` (dp_shard / ep; 1: whole). Either way the experts come to
+    total / dp_shard per rank: E / ep experts over dp_shard / ep ranks."""
+    return (total - expert_parallel) / shard + expert_parallel / expert_shard
 
 
 def model_parameters(args) -> int:
@@ -292,7 +297,7 @@ def largest_trained_matrix(setup: Setup) -> float:
     moe = family_of(args).block(args).moe
     if moe is not None:
         gate_up, down = family_of(args).projections.experts
-        stack = moe.n_experts * moe.dim * moe.ffn_dim
+        stack = moe.n_experts // setup.ep * moe.dim * moe.ffn_dim  # (this rank's)
         sizes += [2 * stack] * trainable.trains(gate_up) + [stack] * trainable.trains(down)
     return max(sizes, default=0.0)
 
@@ -312,10 +317,9 @@ def _add_experts(tally: _Tally, setup: Setup) -> None:
     if not trains and tally.param_bytes == 4:
         w.matmul_frozen_fp32 += d * e  # (autocast's bf16 copy per use)
     gate_up, down = family_of(setup.args).projections.experts
-    e //= setup.ep  # (expert parallelism: this rank's experts, whole)
+    e //= setup.ep  # (expert parallelism: this rank's experts and their adapters)
     for name, (n_out, n_in) in ((gate_up, (2 * f, d)), (down, (d, f))):
         trains, rank = trainable.trains(name), trainable.rank(name)
-        rank = rank if setup.ep == 1 else 0  # (LoRA on the experts is refused with ep)
         stack = e * n_in * n_out
         before = (w.trainable_params, w.trainable_bytes, w.frozen_params, w.frozen_bytes)
         tally.add_stored(e * n_out * moe.expert_bias, trains, matmul=False)
@@ -328,12 +332,13 @@ def _add_experts(tally: _Tally, setup: Setup) -> None:
             _add_expert_parallel(w, before)
         stored = tally.param_bytes if trains else tally.frozen_projection_bytes
         copy = _expert_copy_bytes(setup, stored, rank) * stack
-        if rank and setup.autocast:  # autocast's bf16 copies of A and B
+        if rank and (setup.autocast or _expert_parallel_cast(setup)
+                     and tally.param_bytes == 4):  # bf16 copies of A and B
             copy += 2 * e * rank * (n_in + n_out)
         w.expert_copies += copy
         if name == down:
             w.mlp_out_trainable = trains * stack + e * rank * (n_in + n_out)
-            w.ep_mlp_out_trainable = trains * stack if setup.ep > 1 else 0
+            w.ep_mlp_out_trainable = w.mlp_out_trainable if setup.ep > 1 else 0
             w.mlp_out_copy = copy
     shared = moe.n_shared_experts * f
     if shared:
@@ -352,10 +357,17 @@ def _add_expert_parallel(w: Weights, before: tuple) -> None:
 
 def _expert_copy_bytes(setup: Setup, stored: int, rank: int) -> float:
     """Bytes per element of a stack's per-forward copy (stored in ``stored`` bytes): the
-    bf16 copy of an fp32 one under autocast, or under expert parallelism with FSDP's
-    half param_dtype (which does not reach the experts: ``ExpertParallelMixin`` casts
-    its local weights each forward, and the grouped product keeps the copy); else none
-    (LoRA on a stack adds two rank-wide products, no adapted copy:
-    ``peft.expert_lora``)."""
-    cast = setup.autocast or (setup.ep > 1 and setup.fsdp and setup.half)
+    bf16 copy of an fp32 one under autocast, or under ep = dp_shard with FSDP's half
+    param_dtype (``_expert_parallel_cast``); else none (LoRA on a stack adds two
+    rank-wide products, no adapted copy: ``peft.expert_lora``)."""
+    cast = setup.autocast or _expert_parallel_cast(setup)
     return 2.0 if cast and stored == 4 else 0.0
+
+
+def _expert_parallel_cast(setup: Setup) -> bool:
+    """Whether the local experts are cast to the compute dtype per forward outside FSDP:
+    when FSDP ignores them (ep = dp_shard, no dp_replicate) its half param_dtype does not
+    reach them (``ExpertParallelMixin`` casts them, and the grouped product keeps the
+    copy). Otherwise FSDP gathers them in its param_dtype: the gathered stack is its
+    buffer (``buffers.fsdp_buffers``)."""
+    return setup.ep > 1 and not setup.experts_in_fsdp and setup.fsdp and setup.half
