@@ -89,21 +89,23 @@ def _validate_batch(cfg: "JobConfig", world_size: int) -> None:
 
 
 def _validate_ep(cfg: "JobConfig", world_size: int) -> None:
-    """The expert-parallel layouts built so far: ep = 1, or ep = dp_shard alone (the FSDP
-    ranks are the expert ranks). The model's part (its experts) is in
+    """Expert parallelism takes its ranks out of dp_shard (``parallel.mesh``): ep must
+    divide it; with HSDP and tensor parallelism it composes, with pipeline and context
+    parallelism not (an MoE takes neither yet). The model's part (its experts) is in
     ``models.presets.check_layout_fits``."""
     p = cfg.parallel
     if p.ep == 1:
         return
     dp_shard = resolve_layout(p, world_size)["dp_shard"]
-    if p.ep != dp_shard:
-        raise ConfigError(f"parallel.ep: {p.ep} is not parallel.dp_shard ({dp_shard}); only "
-                          f"parallel.ep = parallel.dp_shard is built yet")
-    for name in ("dp_replicate", "tp", "pp", "cp"):
+    if dp_shard % p.ep:
+        raise ConfigError(f"parallel.ep: {p.ep} does not divide parallel.dp_shard "
+                          f"({dp_shard}); the expert-parallel ranks come out of the "
+                          f"FSDP ranks")
+    for name in ("pp", "cp"):
         if getattr(p, name) > 1:
             raise ConfigError(f"parallel.ep: {p.ep} with parallel.{name}="
-                              f"{getattr(p, name)} is not supported yet (only parallel.ep = "
-                              f"parallel.dp_shard, alone)")
+                              f"{getattr(p, name)} is not supported (a mixture of experts "
+                              f"takes no pipeline or context parallelism yet)")
 
 
 def _validate_grouping(data: "DataConfig") -> None:

@@ -264,8 +264,9 @@ class ParallelConfig:
     pp: int = key(1, "pipeline stages", bound=">= 1")
     ep: int = key(1, "expert parallelism (a mixture of experts): each MoE layer's routed "
                   "experts split over this many ranks, tokens sent to their experts' "
-                  "ranks; only ep = dp_shard is built yet (the FSDP ranks hold "
-                  "n_experts / ep experts each)", bound=">= 1")
+                  "ranks; taken out of dp_shard, which it must divide (each rank holds "
+                  "n_experts / ep experts, FSDP-sharded over dp_shard / ep)",
+                  bound=">= 1")
     pp_schedule: str = key("1f1b", "the pipeline schedule",
                            choices=("gpipe", "1f1b", "interleaved_1f1b"))
     pp_virtual_stages: int = key(1, "stages per pipeline rank (interleaved_1f1b: >= 2)",

@@ -253,6 +253,18 @@ class GroupedExperts(nn.Module):
         subclass, ``peft.expert_lora``, returns it adapted)."""
         return getattr(self, name)
 
+    def expert_stacks(self) -> list[tuple[nn.Module, str]]:
+        """(owner, parameter name) of every parameter stacked by expert (dim 0 = the
+        expert): the weights, gpt-oss's biases, and in a subclass its adapters. Expert
+        parallelism splits exactly these (``parallel.expert``)."""
+        names = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+        return [(self, n) for n in names if getattr(self, n, None) is not None]
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        """The experts of stacked tensor ``t`` this module computes with: all of them
+        here; expert parallelism's forward takes this rank's shard."""
+        return t
+
     def activate(self, h: torch.Tensor) -> torch.Tensor:
         if self.args.activation == "clamped_swiglu":
             return clamped_swiglu(h, self.args.swiglu_alpha, self.args.swiglu_limit)

@@ -27,12 +27,8 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from lmforge.models.moe import GroupedExperts, MoE, check_ep, tokens_per_expert
 
-__all__ = ["ExpertParallel", "check_ep", "expert_parallel_params", "full_experts_state_dict",
-           "shard_experts"]
-
-# The experts' stacked parameters, each (experts, ...); gpt-oss's biases may be None.
-EXPERT_PARAMETERS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
-
+__all__ = ["ExpertParallel", "check_ep", "expert_parallel_modules", "expert_parallel_params",
+           "full_experts_state_dict", "shard_experts"]
 
 class ExpertParallel(ParallelStyle):
     """Applied to a ``GroupedExperts`` (``moe.experts``) over a 1-D ep mesh: its stacked
@@ -47,13 +43,14 @@ class ExpertParallel(ParallelStyle):
         if device_mesh.ndim != 1:
             raise ValueError(f"ExpertParallel takes a 1-D ep mesh, not {device_mesh.ndim}-D")
         check_ep(module.args.n_experts, device_mesh.size())
-        for name in EXPERT_PARAMETERS:
-            param = getattr(module, name)
-            if param is None or isinstance(param, DTensor):
+        for owner, name in module.expert_stacks():  # (with LoRA: the adapters too)
+            param = getattr(owner, name)
+            if isinstance(param, DTensor):
                 continue
             sharded = distribute_tensor(param.data, device_mesh, (Shard(0),))
-            module.register_parameter(name, nn.Parameter(sharded, param.requires_grad))
+            owner.register_parameter(name, nn.Parameter(sharded, param.requires_grad))
         module.__class__ = _expert_parallel_class(type(module))
+        module.ep_mesh = device_mesh
         return module
 
 
@@ -64,10 +61,16 @@ def shard_experts(moe: MoE, ep_mesh) -> None:
 
 
 def expert_parallel_params(model: nn.Module) -> set[nn.Parameter]:
-    """The parameters ``ExpertParallel`` sharded in ``model`` (FSDP2 leaves them alone:
-    ``fully_shard``'s ``ignored_params``)."""
-    return {param for module in model.modules() if isinstance(module, ExpertParallelMixin)
-            for param in module.parameters(recurse=False)}
+    """The parameters ``ExpertParallel`` sharded in ``model`` (FSDP2 over the data-parallel
+    ranks leaves them to the experts' own unit or alone: ``fully_shard``'s
+    ``ignored_params``)."""
+    return {param for module in expert_parallel_modules(model)
+            for param in module.parameters()}
+
+
+def expert_parallel_modules(model: nn.Module) -> list[nn.Module]:
+    """Every experts module ``ExpertParallel`` applied to in ``model``."""
+    return [m for m in model.modules() if isinstance(m, ExpertParallelMixin)]
 
 
 def full_experts_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -96,7 +99,7 @@ class ExpertParallelMixin:
     def forward(self, x: torch.Tensor, indices: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
         """x: (tokens, dim); indices, weights: (tokens, top_k) from the router."""
-        group = self.gate_up_proj.device_mesh.get_group()
+        group = self.ep_mesh.get_group()
         flat = indices.flatten()  # (assignments,)
         order = flat.argsort(stable=True)  # assignments grouped by expert, so by rank
         tokens = order // indices.shape[1]  # (assignments,) the token each one reads
@@ -124,18 +127,18 @@ class ExpertParallelMixin:
         counts = arriving.sum(dim=0).to(rows.device)  # (local experts,)
         h = self.product("gate_up_proj", rows[regroup], counts, experts)  # (arrived, 2 ffn)
         if self.gate_up_proj_bias is not None:
-            h = h + self._local(self.gate_up_proj_bias)[experts]
+            h = h + self.local(self.gate_up_proj_bias)[experts]
         h = self.activate(h)  # (arrived, ffn)
         y = self.product("down_proj", h, counts, experts)  # (arrived, dim)
         if self.down_proj_bias is not None:
-            y = y + self._local(self.down_proj_bias)[experts]
+            y = y + self.local(self.down_proj_bias)[experts]
         return y[regroup.argsort()]  # (arrived, dim) back in arrival order
 
     def weight_of(self, name: str) -> torch.Tensor:
         """This rank's experts of the stacked weight ``name`` (local expert ids)."""
-        return self._local(super().weight_of(name))
+        return self.local(super().weight_of(name))
 
-    def _local(self, t: torch.Tensor) -> torch.Tensor:
+    def local(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's part of ``t`` in ``param_dtype``, its gradient times ``grad_scale``."""
         t = _local(t) if self.param_dtype is None else _local(t).to(self.param_dtype)
         return t if self.grad_scale == 1.0 else _ScaleGrad.apply(t, self.grad_scale)

@@ -40,6 +40,24 @@ def apply_fsdp(model: nn.Module, dp_mesh, zero: int, param_dtype: Optional[torch
     _prefetch_neighbours(list(model.layers.values()))
 
 
+def apply_fsdp_to_experts(experts: list[nn.Module], mesh, zero: int,
+                          param_dtype: Optional[torch.dtype],
+                          reduce_dtype: torch.dtype = torch.float32) -> None:
+    """Each expert-parallel experts module its own FSDP unit over ``mesh``, the
+    data-parallel ranks holding the same experts (its weights already split by expert
+    over ep): sharded by their second dim, as torchtitan does, so that fewer local
+    experts than ranks still split evenly and the placements stay (Shard(1), Shard(0))
+    rather than two shards of one dim. Call before ``apply_fsdp``, whose block units
+    then leave these parameters to them."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for module in experts:
+        fully_shard(module, mesh=mesh, reshard_after_forward=zero == 3, mp_policy=mp,
+                    shard_placement_fn=lambda param: Shard(1))
+
+
 def _prefetch_neighbours(layers: list[nn.Module]) -> None:
     """Issue the all-gather of the next block (previous one in backward) while the
     current one computes, explicitly rather than relying on FSDP's implicit ordering."""

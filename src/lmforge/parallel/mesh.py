@@ -2,8 +2,10 @@
 
 Rank and world size come from torchrun (RANK, WORLD_SIZE, LOCAL_RANK) or from SLURM
 (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID) alike. CPU runs use gloo, GPU runs NCCL.
-The mesh has four named dimensions, outermost first: pp, dp_replicate, dp_shard, tp, so
-tensor parallelism (the chattiest) stays within a node.
+The mesh has five named dimensions, outermost first: pp, dp_replicate, dp_shard, cp, tp,
+so tensor parallelism (the chattiest) stays within a node. With expert parallelism,
+dp_shard is two, efsdp and ep (ep innermost, so an expert group's all-to-all stays
+within as few nodes as it can), flattened back into dp_shard for everything else.
 """
 from __future__ import annotations
 
@@ -96,18 +98,30 @@ def expand_first_slurm_host(nodelist: str) -> str:
 
 def build_parallel_dims(cfg: ParallelConfig, world_size: int, device_type: str
                         ) -> "ParallelDims":
-    """The 4-D DeviceMesh (with a flattened "dp" dimension for data-parallel collectives)
+    """The DeviceMesh (with a flattened "dp" dimension for data-parallel collectives)
     of the layout ``config.resolve_layout`` resolves, and this rank's place in it."""
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = resolve_layout(cfg, world_size)
-    mesh = init_device_mesh(device_type, tuple(shape[d] for d in MESH_DIMS),
-                            mesh_dim_names=MESH_DIMS)
-    mesh["dp_replicate", "dp_shard"]._flatten("dp")  # the data: each its own batches
+    sizes = dict(shape)
+    shard_dims = ("dp_shard",)
+    if cfg.ep > 1:
+        # Expert parallelism's ranks come out of dp_shard (as torchtitan's): its inner
+        # ep consecutive ranks split the experts, the outer dp_shard / ep ("efsdp")
+        # shard each expert's weights with FSDP; dp_shard is their flattening, as before.
+        shard_dims = ("efsdp", "ep")
+        del sizes["dp_shard"]
+        sizes |= {"efsdp": shape["dp_shard"] // cfg.ep, "ep": cfg.ep}
+    names = tuple(n for d in MESH_DIMS for n in (shard_dims if d == "dp_shard" else (d,)))
+    mesh = init_device_mesh(device_type, tuple(sizes[n] for n in names),
+                            mesh_dim_names=names)
+    if cfg.ep > 1:
+        mesh[shard_dims]._flatten("dp_shard")
+    mesh[("dp_replicate", *shard_dims)]._flatten("dp")  # the data: each its own batches
     if shape["cp"] > 1:
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")  # FSDP's shards (cp ranks too)
-        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")  # a step's sums
-    return ParallelDims(**shape, pp_rank=mesh["pp"].get_local_rank(),
+        mesh[(*shard_dims, "cp")]._flatten("dp_shard_cp")  # FSDP's shards (cp ranks too)
+        mesh[("dp_replicate", *shard_dims, "cp")]._flatten("dp_cp")  # a step's sums
+    return ParallelDims(**shape, ep=cfg.ep, pp_rank=mesh["pp"].get_local_rank(),
                         dp_rank=mesh["dp"].get_local_rank(),
                         cp_rank=mesh["cp"].get_local_rank(),
                         tp_rank=mesh["tp"].get_local_rank(), mesh=mesh)
@@ -122,6 +136,7 @@ class ParallelDims:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1  # expert parallelism, within dp_shard (the mesh's "ep" and "efsdp")
     pp_rank: int = 0
     dp_rank: int = 0
     cp_rank: int = 0
@@ -131,6 +146,12 @@ class ParallelDims:
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def expert_dp(self) -> int:
+        """The data-parallel ranks holding the same experts (dp / ep), over which FSDP
+        shards and reduces the expert-parallel weights."""
+        return self.dp // self.ep
 
     @property
     def uses_fsdp(self) -> bool:

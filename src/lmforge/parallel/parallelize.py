@@ -12,9 +12,9 @@ from torch.utils.checkpoint import checkpoint
 
 from lmforge.config import JobConfig
 from lmforge.models.moe import MoE
-from lmforge.parallel.expert import (ExpertParallelMixin, expert_parallel_params,
+from lmforge.parallel.expert import (expert_parallel_modules, expert_parallel_params,
                                      shard_experts)
-from lmforge.parallel.fsdp import apply_fsdp
+from lmforge.parallel.fsdp import apply_fsdp, apply_fsdp_to_experts
 from lmforge.parallel.mesh import ParallelDims
 from lmforge.parallel.tensor import apply_tensor_parallel
 
@@ -35,35 +35,43 @@ def apply_model_parallel(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -
 
 def apply_data_parallel(model: nn.Module, dims: ParallelDims, cfg: JobConfig,
                         param_dtype: Optional[torch.dtype] = None) -> None:
-    """FSDP2 over the data-parallel dimensions (HSDP when both are > 1)."""
+    """FSDP2 over the data-parallel dimensions (HSDP when both are > 1); the
+    expert-parallel weights over the data-parallel ranks that hold the same experts."""
     if dims.uses_fsdp:
         mesh = dims.mesh
         # the cp ranks hold the same weights and add their parts of each gradient: FSDP
         # shards over them too (as torchtitan does)
         shard = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
         dp_mesh = mesh[shard] if dims.dp_replicate == 1 else mesh["dp_replicate", shard]
-        experts = expert_parallel_params(model)
-        for module in model.modules():  # (FSDP's param_dtype does not reach them)
-            if isinstance(module, ExpertParallelMixin):
+        experts = expert_parallel_modules(model)
+        if experts and dims.expert_dp > 1:
+            expert_mesh = (mesh["efsdp"] if dims.dp_replicate == 1
+                           else mesh["dp_replicate", "efsdp"])
+            apply_fsdp_to_experts(experts, expert_mesh, cfg.parallel.zero, param_dtype)
+            ignored = None  # (each experts module is its own unit, already)
+        else:  # every dp rank holds other experts: nothing to shard or reduce over
+            for module in experts:  # (FSDP's param_dtype does not reach them)
                 module.param_dtype = param_dtype
-        apply_fsdp(model, dp_mesh, cfg.parallel.zero, param_dtype, ignored_params=experts)
+            ignored = expert_parallel_params(model)
+        apply_fsdp(model, dp_mesh, cfg.parallel.zero, param_dtype, ignored_params=ignored)
 
 
 def apply_expert_parallel(model: nn.Module, dims: ParallelDims) -> None:
-    """Every MoE layer's routed experts split over the dp_shard ranks (``parallel.ep`` =
-    ``parallel.dp_shard``, the one layout built yet: ``config.checks._validate_ep``).
+    """Every MoE layer's routed experts split over the mesh's ep ranks (``parallel.ep``,
+    inside dp_shard: ``parallel.mesh``).
 
-    Their gradients are not FSDP's (it ignores them): each rank's expert gradient already
-    holds every rank's tokens routed to its experts (the all-to-all's backward brings
-    them), and each rank's loss is multiplied by dp (``train.step.normalize_loss``) for
-    FSDP's average to be a sum, so here they are divided by dp, as FSDP would have
+    Each rank's expert gradient already holds its ep group's tokens routed to its
+    experts (the all-to-all's backward brings them), and each rank's loss is multiplied
+    by dp (``train.step.normalize_loss``) for FSDP's average to be a sum; FSDP averages
+    the experts' gradients over the dp / ep ranks holding the same experts
+    (``apply_data_parallel``), so here they are divided by the remaining ep
     (``ExpertParallelMixin.grad_scale``)."""
-    ep_mesh = dims.mesh["dp_shard"]
+    ep_mesh = dims.mesh["ep"]
     for layer in model.layers.values():
         moe = getattr(layer, "feed_forward", None)
         if isinstance(moe, MoE):
             shard_experts(moe, ep_mesh)
-            moe.experts.grad_scale = 1.0 / dims.dp
+            moe.experts.grad_scale = 1.0 / dims.ep
 
 
 def _checkpointed(cfg: JobConfig, layer_id: int) -> bool:

@@ -45,6 +45,7 @@ from typing import Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lmforge.models.grouped_mm import grouped_linear
 from lmforge.models.moe import GroupedExperts, MoE
@@ -76,9 +77,13 @@ class ExpertLora(nn.Module):
     def reset_parameters(self) -> None:
         """peft's kaiming_uniform_(a=sqrt(5)) on its (experts * rank, in) A draws from
         U(-1/sqrt(in), 1/sqrt(in)); on our 3-D A, kaiming would take rank * in as the
-        fan-in, so the bound is written out."""
+        fan-in, so the bound is written out. A split over expert-parallel ranks (a
+        DTensor) takes its part of the whole stack's draws: the same adapter as one
+        process's, whatever the layout."""
         bound = 1.0 / math.sqrt(self.lora_a.shape[-1])
-        nn.init.uniform_(self.lora_a, -bound, bound)
+        whole = torch.empty(self.lora_a.shape, dtype=self.lora_a.dtype,
+                            device=self.lora_a.device).uniform_(-bound, bound)
+        _copy_whole(self.lora_a, whole)
         nn.init.zeros_(self.lora_b)
 
     def delta(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -87,6 +92,17 @@ class ExpertLora(nn.Module):
 
     def extra_repr(self) -> str:
         return f"rank={self.rank}, alpha={self.alpha:g}, rslora={self.rslora}"
+
+
+def _copy_whole(param: torch.Tensor, whole: torch.Tensor) -> None:
+    """Writes ``whole`` (the full tensor) into ``param``: this rank's part of it where
+    ``param`` is a DTensor."""
+    if isinstance(param, DTensor):
+        part = distribute_tensor(whole, param.device_mesh, param.placements,
+                                 src_data_rank=None)  # (each rank cuts its own part)
+        param.to_local().copy_(part.to_local())
+    else:
+        param.copy_(whole)
 
 
 class LoraGroupedExperts(QuantizableExperts):
@@ -125,6 +141,11 @@ class LoraGroupedExperts(QuantizableExperts):
                                      device=device, dtype=dtype)
         return self.lora[name]
 
+    def expert_stacks(self) -> list[tuple[nn.Module, str]]:
+        """The base's stacks and every adapter's A and B (one expert per row of dim 0)."""
+        return super().expert_stacks() + [(adapter, name) for adapter in self.lora.values()
+                                          for name in ("lora_a", "lora_b")]
+
     def product(self, name: str, rows: torch.Tensor, counts: torch.Tensor,
                 experts: torch.Tensor) -> torch.Tensor:
         """The base stack's grouped product (dequantized where quantized), plus, where
@@ -133,7 +154,8 @@ class LoraGroupedExperts(QuantizableExperts):
         if name not in self.lora or self.disabled:
             return out
         adapter = self.lora[name]
-        a, b = adapter.lora_a.to(rows.dtype), adapter.lora_b.to(rows.dtype)
+        a = self.local(adapter.lora_a).to(rows.dtype)
+        b = self.local(adapter.lora_b).to(rows.dtype)
         low = grouped_linear(rows, a, counts, experts)  # (rows, rank)
         return out + adapter.scaling * grouped_linear(low.to(rows.dtype), b, counts, experts)
 

@@ -149,11 +149,6 @@ def lora_spec(cfg: Any, projections: Projections) -> Optional[LoraSpec]:
                           f"weights ({', '.join(experts)}: their adapter is folded into the "
                           f"weight, as peft's target_parameters); set lora.dropout=0 or "
                           f"leave the experts out of lora.targets")
-    ep = getattr(getattr(cfg, "parallel", None), "ep", 1)
-    if ep > 1 and experts:
-        raise ConfigError(f"parallel.ep: {ep} with LoRA on the experts ({', '.join(experts)}) "
-                          f"is not supported yet (their adapters would need splitting too); "
-                          f"leave the experts out of lora.targets")
     spec = LoraSpec(rank=int(rank), targets=targets,
                     dropout=float(getattr(section, "dropout", 0.0) or 0.0),
                     base_dtype=getattr(section, "base_dtype", None))
