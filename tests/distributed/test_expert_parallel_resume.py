@@ -11,11 +11,15 @@ FSDP2's own shards):
 - its Hugging Face export is its final checkpoint's, exported offline in one process, bit
   for bit, and a straight one-process run's to 1e-5 (measured: 2.3e-6 after 4 steps at
   lr 1e-2, FSDP alone 7.4e-7: the gradients' sums run in another order, not the gather);
+- its step-2 checkpoint also resumes at another degree on as many ranks (ep=1, FSDP over
+  both);
+- an ep=2 run with LoRA on the attention and the experts writes the adapter a
+  one-process run writes (every expert's A and B, to 1e-5), with its losses;
 - a resume with 8 experts is refused in one line naming ``model.n_experts``, the run
   directory untouched; the checkpoint's tensors, loaded into an 8-expert model directly,
   are refused naming the router's weight.
 
-About 55 s on a 2-core CPU (9 launches)."""
+About 75 s on a 2-core CPU (12 launches)."""
 import dataclasses
 import hashlib
 import shutil
@@ -37,6 +41,7 @@ from lmforge.models.registry import build_model
 pytestmark = [pytest.mark.slow, pytest.mark.long]  # make test-long: about a minute
 STEPS, STOP_AT = 4, 2
 EP = ["parallel.dp_shard=2", "parallel.ep=2"]
+LORA = ["lora.enabled=true", "lora.targets=all-linear", "lora.rank=4"]
 STEP2 = f"checkpoints/step-{STOP_AT:07d}"
 
 
@@ -69,7 +74,13 @@ def runs(tiny_corpus, tmp_path_factory):
     shutil.copytree(dirs["ep_split"], dirs["stopped"])
     dirs["ep_to_one"] = _resumed_from(dirs["ep_split"], root / "ep_to_one", base, [], 1)
     dirs["one_to_ep"] = _resumed_from(dirs["one_split"], root / "one_to_ep", base, EP, 2)
+    # another degree on as many ranks: ep=1 (each rank every expert, FSDP-sharded)
+    dirs["ep_to_fsdp"] = _resumed_from(dirs["ep_split"], root / "ep_to_fsdp", base,
+                                       ["parallel.dp_shard=2"], 2)
     run_lmforge(dirs["ep_split"], base + EP + ["train.resume=auto"], 2)
+    for name, layout, nproc in (("ep_lora", EP, 2), ("one_lora", [], 1)):
+        dirs[name] = root / name
+        run_lmforge(dirs[name], base + layout + LORA, nproc)
     return {"base": base, **dirs}
 
 
@@ -86,7 +97,7 @@ def test_ep_run_stopped_and_resumed_equals_the_straight_run(runs):
     assert all(torch.equal(want[k], got[k]) for k in want)
 
 
-@pytest.mark.parametrize("moved", ["ep_to_one", "one_to_ep"])
+@pytest.mark.parametrize("moved", ["ep_to_one", "one_to_ep", "ep_to_fsdp"])
 @pytest.mark.parametrize("straight", ["ep", "one"])
 def test_checkpoint_resumes_on_the_other_layout(runs, moved, straight):
     got, want = _losses(runs[moved]), _losses(runs[straight])
@@ -115,6 +126,20 @@ def test_ep_export_is_its_checkpoint_and_the_one_process_run(runs, tmp_path):
     for key in ep:
         torch.testing.assert_close(ep[key], one[key], rtol=0, atol=1e-5, msg=key)
     assert (runs["ep"] / "hf/config.json").read_text() == (runs["one"] / "hf/config.json").read_text()
+
+
+def test_ep_lora_adapter_is_the_one_process_runs(runs):
+    """The adapter an ep=2 run writes holds every expert's A and B (gathered from both
+    ranks) in peft's layout, equal to a one-process run's."""
+    ep, one = (load_file(runs[name] / "adapter" / "adapter_model.safetensors")
+               for name in ("ep_lora", "one_lora"))
+    assert ep.keys() == one.keys()
+    experts = [k for k in ep if ".mlp.experts." in k]
+    assert experts, sorted(ep)[:8]
+    for key in ep:
+        assert ep[key].shape == one[key].shape, key
+        torch.testing.assert_close(ep[key], one[key], rtol=0, atol=1e-5, msg=key)
+    assert _losses(runs["ep_lora"]) == pytest.approx(_losses(runs["one_lora"]), rel=1e-5)
 
 
 def _tree_digest(root: Path) -> dict[str, str]:

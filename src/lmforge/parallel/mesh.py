@@ -9,8 +9,10 @@ within as few nodes as it can), flattened back into dp_shard for everything else
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -121,10 +123,9 @@ def build_parallel_dims(cfg: ParallelConfig, world_size: int, device_type: str
     if shape["cp"] > 1:
         mesh[(*shard_dims, "cp")]._flatten("dp_shard_cp")  # FSDP's shards (cp ranks too)
         mesh[("dp_replicate", *shard_dims, "cp")]._flatten("dp_cp")  # a step's sums
-    return ParallelDims(**shape, ep=cfg.ep, pp_rank=mesh["pp"].get_local_rank(),
-                        dp_rank=mesh["dp"].get_local_rank(),
-                        cp_rank=mesh["cp"].get_local_rank(),
-                        tp_rank=mesh["tp"].get_local_rank(), mesh=mesh)
+    dims = ParallelDims(**shape, ep=cfg.ep, mesh=mesh)
+    return dataclasses.replace(dims, **{f"{d}_rank": dims.submesh(d).get_local_rank()
+                                        for d in ("pp", "dp", "cp", "tp")})
 
 
 @dataclass(frozen=True)
@@ -169,4 +170,13 @@ class ParallelDims:
 
     def group(self, name: str) -> Optional[dist.ProcessGroup]:
         """The process group of mesh dimension ``name`` (None in one plain process)."""
-        return None if self.mesh is None else self.mesh[name].get_group()
+        return None if self.mesh is None else self.submesh(name).get_group()
+
+    def submesh(self, *names: str):
+        """The mesh of dimensions ``names`` (a flattened one, such as dp or dp_shard under
+        ep, alone or beside dp_replicate for HSDP). torch (2.11 on) warns on every slice
+        of a flattened dimension that this will go; it still works, and one run slices
+        dozens of times, so the warning is kept out of the run's log here."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Slicing a flattened dim")
+            return self.mesh[names if len(names) > 1 else names[0]]

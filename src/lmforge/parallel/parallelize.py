@@ -25,7 +25,7 @@ def apply_model_parallel(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -
     if cfg.parallel.ep > 1:
         apply_expert_parallel(model, dims)
     if dims.tp > 1:
-        apply_tensor_parallel(model, dims.mesh["tp"], cfg.parallel.sequence_parallel)
+        apply_tensor_parallel(model, dims.submesh("tp"), cfg.parallel.sequence_parallel)
     for layer in model.layers.values():
         if _checkpointed(cfg, int(layer.layer_id)):
             checkpoint_forward(layer)
@@ -38,15 +38,15 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, cfg: JobConfig,
     """FSDP2 over the data-parallel dimensions (HSDP when both are > 1); the
     expert-parallel weights over the data-parallel ranks that hold the same experts."""
     if dims.uses_fsdp:
-        mesh = dims.mesh
         # the cp ranks hold the same weights and add their parts of each gradient: FSDP
         # shards over them too (as torchtitan does)
         shard = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
-        dp_mesh = mesh[shard] if dims.dp_replicate == 1 else mesh["dp_replicate", shard]
+        dp_mesh = (dims.submesh(shard) if dims.dp_replicate == 1
+                   else dims.submesh("dp_replicate", shard))
         experts = expert_parallel_modules(model)
         if experts and dims.expert_dp > 1:
-            expert_mesh = (mesh["efsdp"] if dims.dp_replicate == 1
-                           else mesh["dp_replicate", "efsdp"])
+            expert_mesh = (dims.submesh("efsdp") if dims.dp_replicate == 1
+                           else dims.submesh("dp_replicate", "efsdp"))
             apply_fsdp_to_experts(experts, expert_mesh, cfg.parallel.zero, param_dtype)
             ignored = None  # (each experts module is its own unit, already)
         else:  # every dp rank holds other experts: nothing to shard or reduce over
@@ -66,7 +66,7 @@ def apply_expert_parallel(model: nn.Module, dims: ParallelDims) -> None:
     the experts' gradients over the dp / ep ranks holding the same experts
     (``apply_data_parallel``), so here they are divided by the remaining ep
     (``ExpertParallelMixin.grad_scale``)."""
-    ep_mesh = dims.mesh["ep"]
+    ep_mesh = dims.submesh("ep")
     for layer in model.layers.values():
         moe = getattr(layer, "feed_forward", None)
         if isinstance(moe, MoE):
