@@ -18,8 +18,8 @@ helpers/rollout_worker.py), every MoE layer dispatching (the CPU decode's packed
 their class the dispatching one), and the run equals one process.
 
 A rank killed mid-run (SIGKILL after step 5) ends the attempt; torchrun restarts the
-group, which resumes from step 4's checkpoint with the losses of one process (``long``,
-as its sibling in test_multinode.py)."""
+group, which resumes from step 4's checkpoint with the losses of one process and ends
+with its weights (``long``, as its sibling in test_multinode.py)."""
 from __future__ import annotations
 
 import json
@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 from helpers.grpo_prompts import grpo_overrides, sum_records, write_prompts
 from helpers.moe_rl import moe_model_dir
@@ -172,3 +173,7 @@ def test_a_killed_rank_under_expert_parallel_restarts_the_group_which_resumes_al
         assert g["loss"] == pytest.approx(w["loss"], rel=1e-5), g["step"]
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5), g["step"]
     assert seconds < 600  # no hang: the group ended and restarted by itself
+    weights, ref = (load_file(run / "hf" / "model.safetensors") for run in (out, tmp_path / "one"))
+    assert weights.keys() == ref.keys() and any(".mlp.experts." in k for k in ref)
+    for name, want in ref.items():  # (the experts gathered whole from both ranks)
+        assert (weights[name] - want).abs().max() <= 1e-4 * want.abs().max(), name
