@@ -256,7 +256,7 @@ class MemoryEstimate:
                       "optimizer": s.cfg.optim.name,
                       "lora": dataclasses.asdict(s.lora) if s.lora else None,
                       "tp": layout.tp, "pp": layout.pp, "dp_shard": layout.dp_shard,
-                      "cp": layout.cp,
+                      "cp": layout.cp, "ep": s.ep,
                       "dp_replicate": layout.dp_replicate, "zero": p.zero,
                       "sequence_parallel": p.sequence_parallel, "attention": s.attention,
                       "microbatches": s.batch.microbatches},
@@ -367,6 +367,9 @@ def format_table(est: MemoryEstimate, device_memory_gib: Optional[float] = None,
         f"layout: {layout.world_size} device(s) on {s.device}: dp_replicate "
         f"{layout.dp_replicate} x dp_shard {layout.dp_shard} x cp {layout.cp} x tp "
         f"{layout.tp} x pp {layout.pp}, zero {s.cfg.parallel.zero}"
+        + (f"; ep {s.ep}: {s.args.n_experts // s.ep} experts per layer on each rank, "
+           + (f"FSDP-sharded over {s.expert_shard}" if s.expert_shard > 1 else "whole")
+           if s.ep > 1 else "")
         + (f"; pipeline stage {est.stage}" if layout.pp > 1 else ""),
         "",
         f"{'per device':46s}{'GiB':>10s}",

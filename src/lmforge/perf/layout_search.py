@@ -86,7 +86,8 @@ def meshes(args, gpus: int, per_node: int, seq_len: int = 0) -> Iterator[dict]:
                 for rep in divisors(gpus // (tp * cp * pp)):
                     shard = gpus // (tp * cp * pp * rep)
                     mesh = {"parallel.dp_replicate": rep, "parallel.dp_shard": shard,
-                            "parallel.cp": cp, "parallel.tp": tp, "parallel.pp": pp}
+                            "parallel.cp": cp, "parallel.tp": tp, "parallel.pp": pp,
+                            "parallel.ep": 1}  # (not the input config's)
                     yield mesh
                     for ep in expert_parallel(args, mesh):
                         yield {**mesh, "parallel.ep": ep}
@@ -188,8 +189,9 @@ def plan_args(cfg: JobConfig):
 
 
 SINGLE_DEVICE = {"parallel.dp_shard": 1, "parallel.dp_replicate": 1, "parallel.tp": 1,
-                 "parallel.pp": 1, "parallel.cp": 1, "parallel.pp_schedule": "1f1b",
-                 "parallel.pp_virtual_stages": 1, "data.global_batch_size": None}
+                 "parallel.pp": 1, "parallel.cp": 1, "parallel.ep": 1,
+                 "parallel.pp_schedule": "1f1b", "parallel.pp_virtual_stages": 1,
+                 "data.global_batch_size": None}
 QLORA = {"lora.enabled": True, "lora.quantize": "nf4", **SINGLE_DEVICE,
          "data.micro_batch_size": 1, "train.activation_checkpointing": "full"}
 

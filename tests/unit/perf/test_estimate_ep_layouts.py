@@ -127,7 +127,7 @@ def test_plan_tries_every_ep_dividing_dp_shard_and_the_experts():
     cfg = load_config(None, ["model.preset=qwen3-moe-debug", "model.n_experts=12",
                              "data.seq_len=128", "train.device=cuda"])
     args = plan_args(cfg)
-    found = {(m["parallel.dp_replicate"], m["parallel.dp_shard"], m.get("parallel.ep", 1))
+    found = {(m["parallel.dp_replicate"], m["parallel.dp_shard"], m["parallel.ep"])
              for m in meshes(args, 8, 8)}
     assert found == {(1, 8, 1), (1, 8, 2), (1, 8, 4), (2, 4, 1), (2, 4, 2), (2, 4, 4),
                      (4, 2, 1), (4, 2, 2), (8, 1, 1)}
@@ -136,4 +136,13 @@ def test_plan_tries_every_ep_dividing_dp_shard_and_the_experts():
     assert result.tried == len(tried)
     assert {c.setup.ep for c in result.candidates} == {1, 2, 4}
     dense = load_config(None, ["model.preset=debug", "data.seq_len=128"])
-    assert all("parallel.ep" not in m for m in meshes(plan_args(dense), 8, 8))
+    assert all(m["parallel.ep"] == 1 for m in meshes(plan_args(dense), 8, 8))
+
+
+def test_plan_of_an_expert_parallel_config_tries_ep_1_too():
+    """A config's own parallel.ep is a layout key like the others: the search sets it
+    on every mesh (ep = 1 included), and reads the model on one device with ep = 1."""
+    cfg = load_config(None, ["model.preset=qwen3-moe-debug", "data.seq_len=128",
+                             "train.device=cuda", "parallel.dp_shard=4", "parallel.ep=4"])
+    found = {(m["parallel.dp_shard"], m["parallel.ep"]) for m in meshes(plan_args(cfg), 4, 8)}
+    assert {(4, 1), (4, 2), (4, 4), (1, 1)} <= found
