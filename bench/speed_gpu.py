@@ -20,6 +20,16 @@ experts), both with a bf16 base and fp32 adapters, each side's own random weight
 are too many to write for both): peak memory (to set beside Unsloth's published 63 GB
 for this model's bf16 LoRA) and tokens/s; with and without activation checkpointing.
 ``--only moe-30b`` runs them first when a GPU is lent.
+
+The expert-parallel rows (``moe-30b-ep8``, ``moe-30b-fsdp8``) need 8 GPUs: Qwen3-30B-A3B
+fully trained (fp32 weights, bf16 autocast, full activation checkpointing, the fused
+loss) at seq 4096, micro-batch 2 per GPU, by ``bench/ep_bench.py``, which launches
+``torchrun --nproc-per-node 8 -m lmforge.cli train``: ``parallel.ep=8
+parallel.dp_shard=8`` (16 experts whole on each GPU, tokens sent by all-to-all) and,
+to set beside it, FSDP2 alone (``parallel.dp_shard=8``); tokens/s per GPU, to compare
+with torchtitan's default all-to-all at ep=8 (9,930 tokens/s per GPU, docs/benchmarks.md).
+With fewer GPUs visible such a step is skipped with one line (and a ``"rc": "skipped"``
+record); it takes none of the budget.
 """
 from __future__ import annotations
 
@@ -31,6 +41,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = "bench"
@@ -38,6 +49,10 @@ ONE_B = ["--preset", "llama3.2-1b", "--compile", "--fused-loss"]
 MOE_30B_LORA = ["--preset", "qwen3-30b-a3b", "--method", "lora", "--lora-rank", "16",
                 "--lora-targets", "all-linear", "--base-dtype", "bf16", "--random-weights",
                 "--seq-len", "2048", "--batch", "1", "--steps", "4", "--warmup", "2"]
+EP_GPUS = 8
+MOE_30B_EP = ["--device", "cuda", "--nproc", str(EP_GPUS), "--preset", "qwen3-30b-a3b",
+              "--shape", "preset", "--seq-len", "4096", "--batch", "2", "--steps", "6",
+              "--warmup", "3", "--activation-checkpointing", "--set", "train.fused_loss=true"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +61,7 @@ class Step:
     argv: tuple  # after the python executable, from the repository root
     expect_s: int  # what it should take on an H100/H200 (compiles included)
     bitsandbytes: bool = False
+    gpus: int = 1  # GPUs it needs visible (more: torchrun inside the step)
 
 
 def steps(out: str) -> list[Step]:
@@ -78,19 +94,35 @@ def steps(out: str) -> list[Step]:
         *[Step(f"moe-30b-lora-2048{tag}", train_step + (*MOE_30B_LORA, *flags, "--json",
                f"{out}/moe-30b-lora-2048{tag}.json"), 420)
           for tag, flags in (("", ()), ("-ac", ("--activation-checkpointing",)))],
+        # expert parallelism against FSDP2 alone on 8 GPUs (skipped with fewer)
+        *[Step(f"moe-30b-{name}", (f"{BENCH}/ep_bench.py", *MOE_30B_EP, "--layouts", layout,
+               "--json", f"{out}/moe-30b-{name}.json"), 300, gpus=EP_GPUS)
+          for name, layout in ((f"ep{EP_GPUS}", "ep"), (f"fsdp{EP_GPUS}", "fsdp"))],
     ]
 
 
-def runnable(plan: list[Step], done: set[str], budget_s: float) -> list[Step]:
+def runnable(plan: list[Step], done: set[str], budget_s: float,
+             gpus: Optional[int] = None) -> list[Step]:
     """The steps not done before, in order, each as long as the ones before it leave time
-    for its expected seconds (a later, shorter one may still fit)."""
+    for its expected seconds (a later, shorter one may still fit); with ``gpus`` (those
+    visible), none that needs more of them."""
     chosen, left = [], budget_s
     for step in plan:
-        if step.name in done or step.expect_s > left:
+        if step.name in done or step.expect_s > left or not fits(step, gpus):
             continue
         chosen.append(step)
         left -= step.expect_s
     return chosen
+
+
+def fits(step: Step, gpus: Optional[int]) -> bool:
+    """Whether ``step`` can run with ``gpus`` visible (None: not asked, it may)."""
+    return gpus is None or step.gpus <= max(gpus, 1)
+
+
+def gpus_visible() -> int:
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def only(plan: list[Step], prefixes) -> list[Step]:
@@ -145,12 +177,22 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="print the plan and stop")
     a = p.parse_args(argv)
     out = Path(a.out)
-    plan = runnable(only(steps(str(out)), a.only), done_before(a.done), a.budget_s)
+    chosen, done = only(steps(str(out)), a.only), done_before(a.done)
+    visible = None if a.dry_run else gpus_visible()  # (dry: the plan for every GPU asked)
+    plan = runnable(chosen, done, a.budget_s, visible)
     for step in plan:
-        print(f"{step.name:<22} ~{step.expect_s:>4} s  python3 {' '.join(step.argv)}")
+        gpus = f"  [{step.gpus} GPUs]" if step.gpus > 1 else ""
+        print(f"{step.name:<22} ~{step.expect_s:>4} s  python3 {' '.join(step.argv)}{gpus}")
     if a.dry_run:
         return 0
     out.mkdir(parents=True, exist_ok=True)
+    for step in chosen:  # (a step that needs more GPUs: one line, no budget taken)
+        if step.name not in done and not fits(step, visible):
+            row = {"name": step.name, "rc": "skipped",
+                   "reason": f"needs {step.gpus} GPUs, {visible} visible"}
+            print(f"{step.name}: skipped, {row['reason']}", flush=True)
+            with open(out / "speed_gpu.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
     deadline = time.monotonic() + a.budget_s
     for step in plan:
         left = deadline - time.monotonic()

@@ -55,10 +55,48 @@ def test_a_dry_run_prints_the_plan_and_runs_nothing(tmp_path):
 
 def test_the_moe_rows_are_planned_and_only_selects_them():
     moe = SPEED.only(SPEED.steps("/tmp/out"), ["moe-30b"])
-    assert [s.name for s in moe] == ["moe-30b-lora-2048", "moe-30b-lora-2048-ac"]
-    for step in moe:
+    assert [s.name for s in moe] == ["moe-30b-lora-2048", "moe-30b-lora-2048-ac",
+                                     "moe-30b-ep8", "moe-30b-fsdp8"]
+    for step in moe[:2]:
         assert "qwen3-30b-a3b" in step.argv and "all-linear" in step.argv
     assert SPEED.only(SPEED.steps("/tmp/out"), None) == SPEED.steps("/tmp/out")
+
+
+def test_the_expert_parallel_rows_ask_for_8_gpus_and_fit_a_device_call():
+    """Qwen3-30B-A3B's own shape at ep=8 (and FSDP2 alone), torchrun over 8 processes by
+    ep_bench, each within what one call of the device machine allows."""
+    ep, fsdp = SPEED.only(SPEED.steps("/tmp/out"), ["moe-30b-ep8", "moe-30b-fsdp8"])
+    for step, layout in ((ep, "ep"), (fsdp, "fsdp")):
+        parsed = _load("ep_bench").parse_args(step.argv[1:])
+        assert step.gpus == 8 and parsed.nproc == 8 and parsed.device == "cuda"
+        assert parsed.preset == "qwen3-30b-a3b" and parsed.shape == "preset"
+        assert parsed.layouts == [layout] and step.expect_s <= 540
+        assert parsed.json == f"/tmp/out/{step.name}.json"
+    assert all(s.gpus == 1 for s in SPEED.steps("/tmp/out") if s not in (ep, fsdp))
+
+
+def test_steps_that_need_more_gpus_are_left_out_without_taking_budget():
+    plan = SPEED.steps("/tmp/out")
+    budget = sum(s.expect_s for s in plan)
+    one_gpu = SPEED.runnable(plan, set(), budget, gpus=1)
+    assert [s.name for s in plan if s not in one_gpu] == ["moe-30b-ep8", "moe-30b-fsdp8"]
+    assert SPEED.runnable(plan, set(), budget, gpus=0) == one_gpu  # (CPU: the 1-GPU plan)
+    assert SPEED.runnable(plan, set(), budget, gpus=8) == plan
+    # the budget of an 8-GPU step that cannot run is left to the steps after it
+    ep8 = SPEED.only(plan, ["moe-30b-ep8"])[0]
+    assert SPEED.runnable([ep8, plan[0]], set(), plan[0].expect_s, gpus=1) == [plan[0]]
+
+
+def test_a_step_that_needs_more_gpus_is_skipped_with_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(SPEED, "gpus_visible", lambda: 1)
+    monkeypatch.setattr(SPEED, "run", lambda *a: pytest.fail("nothing should run"))
+    assert SPEED.main(["--out", str(tmp_path), "--only", "moe-30b-ep8", "--budget-s",
+                       "600"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["moe-30b-ep8: skipped, needs 8 GPUs, 1 visible"]
+    rows = [json.loads(line) for line in (tmp_path / "speed_gpu.jsonl").read_text().splitlines()]
+    assert rows == [{"name": "moe-30b-ep8", "rc": "skipped", "reason": "needs 8 GPUs, 1 visible"}]
+    assert SPEED.done_before(tmp_path / "speed_gpu.jsonl") == set()  # (it runs when it can)
 
 
 @pytest.mark.slow
