@@ -150,7 +150,7 @@ def launch(out: Path, overrides: list[str], a) -> tuple[int, str, float]:
 
 def summarize(records: list[dict], warmup: int, nproc: int) -> dict:
     """The median of the logged steps after ``warmup``: tokens/s (all ranks) and per
-    rank, seconds per step, and the peak memory logged last (rank 0's)."""
+    rank, their range, and the peak memory logged last (rank 0's)."""
     timed = [r for r in records if r.get("step", 0) > warmup and r.get("tokens_per_s")]
     if not timed:
         return {"error": f"no step logged after the {warmup} warm-up steps"}
@@ -163,7 +163,8 @@ def summarize(records: list[dict], warmup: int, nproc: int) -> dict:
 
 
 def row_of(layout: str, a, runs: list[dict], records: list[dict]) -> dict:
-    """A layout's row: the median over every round's timed steps, and each round's."""
+    """A layout's row: the median over every round's timed steps, each round's, and the
+    highest peak memory of any round."""
     name = f"ep={a.nproc} dp_shard={a.nproc}" if layout == "ep" else f"fsdp dp_shard={a.nproc}"
     failed = [r["rc"] for r in runs if r["rc"] != 0]
     row = {"name": name, "layout": layout, "nproc": a.nproc,
@@ -171,7 +172,10 @@ def row_of(layout: str, a, runs: list[dict], records: list[dict]) -> dict:
     if failed:
         return {**row, "error": f"exit {failed[0]}"}
     best = max(r["tokens_per_s"] for r in runs)  # (the round least slowed by other load)
-    return {**row, **summarize(records, a.warmup, a.nproc), "best_round_tokens_per_s": best}
+    peak = max((r["peak_mem_gib_rank0"] for r in runs
+                if r.get("peak_mem_gib_rank0") is not None), default=None)
+    return {**row, **summarize(records, a.warmup, a.nproc), "best_round_tokens_per_s": best,
+            "peak_mem_gib_rank0": peak}
 
 
 def gpus_visible() -> int:
