@@ -75,6 +75,9 @@ def parse_args(argv=None):
                    help="more lmforge train overrides, for both layouts")
     p.add_argument("--timeout-s", type=float, default=900.0, help="per layout")
     p.add_argument("--json", help="write the rows here")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check each layout's run with lmforge train --dry-run for --nproc "
+                        "processes (no GPU needed) and stop")
     p.add_argument("--keep", help="run directories here (default: a temporary folder)")
     moe_bench.add_shape_flags(p)
     return p.parse_args(argv)
@@ -129,12 +132,17 @@ def layout_overrides(layout: str, nproc: int) -> list[str]:
     return [f"parallel.dp_shard={nproc}"] + ([f"parallel.ep={nproc}"] if layout == "ep" else [])
 
 
-def launch(out: Path, overrides: list[str], a) -> tuple[int, str, float]:
-    """One ``torchrun ... lmforge.cli train``: (exit status, output's end, seconds)."""
+def train_env(device: str) -> dict:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
         filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
-    if a.device == "cpu":
+    if device == "cpu":
         env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def launch(out: Path, overrides: list[str], a) -> tuple[int, str, float]:
+    """One ``torchrun ... lmforge.cli train``: (exit status, output's end, seconds)."""
+    env = train_env(a.device)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={a.nproc}", "-m", "lmforge.cli", "train", *overrides,
            f"train.output_dir={out}"]
@@ -225,8 +233,32 @@ def machine(device: str) -> dict:
     return {"device": name, "torch": torch.__version__, "python": platform.python_version()}
 
 
+def dry_run(a, args) -> int:
+    """Each layout's run checked by ``lmforge train --dry-run --world-size N`` (the config
+    resolved for N processes, the model built on meta, its memory estimated): 0 if all
+    pass. Needs no GPU, so an 8-GPU row can be checked anywhere."""
+    failed = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus, tokenizer = write_corpus(Path(tmp), 20000)
+        shared = train_overrides(a, args, corpus, tokenizer)
+        for layout in a.layouts:
+            proc = subprocess.run(
+                [sys.executable, "-m", "lmforge.cli", "train", "--dry-run", "--world-size",
+                 str(a.nproc), *shared, *layout_overrides(layout, a.nproc),
+                 f"train.output_dir={tmp}/{layout}"],
+                capture_output=True, text=True, env=train_env(a.device), timeout=a.timeout_s)
+            memory = [line for line in proc.stdout.splitlines() if line.startswith("memory:")]
+            print(f"{layout}: dry run exit {proc.returncode}; "
+                  f"{memory[0] if memory else (proc.stdout + proc.stderr)[-2000:]}", flush=True)
+            failed += proc.returncode != 0
+    return 1 if failed else 0
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if a.dry_run:
+        args = moe_bench.model_args(a.preset, shape_flags(a), a.seq_len)
+        return dry_run(a, args)
     if a.device == "cuda" and gpus_visible() < a.nproc:
         print(f"skipped: ep={a.nproc} needs {a.nproc} GPUs, {gpus_visible()} visible")
         return 0

@@ -116,3 +116,17 @@ def test_the_moe_rows_command_runs_on_tiny_shapes_on_the_cpu(tmp_path):
     results = json.loads((tmp_path / "moe-30b-lora-2048.json").read_text())["results"]
     assert [r["side"] for r in results] == ["lmforge", "reference"]
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in results), results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["moe-30b-ep8", "moe-30b-fsdp8"])
+def test_the_expert_parallel_rows_runs_pass_the_trainers_dry_run_for_8_processes(name):
+    """Their lmforge train, as ep_bench launches it, resolved for 8 processes and the
+    model built on meta (no GPU needed): about 20 s each on a 2-core CPU."""
+    step = SPEED.only(SPEED.steps("/tmp/out"), [name])[0]
+    script, *argv = step.argv
+    proc = subprocess.run([sys.executable, script, *argv, "--dry-run"], cwd=BENCH.parent,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    layout = "ep" if name.endswith("ep8") else "fsdp"
+    assert proc.stdout.startswith(f"{layout}: dry run exit 0; memory: "), proc.stdout
