@@ -8,6 +8,7 @@ shard by shard), back to back in one invocation (same machine state).
     python bench/ep_bench.py --json ep.json --steps 12 --warmup 3
     python bench/ep_bench.py --device cuda --nproc 8 --shape preset --layouts ep \\
         --seq-len 4096 --batch 2 --activation-checkpointing   # Qwen3-30B-A3B, 8 GPUs
+    python bench/ep_bench.py ... --dry-run    # each run checked by lmforge train --dry-run
 
 Each layout is one ``torchrun --standalone --nproc-per-node N -m lmforge.cli train`` on a
 generated text corpus (random words, a BPE tokenizer trained on it once), random weights,
