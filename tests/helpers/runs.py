@@ -44,15 +44,16 @@ def tiny_overrides(corpus: Path, steps: int) -> list[str]:
             "optim.warmup_steps=0", "optim.grad_clip=0.5", "train.sample_tokens=1"]
 
 
-def launch_worker(worker: Path, out: Path, nproc: int, timeout: int = 300) -> None:
-    """``torchrun --standalone --nproc-per-node=nproc worker out`` with src/ importable and
+def launch_worker(worker: Path, out: Path, nproc: int, timeout: int = 300,
+                  args: tuple[str, ...] = ()) -> None:
+    """``torchrun --standalone --nproc-per-node=nproc worker out *args`` with src/ importable and
     one thread per process, as the distributed tests' workers run; asserts it succeeded
     (the output's end in the message otherwise)."""
     src = Path(__file__).resolve().parents[2] / "src"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
         [str(src), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc-per-node={nproc}", str(worker), str(out)],
+                           f"--nproc-per-node={nproc}", str(worker), str(out), *args],
                           capture_output=True, text=True, env=env, timeout=timeout)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
 

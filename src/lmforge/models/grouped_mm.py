@@ -52,7 +52,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
     if torch.is_autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
         x, weight = x.to(dtype), weight.to(dtype)
-    if grouped_mm_supported(x.device.type, x.dtype) and _aligned(x, weight):
+    if _grouped_mm_takes(x, weight):
         ends = counts.cumsum(0).to(torch.int32)  # (experts,) each group's end row
         y = torch._grouped_mm(x, weight.transpose(-2, -1), offs=ends)  # (assignments, out)
         if y.requires_grad:  # its backward refuses an expanded gradient (a plain .sum()'s)
@@ -63,6 +63,15 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
     padded = x.new_zeros(weight.shape[0], int(counts.max()), x.shape[1])  # (experts, most, in)
     padded = padded.index_put((experts, slot), x)
     return torch.bmm(padded, weight.transpose(1, 2))[experts, slot]  # (assignments, out)
+
+
+def _grouped_mm_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether this product runs as one ``torch._grouped_mm``. Under ``torch.compile``
+    only in bf16: its fake kernel (torch 2.13), which tracing runs, refuses the fp32
+    that the CPU kernel takes, so a compiled fp32 block takes the padded product."""
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        return False
+    return grouped_mm_supported(x.device.type, x.dtype) and _aligned(x, weight)
 
 
 def _aligned(x: torch.Tensor, weight: torch.Tensor) -> bool:
