@@ -47,6 +47,7 @@ def test_a_gpu_row_with_too_few_gpus_visible_is_skipped_in_one_line(monkeypatch,
 
 
 @pytest.mark.slow
+@pytest.mark.long  # (make test-long: kept out of make test's 15 minutes)
 def test_both_layouts_train_a_tiny_moe_on_two_cpu_processes(tmp_path):
     """About 40 s on a 2-core CPU (two torchrun launches)."""
     tiny = ["--dim", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--head-dim",

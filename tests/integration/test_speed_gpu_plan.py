@@ -119,6 +119,7 @@ def test_the_moe_rows_command_runs_on_tiny_shapes_on_the_cpu(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # (make test-long: kept out of make test's 15 minutes)
 @pytest.mark.parametrize("name", ["moe-30b-ep8", "moe-30b-fsdp8"])
 def test_the_expert_parallel_rows_runs_pass_the_trainers_dry_run_for_8_processes(name):
     """Their lmforge train, as ep_bench launches it, resolved for 8 processes and the
