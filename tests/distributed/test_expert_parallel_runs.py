@@ -4,7 +4,10 @@ dispatched by all-to-all) equal one process for 3 steps (1e-5), on a tiny Qwen3-
 by transformers (helpers.moe_rl): DPO's loss, gradient norm and TRL's reward metrics with
 a live frozen reference (itself expert-parallel) and with a precomputed one; GRPO's
 losses, gradient norms, rewards, advantages' outcomes (TRL's token metrics, the KL to a
-frozen reference, rl.scale_rewards=batch) and the held-out reward.
+frozen reference, rl.scale_rewards=batch) and the held-out reward. In make test-long
+too: LoRA on the attention and the experts under ep=2 (the reference: the adapters off),
+and ep=2 inside dp_shard=4 (4 processes, each experts module FSDP-sharded over the 2
+ranks that hold the same experts), for DPO and GRPO.
 
 The GRPO rollout decodes each rank's own prompts, and every MoE forward under ep is a
 collective (an all-to-all of the tokens), so a rank whose completions have all ended must
@@ -58,7 +61,7 @@ ROLLOUT_WORKER = Path(__file__).resolve().parents[1] / "helpers" / "rollout_work
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ep-runs")
-    return {"model": moe_model_dir(root / "model", stop_logit=9.0),
+    return {"root": root, "one": {}, "model": moe_model_dir(root / "model", stop_logit=9.0),
             "pairs": write_pairs(root / "pairs.jsonl", pairs(48)),
             "prompts": write_prompts(root / "prompts.jsonl", sum_records(40))}
 
@@ -66,10 +69,11 @@ def inputs(tmp_path_factory):
 def _close(got: list[dict], want: list[dict], keys) -> None:
     assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
     for g, w in zip(got, want):
+        assert {"loss", "grad_norm", "moe/aux_loss"} <= w.keys()
         for key in keys:
-            assert key in w, key
-            assert g.get(key) == pytest.approx(w[key], rel=1e-5, abs=1e-6), (
-                g["step"], key, g.get(key), w[key])
+            if key in w or key in g:  # (rl.loss_type=grpo counts completions, not tokens)
+                assert g.get(key) == pytest.approx(w.get(key), rel=1e-5, abs=1e-6), (
+                    g["step"], key, g.get(key), w.get(key))
 
 
 def _dpo(inputs, *extra: str) -> list[str]:
@@ -81,13 +85,34 @@ def _dpo(inputs, *extra: str) -> list[str]:
             "train.deterministic=true", *extra]
 
 
-@pytest.mark.parametrize("reference", ["live", pytest.param("precomputed",
-                                                             marks=pytest.mark.long)])
-def test_dpo_under_expert_parallel_equals_one_process(inputs, tmp_path, reference):
-    extra = [f"train.reference={reference}"]
-    run_lmforge(tmp_path / "one", _dpo(inputs, *extra))
-    run_lmforge(tmp_path / "ep", _dpo(inputs, *extra, *EP), nproc=2)
-    _close(read_metrics(tmp_path / "ep"), read_metrics(tmp_path / "one"), DPO_KEYS)
+def _one_process(inputs, kind: str, overrides: list[str]) -> list[dict]:
+    """The metrics of the one-process run of ``overrides``, once per module."""
+    key = (kind, *overrides)
+    if key not in inputs["one"]:
+        out = inputs["root"] / f"one-{kind}-{len(inputs['one'])}"
+        run_lmforge(out, overrides)
+        inputs["one"][key] = read_metrics(out)
+    return inputs["one"][key]
+
+
+LONG = pytest.mark.long  # (make test-long: 2 processes over 20 s, or 4)
+LORA = ["lora.enabled=true", "lora.rank=4", "lora.targets=all-linear"]
+EP_EFSDP = ["parallel.dp_shard=4", "parallel.ep=2"]  # (experts FSDP-sharded over 2 too)
+DPO_CASES = {  # name: (processes, the run, the layout)
+    "live": (2, ["train.reference=live"], EP),
+    "precomputed": (2, ["train.reference=precomputed"], EP),
+    "lora": (2, [*LORA, "optim.lr=1e-2"], EP),  # (the reference: the adapters off)
+    "ep2_efsdp2": (4, ["train.reference=live"], EP_EFSDP),
+}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[] if c == "live" else [LONG])
+                                  for c in DPO_CASES])
+def test_dpo_under_expert_parallel_equals_one_process(inputs, tmp_path, case):
+    nproc, extra, layout = DPO_CASES[case]
+    want = _one_process(inputs, "dpo", _dpo(inputs, *extra))
+    run_lmforge(tmp_path / "ep", _dpo(inputs, *extra, *layout), nproc=nproc)
+    _close(read_metrics(tmp_path / "ep"), want, DPO_KEYS)
 
 
 def _grpo(inputs, *extra: str) -> list[str]:
@@ -135,6 +160,24 @@ def test_grpo_under_expert_parallel_equals_one_process_with_ranks_ending_apart(i
     first = [max(r[0]["lengths"]) for r in ranks]  # step 1: one rank done long before
     assert min(first) < SYNC_EVERY and max(first) == COMPLETION, ranks
     assert got[0]["completions/min_length"] < SYNC_EVERY  # (and one process saw the same)
+
+
+GRPO_CASES = {  # name: (processes, the run, the layout)
+    "lora": (2, [*LORA, "rl.beta=0.1", "rl.loss_type=grpo"], EP),
+    # (1 prompt a micro-batch: 4 ranks of data; one process takes the step's 4 in turn)
+    "ep2_efsdp2": (4, ["data.micro_batch_size=1"], EP_EFSDP),
+}
+
+
+@pytest.mark.long  # (make test-long: LoRA, and 4 processes)
+@pytest.mark.parametrize("case", list(GRPO_CASES))
+def test_grpo_on_another_expert_parallel_layout_equals_one_process(inputs, tmp_path, case):
+    nproc, extra, layout = GRPO_CASES[case]
+    want = _one_process(inputs, "grpo", _grpo(inputs, *extra))
+    run_lmforge(tmp_path / "ep", _grpo(inputs, *extra, *layout), nproc=nproc)
+    got = read_metrics(tmp_path / "ep")
+    _close(got, want, GRPO_KEYS)
+    assert got[-1]["eval_reward"] == pytest.approx(want[-1]["eval_reward"], rel=1e-5)
 
 
 # ---------------------------------------------------------------- a lost rank, restarted
