@@ -1,11 +1,13 @@
 """The worker of tests/distributed/test_estimate_ep.py: a tiny Qwen3-MoE (qwen3-moe-debug's
 shape: layer 0 dense, layer 1 16 experts of width 64, top 4) trained by the trainer's own
-step (``build_train_model``, ``train_step``) over 2 processes, FSDP2 over dp_shard=2 with
-and without expert parallelism (ep=2); TensorMemoryTracker records each rank's peak of
-live tensor storage over step 2 (step 1 creates the optimizer state).
+step (``build_train_model``, ``train_step``), FSDP2 with and without expert parallelism:
+over 2 processes dp_shard=2 (ep=2 and none, full training and LoRA on the attention and
+the experts), over 4 ep=2 below dp_shard=4 and with HSDP (dp_replicate=2 x dp_shard=2);
+TensorMemoryTracker records each rank's peak of live tensor storage over step 2 (step 1
+creates the optimizer state).
 
-``torchrun --nproc-per-node=2 estimate_ep.py OUT`` writes OUT/peaks-RANK.json:
-layout -> measured peak bytes."""
+``torchrun --nproc-per-node=N estimate_ep.py OUT`` (N = 2 or 4) writes
+OUT/peaks-RANK.json: layout -> measured peak bytes, for the layouts of N processes."""
 from __future__ import annotations
 
 import contextlib
@@ -30,15 +32,29 @@ from lmforge.train.optim import Optimizers
 ARGS = dataclasses.replace(PRESETS["qwen3-moe-debug"], vocab_size=256, max_seq_len=128,
                            router_aux_loss_coef=0.01)
 SEQ, MICRO_BATCH, WORLD = 64, 4, 2
+LORA = {"lora.enabled": True, "lora.targets": "all-linear", "lora.dropout": 0.0}
 LAYOUTS = {"ep2_dp2": {"parallel.dp_shard": 2, "parallel.ep": 2},
-           "dp2": {"parallel.dp_shard": 2}}
+           "dp2": {"parallel.dp_shard": 2},
+           "ep2_dp2_lora": {"parallel.dp_shard": 2, "parallel.ep": 2, **LORA},
+           "dp2_lora": {"parallel.dp_shard": 2, **LORA}}
+WORLD_4 = 4
+LAYOUTS_4 = {"ep2_dp4": {"parallel.dp_shard": 4, "parallel.ep": 2},
+             "ep2_dp2x2": {"parallel.dp_replicate": 2, "parallel.dp_shard": 2,
+                           "parallel.ep": 2},
+             "ep2_dp4_lora": {"parallel.dp_shard": 4, "parallel.ep": 2, **LORA},
+             "dp4": {"parallel.dp_shard": 4}}
+BY_WORLD = {WORLD: LAYOUTS, WORLD_4: LAYOUTS_4}
 
 
-def job_config(fields: dict) -> JobConfig:
+def world_of(layout: str) -> int:
+    return WORLD if layout in LAYOUTS else WORLD_4
+
+
+def job_config(fields: dict, world: int = WORLD) -> JobConfig:
     """The measured run's config (the test's estimate reads the same one)."""
     cfg = JobConfig()
     cfg.data.seq_len, cfg.data.micro_batch_size = SEQ, MICRO_BATCH
-    cfg.data.global_batch_size = MICRO_BATCH * WORLD
+    cfg.data.global_batch_size = MICRO_BATCH * world
     cfg.train.device, cfg.train.max_steps = "cpu", 10
     for dotted, value in fields.items():
         section, name = dotted.split(".")
@@ -47,9 +63,10 @@ def job_config(fields: dict) -> JobConfig:
 
 
 def measure(fields: dict) -> int:
-    cfg = job_config(fields).validate(world_size=WORLD, distributed=True)
-    dims = build_parallel_dims(cfg.parallel, WORLD, "cpu")
-    job = resolve(cfg, WORLD, distributed=True, args=ARGS)
+    world = dist.get_world_size()
+    cfg = job_config(fields, world).validate(world_size=world, distributed=True)
+    dims = build_parallel_dims(cfg.parallel, world, "cpu")
+    job = resolve(cfg, world, distributed=True, args=ARGS)
     rt = Runtime(torch.device("cpu"), contextlib.nullcontext, rank=dist.get_rank(), dims=dims)
     torch.manual_seed(0)
     model = build_train_model(job, rt.device, dims)
@@ -72,7 +89,8 @@ def measure(fields: dict) -> int:
 
 def main(out: Path) -> None:
     dist.init_process_group("gloo")
-    peaks = {name: measure(fields) for name, fields in LAYOUTS.items()}
+    layouts = BY_WORLD[dist.get_world_size()]
+    peaks = {name: measure(fields) for name, fields in layouts.items()}
     (out / f"peaks-{dist.get_rank()}.json").write_text(json.dumps(peaks))
     gc.collect()
     dist.destroy_process_group()

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from lmforge.perf.activations import in_flight, loss_chunk_tokens
 from lmforge.perf.estimate_setup import DTYPE_BYTES, Setup, compute_bytes
-from lmforge.perf.weights import Weights, fsdp_share, stage_layer_ids, stage_layers
+from lmforge.perf.weights import (Weights, fsdp_share, is_sparse, stage_layer_ids,
+                                  stage_layers)
 
 # Scratch while one weight is dequantized (codes -> int64 indices -> fp32 values -> the
 # compute dtype), per parameter of the largest quantized matrix; measured on peft/quant.py.
@@ -133,14 +134,17 @@ def fsdp_buffers(setup: Setup, weights: Weights, grads: Gradients, stage: int) -
         return FsdpBuffers()
     layers, param_bytes = stage_layers(setup, stage), compute_bytes(setup)
     w, shard, es = weights, setup.layout.fsdp_shard, setup.expert_shard
-    # parallel.ep: FSDP gathers this rank's experts whole for their layer and reduces
-    # their gradients when other ranks hold the same ones (Setup.experts_in_fsdp), else
-    # neither gathers nor reduces them
+    # parallel.ep: FSDP reduces this rank's experts' gradients when other ranks hold the
+    # same ones (Setup.experts_in_fsdp) and gathers them whole for their layer when it
+    # shards them (dp_shard / ep > 1; over one rank, HSDP's at ep = dp_shard, it computes
+    # with the shard itself: measured, tests/distributed/test_estimate_ep.py)
     in_fsdp = setup.experts_in_fsdp
     block = w.block_total - w.ep_block_total
     root = w.trainable_params + w.frozen_params - w.ep_total - layers * block
-    gathered = block + (w.ep_block_total if in_fsdp else 0)  # a block as it computes
     kept = layers if setup.cfg.parallel.zero < 3 else 0
+    # the local experts of the MoE layers among the blocks gathered at once
+    sparse = sum(is_sparse(setup.args, i) for i in stage_layer_ids(setup, stage))
+    experts = w.ep_block_total if es > 1 else 0
     grad_bytes = DTYPE_BYTES[setup.cfg.train.param_dtype]
     mlp_out_sharded = (w.mlp_out_trainable - w.ep_mlp_out_trainable) * grad_bytes / shard
     # the unsharded gradient beyond the shards: the MLP output's, the local down stack's
@@ -148,8 +152,10 @@ def fsdp_buffers(setup: Setup, weights: Weights, grads: Gradients, stage: int) -
                       + grad_bytes * w.ep_mlp_out_trainable * (es - 1) / es)
     reduce_input = 4 * (w.block_trainable - (0 if in_fsdp else w.ep_block_trainable))
     return FsdpBuffers(
-        params_outside_blocks=param_bytes * (root + kept * gathered),
-        params_in_blocks=param_bytes * (root + max(kept, 2) * gathered),
+        params_outside_blocks=param_bytes * (root + kept * block
+                                             + min(kept, sparse) * experts),
+        params_in_blocks=param_bytes * (root + max(kept, 2) * block
+                                        + min(max(kept, 2), sparse) * experts),
         gradients_last_block=in_block_grads,
         gradients_first_block=in_block_grads + reduce_input)
 

@@ -128,9 +128,9 @@ class Setup:
         """Whether FSDP holds the local experts under expert parallelism (each MoE
         layer's experts its own unit, ``parallel.fsdp.apply_fsdp_to_experts``): whenever
         other data-parallel ranks hold the same experts, dp / ep > 1 (ep < dp_shard, or
-        dp_replicate > 1: HSDP over dp_replicate x dp_shard / ep). It then gathers them in
-        its param_dtype for their layer and reduces their gradients; at ep = dp_shard
-        without dp_replicate it ignores them."""
+        dp_replicate > 1: HSDP over dp_replicate x dp_shard / ep). It then reduces their
+        gradients, and gathers them for their layer where it shards them
+        (``expert_shard`` > 1); at ep = dp_shard without dp_replicate it ignores them."""
         return self.ep > 1 and self.layout.dp // self.ep > 1
 
     @property

@@ -365,9 +365,9 @@ def _expert_copy_bytes(setup: Setup, stored: int, rank: int) -> float:
 
 
 def _expert_parallel_cast(setup: Setup) -> bool:
-    """Whether the local experts are cast to the compute dtype per forward outside FSDP:
-    when FSDP ignores them (ep = dp_shard, no dp_replicate) its half param_dtype does not
-    reach them (``ExpertParallelMixin`` casts them, and the grouped product keeps the
-    copy). Otherwise FSDP gathers them in its param_dtype: the gathered stack is its
-    buffer (``buffers.fsdp_buffers``)."""
-    return setup.ep > 1 and not setup.experts_in_fsdp and setup.fsdp and setup.half
+    """Whether the local experts, held whole (ep = dp_shard), are cast to a half compute
+    dtype per forward: without dp_replicate FSDP ignores them and ``ExpertParallelMixin``
+    casts them, the grouped product keeping the copy; under HSDP FSDP's param_dtype
+    makes the same copy (counted alike). Below ep = dp_shard FSDP gathers them in its
+    param_dtype: the gathered stack is its buffer (``buffers.fsdp_buffers``)."""
+    return setup.ep > 1 and setup.expert_shard == 1 and setup.fsdp and setup.half

@@ -59,11 +59,12 @@ def test_at_rest_every_rank_holds_a_dp_shard_share_whatever_ep(ep, extra):
             == pytest.approx(stage_gradients(base, stage_weights(base, 0), 0).total))
 
 
-@pytest.mark.parametrize("zero, kept", [(3, 2), (2, 2)])  # (2 blocks: 2 layers kept)
-def test_fsdp_gathers_the_local_experts_whole_for_their_layer(zero, kept):
+@pytest.mark.parametrize("zero", [3, 2])
+def test_fsdp_gathers_the_local_experts_whole_for_their_layer(zero):
     """Below ep = dp_shard FSDP gathers this rank's E / ep experts (in the compute dtype)
-    with their block: two blocks gathered at once, both kept under zero 2 (the debug
-    model has two); at ep = dp_shard they are never gathered."""
+    with their block: of the blocks gathered at once (two under zero 3, every one under
+    zero 2) those of MoE layers, one in the debug model (layer 0 is dense); at ep =
+    dp_shard they are never gathered."""
     buffers = {}
     for ep in (2, 4, 8):
         s = moe_setup(8, ep, [f"parallel.zero={zero}"])
@@ -71,9 +72,11 @@ def test_fsdp_gathers_the_local_experts_whole_for_their_layer(zero, kept):
         buffers[ep] = (fsdp_buffers(s, w, stage_gradients(s, w, 0), 0), local_stack(s))
     c = compute_bytes(moe_setup(8, 2))
     (two, stack2), (four, stack4), (eight, _) = buffers[2], buffers[4], buffers[8]
-    assert two.params_in_blocks - four.params_in_blocks == pytest.approx(
-        c * kept * (stack2 - stack4))
-    assert four.params_in_blocks - eight.params_in_blocks == pytest.approx(c * kept * stack4)
+    assert two.params_in_blocks - four.params_in_blocks == pytest.approx(c * (stack2 - stack4))
+    assert four.params_in_blocks - eight.params_in_blocks == pytest.approx(c * stack4)
+    kept = 1 if zero == 2 else 0  # (zero 2 keeps every block gathered after forward)
+    assert four.params_outside_blocks - eight.params_outside_blocks == pytest.approx(
+        kept * c * stack4)
 
 
 def test_the_local_experts_gradients_are_reduce_scattered_below_ep_equal_dp_shard():
