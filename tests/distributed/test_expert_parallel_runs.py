@@ -6,8 +6,9 @@ a live frozen reference (itself expert-parallel) and with a precomputed one; GRP
 losses, gradient norms, rewards, advantages' outcomes (TRL's token metrics, the KL to a
 frozen reference, rl.scale_rewards=batch) and the held-out reward. In make test-long
 too: LoRA on the attention and the experts under ep=2 (the reference: the adapters off),
-and ep=2 inside dp_shard=4 (4 processes, each experts module FSDP-sharded over the 2
-ranks that hold the same experts), for DPO and GRPO.
+ep=2 inside dp_shard=4 (4 processes, each experts module FSDP-sharded over the 2 ranks
+that hold the same experts), and ep=2 dp_shard=2 x tp=2 with sequence parallelism (the
+attention split, the experts whole on each tp rank), for DPO and GRPO.
 
 The GRPO rollout decodes each rank's own prompts, and every MoE forward under ep is a
 collective (an all-to-all of the tokens), so a rank whose completions have all ended must
@@ -98,11 +99,13 @@ def _one_process(inputs, kind: str, overrides: list[str]) -> list[dict]:
 LONG = pytest.mark.long  # (make test-long: 2 processes over 20 s, or 4)
 LORA = ["lora.enabled=true", "lora.rank=4", "lora.targets=all-linear"]
 EP_EFSDP = ["parallel.dp_shard=4", "parallel.ep=2"]  # (experts FSDP-sharded over 2 too)
+EP_TP = [*EP, "parallel.tp=2", "parallel.sequence_parallel=true"]  # (attention split)
 DPO_CASES = {  # name: (processes, the run, the layout)
     "live": (2, ["train.reference=live"], EP),
     "precomputed": (2, ["train.reference=precomputed"], EP),
     "lora": (2, [*LORA, "optim.lr=1e-2"], EP),  # (the reference: the adapters off)
     "ep2_efsdp2": (4, ["train.reference=live"], EP_EFSDP),
+    "ep2_tp2_sp": (4, ["train.reference=live"], EP_TP),
 }
 
 
@@ -166,6 +169,8 @@ GRPO_CASES = {  # name: (processes, the run, the layout)
     "lora": (2, [*LORA, "rl.beta=0.1", "rl.loss_type=grpo"], EP),
     # (1 prompt a micro-batch: 4 ranks of data; one process takes the step's 4 in turn)
     "ep2_efsdp2": (4, ["data.micro_batch_size=1"], EP_EFSDP),
+    # (the decoder pads each forward's tokens to a multiple of tp)
+    "ep2_tp2_sp": (4, [], EP_TP),
 }
 
 
