@@ -8,7 +8,9 @@ frozen reference, rl.scale_rewards=batch) and the held-out reward. In make test-
 too: LoRA on the attention and the experts under ep=2 (the reference: the adapters off),
 ep=2 inside dp_shard=4 (4 processes, each experts module FSDP-sharded over the 2 ranks
 that hold the same experts), and ep=2 dp_shard=2 x tp=2 with sequence parallelism (the
-attention split, the experts whole on each tp rank), for DPO and GRPO.
+attention split, the experts whole on each tp rank), for DPO and GRPO; and a DPO run (a
+precomputed reference) and a GRPO run stopped after step 2 under ep and resumed, which
+log the straight runs' losses bit for bit.
 
 The GRPO rollout decodes each rank's own prompts, and every MoE forward under ep is a
 collective (an all-to-all of the tokens), so a rank whose completions have all ended must
@@ -183,6 +185,26 @@ def test_grpo_on_another_expert_parallel_layout_equals_one_process(inputs, tmp_p
     got = read_metrics(tmp_path / "ep")
     _close(got, want, GRPO_KEYS)
     assert got[-1]["eval_reward"] == pytest.approx(want[-1]["eval_reward"], rel=1e-5)
+
+
+@pytest.mark.long  # (make test-long: 3 launches of 2 processes, 27-40 s)
+@pytest.mark.parametrize("kind", ["dpo", "grpo"])
+def test_a_run_under_expert_parallel_stopped_and_resumed_logs_the_straight_losses(
+        inputs, tmp_path, kind):
+    """Stopped after step 2 (its checkpoint) and resumed: DPO with a precomputed
+    reference (read back, not scored again), GRPO (each completion seeded by its step
+    and prompt, so the resumed rollouts are the straight run's) bit for bit."""
+    steps = ["train.max_steps=4", "train.checkpoint_every=2", "train.save=true", *EP]
+    base = (_dpo(inputs, "train.reference=precomputed", *steps) if kind == "dpo"
+            else _grpo(inputs, *steps))
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    run_lmforge(straight, base, nproc=2)
+    run_lmforge(split, [*base, "train.stop_at_step=2"], nproc=2)
+    run_lmforge(split, [*base, "train.resume=auto"], nproc=2)
+    keys = ("step", "loss", "grad_norm", "reward", "completions/mean_length")
+    got, want = ([tuple(r.get(k) for k in keys) for r in read_metrics(run)]
+                 for run in (split, straight))
+    assert [r[0] for r in got] == [1, 2, 3, 4] and got == want
 
 
 # ---------------------------------------------------------------- a lost rank, restarted
