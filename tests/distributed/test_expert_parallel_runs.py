@@ -5,12 +5,13 @@ by transformers (helpers.moe_rl): DPO's loss, gradient norm and TRL's reward met
 a live frozen reference (itself expert-parallel) and with a precomputed one; GRPO's
 losses, gradient norms, rewards, advantages' outcomes (TRL's token metrics, the KL to a
 frozen reference, rl.scale_rewards=batch) and the held-out reward. In make test-long
-too: LoRA on the attention and the experts under ep=2 (the reference: the adapters off),
-ep=2 inside dp_shard=4 (4 processes, each experts module FSDP-sharded over the 2 ranks
-that hold the same experts), and ep=2 dp_shard=2 x tp=2 with sequence parallelism (the
-attention split, the experts whole on each tp rank), for DPO and GRPO; and a DPO run (a
-precomputed reference) and a GRPO run stopped after step 2 under ep and resumed, which
-log the straight runs' losses bit for bit.
+too, against one process: LoRA on the attention and the experts under ep=2 (the
+reference: the adapters off), ep=2 inside dp_shard=4 (4 processes, each experts module
+FSDP-sharded over the 2 ranks that hold the same experts) and ep=2 dp_shard=2 x tp=2 with
+sequence parallelism (the attention split, the experts whole on each tp rank), for DPO
+and GRPO, and GRPO under HSDP (2 replicas of ep=2 dp_shard=2); and a DPO run (precomputed
+reference) and a GRPO run under ep stopped after step 2 and resumed, which log the
+straight runs' losses bit for bit.
 
 The GRPO rollout decodes each rank's own prompts, and every MoE forward under ep is a
 collective (an all-to-all of the tokens), so a rank whose completions have all ended must
@@ -171,6 +172,8 @@ GRPO_CASES = {  # name: (processes, the run, the layout)
     "lora": (2, [*LORA, "rl.beta=0.1", "rl.loss_type=grpo"], EP),
     # (1 prompt a micro-batch: 4 ranks of data; one process takes the step's 4 in turn)
     "ep2_efsdp2": (4, ["data.micro_batch_size=1"], EP_EFSDP),
+    # (the rollout's group: every data-parallel rank, the replicas' too)
+    "ep2_hsdp2": (4, ["data.micro_batch_size=1"], ["parallel.dp_replicate=2", *EP]),
     # (the decoder pads each forward's tokens to a multiple of tp)
     "ep2_tp2_sp": (4, [], EP_TP),
 }
