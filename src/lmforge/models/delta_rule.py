@@ -1,0 +1,145 @@
+"""The gated delta rule (Yang, Kautz and Hatamizadeh, "Gated Delta Networks", 2024), the
+recurrence inside a Gated DeltaNet layer (``models/gated_deltanet.py``), in two forms
+that compute the same thing:
+
+* ``chunk_gated_delta_rule`` (training, prefill): the sequence in chunks of C tokens. The
+  C updates of a chunk are folded into one triangular solve (the UT transform), the
+  chunk reads the incoming state in one product, and only the chunks are sequential.
+* ``recurrent_gated_delta_rule`` (decoding): one token at a time.
+
+Each head keeps a state S (key dim x value dim); at each token S <- exp(g) S, then
+S <- S + beta k (v - S^T k)^T, and the output is S^T q * scale. A packed row's documents
+(``segments``, as a ``DocumentMask`` holds them) each start from an empty state. Pure
+PyTorch, in fp32; the arguments are FLA's (flash-linear-attention), whose kernels may
+replace these on a GPU.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+# Tokens per chunk: FLA's kernels' size, and what transformers uses.
+CHUNK_SIZE = 64
+
+
+# ---------------------------------------------------------------------- documents
+
+def document_index(segments: torch.Tensor) -> torch.Tensor:
+    """(batch, seq) long: each position's document, counted from 0 along its row. A
+    document is a run of equal ids in ``segments``, as the data's positions count them
+    (``data.dataset.positions_from_segments``)."""
+    starts = segments[:, 1:] != segments[:, :-1]  # (batch, seq - 1)
+    return F.pad(starts.cumsum(1), (1, 0))
+
+
+def _chunk_documents(segments: Optional[torch.Tensor], seq: int, pad: int, chunk: int,
+                     device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Which decays survive document boundaries, per chunk (batch or 1, 1, chunks, ...):
+
+    * within (chunk, chunk): i and j (j <= i) are in one document, so j's write reaches i;
+    * from_start (chunk,): i is in the document of the state entering the chunk (chunk 0:
+      the first document, which an initial state continues);
+    * to_end (chunk,): i is in the chunk's last document, so its write leaves the chunk.
+
+    The padding after the sequence joins the last document (it writes nothing)."""
+    if segments is None:
+        docs = torch.zeros(1, seq, dtype=torch.long, device=device)
+    else:
+        docs = document_index(segments)  # (batch, seq)
+    docs = torch.cat([docs, docs[:, -1:].expand(-1, pad)], 1).view(docs.shape[0], -1, chunk)
+    before = torch.cat([docs[:, :1, :1], docs[:, :-1, -1:]], 1)  # (batch, chunks, 1)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=device).tril()
+    within = (docs[..., :, None] == docs[..., None, :]) & causal  # (batch, chunks, c, c)
+    from_start, to_end = docs == before, docs == docs[..., -1:]  # (batch, chunks, c)
+    return within[:, None], from_start[:, None], to_end[:, None]
+
+
+# ---------------------------------------------------------------- the delta rule
+
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           g: torch.Tensor, beta: torch.Tensor, *,
+                           chunk_size: int = CHUNK_SIZE, scale: Optional[float] = None,
+                           initial_state: Optional[torch.Tensor] = None,
+                           segments: Optional[torch.Tensor] = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over a sequence, a chunk at a time. q, k (batch, seq, heads,
+    key dim), v (batch, seq, heads, value dim): as many key heads as value heads (the
+    layer repeats them); g (log decay, <= 0) and beta (batch, seq, heads); ``scale`` of
+    the queries, default 1 / sqrt(key dim); ``initial_state`` (batch, heads, key dim,
+    value dim); ``segments`` (batch, seq): the state restarts at each document. Computed
+    in fp32. Returns the output (batch, seq, heads, value dim) in v's dtype and the final
+    state (fp32): FLA's ``chunk_gated_delta_rule`` arguments and results.
+
+    Within a chunk, with Gamma(i, j) the decay from j to i and S the incoming state, the
+    values actually written, u_i = beta_i (v_i - (decayed state before i)^T k_i), solve
+
+        u_i + sum_{j<i} beta_i (k_i . k_j) Gamma(i, j) u_j
+            = beta_i v_i - beta_i Gamma(i, start) S^T k_i,
+
+    a unit lower-triangular system whose solution is u = fixed - reads S (both parts
+    solved at once, S not yet known). Then
+    o_i = Gamma(i, start) S^T q_i + sum_{j<=i} Gamma(i, j) (q_i . k_j) u_j, and the
+    state leaving the chunk is Gamma(end, start) S + sum_j Gamma(end, j) k_j u_j^T. A
+    document boundary sets every Gamma across it to zero."""
+    batch, seq, heads, key_dim = k.shape
+    value_dim = v.shape[-1]
+    scale = key_dim ** -0.5 if scale is None else scale
+    pad = -seq % chunk_size
+
+    def chunked(t: torch.Tensor) -> torch.Tensor:  # (b, s, h, *f) -> (b, h, n, c, *f), fp32
+        t = t.float().transpose(1, 2)
+        t = F.pad(t, (0, 0) * (t.dim() - 3) + (0, pad))  # (padding: k = v = beta = g = 0)
+        return t.reshape(batch, heads, -1, chunk_size, *t.shape[3:])
+
+    q, k, v, g, beta = chunked(q) * scale, chunked(k), chunked(v), chunked(g), chunked(beta)
+    within, from_start, to_end = _chunk_documents(segments, seq, pad, chunk_size, q.device)
+    log_decay = g.cumsum(-1)  # (b, h, n, c): from the chunk's start through each token
+    # Gamma(i, j); -inf first where j > i, whose positive exponent could overflow.
+    pairwise = log_decay[..., :, None] - log_decay[..., None, :]  # (b, h, n, c, c)
+    pairwise = pairwise.masked_fill(~within, float("-inf")).exp()
+    decay_in = log_decay.exp() * from_start  # Gamma(i, start)
+    decay_out = (log_decay[..., -1:] - log_decay).exp() * to_end  # Gamma(end, i)
+    k_beta = k * beta[..., None]
+    # (b, h, n, c, c): the strictly lower part; the solve takes the diagonal as ones
+    system = (k_beta @ k.transpose(-1, -2)) * pairwise
+    rhs = torch.cat([v * beta[..., None], k_beta * decay_in[..., None]], -1)
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    fixed, reads = solved.split([value_dim, key_dim], -1)  # u = fixed - reads @ S
+    scores = (q @ k.transpose(-1, -2)) * pairwise  # (b, h, n, c, c); i reads its own write
+    q_in = q * decay_in[..., None]
+    k_out = k * decay_out[..., None]
+    state = (torch.zeros(batch, heads, key_dim, value_dim, device=q.device)
+             if initial_state is None else initial_state.float())
+    outputs = []
+    for n in range(q.shape[2]):  # (the one sequential part: chunk after chunk)
+        u = fixed[:, :, n] - reads[:, :, n] @ state  # (b, h, c, value dim)
+        outputs.append(q_in[:, :, n] @ state + scores[:, :, n] @ u)
+        state = (state * decay_in[:, :, n, -1, None, None]
+                 + k_out[:, :, n].transpose(-1, -2) @ u)  # (b, h, key dim, value dim)
+    out = torch.stack(outputs, 2).reshape(batch, heads, -1, value_dim)[:, :, :seq]
+    return out.transpose(1, 2).to(v.dtype), state
+
+
+def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               g: torch.Tensor, beta: torch.Tensor, *,
+                               scale: Optional[float] = None,
+                               initial_state: Optional[torch.Tensor] = None
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same rule one token at a time (decoding): arguments and results as
+    ``chunk_gated_delta_rule``'s, without documents."""
+    key_dim, value_dim = k.shape[-1], v.shape[-1]
+    scale = key_dim ** -0.5 if scale is None else scale
+    q, k, v, g, beta = (t.float().transpose(1, 2) for t in (q, k, v, g, beta))  # (b, h, s, ..)
+    q = q * scale
+    state = (torch.zeros(*k.shape[:2], key_dim, value_dim, device=q.device)
+             if initial_state is None else initial_state.float())
+    outputs = []
+    for t in range(q.shape[2]):
+        state = state * g[:, :, t, None, None].exp()
+        predicted = torch.einsum("bhk,bhkv->bhv", k[:, :, t], state)
+        delta = beta[:, :, t, None] * (v[:, :, t] - predicted)  # (b, h, value dim)
+        state = state + k[:, :, t, :, None] * delta[:, :, None, :]
+        outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t], state))
+    return torch.stack(outputs, 2).transpose(1, 2).to(v.dtype), state
