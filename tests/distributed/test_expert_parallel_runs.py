@@ -22,7 +22,10 @@ tokens (the decoder looks at the stop flags every 16) while the other's run to t
 of 24; every rank runs as many forwards as the longest (recorded by
 helpers/rollout_worker.py), every MoE layer dispatching (the CPU decode's packed experts,
 ``models.packed_linear``, leave expert-parallel ones alone: their stacks are DTensors and
-their class the dispatching one), and the run equals one process.
+their class the dispatching one), and the run equals one process. The decoder alone
+(helpers/ep_decode.py, 7 s): one rank's rows end after 2 tokens, the other's after 12,
+each decodes what the whole model does alone (its experts packed), both running 12
+forwards a decode.
 
 A rank killed mid-run (SIGKILL after step 5) ends the attempt; torchrun restarts the
 group, which resumes from step 4's checkpoint with the losses of one process and ends
@@ -43,7 +46,7 @@ from safetensors.torch import load_file
 from helpers.grpo_prompts import grpo_overrides, sum_records, write_prompts
 from helpers.moe_rl import moe_model_dir
 from helpers.preference_data import pairs, write_pairs
-from helpers.runs import read_metrics, run_lmforge, tiny_overrides
+from helpers.runs import launch_worker, read_metrics, run_lmforge, tiny_overrides
 
 pytestmark = pytest.mark.slow
 STEPS = 3
@@ -166,6 +169,19 @@ def test_grpo_under_expert_parallel_equals_one_process_with_ranks_ending_apart(i
     first = [max(r[0]["lengths"]) for r in ranks]  # step 1: one rank done long before
     assert min(first) < SYNC_EVERY and max(first) == COMPLETION, ranks
     assert got[0]["completions/min_length"] < SYNC_EVERY  # (and one process saw the same)
+
+
+def test_ranks_ending_apart_decode_under_expert_parallel_as_one_process(tmp_path):
+    """The decoder alone (helpers/ep_decode.py): rank 0's rows end after 2 tokens, rank
+    1's after 12; both run 12 forwards a decode (greedy, then sampled), and each decodes
+    what the whole model does alone, whose experts were packed (both MoE layers')."""
+    launch_worker(Path(__file__).resolve().parents[1] / "helpers" / "ep_decode.py",
+                  tmp_path, nproc=2)
+    result = json.loads((tmp_path / "ep-decode.json").read_text())
+    assert result["lengths"] == [2, 12], result
+    assert result["forwards"] == [24, 24], result  # (the prefill and 11 steps, twice)
+    assert result["same_tokens"] and result["max_logprob_diff"] < 1e-5, result
+    assert result["packed"] == [0, 0] and result["packed_alone"] == [2, 2], result
 
 
 GRPO_CASES = {  # name: (processes, the run, the layout)
