@@ -78,13 +78,12 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         u_i + sum_{j<i} beta_i (k_i . k_j) Gamma(i, j) u_j
             = beta_i v_i - beta_i Gamma(i, start) S^T k_i,
 
-    a unit lower-triangular system whose solution is u = fixed - reads S (both parts
-    solved at once, S not yet known). Then
-    o_i = Gamma(i, start) S^T q_i + sum_{j<=i} Gamma(i, j) (q_i . k_j) u_j, and the
-    state leaving the chunk is Gamma(end, start) S + sum_j Gamma(end, j) k_j u_j^T. A
-    document boundary sets every Gamma across it to zero."""
+    unit lower-triangular: u = fixed - reads S, both solved before S is known. Then
+    o_i = Gamma(i, start) S^T q_i + sum_{j<=i} Gamma(i, j) (q_i . k_j) u_j, and S leaves
+    as Gamma(end, start) S + sum_j Gamma(end, j) k_j u_j^T. Documents: every Gamma
+    across a boundary is zero."""
     batch, seq, heads, key_dim = k.shape
-    value_dim = v.shape[-1]
+    value_dim, dtype = v.shape[-1], v.dtype
     scale = key_dim ** -0.5 if scale is None else scale
     pad = -seq % chunk_size
 
@@ -102,8 +101,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     decay_in = log_decay.exp() * from_start  # Gamma(i, start)
     decay_out = (log_decay[..., -1:] - log_decay).exp() * to_end  # Gamma(end, i)
     k_beta = k * beta[..., None]
-    # (b, h, n, c, c): the strictly lower part; the solve takes the diagonal as ones
-    system = (k_beta @ k.transpose(-1, -2)) * pairwise
+    system = (k_beta @ k.transpose(-1, -2)) * pairwise  # (b, h, n, c, c); diagonal: ones
     rhs = torch.cat([v * beta[..., None], k_beta * decay_in[..., None]], -1)
     solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     fixed, reads = solved.split([value_dim, key_dim], -1)  # u = fixed - reads @ S
@@ -119,7 +117,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         state = (state * decay_in[:, :, n, -1, None, None]
                  + k_out[:, :, n].transpose(-1, -2) @ u)  # (b, h, key dim, value dim)
     out = torch.stack(outputs, 2).reshape(batch, heads, -1, value_dim)[:, :, :seq]
-    return out.transpose(1, 2).to(v.dtype), state
+    return out.transpose(1, 2).to(dtype), state
 
 
 def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -129,7 +127,7 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same rule one token at a time (decoding): arguments and results as
     ``chunk_gated_delta_rule``'s, without documents."""
-    key_dim, value_dim = k.shape[-1], v.shape[-1]
+    key_dim, value_dim, dtype = k.shape[-1], v.shape[-1], v.dtype
     scale = key_dim ** -0.5 if scale is None else scale
     q, k, v, g, beta = (t.float().transpose(1, 2) for t in (q, k, v, g, beta))  # (b, h, s, ..)
     q = q * scale
@@ -142,4 +140,4 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         delta = beta[:, :, t, None] * (v[:, :, t] - predicted)  # (b, h, value dim)
         state = state + k[:, :, t, :, None] * delta[:, :, None, :]
         outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t], state))
-    return torch.stack(outputs, 2).transpose(1, 2).to(v.dtype), state
+    return torch.stack(outputs, 2).transpose(1, 2).to(dtype), state

@@ -96,7 +96,9 @@ class CausalConv1d(nn.Module):
     """Depthwise causal convolution over the sequence, channels last: channel c at t is
     sum_j weight[c, 0, j] x[t - (kernel - 1) + j, c]. The weight keeps ``nn.Conv1d``'s
     (and the checkpoints') shape. Written as kernel shifted products rather than
-    ``F.conv1d`` so that a tap from another document can be dropped."""
+    ``F.conv1d`` so that a tap from another document can be dropped; summed in fp32, as
+    the fused kernels (causal-conv1d) and torch's bf16 convolution do, so a bf16 layer
+    rounds as transformers' does."""
 
     def __init__(self, channels: int, kernel: int):
         super().__init__()
@@ -111,16 +113,16 @@ class CausalConv1d(nn.Module):
         kernel = self.weight.shape[-1]
         if history is None:
             history = x.new_zeros(batch, kernel - 1, channels)
-        inputs = torch.cat([history.to(x.dtype), x], 1)  # (batch, kernel - 1 + seq, ch)
-        weight = self.weight[:, 0]  # (channels, kernel)
-        out = x * weight[:, -1]
+        inputs = torch.cat([history.to(x.dtype), x], 1).float()  # (b, kernel - 1 + seq, ch)
+        weight = self.weight[:, 0].float()  # (channels, kernel)
+        out = inputs[:, kernel - 1:] * weight[:, -1]
         for shift in range(1, kernel):
             past = inputs[:, kernel - 1 - shift:kernel - 1 - shift + seq]  # x[t - shift]
             if documents is not None:  # (before the row's start: history, zeros here)
                 same = documents == F.pad(documents, (shift, 0), value=-1)[:, :seq]
                 past = past * same[..., None]
             out = out + past * weight[:, kernel - 1 - shift]
-        return out  # (batch, seq, channels)
+        return out.to(x.dtype)  # (batch, seq, channels)
 
 
 class GatedRMSNorm(RMSNorm):
