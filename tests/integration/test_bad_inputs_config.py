@@ -31,6 +31,13 @@ def long_list(n: int = 20000) -> str:
 
 
 TABLE = [
+    # ------------------------------------- chat data and no tokenizer: nothing trains one
+    *(Bad(f"SFT data and no tokenizer ({mode})",
+          ["train", *flags, RUN, "model.preset=debug", "data.kind=sft",
+           "data.path={tmp}/chat.jsonl"],
+          r"^model\.tokenizer: required for data\.kind sft \(only raw-text corpora can "
+          r"train one\)$", setup=write("chat.jsonl", '{"prompt": "hi", "response": "yo"}\n'))
+      for mode, flags in (("the dry run", ["--dry-run"]), ("the run", []))),
     # -------------------------------------------------- a mapping's keys, like any key's
     Bad("an unknown key of model.rope_scaling",
         ["train", "--dry-run", RUN, "model.rope_scaling={rope_type: yarn, factor: 4, bogus: 1}"],

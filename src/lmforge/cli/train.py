@@ -8,7 +8,7 @@ import time
 from lmforge.cli.common import add_config_arguments, config_and_overrides
 from lmforge.config import ConfigError, config_yaml, load_config
 from lmforge.config.paths import with_absolute_paths
-from lmforge.data.build import build_data
+from lmforge.data.build import build_data, check_tokenizer_source
 from lmforge.data.tokenizer import load_tokenizer
 from lmforge.job import resolve
 from lmforge.models.registry import build_model
@@ -104,6 +104,7 @@ def _describe_samples(cfg, env: DistEnv) -> None:
     not touched)."""
     if cfg.data.kind not in ("sft", "preference"):
         return
+    check_tokenizer_source(cfg)  # (as the run refuses it)
     tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.init_from)
     data = build_data(cfg, tokenizer, 0, env.world_size)
     print(f"data: {data.description}; held out: {data.eval_note}")

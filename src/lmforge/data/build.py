@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-from lmforge.config import JobConfig
+from lmforge.config import ConfigError, JobConfig
 from lmforge.config.rl import reward_names
 from lmforge.data.errors import DataError
 from lmforge.data.indexed import IndexedDataset
@@ -72,10 +72,17 @@ def corpus_texts_for_tokenizer(cfg: JobConfig) -> Iterator[str]:
     return corpus_documents(train_files, cfg.data.json_key)
 
 
+def check_tokenizer_source(cfg: JobConfig) -> None:
+    """Refuses a run that names no tokenizer (model.tokenizer or model.init_from) when its
+    data cannot train one: before anything is trained, the dry run too."""
+    if not (cfg.model.tokenizer or cfg.model.init_from) and cfg.data.kind not in (
+            "stdlib", "text"):
+        raise ConfigError(f"model.tokenizer: required for data.kind {cfg.data.kind} "
+                          f"(only raw-text corpora can train one)")
+
+
 def train_corpus_tokenizer(cfg: JobConfig) -> Tokenizer:
-    if cfg.data.kind not in ("stdlib", "text"):
-        raise ValueError("model.tokenizer: required for data.kind "
-                         f"{cfg.data.kind} (only raw-text corpora can train one)")
+    check_tokenizer_source(cfg)
     return train_bpe(corpus_texts_for_tokenizer(cfg), cfg.data.tokenizer_vocab_size)
 
 

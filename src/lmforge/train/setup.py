@@ -17,7 +17,7 @@ from lmforge import fsio
 from lmforge.checkpoint import (CheckpointError, checkpoint_step, is_complete,
                                 list_checkpoints, resolve_resume, resume_is_auto)
 from lmforge.config import ConfigError, JobConfig, resolve_device
-from lmforge.data.build import train_corpus_tokenizer
+from lmforge.data.build import check_tokenizer_source, train_corpus_tokenizer
 from lmforge.data.tokenizer import Tokenizer, load_tokenizer
 from lmforge.job import Job
 from lmforge.parallel.mesh import DistEnv, ParallelDims, build_parallel_dims, init_distributed
@@ -129,6 +129,7 @@ def prepare_tokenizer(cfg: JobConfig, out_dir: Path, rt: Runtime,
     source = cfg.model.tokenizer or cfg.model.init_from
     if source:
         return load_tokenizer(source)
+    check_tokenizer_source(cfg)  # (before saying it trains one)
     saved = out_dir / TOKENIZER_DIR
     if rt.is_logging_rank and resumed_tokenizer(cfg) is None:  # one rank trains it
         say(rt, f"tokenizer: training a {cfg.data.tokenizer_vocab_size}-token BPE "
