@@ -215,7 +215,7 @@ class GatedDeltaNet(nn.Module):
             group, 2)
         v = v.view(batch, seq, -1, args.linear_value_head_dim)  # (b, s, heads, value dim)
         beta = self.in_proj_b(x).float().sigmoid()  # (batch, seq, heads)
-        # fp32: A_log.exp() of a bf16 or fp16 A_log can overflow.
+        # In fp32 whatever the weights' dtype: g's rounding compounds over every token.
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float()
                                                    + self.dt_bias.float())
         if valid is not None:  # padding neither decays the state nor writes to it
