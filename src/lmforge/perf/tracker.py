@@ -17,8 +17,11 @@ class TensorMemoryTracker(TorchDispatchMode):
     storage counts from the op that created it until Python frees it (a weakref
     finalizer on the storage). Views share their base's storage and count once. Tensors
     made before the mode count only once passed to ``track`` (parameters, optimizer
-    state, the batch). Kernel-internal scratch (e.g. inside a fused attention kernel) is
-    not a tensor and is not seen."""
+    state, the batch). A storage resized in place (``UntypedStorage.resize_``, which is no
+    dispatched op: FSDP2 allocates each unsharded parameter so when it gathers a unit and
+    frees it so when it reshards) counts at its new size from the resize on, whoever made
+    it. Kernel-internal scratch (e.g. inside a fused attention kernel) is not a tensor and
+    is not seen."""
 
     def __init__(self):
         super().__init__()
@@ -49,6 +52,41 @@ class TensorMemoryTracker(TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         self.live -= self._sizes.pop(key, 0)
+
+    def _resized(self, storage) -> None:
+        """``storage`` was resized in place: a storage not counted yet counts from now
+        (none made before the mode and only shrunk: its bytes were never counted)."""
+        key, nbytes = id(storage), storage.nbytes()
+        old = self._sizes.get(key)
+        if old is None:
+            if nbytes == 0:
+                return
+            self._sizes[key] = nbytes
+            self.live += nbytes
+            weakref.finalize(storage, self._free, key)
+        else:
+            self._sizes[key] = nbytes
+            self.live += nbytes - old
+        self.peak = max(self.peak, self.live)
+
+    def __enter__(self):
+        # (the class's own attribute, if an enclosing tracker set one, to put back)
+        self._outer_resize = torch.UntypedStorage.__dict__.get("resize_")
+        resize = torch.UntypedStorage.resize_
+
+        def resized(storage, size):
+            out = resize(storage, size)
+            self._resized(storage)
+            return out
+        torch.UntypedStorage.resize_ = resized
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if self._outer_resize is None:
+            del torch.UntypedStorage.resize_
+        else:
+            torch.UntypedStorage.resize_ = self._outer_resize
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         inputs = {id(_owner(t)) for t in _tensors((args, kwargs))}
