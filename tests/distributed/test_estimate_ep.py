@@ -3,11 +3,11 @@ real training step: a tiny Qwen3-MoE (qwen3-moe-debug's shape, vocab 256, seq 64
 micro-batch 4, fp32) over 2 processes (gloo), parallel.ep=2 parallel.dp_shard=2, full
 training and LoRA on the attention and the experts, and over 4, ep=2 below dp_shard=4
 (full and LoRA) and ep=2 with HSDP (dp_replicate=2 x dp_shard=2); each rank's peak of live
-tensor storage over step 2 (TensorMemoryTracker, tests/helpers/estimate_ep.py); the
-estimate of the busiest rank within 10% for ep = dp_shard with full training, and for the
-others at or above it within 15% (the same layouts without ep overshoot by 11 to 14% on
-the CPU: docs/estimate.md, "Mixture of experts"). One launch per process count, which
-also measures FSDP alone (printed, not asserted)."""
+tensor storage over step 2 (TensorMemoryTracker, FSDP2's unsharded parameters included:
+tests/helpers/estimate_ep.py); the estimate of the busiest rank at or above it and within
+10% (docs/estimate.md, "Mixture of experts"). One launch per process count, which also
+measures FSDP alone (printed, not asserted: docs/estimate.md says where its estimate falls
+short)."""
 import json
 from pathlib import Path
 
@@ -21,7 +21,6 @@ from lmforge.perf.estimate_setup import setup_from_config
 pytestmark = pytest.mark.slow
 WORKER = Path(estimate_ep.__file__)
 TOLERANCE = 0.10
-TOLERANCE_OTHERS = 0.15
 
 
 @pytest.fixture(scope="module")
@@ -65,16 +64,16 @@ def test_ep_estimate_within_10_percent_of_the_busiest_rank(peaks):
           f"{estimate / 2**20:.3f} MiB; dp2: measured "
           f"{max(p['dp2'] for p in peaks) / 2**20:.3f}, estimated "
           f"{estimated('dp2') / 2**20:.3f}")
-    assert abs(estimate - measured) <= TOLERANCE * measured, (measured, estimate)
+    assert measured <= estimate <= (1 + TOLERANCE) * measured, (measured, estimate)
 
 
 def test_lora_on_the_experts_under_ep_is_estimated_at_or_above_its_peak(peaks):
     results = compared(peaks, ["ep2_dp2_lora", "dp2_lora"])
     measured, estimate = results["ep2_dp2_lora"]
-    assert measured <= estimate <= (1 + TOLERANCE_OTHERS) * measured
+    assert measured <= estimate <= (1 + TOLERANCE) * measured
 
 
 @pytest.mark.parametrize("layout", ["ep2_dp4", "ep2_dp2x2", "ep2_dp4_lora"])
 def test_ep_below_dp_shard_and_with_hsdp_estimated_at_or_above_its_peak(peaks_4, layout):
     measured, estimate = compared(peaks_4, [layout, "dp4"])[layout]
-    assert measured <= estimate <= (1 + TOLERANCE_OTHERS) * measured
+    assert measured <= estimate <= (1 + TOLERANCE) * measured

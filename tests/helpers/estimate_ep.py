@@ -4,7 +4,8 @@ step (``build_train_model``, ``train_step``), FSDP2 with and without expert para
 over 2 processes dp_shard=2 (ep=2 and none, full training and LoRA on the attention and
 the experts), over 4 ep=2 below dp_shard=4 and with HSDP (dp_replicate=2 x dp_shard=2);
 TensorMemoryTracker records each rank's peak of live tensor storage over step 2 (step 1
-creates the optimizer state).
+creates the optimizer state), FSDP2's unsharded parameters included (storages it resizes
+in place, which no dispatched op shows).
 
 ``torchrun --nproc-per-node=N estimate_ep.py OUT`` (N = 2 or 4) writes
 OUT/peaks-RANK.json: layout -> measured peak bytes, for the layouts of N processes."""
