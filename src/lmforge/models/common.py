@@ -223,11 +223,17 @@ class DecoderStack(nn.Module):
                 nn.init.zeros_(self.output.bias)
 
 
-def new_caches(model: nn.Module, batch: int, max_len: int) -> list[KVCache]:
-    """An empty cache per layer of ``model``, in its parameters' device and dtype."""
+def new_caches(model: nn.Module, batch: int, max_len: int) -> list:
+    """An empty cache per layer of ``model``, in its parameters' device and dtype: a
+    ``KVCache``, or what the layer's attention makes itself (``new_cache``: a linear
+    attention's fixed-size state)."""
     p = next(model.parameters())
-    return [KVCache.empty(model.args, batch, max_len, p.device, p.dtype)
-            for _ in model.layers]
+    caches = []
+    for layer in model.layers.values():
+        make = getattr(getattr(layer, "attention", None), "new_cache", None)
+        caches.append(make(batch, max_len, p.device, p.dtype) if make is not None
+                      else KVCache.empty(model.args, batch, max_len, p.device, p.dtype))
+    return caches
 
 
 def materialize(model: nn.Module, device: str | torch.device, init: bool = True) -> nn.Module:

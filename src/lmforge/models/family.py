@@ -100,6 +100,9 @@ class BlockSpec:
     # ``sparse_layers`` lists; the other layers' MLP is ``shapes``' (None: dense model).
     moe: Any = None
     sparse_layers: tuple[int, ...] = ()
+    # Layers whose attention is a linear-attention layer (``models.gated_deltanet``) in
+    # place of the attention ``shapes`` describes (hybrid families: Qwen3.5).
+    linear_layers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -184,6 +184,11 @@ class GatedDeltaNet(nn.Module):
         state = GatedDeltaNetState.empty(self.args, x.shape[0], x.device, x.dtype)
         return self.mix(x, state, valid=valid), state
 
+    def new_cache(self, batch: int, max_len: int, device, dtype) -> GatedDeltaNetState:
+        """The decoder's cache for this layer (``models.common.new_caches``): its state,
+        whatever ``max_len``."""
+        return GatedDeltaNetState.empty(self.args, batch, device, dtype)
+
     def step(self, x: torch.Tensor, state: GatedDeltaNetState) -> torch.Tensor:
         """The output of the next token(s) x (batch, seq, dim); advances ``state``."""
         return self.mix(x, state)

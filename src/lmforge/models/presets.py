@@ -198,6 +198,13 @@ def check_layout_fits(cfg: JobConfig, args) -> None:
                 raise ConfigError(f"parallel.{key}: {value} is not supported for a mixture "
                                   f"of experts yet ({args.family}); use FSDP2 "
                                   f"(parallel.dp_shard, parallel.dp_replicate)")
+    if family_of(args).block(args).linear_layers:
+        # (a Gated DeltaNet's state runs through the whole sequence and all of its heads)
+        for key, value in (("tp", tp), ("pp", cfg.parallel.pp), ("cp", cfg.parallel.cp)):
+            if value > 1:
+                raise ConfigError(f"parallel.{key}: {value} is not supported for a model "
+                                  f"with linear-attention layers yet ({args.family}); use "
+                                  f"FSDP2 (parallel.dp_shard, parallel.dp_replicate)")
     for name, fused in family_of(args).block(args).fused.items():
         if fused.groups % tp:
             parts = ", ".join(part for part, _ in fused.parts)
