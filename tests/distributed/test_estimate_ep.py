@@ -73,6 +73,8 @@ def test_lora_on_the_experts_under_ep_is_estimated_at_or_above_its_peak(peaks):
     assert measured <= estimate <= (1 + TOLERANCE) * measured
 
 
+@pytest.mark.long  # (4 processes: make test-long; the LoRA row's margin is 1.4%, and a
+# rank's peak moved by up to 0.19 MiB between runs on a loaded machine)
 @pytest.mark.parametrize("layout", ["ep2_dp4", "ep2_dp2x2", "ep2_dp4_lora"])
 def test_ep_below_dp_shard_and_with_hsdp_estimated_at_or_above_its_peak(peaks_4, layout):
     measured, estimate = compared(peaks_4, [layout, "dp4"])[layout]
