@@ -4,9 +4,10 @@ predicts (peak allocated), written to ``$LMFORGE_TENSOR_PEAK_DIR/rank<R>.json``.
 
 Why not the trainer's own figure: on a CPU ``peak_mem_gib`` is the process's peak RSS
 (interpreter, libraries, allocator caches), which the estimate's tensor terms do not model.
-Why not TensorMemoryTracker: FSDP2 allocates and frees its unsharded parameters by
-resizing storages in place, which no dispatched op shows; the profiler's memory events
-come from the allocator and see every allocation and free.
+Why not TensorMemoryTracker: it sees dispatched ops and in-place storage resizes
+(FSDP2's unsharded parameters), not what the communication library allocates and frees
+on its own threads; the profiler's memory events come from the allocator and see every
+allocation and free.
 
 measured = the bytes of this rank's parameters, gradients and optimizer states when the
 step starts + the largest net allocation during it. Tensors that merely stay alive across
