@@ -17,15 +17,21 @@ OVERRIDE = re.compile(r"(?<![\w.-])([a-z_]+\.[a-z_]+)=(\S+)")
 
 
 def _header_command(path: Path) -> tuple[int, list[tuple[str, str]]]:
-    """(processes, [(key, value)]) of the `lmforge train` / torchrun line of the header."""
+    """(processes, [(key, value)]) of the `lmforge train` / torchrun / `lmforge launch
+    slurm` line of the header (SLURM's: --nodes x --gpus-per-node processes)."""
     header = "".join(line[1:] for line in path.read_text().splitlines(keepends=True)
                      if line.startswith("#"))
-    command = re.search(r"(?:torchrun[^\n]*|lmforge) train configs/\S+(?:[^\n]*\\\n)*[^\n]*",
-                        header)
+    command = re.search(r"(?:torchrun[^\n]*|lmforge) (?:train|launch slurm) configs/\S+"
+                        r"(?:[^\n]*\\\n)*[^\n]*", header)
     if command is None:
         return 1, []
-    nproc = re.search(r"--nproc-per-node[ =](\d+)", command.group(0))
-    return int(nproc.group(1)) if nproc else 1, OVERRIDE.findall(command.group(0))
+    text = command.group(0)
+    nproc = re.search(r"--nproc-per-node[ =](\d+)", text)
+    nodes, gpus = (re.search(rf"--{flag}[ =](\d+)", text)
+                   for flag in ("nodes", "gpus-per-node"))
+    processes = (int(nproc.group(1)) if nproc else
+                 int(nodes.group(1)) * int(gpus.group(1)) if nodes and gpus else 1)
+    return processes, OVERRIDE.findall(text)
 
 
 def _required_keys(path: Path) -> list[str]:
