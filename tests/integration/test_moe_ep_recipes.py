@@ -134,6 +134,7 @@ def test_launch_slurm_writes_an_ep_recipes_script_for_its_nodes(name, model_dirs
 
 
 @pytest.mark.slow
+@pytest.mark.long  # (make test-long: about 16 s / 11 s on 2 cores)
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_an_ep_recipes_layout_is_the_one_plan_proposes_first(name):
     """`lmforge plan` on the header's GPUs (80 GB H100s) ranks the recipe's layout first."""

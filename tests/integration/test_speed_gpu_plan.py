@@ -100,6 +100,7 @@ def test_a_step_that_needs_more_gpus_is_skipped_with_one_line(tmp_path, monkeypa
 
 
 @pytest.mark.slow
+@pytest.mark.long  # (make test-long: about 16 s / 11 s on 2 cores)
 def test_the_moe_rows_command_runs_on_tiny_shapes_on_the_cpu(tmp_path):
     """The MoE step's own arguments, shrunk by shape overrides (later flags win), on the
     CPU, which computes fp32 (so without --base-dtype bf16): both sides train."""
