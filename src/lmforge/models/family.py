@@ -103,6 +103,9 @@ class BlockSpec:
     # Layers whose attention is a linear-attention layer (``models.gated_deltanet``) in
     # place of the attention ``shapes`` describes (hybrid families: Qwen3.5).
     linear_layers: tuple[int, ...] = ()
+    # Their projections' (in_features, out_features), by leaf name (``shapes`` holds the
+    # full-attention layers'): what LoRA adapters on them are checked against.
+    linear_attention_shapes: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,10 @@ class ModelFamily:
     # (HF state dict, args, source) -> state dict; (state dict, args) -> HF state dict.
     checkpoint_in: Callable[[dict, Any, str], dict] = lambda sd, args, source: sd
     checkpoint_out: Callable[[dict, Any], dict] = lambda sd, args: sd
+    # The args read from a model directory, told that directory: a family whose
+    # checkpoints hold parts it does not train (Qwen3.5's vision tower) records where they
+    # are, for an export to write them back.
+    with_directory: Callable[[Any, Any], Any] = lambda args, root: args
     # The layout of transformers' in-memory experts (``models.moe_hf``), which peft's
     # target_parameters adapters follow (``peft.expert_lora.to_peft``).
     expert_layout: str = "fused"

@@ -115,7 +115,8 @@ def read_model_args(model_dir: str | Path):
     """The model's shape (its family's args) from a model directory's config.json; an
     error names that file and the field."""
     root = Path(model_dir)
-    return args_from_hf_config(read_hf_config(root), source=str(root / CONFIG_NAME))
+    args = args_from_hf_config(read_hf_config(root), source=str(root / CONFIG_NAME))
+    return family_of(args).with_directory(args, root)
 
 
 def stop_token_ids(model_dir: str | Path, vocab_size: Optional[int] = None) -> list[int]:

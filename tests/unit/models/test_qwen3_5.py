@@ -3,7 +3,9 @@ layers as layer_types says) against transformers' Qwen3_5ForCausalLM on tiny ran
 models: equal logits, equal greedy decodes alone and left-padded in a batch (the decoder
 carries each linear layer's state beside the KV caches), an export that holds the same
 tensors and that transformers loads with equal logits; layer_types read as given;
-packed documents restart the linear layers' state; bad configs refused in one line."""
+packed documents restart the linear layers' state; bad configs refused in one line; the
+Hub's image-text directories (Qwen3_5ForConditionalGeneration): the language model
+trained, the vision tower written back bit for bit on export."""
 from __future__ import annotations
 
 import json
@@ -106,8 +108,8 @@ def _config(path, **fields):
      r"num_hidden_layers = 4"),
     (dict(layer_types=["linear_attention"] * 3 + ["sliding_attention"]),
      r"layer_types: 'sliding_attention' is not one of"),
-    (dict(text_config={"hidden_size": 8}), r"Qwen3_5ForConditionalGeneration directory"),
-], ids=["layer-count", "layer-kind", "conditional-generation"])
+    (dict(text_config={"hidden_size": 8}), r"text_config without vision_config"),
+], ids=["layer-count", "layer-kind", "text-config-alone"])
 def test_a_bad_config_is_refused_naming_the_field(hf_dir, tmp_path, fields, message):
     _, path = hf_dir
     bad = tmp_path / "bad"
@@ -125,3 +127,75 @@ def test_presets_check_their_pattern():
     with pytest.raises(ConfigError, match=r"^model\.layer_types: 3 entries for 4 layers"):
         check_model_args(args.__class__(**{**args.__dict__,
                                            "layer_types": args.layer_types[:3]}))
+
+
+# ------------------------------------------------------- the Hub's image-text layout
+
+@pytest.fixture(scope="module")
+def image_text_dir(tmp_path_factory):
+    """A tiny Qwen3_5ForConditionalGeneration as the Hub's Qwen3.5 checkpoints are: the
+    language model under model.language_model., a vision tower under model.visual."""
+    import transformers
+
+    torch.manual_seed(3)
+    text = dict(LINEAR, vocab_size=97, hidden_size=64, intermediate_size=96,
+                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=128)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                  out_hidden_size=64, patch_size=4, temporal_patch_size=2,
+                  spatial_merge_size=2, num_position_embeddings=16)
+    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision)
+    model = _randomised(transformers.Qwen3_5ForConditionalGeneration(config).eval())
+    path = tmp_path_factory.mktemp("image-text")
+    model.save_pretrained(path)
+    return model, path
+
+
+@torch.no_grad()
+def test_an_image_text_directory_trains_its_language_model_and_exports_the_whole(
+        image_text_dir, tmp_path):
+    """Its language model loads (transformers' text-only logits), and the export holds
+    every tensor of the original, the vision tower's bit for bit, with its config, so
+    transformers loads the image-text model again with equal logits."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from lmforge.models.hf import save_hf_model
+
+    hf_model, path = image_text_dir
+    x = tokens(97, 24)
+    want = hf_model(input_ids=x).logits
+    ours = load_hf_model(path).eval()
+    assert ours.args.vision_from == str(path.resolve())
+    assert (ours(x) - want).abs().max() <= 1e-5 * want.abs().max()
+    save_hf_model(ours, tmp_path / "out")
+    original = load_file(path / "model.safetensors")
+    exported = load_file(tmp_path / "out" / "model.safetensors")
+    assert original.keys() == exported.keys()
+    assert any(k.startswith("model.visual.") for k in exported)
+    assert all(torch.equal(original[k], exported[k]) for k in original)
+    before = json.loads((path / "config.json").read_text())
+    after = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert after["vision_config"] == before["vision_config"]
+    assert after["text_config"] == before["text_config"]
+    assert after["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    reloaded = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(
+        tmp_path / "out").eval()
+    assert torch.equal(reloaded(input_ids=x).logits, want)
+
+
+def test_an_image_text_export_whose_source_moved_is_refused_in_one_line(image_text_dir,
+                                                                        tmp_path):
+    import shutil
+
+    from lmforge.models.hf import save_hf_model
+
+    _, path = image_text_dir
+    moved = tmp_path / "copy"
+    shutil.copytree(path, moved)
+    model = load_hf_model(moved)
+    shutil.rmtree(moved)
+    with pytest.raises(HFCheckpointError, match=r"is not there to write its vision tower "
+                       r"back from") as refused:
+        save_hf_model(model, tmp_path / "out")
+    assert "\n" not in str(refused.value) and not (tmp_path / "out").exists()

@@ -1,4 +1,5 @@
-"""Hugging Face's Qwen3.5 language model (``qwen3_5_text``, ``Qwen3_5ForCausalLM``) <->
+"""Hugging Face's Qwen3.5 language model (``qwen3_5_text``, ``Qwen3_5ForCausalLM``, or
+the language model of a ``Qwen3_5ForConditionalGeneration``: ``vision.py``) <->
 lmforge's ``Hybrid``: config.json fields and parameter names. The full-attention layers'
 names are Qwen3's; a linear layer's ``attention`` is transformers' ``linear_attn``, the
 same leaf names."""
@@ -7,6 +8,7 @@ from __future__ import annotations
 from lmforge.models.llama import hf as llama_hf
 from lmforge.models.mapping import (HFCheckpointError, config_float, config_int,
                                     decoder_config_fields, decoder_hf_names)
+from lmforge.models.qwen3_5 import vision
 from lmforge.models.qwen3_5.model import FULL, LAYER_TYPES, LINEAR, HybridArgs
 
 ARCHITECTURE = "Qwen3_5ForCausalLM"
@@ -32,10 +34,9 @@ _SHARED_NAMES = {  # the MLP and the block's norms, on every layer
 def args_from_hf_config(cfg: dict, source: str = "config.json") -> HybridArgs:
     """A transformers Qwen3.5 text config dict -> ``HybridArgs``; refused, naming the
     field, whatever our model would compute otherwise."""
-    if isinstance(cfg.get("text_config"), dict):
-        raise HFCheckpointError(f"{source}: a Qwen3_5ForConditionalGeneration directory "
-                                f"(text_config and vision_config) is not loaded yet; a "
-                                f"Qwen3_5ForCausalLM one (model_type qwen3_5_text) is")
+    cfg, image_text = vision.text_config(cfg, source)
+    if image_text:
+        source += ": text_config"
     if cfg.get("attention_bias"):
         raise HFCheckpointError(f"{source}: attention_bias: true is not supported (Qwen3.5's "
                                 f"attention has no biases)")
@@ -76,7 +77,8 @@ def args_from_hf_config(cfg: dict, source: str = "config.json") -> HybridArgs:
         linear_value_head_dim=config_int(cfg, "linear_value_head_dim", source,
                                          d["linear_value_head_dim"]),
         linear_conv_kernel=config_int(cfg, "linear_conv_kernel_dim", source,
-                                      d["linear_conv_kernel_dim"]))
+                                      d["linear_conv_kernel_dim"]),
+        vision_from=vision.THIS_DIRECTORY if image_text else None)
 
 
 def _layer_types(cfg: dict, n_layers: int, source: str) -> tuple[str, ...]:
@@ -101,7 +103,9 @@ def hf_config_from_args(args: HybridArgs) -> dict:
     """``HybridArgs`` -> a config.json dict that transformers 5 loads."""
     cfg = decoder_config_fields(args, ARCHITECTURE, "qwen3_5_text")
     del cfg["rope_theta"]
-    return cfg | {
+    if args.vision_from is not None:  # (the image-text model's own, written back)
+        del cfg["architectures"], cfg["torch_dtype"]
+    return vision.conditional_config(args, cfg | {
         "head_dim": args.head_dim, "hidden_act": "silu", "attention_bias": False,
         "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta,
                             "partial_rotary_factor": args.partial_rotary_factor},
@@ -111,7 +115,7 @@ def hf_config_from_args(args: HybridArgs) -> dict:
         "linear_key_head_dim": args.linear_key_head_dim,
         "linear_value_head_dim": args.linear_value_head_dim,
         "linear_conv_kernel_dim": args.linear_conv_kernel,
-    }
+    })
 
 
 def hf_names(args: HybridArgs) -> dict[str, str]:
@@ -121,4 +125,14 @@ def hf_names(args: HybridArgs) -> dict[str, str]:
         mixer = _LINEAR_NAMES if args.is_linear(i) else _FULL_NAMES
         names |= {f"layers.{i}.{ours}": f"model.layers.{i}.{theirs}"
                   for ours, theirs in mixer.items()}
-    return names
+    return {ours: vision.hf_name(theirs, args) for ours, theirs in names.items()}
+
+
+def checkpoint_in(sd: dict, args: HybridArgs, source: str) -> dict:
+    """An image-text checkpoint's tensors without its vision tower (``vision.py``)."""
+    return vision.drop_vision(sd, args)
+
+
+def checkpoint_out(sd: dict, args: HybridArgs) -> dict:
+    """The language model's tensors, and an image-text source's vision tower again."""
+    return vision.add_vision(sd, args)

@@ -39,7 +39,8 @@ PROJECTIONS = Projections(
     mlp=("gate_proj", "up_proj", "down_proj"),
     aliases={"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
              "gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
-    lora_default=("q_proj", "v_proj"))
+    lora_default=("q_proj", "v_proj"),
+    linear_attention=("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"))
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,10 @@ class HybridArgs(LlamaArgs):
     linear_key_head_dim: int = 128
     linear_value_head_dim: int = 128
     linear_conv_kernel: int = 4  # linear_conv_kernel_dim
+    # The Qwen3_5ForConditionalGeneration directory this language model came from: its
+    # vision tower (never trained here) and config are written back by an export. None:
+    # a text-only model (Qwen3_5ForCausalLM).
+    vision_from: Optional[str] = None
 
     @property
     def rotary_dim(self) -> int:
@@ -146,12 +151,24 @@ class Hybrid(Llama):
 
 
 def block_spec(args: HybridArgs) -> BlockSpec:
-    """Llama's spec with the gate in q_proj's rows and the partial rotary. (The linear
-    layers' projections are not among the spec's yet: LoRA, tensor parallelism and the
-    performance model do not reach them.)"""
+    """Llama's spec with the gate in q_proj's rows and the partial rotary; the linear
+    layers' projections apart (LoRA reaches them; tensor parallelism and the performance
+    model do not yet)."""
     shapes = dict(llama_spec(args).shapes)
     shapes["q_proj"] = (args.dim, 2 * args.n_heads * args.head_dim)
     return dataclasses.replace(
         llama_spec(args), shapes=shapes, norm="rms_one_plus", rotary_features=args.rotary_dim,
         head_norms=True,
-        linear_layers=tuple(i for i in range(args.n_layers) if args.is_linear(i)))
+        linear_layers=tuple(i for i in range(args.n_layers) if args.is_linear(i)),
+        linear_attention_shapes=linear_attention_shapes(args))
+
+
+def linear_attention_shapes(args) -> dict[str, tuple[int, int]]:
+    """A Gated DeltaNet's projections, (in_features, out_features) by name: q and k take
+    the key heads' width each, v and the output gate z the value heads'; b and a one
+    feature per value head."""
+    key_dim = args.linear_key_heads * args.linear_key_head_dim
+    value_dim = args.linear_value_heads * args.linear_value_head_dim
+    return {"in_proj_qkv": (args.dim, 2 * key_dim + value_dim),
+            "in_proj_z": (args.dim, value_dim), "in_proj_b": (args.dim, args.linear_value_heads),
+            "in_proj_a": (args.dim, args.linear_value_heads), "out_proj": (value_dim, args.dim)}
