@@ -35,10 +35,14 @@ class Projections:
     # never silently leaves the experts out.
     experts: tuple[str, ...] = ()
     experts_for: Mapping[str, str] = field(default_factory=dict)
+    # A hybrid family's linear-attention layers' projections (Gated DeltaNet's), in model
+    # order: LoRA reaches them as peft does, but they are no part of ``attention``, whose
+    # names the tensor-parallel plan and the performance model read as q, k, v, output.
+    linear_attention: tuple[str, ...] = ()
 
     @property
     def all(self) -> tuple[str, ...]:
-        return self.attention + self.mlp
+        return self.attention + self.linear_attention + self.mlp
 
     @property
     def adaptable(self) -> tuple[str, ...]:

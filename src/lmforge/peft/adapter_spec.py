@@ -266,8 +266,8 @@ class Linear(NamedTuple):
 def adapter_linears(args) -> dict[str, Linear]:
     """HF module name -> every projection of every block of a model with ``args`` (the
     modules adapters may name; not the embedding or the head, as lora.targets)."""
-    family = family_of(args)
-    shapes = family.block(args).shapes
+    block = family_of(args).block(args)
+    shapes = {**block.shapes, **block.linear_attention_shapes}  # (distinct leaf names)
     out = {}
     for ours, theirs in hf_names(args).items():
         module = ours.removesuffix(".weight")

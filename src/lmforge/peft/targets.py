@@ -10,13 +10,17 @@ surrounding spaces ignored:
 - a projection name of the family: Llama's and Gemma 3's ``q_proj k_proj v_proj o_proj
   gate_proj up_proj down_proj``, GPT-J's ``q_proj k_proj v_proj out_proj fc_in fc_out``,
   Phi-3's ``qkv_proj o_proj gate_up_proj down_proj`` (fused: a part of one, ``q_proj``,
-  is not a layer of its own and is refused);
+  is not a layer of its own and is refused); a hybrid's (Qwen3.5) linear-attention layers'
+  ``in_proj_qkv in_proj_z in_proj_b in_proj_a out_proj`` beside its full-attention
+  layers' ``q_proj`` (whose rows hold each head's query and output gate: one adapter over
+  both, as peft's) ``k_proj v_proj o_proj``;
 - another name the family gives one: ``q k v o``; for Llama ``gate up down`` and Meta's
   ``wq wk wv wo w1`` (gate) ``w3`` (up) ``w2`` (down); for GPT-J ``out`` and ``o_proj``;
 - a module path ending in one of those (``attention.q_proj``, ``self_attn.q_proj``,
   ``mlp.down_proj``, ``mlp.fc_in``): that projection, in every layer;
 - a group: ``all-linear`` (every projection, as peft's: not the embedding or the output
-  head), ``attention`` (q, k, v and the attention output), ``mlp`` (the MLP's); spelled
+  head), ``attention`` (q, k, v and the attention output; a hybrid's linear-attention
+  projections too), ``mlp`` (the MLP's); spelled
   also ``all_linear``, ``attn`` / ``self_attn``, ``ffn`` / ``feed_forward``.
 
 A mixture of experts (Qwen3-MoE, Mixtral, ...) adds its experts' stacked weights,
@@ -67,9 +71,7 @@ def resolve_targets(targets: Any, projections: Projections) -> tuple[str, ...]:
 def _resolve_one(item: Any, projections: Projections) -> tuple[str, ...]:
     key = str(item).strip().lower()
     if key in _GROUPS:
-        if projections.experts and _GROUPS[key] != "attention":  # (the MLP: the experts)
-            return (projections.attention if _GROUPS[key] == "all" else ()) + projections.experts
-        return getattr(projections, _GROUPS[key])
+        return _group(_GROUPS[key], projections)
     if key == "experts" and projections.experts:
         return projections.experts
     path = key.split(".")
@@ -94,10 +96,20 @@ def _resolve_one(item: Any, projections: Projections) -> tuple[str, ...]:
     return (leaf,)
 
 
+def _group(group: str, projections: Projections) -> tuple[str, ...]:
+    """A group's projections: both kinds of attention of a hybrid family; on an MoE family
+    the MLP means the routed experts."""
+    mixers = projections.attention + projections.linear_attention
+    mlp = projections.experts or projections.mlp
+    return {"all": mixers + mlp, "attention": mixers, "mlp": mlp}[group]
+
+
 # Every family's projection names: what a bare module (a block, in tests) may hold.
 ANY_FAMILY = Projections(
     attention=tuple(dict.fromkeys(p for f in FAMILIES for p in f.projections.attention)),
     mlp=tuple(dict.fromkeys(p for f in FAMILIES for p in f.projections.mlp)),
+    linear_attention=tuple(dict.fromkeys(p for f in FAMILIES
+                                         for p in f.projections.linear_attention)),
     lora_default=("q_proj", "v_proj"))
 
 
