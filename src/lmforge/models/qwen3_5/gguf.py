@@ -1,0 +1,186 @@
+"""Qwen3.5's language model as llama.cpp reads it (GGUF architecture ``qwen35``), the
+tensors transformed as llama.cpp's own converter transforms them:
+
+* every zero-centred RMSNorm weight (the block's two, the final one, q/k norms) is
+  written plus one (llama.cpp multiplies by the weight); the Gated DeltaNet's gated norm
+  is a plain one and stays as it is;
+* A_log becomes A = -exp(A_log) (``ssm_a``: llama.cpp multiplies softplus(a + dt_bias)
+  by it), dt_bias is ``ssm_dt.bias``, the depthwise convolution (channels, 1, kernel)
+  is squeezed to (channels, kernel);
+* where a key head serves several value heads, the value heads go from grouped by key
+  head (v0 and v1 of k0, then of k1) to tiled (v0 of every k, then v1 of every k):
+  llama.cpp repeats the key heads by tiling them. That reorders the value rows of
+  in_proj_qkv and the conv channels, in_proj_z, in_proj_b / in_proj_a, A and dt_bias
+  (one per value head), and out_proj's input columns;
+* q_proj keeps each head's query then output gate, as stored: llama.cpp splits them so.
+
+Keys: the linear layers' shape as ``ssm.*`` (conv kernel, key head dim as the state
+size, key heads as the group count, value heads as the time-step rank, the value width
+as the inner size), which layers are linear (``attention.recurrent_layers``, any
+pattern) with ``full_attention_interval`` beside it, the rotary dims of a head
+(``rope.dimension_count``) and the multimodal rotary's sections. A text token has one
+position on each of llama.cpp's first three axes and 0 on the fourth, so sections that
+send every rotary pair to one of the three rotate as plain RoPE, as the model does:
+transformers' default for Qwen3.5 ([11, 11, 10], which the converter writes) where it
+fits the head (ggml asks that they sum to at most head_dim: a head under 32 features
+does not hold them), else equal thirds.
+
+llama.cpp's qwen35 sizes a value head as a key head (its state is square), and aborts
+on a model whose layers are all of one kind (its cache for the other is empty): such
+models have no GGUF form here. An
+image-text directory's language model is written alone, as the converter writes it
+(the vision tower goes to llama.cpp's separate projector file, which lmforge does not
+write).
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from lmforge.models.mapping import gguf_tensor_name, write_gguf_shape
+from lmforge.models.qwen3_5.model import FULL, HybridArgs
+from lmforge.models.qwen3_5.vision import LANGUAGE_PREFIX, VISION_PREFIX
+
+LLAMA_CPP_PYTHON = "0.3.36"  # the llama.cpp release this form was checked against
+# transformers' default mrope_section for Qwen3.5, padded to llama.cpp's four axes
+ROPE_SECTIONS = (11, 11, 10, 0)
+DEFAULT_FULL_ATTENTION_INTERVAL = 4  # transformers' and the converter's default
+
+
+def architecture(args: HybridArgs) -> str:
+    return "qwen35"
+
+
+def unsupported(args: HybridArgs) -> str:
+    """Why this model has no GGUF form ("" when it has one)."""
+    if args.linear_key_head_dim != args.linear_value_head_dim:
+        return (f"linear_value_head_dim ({args.linear_value_head_dim}) differs from "
+                f"linear_key_head_dim ({args.linear_key_head_dim}), and llama.cpp's qwen35 "
+                f"(llama-cpp-python {LLAMA_CPP_PYTHON}) sizes value heads as key heads")
+    kinds = set(args.layer_types)
+    if len(kinds) == 1:
+        return (f"layer_types: every layer is {next(iter(kinds))}, and llama.cpp's qwen35 "
+                f"(llama-cpp-python {LLAMA_CPP_PYTHON}) needs both kinds (it aborts "
+                f"allocating the empty cache of the other)")
+    return ""
+
+
+def write_hparams(writer, args: HybridArgs) -> None:
+    """The keys llama.cpp's qwen35 reads (the converter's, in its order)."""
+    write_gguf_shape(writer, args, args.rotary_dim)
+    writer.add_key_length(args.head_dim)
+    writer.add_value_length(args.head_dim)
+    writer.add_ssm_conv_kernel(args.linear_conv_kernel)
+    writer.add_ssm_state_size(args.linear_key_head_dim)
+    writer.add_ssm_group_count(args.linear_key_heads)
+    writer.add_ssm_time_step_rank(args.linear_value_heads)
+    writer.add_ssm_inner_size(args.linear_value_head_dim * args.linear_value_heads)
+    # (the gguf package's add_recurrent_layers is newer than the pinned one)
+    writer.add_array(f"{writer.arch}.attention.recurrent_layers",
+                     [args.is_linear(i) for i in range(args.n_layers)])
+    writer.add_full_attention_interval(full_attention_interval(args))
+    writer.add_rope_dimension_sections(list(rope_sections(args)))
+
+
+def rope_sections(args: HybridArgs) -> tuple[int, int, int, int]:
+    """llama.cpp's multimodal rotary sections under which a text token rotates as plain
+    RoPE: ``ROPE_SECTIONS`` where they do, else a third of the pairs per axis."""
+    pairs = args.rotary_dim // 2
+    if _rotates_plainly(ROPE_SECTIONS, pairs, args.head_dim):
+        return ROPE_SECTIONS
+    third = -(-pairs // 3)
+    return third, third, third, 0
+
+
+def _rotates_plainly(sections, pairs: int, head_dim: int) -> bool:
+    """Whether ggml's interleaved multimodal rotary (``ggml_mrope_cache_init``) takes every
+    pair's angle from the first three axes (a text token's position; the fourth is 0),
+    and accepts the sections (their sum at most head_dim)."""
+    total = sum(sections)
+    if total > head_dim:
+        return False
+    return all((s % 3 == 0 and s < 3 * sections[0]) or (s % 3 == 1 and s < 3 * sections[1])
+               or (s % 3 == 2 and s < 3 * sections[2])
+               for s in (pair % total for pair in range(pairs)))
+
+
+def full_attention_interval(args: HybridArgs) -> int:
+    """k where every k-th layer (and only those) is full, as transformers' rule makes
+    them; else the default (llama.cpp reads the per-layer list first: this is only
+    the converter's key, kept)."""
+    for every in range(1, args.n_layers + 1):
+        if all((args.layer_types[i] == FULL) == ((i + 1) % every == 0)
+               for i in range(args.n_layers)):
+            return every
+    return DEFAULT_FULL_ATTENTION_INTERVAL
+
+
+def tensors(hf_sd: dict, args: HybridArgs, name_map) -> Iterator[tuple[str, torch.Tensor]]:
+    """(GGUF name, tensor) of every weight of the language model; ``name_map``: the gguf
+    package's ``TensorNameMap`` for qwen35."""
+    for name, tensor in hf_sd.items():
+        if name.startswith(VISION_PREFIX):
+            continue  # (the projector file's, not the language model's)
+        name = "model." + name.removeprefix(LANGUAGE_PREFIX) if name.startswith(
+            LANGUAGE_PREFIX) else name
+        if name == "lm_head.weight" and args.tie_embeddings:
+            continue  # llama.cpp reads a missing output as the token embedding
+        tensor = as_gguf(name, tensor, args)
+        if name.endswith(".linear_attn.dt_bias"):  # (the gguf table's name for it)
+            name = name.removesuffix("dt_bias") + "dt_proj.bias"
+        yield gguf_name(name, name_map), tensor
+
+
+def as_gguf(name: str, tensor: torch.Tensor, args: HybridArgs) -> torch.Tensor:
+    """One tensor (HF name, as stored) as llama.cpp's qwen35 reads it."""
+    if ".linear_attn." in name:
+        tensor = tiled_value_heads(name, tensor, args)
+        if name.endswith(".A_log"):
+            return -torch.exp(tensor.float())
+        if name.endswith(".conv1d.weight"):
+            return tensor[:, 0]  # (channels, 1, kernel) -> (channels, kernel)
+        return tensor
+    if name.endswith("norm.weight"):  # zero-centred: x / rms(x) * (1 + weight)
+        return tensor.float() + 1.0
+    return tensor
+
+
+def tiled_value_heads(name: str, tensor: torch.Tensor, args: HybridArgs) -> torch.Tensor:
+    """A linear layer's tensor with its value heads in the order llama.cpp broadcasts the
+    key heads over them (tiled); the same tensor where each key head has one."""
+    groups, per_key = args.linear_key_heads, args.linear_value_heads // args.linear_key_heads
+    if per_key == 1:
+        return tensor
+    key_width = 2 * args.linear_key_heads * args.linear_key_head_dim
+    width = args.linear_value_head_dim
+    if name.endswith((".in_proj_qkv.weight", ".conv1d.weight")):
+        return torch.cat([tensor[:key_width],
+                          _tile(tensor[key_width:], 0, groups, per_key, width)])
+    if name.endswith(".in_proj_z.weight"):
+        return _tile(tensor, 0, groups, per_key, width)
+    if name.endswith((".in_proj_b.weight", ".in_proj_a.weight", ".A_log", ".dt_bias")):
+        return _tile(tensor, 0, groups, per_key, 1)
+    if name.endswith(".out_proj.weight"):
+        return _tile(tensor, 1, groups, per_key, width)
+    return tensor  # (the gated norm: one head's width, shared)
+
+
+def _tile(tensor: torch.Tensor, dim: int, groups: int, per_key: int, width: int) -> torch.Tensor:
+    """Along ``dim``: (group, head in group, width) -> (head in group, group, width)."""
+    shape = tensor.shape
+    split = tensor.reshape(*shape[:dim], groups, per_key, width, *shape[dim + 1:])
+    return split.transpose(dim, dim + 1).reshape(shape)
+
+
+gguf_name = gguf_tensor_name  # (what export/gguf.py asks a family for)
+
+
+def rows_as_gguf(hf_name: str, rows: torch.Tensor, args: HybridArgs) -> torch.Tensor:
+    """A LoRA adapter's B (output rows) in llama.cpp's order: a linear layer's input
+    projections' value-head rows tiled, as their weights' are. (out_proj's value heads
+    are its input columns, a LoRA A's, which this hook does not see: an out_proj
+    adapter would be misplaced where a key head serves several value heads.)"""
+    if ".linear_attn.in_proj_" not in hf_name:
+        return rows
+    return tiled_value_heads(hf_name.removesuffix(".weight") + ".weight", rows, args)
