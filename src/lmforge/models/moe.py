@@ -1,10 +1,9 @@
-"""The mixture-of-experts block that Qwen3-MoE, Mixtral, gpt-oss and DeepSeek-V3 share:
-a router picks ``top_k`` of ``n_experts`` gated MLPs per token, the chosen experts run as
-one grouped product per projection, their outputs are summed by the router's weights, and
-DeepSeek-V3 adds always-on shared experts. Beside it: the load-balancing loss (Switch
-Transformer's, as transformers computes it), the expert-load statistic and DeepSeek-V3's
-aux-loss-free bias update. (The mapping from each family's Hugging Face tensors is
-``models/moe_hf.py``.)
+"""The mixture-of-experts block of Qwen3-MoE, Mixtral, gpt-oss, DeepSeek-V3 and Qwen3-Next: a
+router picks ``top_k`` of ``n_experts`` gated MLPs per token, the chosen experts run as one
+grouped product per projection, their outputs are summed by the router's weights, and
+DeepSeek-V3 and Qwen3-Next add always-on shared experts. Beside it: the load-balancing loss
+(Switch Transformer's, as transformers computes it), the expert-load statistic and
+DeepSeek-V3's aux-loss-free bias update (each family's HF tensors: ``models/moe_hf.py``).
 
 The families differ only in ``MoEArgs``:
 
@@ -16,6 +15,7 @@ Mixtral        softmax_topk         norm_topk_prob=True (always renormalised)
 gpt-oss        topk_softmax         router_bias, expert_bias, clamped_swiglu
 DeepSeek-V3    sigmoid_group_topk   n_groups, topk_groups, norm_topk_prob,
                                     routed_scaling_factor, n_shared_experts
+Qwen3-Next     softmax_topk         shared_ffn_dim, shared_expert_gate
 =============  ===================  ===============================================
 
 Mixtral's ``router_jitter_noise`` (training-time noise on the router's input, 0 in the
@@ -33,7 +33,8 @@ the per-expert checkpoint files'):
 - gpt-oss: ``experts.gate_up_proj_bias`` (experts, 2 * ffn), gate then up;
   ``experts.down_proj_bias`` (experts, dim).
 - DeepSeek-V3: ``shared_experts.{gate,up,down}_proj.weight``, a ``GatedMLP`` of width
-  ``n_shared_experts * ffn``.
+  ``n_shared_experts * ffn``; Qwen3-Next's, Qwen3.5-MoE's: ``shared_ffn_dim`` wide, and
+  ``shared_expert_gate.weight`` (1, dim).
 """
 from __future__ import annotations
 
@@ -80,7 +81,9 @@ class MoEArgs:
     n_groups: int = 1  # DeepSeek-V3: n_group, the experts split into this many groups
     topk_groups: int = 1  # DeepSeek-V3: topk_group, the groups a token may choose from
     routed_scaling_factor: float = 1.0  # DeepSeek-V3: the routed weights' multiplier
-    n_shared_experts: int = 0  # DeepSeek-V3: the always-on experts' count
+    n_shared_experts: int = 0  # DeepSeek-V3: the always-on experts' count; Qwen: 1
+    shared_ffn_dim: int = 0  # Qwen: shared_expert_intermediate_size (0: n_shared * ffn_dim)
+    shared_expert_gate: bool = False  # Qwen: shared output * sigmoid(linear(x)), per token
 
     def __post_init__(self):
         for name in ("dim", "n_experts", "top_k", "ffn_dim", "n_groups", "topk_groups"):
@@ -99,6 +102,10 @@ class MoEArgs:
             raise ValueError(f"n_shared_experts: {self.n_shared_experts} is negative")
         if self.router == "sigmoid_group_topk":
             self._check_groups()
+
+    @property
+    def shared_width(self) -> int:  # the shared experts' width as one gated MLP (0: none)
+        return self.shared_ffn_dim or self.n_shared_experts * self.ffn_dim
 
     def _check_groups(self) -> None:
         if self.n_experts % self.n_groups or self.n_experts // self.n_groups < 2:
@@ -279,7 +286,7 @@ class GroupedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    """The feed-forward of an MoE layer: routed experts, plus DeepSeek-V3's shared ones.
+    """The feed-forward of an MoE layer: routed experts, plus shared ones (Qwen's gated).
     ``forward`` returns the output and the ``Routing``, whose logits the model gathers
     over its layers for ``load_balancing_loss`` and whose indices give the expert load."""
 
@@ -288,13 +295,14 @@ class MoE(nn.Module):
         self.args = args
         self.gate = Router(args)
         self.experts = GroupedExperts(args)
-        shared = args.n_shared_experts * args.ffn_dim
+        shared = args.shared_width
         self.shared_experts = GatedMLP(args.dim, shared, "silu") if shared else None
-        # The choices of the forwards that build a graph (training's), kept for the
-        # trainer's load-balancing loss (``take_routings``): a side channel, so that a
-        # block's output stays one tensor for the stack, pipeline stages and activation
-        # checkpointing alike. Forwards without gradients (evaluation, generation, a
-        # reference model) keep nothing.
+        gated = shared and args.shared_expert_gate
+        self.shared_expert_gate = nn.Linear(args.dim, 1, bias=False) if gated else None
+        # The choices of the forwards that build a graph (training's), kept for the trainer's
+        # load-balancing loss (``take_routings``): a side channel, so that a block's output stays
+        # one tensor for the stack, pipeline stages and activation checkpointing alike.
+        # Forwards without gradients (evaluation, generation, a reference model) keep nothing.
         self.routings: list[Routing] = []
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
@@ -305,7 +313,10 @@ class MoE(nn.Module):
             self.routings.append(routing)
         out = self.experts(flat, routing.indices, routing.weights)  # (tokens, dim)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(flat)
+            shared = self.shared_experts(flat)  # (tokens, dim)
+            if self.shared_expert_gate is not None:  # times (tokens, 1)
+                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
+            out = out + shared
         return out.view(x.shape), routing
 
     @torch.no_grad()
@@ -318,22 +329,22 @@ class MoE(nn.Module):
         self.experts.reset_parameters(std, out_std)
         if self.shared_experts is not None:
             self.shared_experts.reset_parameters(std, out_std)
+        if self.shared_expert_gate is not None:
+            nn.init.trunc_normal_(self.shared_expert_gate.weight, std=std, a=-3 * std, b=3 * std)
 
 
 # ------------------------------------------------------------------------- balancing
 
 def _in_backward() -> bool:
-    """Whether this forward is activation checkpointing's recomputation, inside a
-    backward: its routing must not be kept (it would hold the recomputed block's graph
-    until the next step's forward)."""
+    """Whether this forward is activation checkpointing's recomputation, inside a backward:
+    its routing must not be kept (it would hold that block's graph until the next forward)."""
     current = getattr(torch._C, "_current_graph_task_id", None)
     return current is not None and current() != -1
 
 
 def take_routings(model: nn.Module) -> list[Routing]:
-    """The ``Routing`` of each MoE layer in each forward with gradients since the last
-    call (not activation checkpointing's recomputations), forgotten by the layers; [] for
-    a dense model."""
+    """The ``Routing`` of each MoE layer's forwards with gradients since the last call (not
+    activation checkpointing's recomputations), forgotten by the layers; [] if dense."""
     found = []
     for module in model.modules():
         if isinstance(module, MoE):
