@@ -110,7 +110,10 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     pairwise = log_decay[..., :, None] - log_decay[..., None, :]  # (b, h, n, c, c)
     pairwise = pairwise.masked_fill(~within, float("-inf")).exp()
     decay_in = log_decay.exp() * from_start  # Gamma(i, start)
-    decay_out = (log_decay[..., -1:] - log_decay).exp() * to_end  # Gamma(end, i)
+    # Gamma(end, i); zero first where i's document ended inside the chunk: the end's
+    # running sum restarted there, so the difference may be hundreds of nats above 0,
+    # whose exp is inf (and inf * 0 a NaN state for the next chunk)
+    decay_out = (log_decay[..., -1:] - log_decay).masked_fill(~to_end, float("-inf")).exp()
     k_beta = k * beta[..., None]
     system = (k_beta @ k.transpose(-1, -2)) * pairwise  # (b, h, n, c, c); diagonal: ones
     rhs = torch.cat([v * beta[..., None], k_beta * decay_in[..., None]], -1)

@@ -112,6 +112,25 @@ def test_chunked_rule_restarts_at_each_document_and_gives_the_initial_state_to_t
     assert_close(ours_state, alone_state)  # the last document's
 
 
+def test_a_document_that_decays_hundreds_of_nats_leaves_the_next_chunk_finite():
+    """A chunk's state leaves it decayed from each write to the chunk's end; a write in a
+    document that ended inside the chunk is not carried at all, and its decay to the end
+    (the next document's small sum minus its own large one: exp(+300)) must not be taken
+    (inf * 0 made the state NaN, and every later chunk's outputs: a packed SFT run's loss
+    was NaN at step 1)."""
+    lengths = [5, 7, 4]  # the second document crosses the first chunk boundary
+    q, k, v, g, beta, _ = rule_inputs(1, sum(lengths))
+    g[:, :5] = -100.0
+    segments = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))[None]
+    ours, ours_state = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=CHUNK,
+                                              segments=segments)
+    alone, alone_state = recurrent_gated_delta_rule(q[:, 12:], k[:, 12:], v[:, 12:],
+                                                    g[:, 12:], beta[:, 12:])
+    assert torch.isfinite(ours).all()
+    assert_close(ours[:, 12:], alone)
+    assert_close(ours_state, alone_state)
+
+
 # ------------------------------------------------------------------ the layer
 
 def test_layer_equals_transformers_qwen3_next_with_weights_mapped():
