@@ -83,3 +83,14 @@ def random_hf_gptj(seed: int = 0, **config):
             if name.endswith("bias") or ".ln_" in name:
                 p.add_(0.1 * torch.randn_like(p))
     return model
+
+
+def randomise_linear_attention(model):
+    """A hybrid model (Qwen3.5, Qwen3-Next) with its Gated DeltaNet's A_log and dt_bias and
+    its norms perturbed a little: transformers starts them at constants, which would hide
+    a mapping mistake. Returns ``model``."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("A_log", "dt_bias", "norm.weight", "layernorm.weight")):
+                p.add_(0.1 * torch.randn_like(p))
+    return model

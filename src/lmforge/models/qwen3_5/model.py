@@ -137,7 +137,13 @@ class HybridBlock(PreNormBlock):
     def __init__(self, args: HybridArgs, layer_id: int):
         mixer = GatedDeltaNet(args) if args.is_linear(layer_id) else GatedAttention(args)
         super().__init__(layer_id, ZeroCenteredRMSNorm(args.dim, args.norm_eps), mixer,
-                         ZeroCenteredRMSNorm(args.dim, args.norm_eps), FeedForward(args))
+                         ZeroCenteredRMSNorm(args.dim, args.norm_eps),
+                         self.feed_forward_of(args, layer_id))
+
+    @staticmethod
+    def feed_forward_of(args: HybridArgs, layer_id: int) -> nn.Module:
+        """Llama's MLP on every layer (the MoE families' blocks choose per layer)."""
+        return FeedForward(args)
 
 
 class Hybrid(Llama):

@@ -1,0 +1,95 @@
+"""Qwen3-Next (models/qwen3_next: Qwen3.5's hybrid layers, a mixture of experts with a
+gated shared expert) against transformers' Qwen3NextForCausalLM on a tiny random model:
+equal logits, equal greedy decodes alone and left-padded in a batch, an export whose files
+hold the original tensors (the fused in_proj_qkvz / in_proj_ba, one tensor per expert) and
+that transformers loads with equal logits; layer_types and dense layers read as given; a
+checkpoint missing a fused projection refused in one line naming it."""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from helpers.hf_models import randomise_linear_attention, random_hf_causal_lm
+from helpers.hf_parity import assert_export_round_trip, assert_greedy_decode_equal, tokens
+from lmforge.models.common import count_parameters
+from lmforge.models.hf import HFCheckpointError, load_hf_model, read_model_args
+from lmforge.models.presets import check_model_args
+from lmforge.models.registry import PRESETS, build_model
+
+# Full attention first, two linear layers in a row; layer 1's MLP dense (mlp_only_layers);
+# raw top-k weights. initializer_range 0.1: at 0.2 the experts' outputs (scale 18) magnify
+# the Gated DeltaNet's summation-order differences to up to 4e-5 of the logits' scale
+# (measured, 3 seeds; 2-5e-6 at 0.1, as the dense Qwen3.5's at 0.2).
+CONFIG = dict(head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8,
+              linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=4,
+              num_hidden_layers=4, num_experts=8, num_experts_per_tok=2,
+              moe_intermediate_size=24, shared_expert_intermediate_size=40,
+              mlp_only_layers=[1], norm_topk_prob=False, initializer_range=0.1,
+              layer_types=["full_attention", "linear_attention", "linear_attention",
+                           "full_attention"])
+
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    model = randomise_linear_attention(random_hf_causal_lm("qwen3_next", seed=1, **CONFIG))
+    path = tmp_path_factory.mktemp("qwen3_next")
+    model.save_pretrained(path)
+    return model, path
+
+
+@torch.no_grad()
+def test_logits_equal_transformers(hf_dir):
+    """To 1e-5 of the logits' scale (about 3), over more than one 64-token chunk."""
+    hf_model, path = hf_dir
+    x = tokens(hf_model.config.vocab_size, 70)
+    want, got = hf_model(x).logits, load_hf_model(path)(x)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_greedy_decode_equals_transformers_alone_and_in_a_batch(hf_dir):
+    hf_model, path = hf_dir
+    prompt = tokens(hf_model.config.vocab_size, 6)[0].tolist()
+    assert_greedy_decode_equal(hf_model, path, prompt, 12)
+
+
+def test_export_holds_the_fused_and_per_expert_tensors_and_loads_in_transformers(
+        hf_dir, tmp_path):
+    hf_model, path = hf_dir
+    assert_export_round_trip(
+        hf_model, path, tmp_path / "out", tokens(hf_model.config.vocab_size, 24),
+        keys=("model_type", "architectures", "layer_types", "mlp_only_layers",
+              "norm_topk_prob", "num_experts", "moe_intermediate_size",
+              "shared_expert_intermediate_size", "intermediate_size", "head_dim"))
+    names = load_file(tmp_path / "out" / "model.safetensors").keys()
+    assert {"model.layers.1.linear_attn.in_proj_qkvz.weight",
+            "model.layers.0.mlp.experts.7.down_proj.weight",
+            "model.layers.0.mlp.shared_expert_gate.weight"} <= names
+    assert read_model_args(tmp_path / "out") == read_model_args(path)
+
+
+def test_layer_types_and_dense_layers_are_read_as_given(hf_dir):
+    hf_model, path = hf_dir
+    args = read_model_args(path)
+    assert args.layer_types == tuple(hf_model.config.layer_types)
+    assert args.dense_layers == (1,) and args.sparse_layers == (0, 2, 3)
+
+
+def test_a_checkpoint_missing_a_fused_projection_is_refused_naming_it(hf_dir, tmp_path):
+    _, path = hf_dir
+    sd = load_file(path / "model.safetensors")
+    del sd["model.layers.2.linear_attn.in_proj_ba.weight"]
+    save_file(sd, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    with pytest.raises(HFCheckpointError, match=r"missing: model\.layers\.2\.linear_attn"
+                                                r"\.in_proj_ba\.weight") as refused:
+        load_hf_model(tmp_path)
+    assert "\n" not in str(refused.value)
+
+
+def test_presets_check_and_the_80b_has_80b_parameters():
+    """79.7B: the released files' 81.3B less the multi-token-prediction layer, not built."""
+    check_model_args(PRESETS["qwen3-next-debug"])
+    check_model_args(PRESETS["qwen3-next-80b-a3b"])
+    assert count_parameters(build_model(PRESETS["qwen3-next-80b-a3b"])) == 79_674_391_296
