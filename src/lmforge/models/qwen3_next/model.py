@@ -22,9 +22,13 @@ from lmforge.models.qwen3_5.model import Hybrid, HybridArgs, HybridBlock
 from lmforge.models.qwen3_moe import model as qwen3_moe
 from lmforge.models.qwen3_moe.model import SparseArgs
 
-# Qwen3.5's linear layers, and Qwen3-MoE's stacked experts beside them.
+# Qwen3.5's linear layers, and Qwen3-MoE's stacked experts beside them (Qwen3.5-MoE's).
 PROJECTIONS = dataclasses.replace(qwen3_5.PROJECTIONS, experts=qwen3_moe.PROJECTIONS.experts,
                                   experts_for=qwen3_moe.PROJECTIONS.experts_for)
+# Qwen3-Next's: its Gated DeltaNet's input projections are transformers' fused in_proj_qkvz
+# and in_proj_ba, which an adapter on our split ones could not name for peft; LoRA reaches
+# that layer's out_proj only.
+FUSED_PROJECTIONS = dataclasses.replace(PROJECTIONS, linear_attention=("out_proj",))
 
 
 @dataclass(frozen=True)
