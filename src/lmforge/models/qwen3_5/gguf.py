@@ -17,20 +17,22 @@ tensors transformed as llama.cpp's own converter transforms them:
 Keys: the linear layers' shape as ``ssm.*`` (conv kernel, key head dim as the state
 size, key heads as the group count, value heads as the time-step rank, the value width
 as the inner size), which layers are linear (``attention.recurrent_layers``, any
-pattern) with ``full_attention_interval`` beside it, the rotary dims of a head
-(``rope.dimension_count``) and the multimodal rotary's sections. A text token has one
-position on each of llama.cpp's first three axes and 0 on the fourth, so sections that
-send every rotary pair to one of the three rotate as plain RoPE, as the model does:
-transformers' default for Qwen3.5 ([11, 11, 10], which the converter writes) where it
-fits the head (ggml asks that they sum to at most head_dim: a head under 32 features
-does not hold them), else equal thirds.
+pattern; ``full_attention_interval`` beside it is the converter's default, unread), the
+rotary dims of a head (``rope.dimension_count``) and the multimodal rotary's sections.
+A text token has one position on each of llama.cpp's first three axes and 0 on the
+fourth, so sections that send every rotary pair to one of the three rotate as plain
+RoPE, as the model does: transformers' default for Qwen3.5 ([11, 11, 10], which the
+converter writes) where it fits the head (ggml asks that they sum to at most head_dim:
+a head under 32 features does not hold them, and the converter's file aborts there),
+else equal thirds.
 
 llama.cpp's qwen35 sizes a value head as a key head (its state is square), and aborts
 on a model whose layers are all of one kind (its cache for the other is empty): such
-models have no GGUF form here. An
-image-text directory's language model is written alone, as the converter writes it
-(the vision tower goes to llama.cpp's separate projector file, which lmforge does not
-write).
+models have no GGUF form here. An image-text directory's language model is written
+alone, as the converter writes it (the vision tower goes to llama.cpp's separate
+projector file, which lmforge does not write). The convolution's kernel must be stored
+in f32 whatever the file type (ggml's ssm_conv reads f32 only), as the converter keeps
+it: export/gguf.py's ``F32_MATRICES`` decides that.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ from typing import Iterator
 import torch
 
 from lmforge.models.mapping import gguf_tensor_name, write_gguf_shape
-from lmforge.models.qwen3_5.model import FULL, HybridArgs
+from lmforge.models.qwen3_5.model import HybridArgs
 from lmforge.models.qwen3_5.vision import LANGUAGE_PREFIX, VISION_PREFIX
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the llama.cpp release this form was checked against
@@ -79,7 +81,9 @@ def write_hparams(writer, args: HybridArgs) -> None:
     # (the gguf package's add_recurrent_layers is newer than the pinned one)
     writer.add_array(f"{writer.arch}.attention.recurrent_layers",
                      [args.is_linear(i) for i in range(args.n_layers)])
-    writer.add_full_attention_interval(full_attention_interval(args))
+    # (what the converter writes where config.json has none, as transformers saves it:
+    # llama.cpp reads the per-layer list above first, and lmforge keeps only that)
+    writer.add_full_attention_interval(DEFAULT_FULL_ATTENTION_INTERVAL)
     writer.add_rope_dimension_sections(list(rope_sections(args)))
 
 
@@ -103,17 +107,6 @@ def _rotates_plainly(sections, pairs: int, head_dim: int) -> bool:
     return all((s % 3 == 0 and s < 3 * sections[0]) or (s % 3 == 1 and s < 3 * sections[1])
                or (s % 3 == 2 and s < 3 * sections[2])
                for s in (pair % total for pair in range(pairs)))
-
-
-def full_attention_interval(args: HybridArgs) -> int:
-    """k where every k-th layer (and only those) is full, as transformers' rule makes
-    them; else the default (llama.cpp reads the per-layer list first: this is only
-    the converter's key, kept)."""
-    for every in range(1, args.n_layers + 1):
-        if all((args.layer_types[i] == FULL) == ((i + 1) % every == 0)
-               for i in range(args.n_layers)):
-            return every
-    return DEFAULT_FULL_ATTENTION_INTERVAL
 
 
 def tensors(hf_sd: dict, args: HybridArgs, name_map) -> Iterator[tuple[str, torch.Tensor]]:
