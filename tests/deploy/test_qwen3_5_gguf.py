@@ -6,8 +6,9 @@ prompts of 1, 6 and 70 tokens (the last past a 64-token chunk, fed in ubatches o
 equal lmforge's and transformers' from the f32 export, and lmforge's from the f16 one
 (up to a near tie that llama.cpp's f16 rounding of activations flips); the f32 file's
 tensors are the converter's, byte for byte, and its keys too but where ours differ on
-purpose; what llama.cpp's qwen35 cannot compute is refused in one line naming the
-field and llama.cpp's version."""
+purpose; a Hub-shaped image-text directory's language model runs alone; what
+llama.cpp's qwen35 cannot compute is refused in one line naming the field and
+llama.cpp's version."""
 from __future__ import annotations
 
 import pytest
@@ -173,3 +174,40 @@ def test_what_llama_cpp_cannot_compute_is_refused_in_one_line(tmp_path, fields, 
     text = str(refused.value)
     assert f"llama-cpp-python {LLAMA_CPP_PYTHON}" in text and "\n" not in text
     assert not (tmp_path / "model.gguf").exists()
+
+
+def test_an_image_text_directorys_language_model_runs_in_llama_cpp(tmp_path):
+    """A Hub-shaped Qwen3_5ForConditionalGeneration directory (the language model under
+    model.language_model., a vision tower under model.visual.): its language model alone
+    in the file, as the converter writes it, with lmforge's greedy tokens."""
+    import gguf
+    import transformers
+
+    from helpers.real_tokenizers import save_tokenizer
+    from lmforge.data.tokenizer import load_tokenizer
+
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    src = tmp_path / "model"
+    save_tokenizer("chatml", src)
+    text = LINEAR | dict(
+        vocab_size=load_tokenizer(src).vocab_size, hidden_size=64, intermediate_size=96,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        initializer_range=0.2)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                  out_hidden_size=64, patch_size=4, temporal_patch_size=2,
+                  spatial_merge_size=2, num_position_embeddings=16)
+    torch.manual_seed(3)
+    model = transformers.Qwen3_5ForConditionalGeneration(
+        transformers.Qwen3_5Config(text_config=text, vision_config=vision)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(PERTURBED):
+                p.add_(0.3 * torch.randn_like(p))
+    model.save_pretrained(src)
+    out = export_gguf(src, tmp_path / "model.gguf", "f32")
+    names = {t.name for t in gguf.GGUFReader(out).tensors}
+    assert {n.split(".")[0] for n in names} == {"token_embd", "blk", "output_norm", "output"}
+    ours = load_hf_model(src)
+    prompts = _prompts(ours.args.vocab_size)[:2]
+    expected = [generate(ours, [p], NEW_TOKENS)[0].ids for p in prompts]
+    assert greedy_tokens(out, prompts, NEW_TOKENS) == expected
