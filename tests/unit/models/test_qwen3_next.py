@@ -2,8 +2,9 @@
 gated shared expert) against transformers' Qwen3NextForCausalLM on a tiny random model:
 equal logits, equal greedy decodes alone and left-padded in a batch, an export whose files
 hold the original tensors (the fused in_proj_qkvz / in_proj_ba, one tensor per expert) and
-that transformers loads with equal logits; layer_types and dense layers read as given; a
-checkpoint missing a fused projection refused in one line naming it."""
+that transformers loads with equal logits; an all-linear adapter that peft places; layer_types
+and dense layers read as given; a checkpoint missing a fused projection refused in one line
+naming it."""
 from __future__ import annotations
 
 import pytest
