@@ -15,6 +15,8 @@ replace these on a GPU.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Optional
 
 import torch
@@ -69,6 +71,22 @@ def _running_decay(g: torch.Tensor, within: Optional[torch.Tensor]) -> torch.Ten
 
 # ---------------------------------------------------------------- the delta rule
 
+def _in_fp32(rule):
+    """Run ``rule`` with autocast off, so it computes in fp32 as it says under a bf16 or
+    fp16 run too: autocast made its products half precision (with documents the running
+    decay too, and then the triangular system, which the CPU cannot solve in bf16), and
+    the state's chain of updates is what fp32 is for."""
+    @functools.wraps(rule)
+    def wrapped(q: torch.Tensor, *args, **kwargs):
+        device = q.device.type
+        off = (torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device)
+               else contextlib.nullcontext())
+        with off:
+            return rule(q, *args, **kwargs)
+    return wrapped
+
+
+@_in_fp32
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            g: torch.Tensor, beta: torch.Tensor, *,
                            chunk_size: int = CHUNK_SIZE, scale: Optional[float] = None,
@@ -134,6 +152,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.transpose(1, 2).to(dtype), state
 
 
+@_in_fp32
 def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                g: torch.Tensor, beta: torch.Tensor, *,
                                scale: Optional[float] = None,

@@ -131,6 +131,22 @@ def test_a_document_that_decays_hundreds_of_nats_leaves_the_next_chunk_finite():
     assert_close(ours_state, alone_state)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_both_rules_compute_in_fp32_under_autocast(dtype):
+    """A bf16 or fp16 run's autocast leaves the rules in fp32: the same results as
+    without it (with documents, autocast once made the triangular system bf16, which the
+    CPU cannot solve)."""
+    q, k, v, g, beta, state = rule_inputs(1, 21)
+    segments = torch.repeat_interleave(torch.arange(2), torch.tensor([9, 12]))[None]
+    want = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=CHUNK, segments=segments)
+    want_step = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state)
+    with torch.autocast("cpu", dtype=dtype):
+        got = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=CHUNK, segments=segments)
+        got_step = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state)
+    for a, b in zip(got + got_step, want + want_step):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
 # ------------------------------------------------------------------ the layer
 
 def test_layer_equals_transformers_qwen3_next_with_weights_mapped():
