@@ -3,7 +3,9 @@ ChatML tokenizer and template) through the trainer itself (``train.loop.train``)
 run with LoRA on every linear (the DeltaNet's projections among them) over packed
 documents, straight and stopped after step 2 then resumed (the same losses and adapter
 bit for bit); a DPO run and a GRPO run (its rollout decoding through each linear layer's
-recurrent state) that end finite, lower or level, and repeat themselves bit for bit."""
+recurrent state) that end finite, lower or level, and repeat themselves bit for bit;
+bf16 and fp16 runs through their eval, export and end-of-run sample, whose export
+``lmforge generate --dtype`` decodes in a batch."""
 from __future__ import annotations
 
 import json
@@ -15,6 +17,7 @@ from safetensors.torch import load_file
 from helpers.grpo_prompts import grpo_overrides, sum_records, write_prompts
 from helpers.hf_models import hf_model_dir
 from helpers.preference_data import pairs, write_pairs
+from lmforge.cli import main
 from lmforge.config import load_config
 from lmforge.train import loop
 
@@ -114,3 +117,23 @@ def test_grpo_rollout_decodes_through_the_recurrent_state_and_repeats_itself(mod
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["reward"]) for r in steps)
     again = [r for r in _grpo(model, tmp_path / "b") if "loss" in r]
     assert [(r["loss"], r["reward"]) for r in again] == [(r["loss"], r["reward"]) for r in steps]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_a_half_precision_run_ends_with_its_eval_and_sample_and_its_export_decodes(
+        model, tmp_path, dtype, capsys):
+    """Autocast on the CPU through the DeltaNet's fp32 recurrence (issue 44's failure
+    was the end-of-run sample): the eval loss logged, the sample decoded, and the merged
+    export decoded in a left-padded batch of 3 with the weights in ``dtype``."""
+    out = tmp_path / "run"
+    _sft(model, out, f"train.dtype={dtype}", "train.max_steps=2", "train.eval_every=2",
+         "train.sample_tokens=8")
+    assert "sample (8 tokens" in capsys.readouterr().out
+    assert math.isfinite(_records(out)[-1]["eval_loss"])
+    prompts = write_prompts(tmp_path / "p.jsonl", [
+        {"prompt": "Count to 3."}, {"prompt": "x"}, {"prompt": "What is two plus two?"}])
+    generated = tmp_path / "generated.jsonl"
+    assert main(["generate", "--model", str(out / "hf"), "--prompts", str(prompts),
+                 "--output", str(generated), "--batch-size", "3", "--greedy",
+                 "--max-new-tokens", "8", "--dtype", dtype]) == 0
+    assert len(generated.read_text().splitlines()) == 3
