@@ -6,9 +6,10 @@ prompts of 1, 6 and 70 tokens (the last past a 64-token chunk, fed in ubatches o
 equal lmforge's and transformers' from the f32 export, and lmforge's from the f16 one
 (up to a near tie that llama.cpp's f16 rounding of activations flips); the f32 file's
 tensors are the converter's, byte for byte, and its keys too but where ours differ on
-purpose; a Hub-shaped image-text directory's language model runs alone; what
-llama.cpp's qwen35 cannot compute is refused in one line naming the field and
-llama.cpp's version."""
+purpose; a Hub-shaped image-text directory's language model runs alone; a LoRA GGUF
+on its base's gives the adapted model's tokens; what llama.cpp's qwen35 cannot compute
+(or the export cannot place: an out_proj adapter) is refused in one line naming the
+field and llama.cpp's version."""
 from __future__ import annotations
 
 import pytest
@@ -211,3 +212,56 @@ def test_an_image_text_directorys_language_model_runs_in_llama_cpp(tmp_path):
     prompts = _prompts(ours.args.vocab_size)[:2]
     expected = [generate(ours, [p], NEW_TOKENS)[0].ids for p in prompts]
     assert greedy_tokens(out, prompts, NEW_TOKENS) == expected
+
+
+@pytest.fixture
+def lora_model(tmp_path):
+    """interval-4's model with random LoRA adapters: (model, base directory)."""
+    from lmforge.config import LoraConfig
+    from lmforge.peft import apply_lora, lora_layers
+
+    def adapted(targets: list[str]):
+        base = _perturbed(hf_model_dir(tmp_path / "base", "qwen3_5_text", seed=3,
+                                       **CASES["interval-4"]))
+        model = load_hf_model(base)
+        apply_lora(model, LoraConfig(enabled=True, rank=4, alpha=8.0, targets=targets))
+        g = torch.Generator().manual_seed(0)
+        for layer in lora_layers(model).values():  # adapters that change the tokens
+            layer.lora_b.data = torch.randn(layer.lora_b.shape, generator=g) * 0.3
+        return model, base
+
+    return adapted
+
+
+def test_a_lora_gguf_on_its_base_gives_the_adapted_models_tokens(lora_model, tmp_path):
+    """Adapters on the linear layers' input projections (B's value-head rows tiled as
+    the weights') and on the full layers' q and v."""
+    from lmforge.export.gguf import export_gguf_lora
+    from lmforge.peft import save_adapter
+
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    model, base = lora_model(["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+                              "q_proj", "v_proj"])
+    adapter = save_adapter(model, tmp_path / "adapter", base_model_path=str(base))
+    base_gguf = export_gguf(base, tmp_path / "base.gguf", "f32")
+    lora_gguf = export_gguf_lora(adapter, base, tmp_path / "lora.gguf")
+    prompts = _prompts(model.args.vocab_size)[:2]
+    expected = [generate(model, [p], NEW_TOKENS)[0].ids for p in prompts]
+    unadapted = load_hf_model(base)
+    assert expected != [generate(unadapted, [p], NEW_TOKENS)[0].ids for p in prompts]
+    assert greedy_tokens(base_gguf, prompts, NEW_TOKENS, lora_path=str(lora_gguf)) == expected
+
+
+def test_a_lora_gguf_with_an_out_proj_adapter_is_refused_in_one_line(lora_model, tmp_path):
+    """out_proj's value heads are its A's columns, which llama.cpp reads tiled and the
+    export's hook (B's rows) cannot reorder: refused, nothing written."""
+    from lmforge.export.gguf import export_gguf_lora
+    from lmforge.peft import save_adapter
+
+    model, base = lora_model(["in_proj_z", "out_proj"])
+    adapter = save_adapter(model, tmp_path / "adapter", base_model_path=str(base))
+    with pytest.raises(ValueError, match=r"out_proj\.weight: no GGUF form of a LoRA "
+                                         r"adapter on out_proj: llama\.cpp's qwen35 "
+                                         r"\(llama-cpp-python 0\.3\.36\)"):
+        export_gguf_lora(adapter, base, tmp_path / "lora.gguf")
+    assert not (tmp_path / "lora.gguf").exists()

@@ -171,9 +171,16 @@ gguf_name = gguf_tensor_name  # (what export/gguf.py asks a family for)
 
 def rows_as_gguf(hf_name: str, rows: torch.Tensor, args: HybridArgs) -> torch.Tensor:
     """A LoRA adapter's B (output rows) in llama.cpp's order: a linear layer's input
-    projections' value-head rows tiled, as their weights' are. (out_proj's value heads
-    are its input columns, a LoRA A's, which this hook does not see: an out_proj
-    adapter would be misplaced where a key head serves several value heads.)"""
+    projections' value-head rows tiled, as their weights' are. out_proj's value heads
+    are its input columns, a LoRA A's, which this hook never sees: where a key head
+    serves several value heads, an out_proj adapter is refused (a ValueError, reported
+    in one line) rather than written misplaced."""
+    if ".linear_attn.out_proj." in hf_name and args.linear_value_heads > args.linear_key_heads:
+        raise ValueError(
+            f"{hf_name}: no GGUF form of a LoRA adapter on out_proj: llama.cpp's qwen35 "
+            f"(llama-cpp-python {LLAMA_CPP_PYTHON}) reads the value heads tiled over the "
+            f"{args.linear_key_heads} key heads, which reorders the adapter's A columns; "
+            f"leave out_proj out of lora.targets, or merge the adapter (--format gguf)")
     if ".linear_attn.in_proj_" not in hf_name:
         return rows
-    return tiled_value_heads(hf_name.removesuffix(".weight") + ".weight", rows, args)
+    return tiled_value_heads(hf_name, rows, args)
