@@ -2,7 +2,7 @@
 ChatML tokenizer and template) through the trainer itself (``train.loop.train``): an SFT
 run with LoRA on every linear (the DeltaNet's projections among them) over packed
 documents, straight and stopped after step 2 then resumed (the same losses and adapter
-bit for bit); a DPO run and a GRPO run (its rollout decoding through each linear layer's
+bit for bit); a DPO run (LoRA) and a GRPO run (its rollout decoding through each linear layer's
 recurrent state) that end finite, lower or level, and repeat themselves bit for bit;
 bf16 and fp16 runs through their eval, export and end-of-run sample, whose export
 ``lmforge generate --dtype`` decodes in a batch."""
@@ -84,14 +84,15 @@ def _dpo(model, out):
     data = write_pairs(out.parent / "pairs.jsonl", pairs(16))
     _train(model, out, "data.kind=preference", f"data.path={data}", "train.objective=dpo",
            "data.seq_len=48", "data.micro_batch_size=2", "data.global_batch_size=4",
-           "train.max_steps=3", "train.save=false", "optim.lr=1e-3")
+           "train.max_steps=3", "train.save=false", "optim.lr=1e-3", "lora.enabled=true",
+           "lora.rank=4", "lora.targets=all-linear")
     return _records(out)
 
 
 def test_dpo_trains_a_hybrid_model_and_repeats_itself(model, tmp_path):
-    """Three steps over the same 12 pairs' first batches: finite, the last loss no higher
-    than the first (DPO starts at log 2: the policy is its own reference), and a second
-    run gives the same losses bit for bit."""
+    """LoRA on every linear, the reference the base with the adapters switched off (the
+    DeltaNet's too): three steps finite, from log 2 (the policy starts as its own
+    reference) to a last loss no higher, and a second run the same bit for bit."""
     records = _dpo(model, tmp_path / "a")
     losses = [r["loss"] for r in records if "loss" in r]
     assert len(losses) == 3 and all(map(math.isfinite, losses))
