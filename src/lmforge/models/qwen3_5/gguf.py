@@ -115,8 +115,7 @@ def tensors(hf_sd: dict, args: HybridArgs, name_map) -> Iterator[tuple[str, torc
     for name, tensor in hf_sd.items():
         if name.startswith(VISION_PREFIX):
             continue  # (the projector file's, not the language model's)
-        name = "model." + name.removeprefix(LANGUAGE_PREFIX) if name.startswith(
-            LANGUAGE_PREFIX) else name
+        name = text_name(name)
         if name == "lm_head.weight" and args.tie_embeddings:
             continue  # llama.cpp reads a missing output as the token embedding
         tensor = as_gguf(name, tensor, args)
@@ -166,7 +165,17 @@ def _tile(tensor: torch.Tensor, dim: int, groups: int, per_key: int, width: int)
     return split.transpose(dim, dim + 1).reshape(shape)
 
 
-gguf_name = gguf_tensor_name  # (what export/gguf.py asks a family for)
+def text_name(hf_name: str) -> str:
+    """A text-only checkpoint's name of a tensor (an image-text one's language model is
+    under ``model.language_model.``), as the gguf package's table knows it."""
+    if hf_name.startswith(LANGUAGE_PREFIX):
+        return "model." + hf_name.removeprefix(LANGUAGE_PREFIX)
+    return hf_name
+
+
+def gguf_name(hf_name: str, name_map) -> str:
+    """(what export/gguf.py asks a family for: a LoRA adapter's module)"""
+    return gguf_tensor_name(text_name(hf_name), name_map)
 
 
 def rows_as_gguf(hf_name: str, rows: torch.Tensor, args: HybridArgs) -> torch.Tensor:
