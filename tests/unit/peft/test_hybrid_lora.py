@@ -7,6 +7,7 @@ quantizes those projections too with a loss close to the 16-bit base's."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -111,6 +112,7 @@ def test_peft_adapter_on_the_linear_attention_loads_into_ours(hf_dir, tmp_path):
     assert (ours(x) - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+@functools.cache  # (the 16-bit step, once for both formats)
 def _lora_step(quantize: str | None) -> tuple[float, float, int]:
     """One AdamW step of all-linear LoRA on qwen3.5-debug under bf16 autocast (the
     trainer's order: meta build, swap, materialise, quantize): the losses before and
