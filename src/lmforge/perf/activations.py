@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from lmforge.models.fused_loss import FUSED_CHUNK_TOKENS
 from lmforge.parallel.offload import MIN_OFFLOAD_BYTES
 from lmforge.perf.block_walk import Term, BlockWalk
+from lmforge.perf import linear_attention
+from lmforge.perf.linear_attention import is_linear
 from lmforge.perf.estimate_setup import Setup, compute_bytes
 from lmforge.perf.masks import dense_masks
 from lmforge.perf.moe_walk import aux_loss_bytes, moe_backward_buffers
@@ -55,6 +57,13 @@ class Activations:
     sparse_terms: list = field(default_factory=list)
     aux_loss: float = 0.0
     first_aux_loss: float = 0.0
+    # A hybrid's later linear-attention layers (a Gated DeltaNet in place of attention)
+    linear_layers: float = 0.0
+    linear_terms: list = field(default_factory=list)
+    # Layers after the first whose input does not require grad yet (nothing before them
+    # trains: a hybrid's linear layers ahead of the first adapted one under LoRA), and
+    # what each saves then
+    no_grad_layers: dict = field(default_factory=dict)
 
     def layer(self, setup: Setup, layer_id: int, first: bool = True) -> float:
         """Bytes per token block ``layer_id`` saves when it keeps everything (``first``:
@@ -62,6 +71,10 @@ class Activations:
         sparse = is_sparse(setup.args, layer_id)
         if layer_id == 0 and first:
             return self.first_layer
+        if layer_id in self.no_grad_layers:
+            return self.no_grad_layers[layer_id]
+        if is_linear(setup.args, layer_id):
+            return self.linear_layers
         return self.sparse_layers if sparse else self.other_layers
 
     def outside(self, setup: Setup, layer_id: int) -> float:
@@ -76,14 +89,20 @@ def activation_model(setup: Setup) -> Activations:
     later one, and the final norm and head; then the loss head and the backward buffers."""
     args, walker = setup.args, BlockWalk(setup)
     first_terms, output_needs_grad = walker.walk(setup.trainable.embedding,
-                                                 is_sparse(args, 0))
+                                                 is_sparse(args, 0), is_linear(args, 0))
+    linear = [i for i in range(args.n_layers) if is_linear(args, i)]
+    linear_terms = walker.walk(True, False, True)[0] if linear else []
     first_ffn_input = output_needs_grad or setup.trainable.norms  # (close enough for block 0)
     dense = any(not is_sparse(args, i) for i in range(args.n_layers))
+    full = [i for i in range(args.n_layers) if not is_linear(args, i)]
     sparse_terms = walker.walk(True, True)[0] if walker.block.moe is not None else []
     if args.n_layers == 1 or not dense:  # (gpt-oss: no dense MLP at all)
         other_terms = sparse_terms if args.n_layers > 1 else first_terms
+    elif not full or full == [0]:  # (no full-attention layer after the first)
+        other_terms = linear_terms
     else:
         other_terms = walker.walk(True)[0]
+    no_grad_layers = _no_grad_layers(setup, walker, output_needs_grad)
     if args.n_layers > 1:
         # every later block sees a residual stream that requires grad once anything trains
         output_needs_grad = True
@@ -92,6 +111,8 @@ def activation_model(setup: Setup) -> Activations:
         mlp_out = walker.names.mlp_output
         mlp_out_input = [t for t in other_terms if t.name.startswith(mlp_out)]
         buffers, freed = _backward_buffers(setup, walker), per_device(mlp_out_input, setup)
+    if linear_terms:
+        buffers = max(buffers, _linear_block_buffers(setup, walker, linear[0]) + freed)
     if sparse_terms:  # an MoE layer's peak comes first; a dense layer's, if larger
         buffers = max(moe_backward_buffers(walker, _dim_per_device(setup)), buffers - freed)
         freed = 0.0
@@ -108,8 +129,36 @@ def activation_model(setup: Setup) -> Activations:
                        input_is_saved=walker.keeps_block_input(),
                        masks=dense_masks(setup).shared_bytes,
                        sparse_layers=per_device(sparse_terms, setup), sparse_terms=sparse_terms,
+                       linear_layers=per_device(linear_terms, setup),
+                       linear_terms=linear_terms, no_grad_layers=no_grad_layers,
                        aux_loss=aux_loss_bytes(walker),
                        first_aux_loss=aux_loss_bytes(walker, first_ffn_input))
+
+
+def _linear_block_buffers(setup: Setup, walker: BlockWalk, layer_id: int) -> float:
+    """A linear layer's block peaks inside its rule's backward (or its recompute's
+    forward), beside the incoming gradient, its MLP's saved tensors gone (the caller adds
+    the freed MLP-output input back: the phases take it off)."""
+    names, trainable = linear_attention.LINEAR_PROJECTIONS, setup.trainable
+    trained = tuple(n for n in names if trainable.trains(n) or trainable.rank(n))
+    others = trainable.norms or any(trainable.trains(n) or trainable.rank(n)
+                                    for n in walker.names.mlp)
+    block = linear_attention.block_backward_bytes_per_token(
+        setup.args, layer_id, setup.micro_batch, setup.local_seq, walker.residual_bytes,
+        setup.autocast, trained, others)
+    return walker.residual_bytes * _dim_per_device(setup) + block
+
+
+def _no_grad_layers(setup: Setup, walker: BlockWalk, output_needs_grad: bool) -> dict:
+    """{layer: bytes per token} of the layers after the first whose input does not
+    require grad (nothing before them trains), with what each saves then."""
+    args, out, layer_id = setup.args, {}, 1
+    while not output_needs_grad and layer_id < args.n_layers:
+        terms, output_needs_grad = walker.walk(False, is_sparse(args, layer_id),
+                                               is_linear(args, layer_id))
+        out[layer_id] = per_device(terms, setup)
+        layer_id += 1
+    return out
 
 
 def _head_terms(setup: Setup, input_needs_grad: bool) -> list[Term]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lmforge.models.registry import family_of
+from lmforge.perf import linear_attention
 from lmforge.perf.estimate_setup import Setup, adapter_bytes, compute_bytes, residual_bytes
 from lmforge.perf.masks import dense_masks
 from lmforge.perf.mla import latent_attention
@@ -42,6 +43,7 @@ class BlockWalk:
         self.adapter_bytes = adapter_bytes(setup)
         self.dropout = setup.lora is not None and setup.lora.dropout > 0
         self.terms: list[Term] = []
+        self.linear_backward = 0.0  # bytes per token (``_linear_attention``)
 
     def add(self, name: str, nbytes: float, split: str = "heads") -> None:
         if nbytes:
@@ -52,12 +54,16 @@ class BlockWalk:
         return (input_needs_grad or self.trainable.trains(projection)
                 or self.trainable.rank(projection) > 0)
 
-    def walk(self, input_needs_grad: bool, sparse: bool = False) -> tuple[list[Term], bool]:
-        """The terms one block saves (``sparse``: an MoE layer's), and whether its
-        output requires grad."""
+    def walk(self, input_needs_grad: bool, sparse: bool = False, linear: bool = False
+             ) -> tuple[list[Term], bool]:
+        """The terms one block saves (``sparse``: an MoE layer's; ``linear``: one whose
+        attention is a linear-attention layer), and whether its output requires grad."""
         self.terms = []
         qkv, mlp_inputs = self.attention_inputs, self.names.mlp_inputs
         normed_needs_grad = self.norm("attention norm", input_needs_grad)
+        if linear:
+            attention_needs_grad = self._linear_attention(normed_needs_grad)
+            return self._after_attention(input_needs_grad, attention_needs_grad, sparse)
         if self.block.parallel:  # x + attention(norm(x)) + mlp(norm(x))
             self._parallel_block_inputs(normed_needs_grad)
             attention_needs_grad = self._attention(normed_needs_grad)
@@ -66,6 +72,12 @@ class BlockWalk:
         self.block_inputs(qkv, normed_needs_grad)
         attention_needs_grad = self._post_norm("post-attention norm",
                                                self._attention(normed_needs_grad))
+        return self._after_attention(input_needs_grad, attention_needs_grad, sparse)
+
+    def _after_attention(self, input_needs_grad: bool, attention_needs_grad: bool,
+                         sparse: bool) -> tuple[list[Term], bool]:
+        """The residual add, the MLP's norm and the MLP (or an MoE) after attention."""
+        mlp_inputs = self.names.mlp_inputs
         hidden_needs_grad = input_needs_grad or attention_needs_grad  # h = x + attention
         ffn_normed_needs_grad = self.norm("ffn norm", hidden_needs_grad)
         if sparse:
@@ -75,6 +87,21 @@ class BlockWalk:
             mlp_needs_grad = self._mlp(ffn_normed_needs_grad)
         mlp_needs_grad = self._post_norm("post-MLP norm", mlp_needs_grad)
         return list(self.terms), hidden_needs_grad or mlp_needs_grad
+
+    def _linear_attention(self, normed_needs_grad: bool) -> bool:
+        """A Gated DeltaNet in place of attention: what it saves, its input's copies
+        included, counted on fake tensors (``perf/linear_attention.py``); whether its
+        output requires grad."""
+        names = linear_attention.LINEAR_PROJECTIONS
+        trained = tuple(n for n in names if self.trainable.trains(n) or self.trainable.rank(n))
+        others = self.trainable.norms
+        counted = (self.args, self.setup.micro_batch, self.setup.local_seq, self.residual_bytes, self.autocast,
+                   normed_needs_grad, trained, others)
+        # what its backward allocates beside what it saved (activation_model's buffers)
+        self.linear_backward = linear_attention.backward_bytes_per_token(*counted)
+        self.add("gated deltanet (its input, projections and chunked rule; fake-tensor count)",
+                 linear_attention.saved_bytes_per_token(*counted), "none")
+        return normed_needs_grad or bool(trained) or others
 
     @property
     def attention_inputs(self) -> tuple[str, ...]:
@@ -203,10 +230,23 @@ class BlockWalk:
         # flash/efficient kernels (CUDA and CPU) write as (batch, seq, heads, head_dim);
         # a copy in eager.
         is_view = scores_need_grad and self.setup.attention != "eager"
+        if self._output_gate():  # out * sigmoid(gate) (Qwen3.5): the sigmoid keeps its
+            # output, the product its other factor (the attention's output, a copy in
+            # (batch, seq, heads x head_dim)); the product is the output projection's input
+            self.add("output gate sigmoid", self.matmul_bytes * q_dim)
+            self.add("gated attention output", self.matmul_bytes * q_dim)
+            is_view = False
         self.linear_inputs(f"{out} input", q_dim, scores_need_grad, [out],
                            self.matmul_bytes, "heads", counted=is_view)
         self.adapter(out)
         return self.needs_grad(out, scores_need_grad)
+
+    def _output_gate(self) -> bool:
+        """The query projection also yields a per-head output gate (its rows twice the
+        queries': Qwen3.5's gated attention)."""
+        q = self.names.attention[0]
+        n_out = self.block.shapes.get(q, (0, 0))[1]
+        return n_out == 2 * self.args.n_heads * self.args.head_dim
 
     def _head_norms(self, q_needs_grad: bool, k_needs_grad: bool) -> tuple[bool, bool, int]:
         """Qwen3's and Gemma 3's RMSNorm over each q and k head (before RoPE), split with
@@ -218,6 +258,10 @@ class BlockWalk:
         args, c = self.args, self.matmul_bytes
         q = self._rms_norm("q norm", q_needs_grad, args.n_heads * args.head_dim,
                            args.n_heads, c, "heads")
+        if self._output_gate() and q_needs_grad and c == 4:  # (fp32: x.float() is the
+            # view of q_proj's output it was given, which keeps the gate's rows too)
+            self.add("q norm input's gate rows (q_proj's output)", 4 * args.n_heads
+                     * args.head_dim)
         k = self._rms_norm("k norm", k_needs_grad, args.n_kv_heads * args.head_dim,
                            args.n_kv_heads, c, "heads")
         return q, k, 4 if self.autocast and self.block.norm == "rms" else c

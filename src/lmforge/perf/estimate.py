@@ -28,8 +28,8 @@ from lmforge.perf.activations import (Activations, StageActivations, activation_
 from lmforge.perf.buffers import (autocast_copies, dequantization_scratch, fsdp_buffers,
                                   optimizer_temporaries, stage_gradients)
 from lmforge.perf.estimate_setup import DTYPE_BYTES, Setup, frozen_weight_dtype
-from lmforge.perf.rollout import (ROLLOUT, describe_rollout, kv_cache_bytes_per_token,  # noqa: F401
-                                  rollout_terms)
+from lmforge.perf.rollout import (ROLLOUT, decode_state_bytes, describe_rollout,  # noqa: F401
+                                  kv_cache_bytes_per_token, rollout_terms)
 from lmforge.models.registry import family_of
 from lmforge.perf.weights import (Weights, active_parameters, fsdp_share,
                                   largest_trained_matrix, model_parameters, stage_layers,
@@ -385,7 +385,9 @@ def format_table(est: MemoryEstimate, device_memory_gib: Optional[float] = None,
     per_token = kv_cache_bytes_per_token(s)
     lines.append(f"generation: the KV cache holds {per_token / 1024:.1f} KiB per token per row "
                  f"({s.cfg.train.param_dtype}); {s.micro_batch} rows x {s.batch.seq_len} "
-                 f"tokens: {per_token * s.micro_batch * s.batch.seq_len / GiB:.3f} GiB")
+                 f"tokens: {per_token * s.micro_batch * s.batch.seq_len / GiB:.3f} GiB"
+                 + (f"; linear-attention layers: a state of {state / 2**20:.2f} MiB per row, "
+                    "whatever its length" if (state := decode_state_bytes(s)) else ""))
     if est.rollout:
         lines.append(describe_rollout(s, est.rollout, est.phases[ROLLOUT], est.phase))
     for note in s.notes:

@@ -14,6 +14,7 @@ from lmforge.models.preference import NEEDS_REFERENCE
 from lmforge.models.registry import family_of
 from lmforge.parallel.parallelize import checkpointed_block
 from lmforge.perf.flops import Trainability
+from lmforge.perf.linear_attention import LINEAR_PROJECTIONS, linear_layers
 from lmforge.peft.targets import LoraSpec
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -89,7 +90,8 @@ class Setup:
         if self.lora is None:
             return Trainability.full()
         family = family_of(self.args)
-        present = set(family.block(self.args).shapes) | set(family.projections.experts)
+        present = (set(family.block(self.args).shapes) | set(family.projections.experts)
+                   | set(LINEAR_PROJECTIONS if linear_layers(self.args) else ()))
         return Trainability.lora(self.lora, present)
 
     def checkpointed(self, layer_id: int) -> bool:

@@ -24,6 +24,7 @@ import torch
 
 from lmforge.models.registry import family_of
 from lmforge.peft.targets import LoraSpec, lora_spec
+from lmforge.perf import linear_attention
 from lmforge.perf.mla import latent_attention, mla_flops
 
 # --------------------------------------------------------------------------- peaks
@@ -134,7 +135,7 @@ class Trainability:
         present, linears, adapters = set(), set(), []
         projections = family_of(parts[0].args).projections
         for group in _projection_groups(layers):
-            for name in projections.all:
+            for name in projections.all + linear_attention.LINEAR_PROJECTIONS:
                 proj = getattr(group, name, None)
                 if proj is None or name in present:
                     continue
@@ -146,6 +147,8 @@ class Trainability:
                 if lora_a is not None:
                     a = getattr(lora_a, "weight", lora_a)
                     adapters.append((name, int(min(a.shape))))
+        order = projections.all + linear_attention.LINEAR_PROJECTIONS  # (lora.targets')
+        adapters.sort(key=lambda pair: order.index(pair[0]))
         moe = _moe_trainability(layers, projections.experts)
         present |= moe[0]
         linears |= moe[1]
@@ -181,6 +184,8 @@ def _projection_groups(layers: list) -> list:
     """The attention and dense MLP of the first layer, and the first dense layer's MLP
     when the first layer is an MoE (Qwen3-MoE's dense layers may come later)."""
     groups = [layers[0].attention, layers[0].feed_forward]
+    # a hybrid's first layer of each kind of attention (a Gated DeltaNet, a full one)
+    groups += list({type(lay.attention): lay.attention for lay in reversed(layers)}.values())
     dense = [lay.feed_forward for lay in layers if not hasattr(lay.feed_forward, "experts")]
     return groups + dense[:1]
 
@@ -227,7 +232,9 @@ def matmul_params(args: Any, active: bool = True) -> int:
     attention = sum(i * o for name, (i, o) in block.shapes.items() if name not in mlp)
     dense_mlp = sum(i * o for name, (i, o) in block.shapes.items() if name in mlp)
     sparse = len(block.sparse_layers or ()) if block.moe is not None else 0
-    total = args.n_layers * attention + (args.n_layers - sparse) * dense_mlp
+    linear = len(block.linear_layers or ())  # a Gated DeltaNet's projections instead
+    total = ((args.n_layers - linear) * attention + (args.n_layers - sparse) * dense_mlp
+             + linear_attention.matmul_params(args))
     if sparse:
         total += sparse * moe_active_matmul_params(block.moe, active)
     return total + args.dim * args.vocab_size
@@ -349,11 +356,14 @@ def flops_breakdown(args: Any, seq_len: int, trainable: Optional[Trainability] =
     sparse = set(block.sparse_layers or ()) if block.moe is not None else set()
     kinds = block.attention or ("global",) * args.n_layers
     mla = latent_attention(args)  # DeepSeek-V3's latent attention (perf/mla.py), or None
+    linear_ids = set(block.linear_layers or ())
     for layer_id, kind in enumerate(kinds):
         window = block.sliding_window if kind == "sliding" else None
         keys = mean_keys_per_query(seq_len, window) if causal else seq_len
         n1 = rg or tr.norms
-        if mla is not None:
+        if layer_id in linear_ids:
+            o = linear_attention.add_flops(fl, args, seq_len, tr, n1, _linear)
+        elif mla is not None:
             o = mla_flops(fl, mla, linear, tr.norms, n1, keys)
         else:
             per_product = 2 * keys * args.n_heads * args.head_dim  # Q K^T or P V, per token

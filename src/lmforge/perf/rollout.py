@@ -7,7 +7,9 @@ positions (a prompt is at most data.seq_len - rl.max_completion_length tokens, r
 otherwise, and its completion rl.max_completion_length): the estimate reads no data, so
 the longest prompt is that bound. The rollout holds, beside the weights and the optimizer
 state (gradients are freed by then):
-- the KV cache of every row and position, in the weights' dtype (``KVCache``);
+- the KV cache of every row and position, in the weights' dtype (``KVCache``), of the
+  full-attention layers; a linear-attention layer's state per row instead, whatever the
+  length (``GatedDeltaNetState``: its convolution window and its fp32 state);
 - the prefill's transient activations: under ``no_grad`` nothing is kept for backward,
   so the most alive at once is inside one block's MLP, for every prompt token: the
   residual stream, the attention's sum and the norm's output (3 x dim), and the MLP's
@@ -28,6 +30,7 @@ import torch
 
 from lmforge.config import JobConfig
 from lmforge.models.common import KVCache
+from lmforge.perf import linear_attention
 from lmforge.perf.estimate_setup import DTYPE_BYTES, Setup
 from lmforge.perf.weights import model_parameters
 
@@ -46,8 +49,18 @@ def kv_cache_bytes_per_token(setup: Setup) -> int:
     """What generating with the run's model holds per token of each row: every layer's
     keys and values in the weights' dtype (``KVCache.bytes_per_token``, the decoder's
     own count; under tp each rank keeps its share of the kv heads)."""
-    per_token = KVCache.bytes_per_token(setup.args, TORCH_DTYPES[setup.cfg.train.param_dtype])
+    args = setup.args
+    per_token = KVCache.bytes_per_token(args, TORCH_DTYPES[setup.cfg.train.param_dtype])
+    # (a linear-attention layer keeps a state of its own instead: ``decode_state_bytes``)
+    per_token = per_token * linear_attention.full_attention_layers(args) // args.n_layers
     return per_token // setup.layout.tp
+
+
+def decode_state_bytes(setup: Setup) -> int:
+    """What generating holds per row, whatever its length: each linear-attention layer's
+    ``GatedDeltaNetState`` (0 without such layers)."""
+    return linear_attention.decode_state_bytes_per_row(
+        setup.args, TORCH_DTYPES[setup.cfg.train.param_dtype])
 
 
 def rollout_rows(setup: Setup) -> int:
@@ -68,6 +81,8 @@ def rollout_terms(setup: Setup) -> dict[str, float]:
     terms = {"rollout KV cache": rows * length * kv_cache_bytes_per_token(setup),
              "rollout prefill (one block)": rows * prompt * prefill,
              "rollout logits and sampling": rows * args.vocab_size / tp * 4 * SAMPLING_COPIES}
+    if decode_state_bytes(setup):
+        terms["rollout linear-attention state"] = rows * decode_state_bytes(setup)
     packed = packed_weight_bytes(setup)
     if packed:
         terms["rollout packed weights (CPU)"] = packed

@@ -12,6 +12,7 @@ from lmforge.models.registry import BlockSpec, family_of
 from lmforge.parallel import pipeline
 from lmforge.perf.estimate_setup import DTYPE_BYTES, Setup, frozen_weight_dtype
 from lmforge.perf.flops import ROUTER, SHARED_EXPERTS, projection_shapes
+from lmforge.perf import linear_attention
 from lmforge.perf.mla import latent_attention
 
 # Bytes per parameter of a quantized frozen weight (peft/quant.py): NF4 packs two 4-bit
@@ -194,11 +195,16 @@ def _add_block(tally: _Tally, setup: Setup, layer_id: int) -> None:
     family = family_of(setup.args)
     sparse = is_sparse(setup.args, layer_id)
     skipped = set(family.projections.mlp) if sparse else set()
+    linear = linear_attention.is_linear(setup.args, layer_id)
+    shapes = projection_shapes(setup.args)
+    if linear:  # a Gated DeltaNet's projections in place of the attention's
+        skipped |= set(family.projections.attention)
+        shapes.update(linear_attention.projection_shapes(setup.args))
     biased = family.block(setup.args).biased
     quantize = setup.lora.quantize if setup.lora is not None else None
     trainable_before, ep_trainable_before = w.trainable_params, w.ep_trainable_params
     total_before, ep_total_before = w.trainable_params + w.frozen_params, w.ep_total
-    for name, (n_in, n_out) in projection_shapes(setup.args).items():
+    for name, (n_in, n_out) in shapes.items():
         if name in skipped:
             continue
         trains, rank = trainable.trains(name), trainable.rank(name)
@@ -222,6 +228,9 @@ def _add_block(tally: _Tally, setup: Setup, layer_id: int) -> None:
     # Qwen3's q and k norms: one head_dim weight each, shared by the heads (replicated
     # under tensor parallelism)
     head_norms = 2 * setup.args.head_dim if family.block(setup.args).head_norms else 0
+    if linear:  # no q/k norms; the convolution, dt_bias, A_log and the gated norm (which
+        # train with the norms: no LoRA target, frozen under LoRA)
+        head_norms = linear_attention.other_parameters(setup.args)
     mla = latent_attention(setup.args)  # MLA's q and kv latent norms
     latent_norms = mla.latent_norm_params if mla is not None else 0
     tally.add(norms * norm_params(family.block(setup.args), setup.args.dim) + head_norms

@@ -68,6 +68,12 @@ TINY["qwen3_moe, dense layer 0"] = dataclasses.replace(TINY["qwen3_moe"], dense_
 # norms, a rotary key shared by the heads), layer 0 dense, then sigmoid-routed experts
 # with a shared one
 TINY["deepseek_v3"] = dataclasses.replace(DEEPSEEK_V3["deepseek-v3-debug"], max_seq_len=128)
+# Qwen3.5's debug size (4 layers: three Gated DeltaNet, one gated full attention) and one
+# with wider linear layers (4 key and 8 value heads of 32)
+TINY["qwen3_5"] = PRESETS["qwen3.5-debug"]
+TINY["qwen3_5 wide"] = dataclasses.replace(PRESETS["qwen3.5-debug"], linear_key_heads=4,
+                                           linear_value_heads=8, linear_key_head_dim=32,
+                                           linear_value_head_dim=32)
 SEQ = 64
 
 
@@ -76,7 +82,7 @@ def measure_step(lora: bool, ckpt: bool, micro_batch: int, bf16: bool = False,
                  quantize=None, dropout: float = 0.0, targets=("q_proj", "v_proj"),
                  loss_chunk: int = 0, vocab: int = ARGS.vocab_size, low_memory: bool = False,
                  family: str = "llama", fp16: bool = False, every: int = 2,
-                 layers: int = 2, dpo: bool = False):
+                 layers: int = 2, dpo: bool = False, seq: int = SEQ):
     """(measured peak bytes of step 2, the Setup describing the same run). ``ckpt``:
     True (full), False (none) or "selective", which checkpoints blocks 0, ``every``, ...
     as the trainer does; ``low_memory``: bf16 weights, adamw_bf16, the step fused into
@@ -84,7 +90,9 @@ def measure_step(lora: bool, ckpt: bool, micro_batch: int, bf16: bool = False,
     ``layers`` blocks; ``fp16``: fp16 autocast with the loss scaler the trainer uses
     (frozen weights stay fp32); ``dpo``: ``micro_batch`` preference pairs (two rows each,
     labels on their last three quarters) with DPO's live reference, the adapters-off
-    model under LoRA, else a frozen copy of the weights (tracked too)."""
+    model under LoRA, else a frozen copy of the weights (tracked too); ``seq``: each
+    row's tokens."""
+    SEQ = seq  # noqa: N806 (the module's default, per call)
     mode = ckpt if isinstance(ckpt, str) else "full" if ckpt else "none"
     args = dataclasses.replace(TINY[family], vocab_size=vocab, n_layers=layers)
     torch.manual_seed(0)

@@ -1,0 +1,240 @@
+"""Linear-attention layers (``BlockSpec.linear_layers``: a Gated DeltaNet in place of
+attention, ``models/gated_deltanet.py``) in the performance model (docs/estimate.md,
+"Hybrid linear attention"; docs/hybrid-attention.md):
+
+- weights: the layer's five projections (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a,
+  out_proj; LoRA and ``Trainability`` know them by these names) and its other parameters
+  (the depthwise convolution, dt_bias, A_log, the gated norm's weight);
+- activations: what the layer saves for backward is counted by running it on fake
+  tensors (``FakeTensorMode``: shapes and dtypes, no data) under saved-tensor hooks, in
+  the run's dtypes, with the parameters that train requiring grad. The chunked rule keeps
+  a few dozen fp32 tensors per token (chunk x chunk score and decay blocks per head, q, k,
+  v and their chunked copies, the solved system, one state per chunk); a walk op by op
+  would restate ``delta_rule.py``, so the estimate asks the code itself. The count is
+  linear in the number of chunks, so it is taken at two short lengths and extended;
+- FLOPs: the projections as matmuls, and the rule itself (``forward_flops_per_token``,
+  its chunk products and triangular solve, plus the convolution's taps) as the layer's
+  "attention" FLOPs, backward counted as twice the forward;
+- generation: a linear layer keeps no KV cache but a ``GatedDeltaNetState`` per row,
+  whatever the length (``GatedDeltaNetState.bytes_per_row``).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from lmforge.models.delta_rule import CHUNK_SIZE
+from lmforge.models.gated_deltanet import (GatedDeltaNet, GatedDeltaNetState,
+                                           forward_flops_per_token)
+from lmforge.models.registry import family_of
+
+# The layer's projections as LoRA targets and Trainability name them, in model order.
+LINEAR_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+LINEAR_INPUTS, LINEAR_OUTPUT = LINEAR_PROJECTIONS[:-1], LINEAR_PROJECTIONS[-1]
+
+
+def linear_layers(args) -> tuple[int, ...]:
+    """The layers whose attention is a linear-attention layer (none for most families)."""
+    return tuple(family_of(args).block(args).linear_layers or ())
+
+
+def is_linear(args, layer_id: int) -> bool:
+    return layer_id in linear_layers(args)
+
+
+def projection_shapes(args) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of a linear layer's projections."""
+    key_dim = args.linear_key_heads * args.linear_key_head_dim
+    value_dim = args.linear_value_heads * args.linear_value_head_dim
+    heads = args.linear_value_heads
+    return {"in_proj_qkv": (args.dim, 2 * key_dim + value_dim),
+            "in_proj_z": (args.dim, value_dim), "in_proj_b": (args.dim, heads),
+            "in_proj_a": (args.dim, heads), "out_proj": (value_dim, args.dim)}
+
+
+def other_parameters(args) -> int:
+    """A linear layer's parameters beside its projections: the convolution (a kernel per
+    channel), dt_bias and A_log (one per value head) and the gated norm's weight."""
+    channels = projection_shapes(args)["in_proj_qkv"][1]
+    return (channels * args.linear_conv_kernel + 2 * args.linear_value_heads
+            + args.linear_value_head_dim)
+
+
+def full_attention_layers(args) -> int:
+    """Layers with a KV cache (every layer but the linear ones)."""
+    return args.n_layers - len(linear_layers(args))
+
+
+def decode_state_bytes_per_row(args, dtype: torch.dtype) -> int:
+    """What the decoder keeps per row for all the linear layers: each one's
+    ``GatedDeltaNetState`` (its convolution window in ``dtype``, its fp32 state)."""
+    layers = len(linear_layers(args))
+    return layers and layers * GatedDeltaNetState.bytes_per_row(args, dtype)
+
+
+# ---------------------------------------------------------------------------- FLOPs
+
+def rule_flops_per_token(args, seq_len: int) -> float:
+    """One linear layer's forward FLOPs per token outside its projections: the chunked
+    rule's products and solve, and the convolution's taps."""
+    parts = forward_flops_per_token(args, seq_len, CHUNK_SIZE)
+    return parts.delta_rule + parts.conv
+
+
+def add_flops(fl, args, seq_len: int, trainable, rg_in: bool, linear) -> bool:
+    """Adds one layer to ``fl`` (a ``flops.FlopsBreakdown``): its projections as matmuls
+    (``linear``: ``flops._linear``), the rule and the convolution as attention, backward
+    twice the forward where anything before them requires grad; returns whether the
+    layer's output requires grad."""
+    shapes = projection_shapes(args)
+
+    def project(name: str, needs_grad: bool) -> bool:
+        return linear(fl, shapes[name], needs_grad, trainable.trains(name),
+                      trainable.rank(name))
+
+    inputs = [project(name, rg_in) for name in LINEAR_INPUTS]
+    rule_needs_grad = any(inputs) or trainable.norms  # (the conv, dt_bias, A_log, norm)
+    rule = rule_flops_per_token(args, seq_len)
+    fl.attention_forward += rule
+    if rule_needs_grad:
+        fl.attention_backward += 2 * rule
+    return project(LINEAR_OUTPUT, rule_needs_grad)
+
+
+def matmul_params(args) -> int:
+    """Every linear layer's projection weights (0 without such layers)."""
+    layers = len(linear_layers(args))
+    return layers and layers * sum(i * o for i, o in projection_shapes(args).values())
+
+
+# ---------------------------------------------------------------------- activations
+
+def saved_bytes_per_token(args, rows: int, seq_len: int, input_bytes: int, autocast: bool,
+                          input_needs_grad: bool, trained: tuple[str, ...],
+                          others_train: bool) -> float:
+    """Bytes per token one linear layer saves for backward, its input (the norm's output,
+    ``input_bytes`` per element) included when something keeps it. ``rows``: the
+    micro-batch's (counted at 1 or 2: a row alone skips copies that more rows make, and
+    beyond 2 the count per token stays within 0.3%, measured); ``autocast``: bf16
+    autocast; ``trained``: the projections whose weight trains (or carries an adapter);
+    ``others_train``: the convolution, dt_bias, A_log and norm weight."""
+    return _per_token(args, min(rows, 2), seq_len, input_bytes, autocast, input_needs_grad,
+                      trained, others_train)[0]
+
+
+def backward_bytes_per_token(args, rows: int, seq_len: int, input_bytes: int, autocast: bool,
+                             input_needs_grad: bool, trained: tuple[str, ...],
+                             others_train: bool) -> float:
+    """Bytes per token the layer's backward allocates beyond what its forward saved and
+    the gradient it receives, at its peak (the rule's gradients, chunk by chunk)."""
+    return _per_token(args, min(rows, 2), seq_len, input_bytes, autocast, input_needs_grad,
+                      trained, others_train)[1]
+
+
+def _per_token(args, rows: int, seq_len: int, *rest) -> tuple[float, float]:
+    """(saved, backward) per token: counted on fake tensors at two lengths short of
+    ``seq_len`` with its remainder modulo the chunk, and extended by the chunks between
+    (both counts are linear in them)."""
+    c = CHUNK_SIZE
+    if seq_len <= 3 * c:
+        return tuple(n / (rows * seq_len) for n in _fake_step(args, rows, seq_len, *rest))
+    short = 2 * c + seq_len % c
+    at_short = _fake_step(args, rows, short, *rest)
+    at_longer = _fake_step(args, rows, short + c, *rest)
+    return tuple((a + (seq_len - short) / c * (b - a)) / (rows * seq_len)
+                 for a, b in zip(at_short, at_longer))
+
+
+@functools.lru_cache(maxsize=256)
+def _fake_step(args, rows: int, seq_len: int, input_bytes: int, autocast: bool,
+               input_needs_grad: bool, trained: tuple[str, ...], others_train: bool
+               ) -> tuple[int, int]:
+    """One layer's forward and backward over ``rows`` rows of ``seq_len`` tokens on fake
+    tensors: (bytes of the distinct storages its forward saves for backward, parameters
+    left out; the most its backward allocates beyond the live bytes it starts with)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode  # (torch's private module)
+    from lmforge.perf.tracker import TensorMemoryTracker
+    dtype = {4: torch.float32, 2: torch.bfloat16}[input_bytes]
+    with FakeTensorMode():
+        layer = GatedDeltaNet(args)
+        if input_bytes == 2 and not autocast:  # (bf16 weights: the low-memory path)
+            layer.to(torch.bfloat16)
+        for name, param in layer.named_parameters():
+            projection = name.split(".")[0]
+            param.requires_grad_(projection in trained if projection in LINEAR_PROJECTIONS
+                                 else others_train)
+        params = {p.untyped_storage()._cdata for p in layer.parameters()}
+        x = torch.empty(rows, seq_len, args.dim, dtype=dtype).requires_grad_(input_needs_grad)
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage._cdata not in params:
+                seen[storage._cdata] = storage.nbytes()
+            return t
+
+        cast = (torch.autocast("cpu", torch.bfloat16) if autocast
+                else contextlib.nullcontext())
+        tracker = TensorMemoryTracker()
+        with tracker:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast:
+                out = layer(x)
+            if not out.requires_grad:  # nothing will run backward through it
+                return 0, 0
+            grad = torch.empty_like(out)
+            start = tracker.peak = tracker.live
+            out.backward(grad)
+    return sum(seen.values()), tracker.peak - start
+
+
+def block_backward_bytes_per_token(args, layer_id: int, rows: int, seq_len: int,
+                                   input_bytes: int, autocast: bool,
+                                   trained: tuple[str, ...], others_train: bool) -> float:
+    """Bytes per token a linear layer's whole block (norms, the layer, the MLP) allocates
+    in its backward beyond what its forward saved and the gradient it receives, at its
+    peak: inside the rule, once the MLP's saved tensors are freed; or, if more, its
+    forward's peak over what it keeps (a checkpointed block's recompute). Counted on fake
+    tensors as ``saved_bytes_per_token`` (``others_train``: the block's other weights)."""
+    rows, c = min(rows, 2), CHUNK_SIZE
+    rest = (input_bytes, autocast, trained, others_train)
+    if seq_len <= 3 * c:
+        return _fake_block_step(args, layer_id, rows, seq_len, *rest) / (rows * seq_len)
+    short = 2 * c + seq_len % c
+    a = _fake_block_step(args, layer_id, rows, short, *rest)
+    b = _fake_block_step(args, layer_id, rows, short + c, *rest)
+    return (a + (seq_len - short) / c * (b - a)) / (rows * seq_len)
+
+
+@functools.lru_cache(maxsize=256)
+def _fake_block_step(args, layer_id: int, rows: int, seq_len: int, input_bytes: int,
+                     autocast: bool, trained: tuple[str, ...], others_train: bool) -> int:
+    """The most block ``layer_id``'s backward allocates beyond the live bytes it starts
+    with, over ``rows`` x ``seq_len`` tokens on fake tensors (the model built fake: no
+    memory, its layers' own code)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode  # (torch's private module)
+    from lmforge.perf.tracker import TensorMemoryTracker
+    dtype = {4: torch.float32, 2: torch.bfloat16}[input_bytes]
+    with FakeTensorMode():
+        block = family_of(args).build(args).layers[str(layer_id)]
+        if input_bytes == 2 and not autocast:
+            block.to(torch.bfloat16)
+        for name, param in block.named_parameters():
+            leaf = name.split(".")[-2] if name.count(".") else name
+            param.requires_grad_(leaf in trained if leaf in LINEAR_PROJECTIONS
+                                 else others_train)
+        x = torch.empty(rows, seq_len, args.dim, dtype=dtype).requires_grad_(True)
+        cast = (torch.autocast("cpu", torch.bfloat16) if autocast
+                else contextlib.nullcontext())
+        tracker = TensorMemoryTracker()
+        with tracker:
+            with cast:
+                out = block(x)
+            # (a checkpointed block's recompute peaks at its forward's end, over what it
+            # keeps: the rule's outputs, the normalised and gated values in flight)
+            forward_excess = tracker.peak - tracker.live
+            grad = torch.empty_like(out)
+            start = tracker.peak = tracker.live
+            out.backward(grad)
+    return max(forward_excess, tracker.peak - start)
