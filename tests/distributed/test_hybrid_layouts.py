@@ -1,8 +1,9 @@
-"""Qwen3.5's hybrid stack (Gated DeltaNet and gated full-attention layers) trains under
-FSDP2 (dp_shard=2), plain, with LoRA on every linear (the DeltaNet's projections among
-them) and over packed documents, as one process does: the same per-step loss and gradient
-norm (1e-5 relative) and final weights (1e-4), 3 steps, fp32 on the CPU with gloo,
-through the trainer's own step (tests/helpers/hybrid_training.py, one 2-process launch)."""
+"""The hybrid stacks (Gated DeltaNet and gated full-attention layers: Qwen3.5, Qwen3-Next,
+Qwen3.5-MoE) train under FSDP2 (dp_shard=2), plain, with LoRA on every linear (the
+DeltaNet's projections among them) and over packed documents, as one process does: the
+same per-step loss and gradient norm (1e-5 relative) and final weights (1e-4), 3 steps,
+fp32 on the CPU with gloo, through the trainer's own step
+(tests/helpers/hybrid_training.py, one 2-process launch)."""
 import json
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 from helpers import hybrid_training
 from helpers.runs import launch_worker
 
-pytestmark = [pytest.mark.slow, pytest.mark.long]  # make test-long (one 2-process launch, 14 s)
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # make test-long (one 2-process launch, 23 s)
 WORKER = Path(hybrid_training.__file__)
 
 
