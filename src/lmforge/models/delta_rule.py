@@ -78,9 +78,9 @@ def _in_fp32(rule):
     the state's chain of updates is what fp32 is for."""
     @functools.wraps(rule)
     def wrapped(q: torch.Tensor, *args, **kwargs):
-        device = q.device.type
-        off = (torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device)
-               else contextlib.nullcontext())
+        device = q.device.type  # (meta has no autocast to ask about)
+        on = device != "meta" and torch.is_autocast_enabled(device)
+        off = torch.autocast(device, enabled=False) if on else contextlib.nullcontext()
         with off:
             return rule(q, *args, **kwargs)
     return wrapped
