@@ -17,7 +17,6 @@ import torch
 
 from helpers.hf_models import hf_model_dir, load_reference
 from helpers.llama_cpp_runs import converted, converter_dir, gguf_keys, greedy_tokens
-from lmforge.export import gguf as gguf_export
 from lmforge.export.gguf import GGUFError, export_gguf
 from lmforge.models.generate import generate
 from lmforge.models.hf import load_hf_model
@@ -92,9 +91,6 @@ def _transformers_greedy(model_dir, prompt: list[int], n: int) -> list[int]:
 def test_llama_cpp_greedy_tokens_equal_lmforges_and_transformers(model_dir, tmp_path, dtype):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed "
                         "(make test-deploy installs it)")
-    if dtype != "f32" and ".ssm_conv1d.weight" not in gguf_export.F32_MATRICES:
-        pytest.xfail("export/gguf.py stores ssm_conv1d.weight in f16, and ggml's ssm_conv "
-                     "reads f32 only (llama.cpp aborts): F32_MATRICES lacks it")
     out = export_gguf(model_dir, tmp_path / "model.gguf", dtype)
     ours = as_stored(load_hf_model(model_dir), dtype)
     prompts = _prompts(ours.args.vocab_size)

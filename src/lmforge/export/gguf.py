@@ -340,7 +340,9 @@ def _file_type(gguf, dtype: str) -> int:
 
 # Matrices llama.cpp's converter keeps in f32 whatever the file type: an MoE router's
 # (which picks the experts: rounding it would change the choice)
-F32_MATRICES = (".ffn_gate_inp.weight", ".ffn_gate_inp_shexp.weight")
+# MoE routers; and a Gated DeltaNet's convolution kernel, which ggml's ssm_conv reads
+# in f32 only (llama.cpp 0.3.36 aborts on an f16 one; its converter keeps it f32)
+F32_MATRICES = (".ffn_gate_inp.weight", ".ffn_gate_inp_shexp.weight", ".ssm_conv1d.weight")
 
 
 def _add_tensor(gguf, writer, name: str, tensor: torch.Tensor, dtype: str) -> None:
