@@ -69,6 +69,21 @@ def _running_decay(g: torch.Tensor, within: Optional[torch.Tensor]) -> torch.Ten
     return (within.float() @ g[..., None]).squeeze(-1)
 
 
+def _decays(log_decay: torch.Tensor, within: torch.Tensor, from_start: torch.Tensor,
+            to_end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gamma(i, j) (b, h, n, c, c), Gamma(i, start) and Gamma(end, i) (b, h, n, c), zero
+    across a document boundary."""
+    # -inf first where j > i, whose positive exponent could overflow
+    pairwise = log_decay[..., :, None] - log_decay[..., None, :]
+    pairwise = pairwise.masked_fill(~within, float("-inf")).exp()
+    decay_in = log_decay.exp() * from_start
+    # Gamma(end, i): zero first where i's document ended inside the chunk: the end's
+    # running sum restarted there, so the difference may be hundreds of nats above 0,
+    # whose exp is inf (and inf * 0 a NaN state for the next chunk)
+    decay_out = (log_decay[..., -1:] - log_decay).masked_fill(~to_end, float("-inf")).exp()
+    return pairwise, decay_in, decay_out
+
+
 # ---------------------------------------------------------------- the delta rule
 
 def _in_fp32(rule):
@@ -124,14 +139,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q, k, v, g, beta = chunked(q) * scale, chunked(k), chunked(v), chunked(g), chunked(beta)
     within, from_start, to_end = _chunk_documents(segments, seq, pad, chunk_size, q.device)
     log_decay = _running_decay(g, within if segments is not None else None)  # (b, h, n, c)
-    # Gamma(i, j); -inf first where j > i, whose positive exponent could overflow.
-    pairwise = log_decay[..., :, None] - log_decay[..., None, :]  # (b, h, n, c, c)
-    pairwise = pairwise.masked_fill(~within, float("-inf")).exp()
-    decay_in = log_decay.exp() * from_start  # Gamma(i, start)
-    # Gamma(end, i); zero first where i's document ended inside the chunk: the end's
-    # running sum restarted there, so the difference may be hundreds of nats above 0,
-    # whose exp is inf (and inf * 0 a NaN state for the next chunk)
-    decay_out = (log_decay[..., -1:] - log_decay).masked_fill(~to_end, float("-inf")).exp()
+    pairwise, decay_in, decay_out = _decays(log_decay, within, from_start, to_end)
     k_beta = k * beta[..., None]
     system = (k_beta @ k.transpose(-1, -2)) * pairwise  # (b, h, n, c, c); diagonal: ones
     rhs = torch.cat([v * beta[..., None], k_beta * decay_in[..., None]], -1)
