@@ -91,7 +91,8 @@ def activation_model(setup: Setup) -> Activations:
     first_terms, output_needs_grad = walker.walk(setup.trainable.embedding,
                                                  is_sparse(args, 0), is_linear(args, 0))
     linear = [i for i in range(args.n_layers) if is_linear(args, i)]
-    linear_terms = walker.walk(True, False, True)[0] if linear else []
+    # (a hybrid MoE's linear layers have experts too: Qwen3-Next, Qwen3.5-MoE)
+    linear_terms = walker.walk(True, is_sparse(args, linear[-1]), True)[0] if linear else []
     first_ffn_input = output_needs_grad or setup.trainable.norms  # (close enough for block 0)
     dense = any(not is_sparse(args, i) for i in range(args.n_layers))
     full = [i for i in range(args.n_layers) if not is_linear(args, i)]
@@ -112,7 +113,8 @@ def activation_model(setup: Setup) -> Activations:
         mlp_out_input = [t for t in other_terms if t.name.startswith(mlp_out)]
         buffers, freed = _backward_buffers(setup, walker), per_device(mlp_out_input, setup)
     if linear_terms:
-        buffers = max(buffers, _linear_block_buffers(setup, walker, linear[0]) + freed)
+        buffers = max(buffers, _linear_block_buffers(setup, walker, linear[0], linear_terms)
+                      + freed)
     if sparse_terms:  # an MoE layer's peak comes first; a dense layer's, if larger
         buffers = max(moe_backward_buffers(walker, _dim_per_device(setup)), buffers - freed)
         freed = 0.0
@@ -135,18 +137,25 @@ def activation_model(setup: Setup) -> Activations:
                        first_aux_loss=aux_loss_bytes(walker, first_ffn_input))
 
 
-def _linear_block_buffers(setup: Setup, walker: BlockWalk, layer_id: int) -> float:
-    """A linear layer's block peaks inside its rule's backward (or its recompute's
-    forward), beside the incoming gradient, its MLP's saved tensors gone (the caller adds
-    the freed MLP-output input back: the phases take it off)."""
+def _linear_block_buffers(setup: Setup, walker: BlockWalk, layer_id: int,
+                          terms: list) -> float:
+    """A linear layer's block peaks inside its rule's backward, beside the incoming
+    gradient, its MLP's saved tensors gone; or, checkpointed, inside its recompute's
+    rule, before its MLP has saved anything (``terms``: the block's). (The caller adds the freed MLP-output input back: the phases take it off.)"""
     names, trainable = linear_attention.LINEAR_PROJECTIONS, setup.trainable
     trained = tuple(n for n in names if trainable.trains(n) or trainable.rank(n))
     others = trainable.norms or any(trainable.trains(n) or trainable.rank(n)
                                     for n in walker.names.mlp)
-    block = linear_attention.block_backward_bytes_per_token(
+    forward, backward = linear_attention.block_backward_bytes_per_token(
         setup.args, layer_id, setup.micro_batch, setup.local_seq, walker.residual_bytes,
         setup.autocast, trained, others)
-    return walker.residual_bytes * _dim_per_device(setup) + block
+    if setup.cfg.train.activation_checkpointing != "none":
+        backward = max(backward, forward)
+    feed_forward = 0.0  # (an MoE left out of the count: its saved tensors, which the
+    if not linear_attention.keeps_feed_forward(setup.args, layer_id):  # blocks count)
+        mixer = next(i for i, t in enumerate(terms) if t.name.startswith("gated"))
+        feed_forward = per_device(terms[mixer + 1:], setup)
+    return walker.residual_bytes * _dim_per_device(setup) + backward - feed_forward
 
 
 def _no_grad_layers(setup: Setup, walker: BlockWalk, output_needs_grad: bool) -> dict:

@@ -243,9 +243,10 @@ def matmul_params(args: Any, active: bool = True) -> int:
 def moe_active_matmul_params(moe: Any, active: bool = True) -> int:
     """One MoE layer's matmul weights a token uses: the router, top_k experts and the
     shared experts (3 x dim x ffn per expert); ``active=False``: every expert."""
-    expert = 3 * moe.dim * moe.ffn_dim
     routed = moe.top_k if active else moe.n_experts
-    return moe.dim * moe.n_experts + (routed + moe.n_shared_experts) * expert
+    shared = 3 * (getattr(moe, "shared_ffn_dim", 0) or moe.n_shared_experts * moe.ffn_dim)
+    return moe.dim * (moe.n_experts + routed * 3 * moe.ffn_dim + shared
+                      + getattr(moe, "shared_expert_gate", False))
 
 
 @dataclass
@@ -311,10 +312,10 @@ def _moe(fl: FlopsBreakdown, moe: Any, expert_names: tuple, tr: Trainability,
     logits = _linear(fl, (d, moe.n_experts), rg_in, tr.trains(ROUTER), 0)
     hidden = _linear(fl, (d, 2 * f), rg_in, tr.trains(gate_up), tr.rank(gate_up), times=k)
     routed = _linear(fl, (f, d), hidden, tr.trains(down), tr.rank(down), times=k)
-    shared = moe.n_shared_experts * f
-    if shared:
+    if shared := getattr(moe, "shared_ffn_dim", 0) or moe.n_shared_experts * f:
         trains = tr.trains(SHARED_EXPERTS)
-        _linear(fl, (d, 2 * shared), rg_in, trains, 0)  # gate and up: one cost, summed
+        _linear(fl, (d, 2 * shared + getattr(moe, "shared_expert_gate", False)), rg_in,
+                trains, 0)  # gate and up (and Qwen's d x 1 gate): one cost, summed
         shared_out = _linear(fl, (shared, d), rg_in or trains, trains, 0)
         routed = routed or shared_out
     return routed or logits  # (the routing weights scale the experts' outputs)

@@ -189,35 +189,50 @@ def _fake_step(args, rows: int, seq_len: int, input_bytes: int, autocast: bool,
     return sum(seen.values()), tracker.peak - start
 
 
+def keeps_feed_forward(args, layer_id: int) -> bool:
+    """Whether ``block_backward_bytes_per_token`` runs the block's feed-forward: an MLP,
+    yes; an MoE, no (fake tensors refuse the fp32 grouped product that the CPU runs), and
+    its saved tensors are then taken off by the caller (its own peak is the MoE's
+    buffers, counted apart)."""
+    block = family_of(args).block(args)
+    return block.moe is None or layer_id not in (block.sparse_layers or ())
+
+
 def block_backward_bytes_per_token(args, layer_id: int, rows: int, seq_len: int,
                                    input_bytes: int, autocast: bool,
-                                   trained: tuple[str, ...], others_train: bool) -> float:
-    """Bytes per token a linear layer's whole block (norms, the layer, the MLP) allocates
-    in its backward beyond what its forward saved and the gradient it receives, at its
-    peak: inside the rule, once the MLP's saved tensors are freed; or, if more, its
-    forward's peak over what it keeps (a checkpointed block's recompute). Counted on fake
-    tensors as ``saved_bytes_per_token`` (``others_train``: the block's other weights)."""
+                                   trained: tuple[str, ...], others_train: bool
+                                   ) -> tuple[float, float]:
+    """Bytes per token of a linear layer's block (its feed-forward as
+    ``keeps_feed_forward`` says): (its forward's peak over what it keeps at the end, which a checkpointed
+    block's recompute reaches; what its backward allocates beyond what the forward saved
+    and the gradient it receives, at its peak inside the rule). Counted on fake tensors
+    as ``saved_bytes_per_token`` (``others_train``: the block's other weights)."""
     rows, c = min(rows, 2), CHUNK_SIZE
     rest = (input_bytes, autocast, trained, others_train)
     if seq_len <= 3 * c:
-        return _fake_block_step(args, layer_id, rows, seq_len, *rest) / (rows * seq_len)
+        return tuple(n / (rows * seq_len)
+                     for n in _fake_block_step(args, layer_id, rows, seq_len, *rest))
     short = 2 * c + seq_len % c
-    a = _fake_block_step(args, layer_id, rows, short, *rest)
-    b = _fake_block_step(args, layer_id, rows, short + c, *rest)
-    return (a + (seq_len - short) / c * (b - a)) / (rows * seq_len)
+    at_short = _fake_block_step(args, layer_id, rows, short, *rest)
+    at_longer = _fake_block_step(args, layer_id, rows, short + c, *rest)
+    return tuple((a + (seq_len - short) / c * (b - a)) / (rows * seq_len)
+                 for a, b in zip(at_short, at_longer))
 
 
 @functools.lru_cache(maxsize=256)
 def _fake_block_step(args, layer_id: int, rows: int, seq_len: int, input_bytes: int,
-                     autocast: bool, trained: tuple[str, ...], others_train: bool) -> int:
-    """The most block ``layer_id``'s backward allocates beyond the live bytes it starts
-    with, over ``rows`` x ``seq_len`` tokens on fake tensors (the model built fake: no
-    memory, its layers' own code)."""
+                     autocast: bool, trained: tuple[str, ...], others_train: bool
+                     ) -> tuple[int, int]:
+    """(forward's peak over its end, backward's over its start) of block ``layer_id``
+    (an MoE left out), over ``rows`` x ``seq_len`` tokens on fake tensors (the
+    model built fake: no memory, its layers' own code)."""
     from torch._subclasses.fake_tensor import FakeTensorMode  # (torch's private module)
     from lmforge.perf.tracker import TensorMemoryTracker
     dtype = {4: torch.float32, 2: torch.bfloat16}[input_bytes]
     with FakeTensorMode():
         block = family_of(args).build(args).layers[str(layer_id)]
+        if not keeps_feed_forward(args, layer_id):
+            block.feed_forward = torch.nn.Identity()
         if input_bytes == 2 and not autocast:
             block.to(torch.bfloat16)
         for name, param in block.named_parameters():
@@ -231,10 +246,8 @@ def _fake_block_step(args, layer_id: int, rows: int, seq_len: int, input_bytes: 
         with tracker:
             with cast:
                 out = block(x)
-            # (a checkpointed block's recompute peaks at its forward's end, over what it
-            # keeps: the rule's outputs, the normalised and gated values in flight)
             forward_excess = tracker.peak - tracker.live
             grad = torch.empty_like(out)
             start = tracker.peak = tracker.live
             out.backward(grad)
-    return max(forward_excess, tracker.peak - start)
+    return forward_excess, tracker.peak - start

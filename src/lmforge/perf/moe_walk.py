@@ -36,7 +36,7 @@ def walk_moe(walk: BlockWalk, normed_needs_grad: bool) -> bool:
     """Adds the MoE's terms to ``walk``; returns whether its output requires grad."""
     moe, tr = walk.block.moe, walk.trainable
     d, k, c = moe.dim, moe.top_k, walk.matmul_bytes
-    shared = moe.n_shared_experts * moe.ffn_dim
+    shared = shared_width(moe)
     # the norm's output, x: its fp32 weight times y makes it fp32 even when the stream is
     # bf16 (a frozen bf16 base under autocast); read by the router (and the shared
     # experts' gate and up)
@@ -98,7 +98,16 @@ def _shared_experts(walk: BlockWalk, width: int, normed_needs_grad: bool) -> boo
         walk.add("shared experts' gate, silu and up outputs", 3 * c * width)
     if walk.trainable.trains(SHARED_EXPERTS):
         walk.add("shared experts' down input", c * width)
+    if needs_grad and getattr(walk.block.moe, "shared_expert_gate", False):
+        # Qwen's shared output * sigmoid(gate(x)): each factor kept for the other
+        walk.add("shared expert output and its sigmoid gate", c * walk.args.dim + 4, "none")
     return needs_grad
+
+
+def shared_width(moe) -> int:
+    """The shared experts' width as one gated MLP (Qwen's shared_ffn_dim, else
+    n_shared x ffn_dim; 0: none)."""
+    return getattr(moe, "shared_ffn_dim", 0) or moe.n_shared_experts * moe.ffn_dim
 
 
 def aux_loss_bytes(walk: BlockWalk, normed_needs_grad: bool = True) -> float:

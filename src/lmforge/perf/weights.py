@@ -14,6 +14,7 @@ from lmforge.perf.estimate_setup import DTYPE_BYTES, Setup, frozen_weight_dtype
 from lmforge.perf.flops import ROUTER, SHARED_EXPERTS, projection_shapes
 from lmforge.perf import linear_attention
 from lmforge.perf.mla import latent_attention
+from lmforge.perf.moe_walk import shared_width
 
 # Bytes per parameter of a quantized frozen weight (peft/quant.py): NF4 packs two 4-bit
 # codes per byte plus one absmax per block of 64, itself int8 with an fp32 scale per 256
@@ -349,9 +350,10 @@ def _add_experts(tally: _Tally, setup: Setup) -> None:
             w.mlp_out_trainable = trains * stack + e * rank * (n_in + n_out)
             w.ep_mlp_out_trainable = w.mlp_out_trainable if setup.ep > 1 else 0
             w.mlp_out_copy = copy
-    shared = moe.n_shared_experts * f
-    if shared:
-        tally.add(3 * d * shared, trainable.trains(SHARED_EXPERTS), matmul=True)
+    shared = shared_width(moe)
+    if shared:  # (with Qwen's gate, a d x 1 projection)
+        gate = d * getattr(moe, "shared_expert_gate", False)
+        tally.add(3 * d * shared + gate, trainable.trains(SHARED_EXPERTS), matmul=True)
 
 
 def _add_expert_parallel(w: Weights, before: tuple) -> None:

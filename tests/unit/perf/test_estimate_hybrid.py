@@ -30,9 +30,14 @@ LONG = [dict(family="qwen3_5", ckpt=False, micro_batch=1, seq=64),  # 5.448 vs 5
         dict(family="qwen3_5", ckpt=False, micro_batch=4, seq=64),  # 15.621 vs 15.830 +1.3%
         dict(family="qwen3_5", ckpt=False, micro_batch=2, seq=200),  # 25.062 vs 25.059 -0.01%
         dict(family="qwen3_5", ckpt=True, micro_batch=2, seq=200),  # 9.874 vs 10.006 +1.3%
-        dict(family="qwen3_5 wide", ckpt=False, micro_batch=2, seq=128),  # 35.292 vs 36.237
+        dict(family="qwen3_5 wide", ckpt=False, micro_batch=2, seq=128),  # 35.292 vs 35.762
         dict(family="qwen3_5 wide", ckpt=True, micro_batch=2, seq=128),  # 15.462 vs 15.754
-        dict(family="qwen3_5", ckpt=False, micro_batch=4, seq=64, bf16=True)]  # 14.343 vs 14.464
+        dict(family="qwen3_5", ckpt=False, micro_batch=4, seq=64, bf16=True),  # 14.343 vs 14.464
+        # the MoE hybrids (16 experts of 32, top 4 for Qwen3.5-MoE, a gated shared expert)
+        dict(family="qwen3-next-debug", ckpt=False, micro_batch=2, seq=128),  # 22.209 vs 23.411
+        dict(family="qwen3-next-debug", ckpt=True, micro_batch=2, seq=128),  # 11.673 vs 12.544
+        dict(family="qwen3.5-moe-debug", ckpt=False, micro_batch=2, seq=128),  # 24.333 vs 24.488
+        dict(family="qwen3.5-moe-debug", ckpt=True, micro_batch=2, seq=128)]  # 13.002 vs 13.616
 
 
 def _check(case):

@@ -74,6 +74,9 @@ TINY["qwen3_5"] = PRESETS["qwen3.5-debug"]
 TINY["qwen3_5 wide"] = dataclasses.replace(PRESETS["qwen3.5-debug"], linear_key_heads=4,
                                            linear_value_heads=8, linear_key_head_dim=32,
                                            linear_value_head_dim=32)
+# the hybrid MoEs' debug sizes: Qwen3.5's layers with experts and a gated shared expert
+for _name in ("qwen3-next-debug", "qwen3.5-moe-debug"):
+    TINY[_name] = dataclasses.replace(PRESETS[_name], max_seq_len=128)
 SEQ = 64
 
 
