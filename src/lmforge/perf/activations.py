@@ -14,7 +14,7 @@ from lmforge.parallel.offload import MIN_OFFLOAD_BYTES
 from lmforge.perf.block_walk import Term, BlockWalk
 from lmforge.perf import linear_attention
 from lmforge.perf.linear_attention import is_linear
-from lmforge.perf.estimate_setup import Setup, compute_bytes
+from lmforge.perf.estimate_setup import Setup, compute_bytes, linear_lora_key
 from lmforge.perf.masks import dense_masks
 from lmforge.perf.moe_walk import aux_loss_bytes, moe_backward_buffers
 from lmforge.perf.weights import is_sparse, stage_layer_ids
@@ -148,7 +148,7 @@ def _linear_block_buffers(setup: Setup, walker: BlockWalk, layer_id: int,
                                     for n in walker.names.mlp)
     forward, backward = linear_attention.block_backward_bytes_per_token(
         setup.args, layer_id, setup.micro_batch, setup.local_seq, walker.residual_bytes,
-        setup.autocast, trained, others)
+        setup.autocast, trained, others, linear_lora_key(setup))
     if setup.cfg.train.activation_checkpointing != "none":
         backward = max(backward, forward)
     feed_forward = 0.0  # (an MoE left out of the count: its saved tensors, which the

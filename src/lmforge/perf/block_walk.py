@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from lmforge.models.registry import family_of
 from lmforge.perf import linear_attention
-from lmforge.perf.estimate_setup import Setup, adapter_bytes, compute_bytes, residual_bytes
+from lmforge.perf.estimate_setup import (Setup, adapter_bytes, compute_bytes, linear_lora_key,
+                                         residual_bytes)
 from lmforge.perf.masks import dense_masks
 from lmforge.perf.mla import latent_attention
 from lmforge.perf.mla_walk import walk_mla
@@ -95,8 +96,9 @@ class BlockWalk:
         names = linear_attention.LINEAR_PROJECTIONS
         trained = tuple(n for n in names if self.trainable.trains(n) or self.trainable.rank(n))
         others = self.trainable.norms
-        counted = (self.args, self.setup.micro_batch, self.setup.local_seq, self.residual_bytes, self.autocast,
-                   normed_needs_grad, trained, others)
+        counted = (self.args, self.setup.micro_batch, self.setup.local_seq,
+                   self.residual_bytes, self.autocast, normed_needs_grad, trained, others,
+                   linear_lora_key(self.setup))
         # what its backward allocates beside what it saved (activation_model's buffers)
         self.linear_backward = linear_attention.backward_bytes_per_token(*counted)
         self.add("gated deltanet (its input, projections and chunked rule; fake-tensor count)",

@@ -213,3 +213,15 @@ def setup_from_config(cfg, device: Optional[str] = None, world_size: Optional[in
         raise ConfigError(f"--base-dtype: {base_dtype!r} is not fp32 or bf16")
     return Setup(resolve(cfg, devices, device=device, args=args), attention=attention,
                  base_dtype=base_dtype)
+
+
+def linear_lora_key(setup: Setup) -> tuple:
+    """What ``perf/linear_attention.py``'s fake runs need of a LoRA run (hashable):
+    (adapted projections, rank, alpha, dropout, frozen projections stored in bf16); ()
+    without LoRA."""
+    if setup.lora is None:
+        return ()
+    adapted = tuple(name for name, _ in setup.trainable.adapters)
+    bf16 = frozen_weight_dtype(setup) == "bf16" and not setup.lora.quantize
+    lora = setup.cfg.lora
+    return adapted, lora.rank, lora.alpha, lora.dropout, bf16

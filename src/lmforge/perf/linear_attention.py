@@ -28,7 +28,10 @@ import torch
 from lmforge.models.delta_rule import CHUNK_SIZE
 from lmforge.models.gated_deltanet import (GatedDeltaNet, GatedDeltaNetState,
                                            forward_flops_per_token)
+from lmforge.config import LoraConfig
 from lmforge.models.registry import family_of
+from lmforge.peft.lora import apply_lora
+from lmforge.perf.tracker import TensorMemoryTracker
 
 # The layer's projections as LoRA targets and Trainability name them, in model order.
 LINEAR_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
@@ -113,7 +116,7 @@ def matmul_params(args) -> int:
 
 def saved_bytes_per_token(args, rows: int, seq_len: int, input_bytes: int, autocast: bool,
                           input_needs_grad: bool, trained: tuple[str, ...],
-                          others_train: bool) -> float:
+                          others_train: bool, lora: tuple = ()) -> float:
     """Bytes per token one linear layer saves for backward, its input (the norm's output,
     ``input_bytes`` per element) included when something keeps it. ``rows``: the
     micro-batch's (counted at 1 or 2: a row alone skips copies that more rows make, and
@@ -121,16 +124,16 @@ def saved_bytes_per_token(args, rows: int, seq_len: int, input_bytes: int, autoc
     autocast; ``trained``: the projections whose weight trains (or carries an adapter);
     ``others_train``: the convolution, dt_bias, A_log and norm weight."""
     return _per_token(args, min(rows, 2), seq_len, input_bytes, autocast, input_needs_grad,
-                      trained, others_train)[0]
+                      trained, others_train, lora)[0]
 
 
 def backward_bytes_per_token(args, rows: int, seq_len: int, input_bytes: int, autocast: bool,
                              input_needs_grad: bool, trained: tuple[str, ...],
-                             others_train: bool) -> float:
+                             others_train: bool, lora: tuple = ()) -> float:
     """Bytes per token the layer's backward allocates beyond what its forward saved and
     the gradient it receives, at its peak (the rule's gradients, chunk by chunk)."""
     return _per_token(args, min(rows, 2), seq_len, input_bytes, autocast, input_needs_grad,
-                      trained, others_train)[1]
+                      trained, others_train, lora)[1]
 
 
 def _per_token(args, rows: int, seq_len: int, *rest) -> tuple[float, float]:
@@ -149,22 +152,18 @@ def _per_token(args, rows: int, seq_len: int, *rest) -> tuple[float, float]:
 
 @functools.lru_cache(maxsize=256)
 def _fake_step(args, rows: int, seq_len: int, input_bytes: int, autocast: bool,
-               input_needs_grad: bool, trained: tuple[str, ...], others_train: bool
-               ) -> tuple[int, int]:
+               input_needs_grad: bool, trained: tuple[str, ...], others_train: bool,
+               lora: tuple) -> tuple[int, int]:
     """One layer's forward and backward over ``rows`` rows of ``seq_len`` tokens on fake
     tensors: (bytes of the distinct storages its forward saves for backward, parameters
     left out; the most its backward allocates beyond the live bytes it starts with)."""
     from torch._subclasses.fake_tensor import FakeTensorMode  # (torch's private module)
-    from lmforge.perf.tracker import TensorMemoryTracker
     dtype = {4: torch.float32, 2: torch.bfloat16}[input_bytes]
     with FakeTensorMode():
         layer = GatedDeltaNet(args)
         if input_bytes == 2 and not autocast:  # (bf16 weights: the low-memory path)
             layer.to(torch.bfloat16)
-        for name, param in layer.named_parameters():
-            projection = name.split(".")[0]
-            param.requires_grad_(projection in trained if projection in LINEAR_PROJECTIONS
-                                 else others_train)
+        _prepare(layer, trained, others_train, lora)
         params = {p.untyped_storage()._cdata for p in layer.parameters()}
         x = torch.empty(rows, seq_len, args.dim, dtype=dtype).requires_grad_(input_needs_grad)
         seen: dict[int, int] = {}
@@ -200,15 +199,15 @@ def keeps_feed_forward(args, layer_id: int) -> bool:
 
 def block_backward_bytes_per_token(args, layer_id: int, rows: int, seq_len: int,
                                    input_bytes: int, autocast: bool,
-                                   trained: tuple[str, ...], others_train: bool
-                                   ) -> tuple[float, float]:
+                                   trained: tuple[str, ...], others_train: bool,
+                                   lora: tuple = ()) -> tuple[float, float]:
     """Bytes per token of a linear layer's block (its feed-forward as
     ``keeps_feed_forward`` says): (its forward's peak over what it keeps at the end, which a checkpointed
     block's recompute reaches; what its backward allocates beyond what the forward saved
     and the gradient it receives, at its peak inside the rule). Counted on fake tensors
     as ``saved_bytes_per_token`` (``others_train``: the block's other weights)."""
     rows, c = min(rows, 2), CHUNK_SIZE
-    rest = (input_bytes, autocast, trained, others_train)
+    rest = (input_bytes, autocast, trained, others_train, lora)
     if seq_len <= 3 * c:
         return tuple(n / (rows * seq_len)
                      for n in _fake_block_step(args, layer_id, rows, seq_len, *rest))
@@ -221,13 +220,12 @@ def block_backward_bytes_per_token(args, layer_id: int, rows: int, seq_len: int,
 
 @functools.lru_cache(maxsize=256)
 def _fake_block_step(args, layer_id: int, rows: int, seq_len: int, input_bytes: int,
-                     autocast: bool, trained: tuple[str, ...], others_train: bool
-                     ) -> tuple[int, int]:
+                     autocast: bool, trained: tuple[str, ...], others_train: bool,
+                     lora: tuple) -> tuple[int, int]:
     """(forward's peak over its end, backward's over its start) of block ``layer_id``
     (an MoE left out), over ``rows`` x ``seq_len`` tokens on fake tensors (the
     model built fake: no memory, its layers' own code)."""
     from torch._subclasses.fake_tensor import FakeTensorMode  # (torch's private module)
-    from lmforge.perf.tracker import TensorMemoryTracker
     dtype = {4: torch.float32, 2: torch.bfloat16}[input_bytes]
     with FakeTensorMode():
         block = family_of(args).build(args).layers[str(layer_id)]
@@ -235,10 +233,7 @@ def _fake_block_step(args, layer_id: int, rows: int, seq_len: int, input_bytes: 
             block.feed_forward = torch.nn.Identity()
         if input_bytes == 2 and not autocast:
             block.to(torch.bfloat16)
-        for name, param in block.named_parameters():
-            leaf = name.split(".")[-2] if name.count(".") else name
-            param.requires_grad_(leaf in trained if leaf in LINEAR_PROJECTIONS
-                                 else others_train)
+        _prepare(block, trained, others_train, lora)
         x = torch.empty(rows, seq_len, args.dim, dtype=dtype).requires_grad_(True)
         cast = (torch.autocast("cpu", torch.bfloat16) if autocast
                 else contextlib.nullcontext())
@@ -251,3 +246,30 @@ def _fake_block_step(args, layer_id: int, rows: int, seq_len: int, input_bytes: 
             start = tracker.peak = tracker.live
             out.backward(grad)
     return forward_excess, tracker.peak - start
+
+
+def _prepare(module: torch.nn.Module, trained: tuple[str, ...], others_train: bool,
+             lora: tuple) -> None:
+    """Which weights of a fake layer or block train (the projections in ``trained``, the
+    rest as ``others_train`` says), with LoRA adapters swapped in (``lora_key``) and the
+    frozen projections stored in bf16 where the trainer stores them so."""
+    if lora:
+        adapted, rank, alpha, dropout, bf16 = lora
+        cfg = LoraConfig()
+        cfg.rank, cfg.alpha, cfg.dropout = rank, alpha, dropout
+        names = [name for name, m in module.named_modules()
+                 if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in adapted]
+        if names:
+            apply_lora(module, cfg, names)
+    for name, param in module.named_parameters():
+        parts = name.split(".")
+        if lora:  # (LoRA trains its adapters alone)
+            param.requires_grad_("lora_a" in parts or "lora_b" in parts)
+        elif len(parts) > 1 and parts[-2] in LINEAR_PROJECTIONS:
+            param.requires_grad_(parts[-2] in trained)
+        else:
+            param.requires_grad_(others_train)
+    if lora and lora[-1]:
+        for m in module.modules():
+            if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad:
+                m.weight.data = m.weight.data.to(torch.bfloat16)
