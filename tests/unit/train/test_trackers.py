@@ -143,6 +143,7 @@ def test_wandb_offline_holds_every_metric_and_the_config(tiny_corpus, tmp_path):
     assert not list(run_dir.glob("tensorboard"))  # only the trackers named
 
 
+@pytest.mark.long  # (make test-long: a whole run, about 12 s on 2 cores)
 def test_a_tracker_that_fails_to_start_is_one_line_and_the_run_goes_on(tiny_corpus, tmp_path):
     bad = tiny_overrides(tiny_corpus, 2) + ["metrics.tracker=tensorboard,mlflow",
                                             "metrics.mlflow_tracking_uri=nowhere://x"]

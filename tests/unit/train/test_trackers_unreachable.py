@@ -54,6 +54,7 @@ def test_a_closed_port_is_unreachable_and_a_listening_one_or_a_local_store_is_no
 
 
 @pytest.mark.slow
+@pytest.mark.long  # (make test-long: a whole run, about 10 s on 2 cores)
 def test_an_unreachable_mlflow_server_is_one_line_within_seconds_and_the_run_goes_on(
         no_accounts, silent_server, tmp_path, capsys):
     pytest.importorskip("mlflow")
