@@ -162,7 +162,7 @@ def _fake_step(args, rows: int, seq_len: int, input_bytes: int, autocast: bool,
     with FakeTensorMode():
         layer = GatedDeltaNet(args)
         if input_bytes == 2 and not autocast:  # (bf16 weights: the low-memory path)
-            layer.to(torch.bfloat16)
+            _to_bf16(layer)
         _prepare(layer, trained, others_train, lora)
         params = {p.untyped_storage()._cdata for p in layer.parameters()}
         x = torch.empty(rows, seq_len, args.dim, dtype=dtype).requires_grad_(input_needs_grad)
@@ -232,7 +232,7 @@ def _fake_block_step(args, layer_id: int, rows: int, seq_len: int, input_bytes: 
         if not keeps_feed_forward(args, layer_id):
             block.feed_forward = torch.nn.Identity()
         if input_bytes == 2 and not autocast:
-            block.to(torch.bfloat16)
+            _to_bf16(block)
         _prepare(block, trained, others_train, lora)
         x = torch.empty(rows, seq_len, args.dim, dtype=dtype).requires_grad_(True)
         cast = (torch.autocast("cpu", torch.bfloat16) if autocast
@@ -273,3 +273,9 @@ def _prepare(module: torch.nn.Module, trained: tuple[str, ...], others_train: bo
         for m in module.modules():
             if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad:
                 m.weight.data = m.weight.data.to(torch.bfloat16)
+
+
+def _to_bf16(module: torch.nn.Module) -> None:
+    """``module.to(torch.bfloat16)`` for fake parameters (whose ``to`` cannot swap them)."""
+    for param in module.parameters():
+        param.data = param.data.to(torch.bfloat16)

@@ -95,3 +95,22 @@ def test_flops_match_the_flop_counter():
     unseen_linear = linear * (3 * rule.conv + (3 - 1.5) * rule.solve)
     unseen_sdpa = (args.n_layers - linear) * 6 * 2 * seq * args.n_heads * args.head_dim
     assert ours - unseen_linear - unseen_sdpa == measured
+
+
+def test_the_low_memory_path_and_lora_estimate_a_hybrid():
+    """bf16 weights (the low-memory full fine-tune: fake parameters cast one by one) and
+    LoRA (adapters swapped into the fake layers) both estimate, the decode state with
+    them."""
+    from lmforge.config import JobConfig
+    from lmforge.perf.estimate_setup import setup_from_config
+    for low_memory in (True, False):
+        cfg = JobConfig()
+        cfg.model.preset = "qwen3.5-debug"
+        cfg.data.seq_len, cfg.data.micro_batch_size = 200, 2
+        cfg.train.dtype = "bf16"
+        if low_memory:
+            cfg.train.param_dtype, cfg.optim.name = "bf16", "adamw_bf16"
+        else:
+            cfg.lora.enabled, cfg.lora.targets = True, ["all-linear"]
+        setup = setup_from_config(cfg, device="cpu")
+        assert estimate_memory(setup).peak_bytes > 0
