@@ -64,6 +64,8 @@ class Activations:
     # trains: a hybrid's linear layers ahead of the first adapted one under LoRA), and
     # what each saves then
     no_grad_layers: dict = field(default_factory=dict)
+    # the most one of the linear layers among them (layer 0 too) holds in its forward
+    idle_forward: float = 0.0
 
     def layer(self, setup: Setup, layer_id: int, first: bool = True) -> float:
         """Bytes per token block ``layer_id`` saves when it keeps everything (``first``:
@@ -103,7 +105,8 @@ def activation_model(setup: Setup) -> Activations:
         other_terms = linear_terms
     else:
         other_terms = walker.walk(True)[0]
-    no_grad_layers = _no_grad_layers(setup, walker, output_needs_grad)
+    no_grad_layers, idle_forward = _no_grad_layers(setup, walker, output_needs_grad,
+                                                   per_device(first_terms, setup))
     if args.n_layers > 1:
         # every later block sees a residual stream that requires grad once anything trains
         output_needs_grad = True
@@ -133,6 +136,7 @@ def activation_model(setup: Setup) -> Activations:
                        sparse_layers=per_device(sparse_terms, setup), sparse_terms=sparse_terms,
                        linear_layers=per_device(linear_terms, setup),
                        linear_terms=linear_terms, no_grad_layers=no_grad_layers,
+                       idle_forward=idle_forward,
                        aux_loss=aux_loss_bytes(walker),
                        first_aux_loss=aux_loss_bytes(walker, first_ffn_input))
 
@@ -158,16 +162,24 @@ def _linear_block_buffers(setup: Setup, walker: BlockWalk, layer_id: int,
     return walker.residual_bytes * _dim_per_device(setup) + backward - feed_forward
 
 
-def _no_grad_layers(setup: Setup, walker: BlockWalk, output_needs_grad: bool) -> dict:
+def _no_grad_layers(setup: Setup, walker: BlockWalk, output_needs_grad: bool,
+                    first_saved: float) -> tuple[dict, float]:
     """{layer: bytes per token} of the layers after the first whose input does not
-    require grad (nothing before them trains), with what each saves then."""
+    require grad (nothing before them trains), with what each saves then; and the most
+    a linear one of them that saves nothing (layer 0 too: ``first_saved``) holds at once
+    in its forward: its intermediates, none kept, are all alive at the rule's end."""
     args, out, layer_id = setup.args, {}, 1
     while not output_needs_grad and layer_id < args.n_layers:
         terms, output_needs_grad = walker.walk(False, is_sparse(args, layer_id),
                                                is_linear(args, layer_id))
         out[layer_id] = per_device(terms, setup)
         layer_id += 1
-    return out
+    idle = [i for i, saved in {0: first_saved, **out}.items()
+            if saved == 0.0 and is_linear(args, i)]
+    peak = max((linear_attention.block_backward_bytes_per_token(
+        args, i, setup.micro_batch, setup.local_seq, walker.residual_bytes, setup.autocast,
+        (), False, (), False)[0] for i in idle), default=0.0)
+    return out, peak
 
 
 def _head_terms(setup: Setup, input_needs_grad: bool) -> list[Term]:
@@ -241,6 +253,9 @@ class StageActivations:
     # (the stage output, kept for its backward) and log-softmax (kept by the loss)
     pending_heads: float = 0.0
     masks: float = 0.0  # the dense attention masks of the micro-batches in flight
+    # inside the forward of a linear layer that saves nothing (Activations.idle_forward),
+    # its input and output beside it; 0 if none
+    idle_forward: float = 0.0
 
     @property
     def at_forward_end(self) -> float:
@@ -279,6 +294,8 @@ def stage_activations(setup: Setup, act: Activations, stage: int) -> StageActiva
     pending = (held - 1) * (act.head_inputs + act.logits + act.log_softmax) if last else 0.0
     return StageActivations(
         pending_heads=pending, masks=held * act.masks,
+        idle_forward=(act.batch_inputs + act.idle_forward + 2 * act.layer_input
+                      if first and act.idle_forward else 0.0),
         host=host, blocks=blocks, blocks_at_first_block=blocks_at_first_block,
         recomputed_last_block=recomputed_by_block(setup, act, ids[-1]),
         recomputed_first_block=recomputed_by_block(setup, act, ids[0]),

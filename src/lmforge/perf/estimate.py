@@ -2,20 +2,16 @@
 
 The model (docs/estimate.md derives every term) follows what autograd keeps alive in our
 models: which tensors each op saves for backward, given which inputs require gradients and
-which weights train, in the dtypes the run uses. It is the Korthikanti et al. (2022)
-activation analysis written out for these blocks (Llama's RMSNorm, SwiGLU, RoPE, GQA;
-GPT-J's LayerNorm, parallel attention and GELU MLP, partial rotary; SDPA/flash attention),
-as the model's family describes them (``models.family.BlockSpec``), and evaluated at
-the points of a step where memory peaks: the end of the forward, the loss, the last and
-the first block of the backward, and the optimizer step.
+which weights train, in the dtypes the run uses: Korthikanti et al.'s (2022) activation
+analysis for the blocks the family describes (``models.family.BlockSpec``), evaluated
+where a step's memory peaks ("Phases and the peak").
 
 This module holds the terms of docs/estimate.md by name (weights, gradients, optimizer
 states, activations, loss head, autocast copies, FSDP transients, dequantization scratch,
-optimizer temporaries, framework overhead) and the phases that add them up; what the
-terms are made of is in ``weights`` (parameter storage) and ``activations`` (what one
-block saves). The same formulas serve GPU and CPU; only the framework overhead and one
-kernel layout detail differ by device. ``perf.tracker.TensorMemoryTracker`` measures the
-same quantity on a real step (tests/unit/perf/test_estimate_measured.py).
+optimizer temporaries, framework overhead) and the phases that add them up; ``weights``
+and ``activations`` make the terms. The same formulas serve GPU and CPU (but for the
+framework overhead); ``perf.tracker.TensorMemoryTracker`` measures the same quantity on a
+real step (tests/unit/perf/test_estimate_measured.py).
 """
 from __future__ import annotations
 
@@ -298,6 +294,10 @@ def estimate_stage(setup: Setup, stage: int) -> MemoryEstimate:
     phases = step_phases(terms)
     if setup.cfg.optim.in_backward:
         step_in_backward_phases(setup, phases)
+    if terms.activations.idle_forward:  # (a linear layer before anything trains)
+        phases["forward: a layer saving nothing"] = {"gradients": terms.gradients.accumulated,
+                                                     "activations": terms.tokens
+                                                     * terms.activations.idle_forward}
     rollout = rollout_terms(setup)
     if rollout:  # GRPO: before the step's forward, gradients freed (set_to_none)
         phases[ROLLOUT] = rollout

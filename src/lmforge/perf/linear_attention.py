@@ -200,14 +200,17 @@ def keeps_feed_forward(args, layer_id: int) -> bool:
 def block_backward_bytes_per_token(args, layer_id: int, rows: int, seq_len: int,
                                    input_bytes: int, autocast: bool,
                                    trained: tuple[str, ...], others_train: bool,
-                                   lora: tuple = ()) -> tuple[float, float]:
+                                   lora: tuple = (), input_needs_grad: bool = True
+                                   ) -> tuple[float, float]:
     """Bytes per token of a linear layer's block (its feed-forward as
-    ``keeps_feed_forward`` says): (its forward's peak over what it keeps at the end, which a checkpointed
-    block's recompute reaches; what its backward allocates beyond what the forward saved
-    and the gradient it receives, at its peak inside the rule). Counted on fake tensors
-    as ``saved_bytes_per_token`` (``others_train``: the block's other weights)."""
+    ``keeps_feed_forward`` says): (its forward's peak over what it keeps at the end,
+    which a checkpointed block's recompute reaches, or, with ``input_needs_grad`` False
+    and nothing trained, its forward's peak alone; what its backward allocates beyond
+    what the forward saved and the gradient it receives, at its peak inside the rule).
+    Counted on fake tensors as ``saved_bytes_per_token`` (``others_train``: the block's
+    other weights)."""
     rows, c = min(rows, 2), CHUNK_SIZE
-    rest = (input_bytes, autocast, trained, others_train, lora)
+    rest = (input_bytes, autocast, trained, others_train, lora, input_needs_grad)
     if seq_len <= 3 * c:
         return tuple(n / (rows * seq_len)
                      for n in _fake_block_step(args, layer_id, rows, seq_len, *rest))
@@ -221,7 +224,7 @@ def block_backward_bytes_per_token(args, layer_id: int, rows: int, seq_len: int,
 @functools.lru_cache(maxsize=256)
 def _fake_block_step(args, layer_id: int, rows: int, seq_len: int, input_bytes: int,
                      autocast: bool, trained: tuple[str, ...], others_train: bool,
-                     lora: tuple) -> tuple[int, int]:
+                     lora: tuple, input_needs_grad: bool) -> tuple[int, int]:
     """(forward's peak over its end, backward's over its start) of block ``layer_id``
     (an MoE left out), over ``rows`` x ``seq_len`` tokens on fake tensors (the
     model built fake: no memory, its layers' own code)."""
@@ -234,7 +237,7 @@ def _fake_block_step(args, layer_id: int, rows: int, seq_len: int, input_bytes: 
         if input_bytes == 2 and not autocast:
             _to_bf16(block)
         _prepare(block, trained, others_train, lora)
-        x = torch.empty(rows, seq_len, args.dim, dtype=dtype).requires_grad_(True)
+        x = torch.empty(rows, seq_len, args.dim, dtype=dtype).requires_grad_(input_needs_grad)
         cast = (torch.autocast("cpu", torch.bfloat16) if autocast
                 else contextlib.nullcontext())
         tracker = TensorMemoryTracker()
@@ -242,6 +245,8 @@ def _fake_block_step(args, layer_id: int, rows: int, seq_len: int, input_bytes: 
             with cast:
                 out = block(x)
             forward_excess = tracker.peak - tracker.live
+            if not out.requires_grad:
+                return forward_excess, 0
             grad = torch.empty_like(out)
             start = tracker.peak = tracker.live
             out.backward(grad)
