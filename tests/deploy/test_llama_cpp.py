@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from helpers.hf_models import hf_model_dir
+from helpers.llama_cpp_runs import gguf_keys
 from helpers.runs import run_lmforge
 from lmforge.data.templates import get_template
 from lmforge.data.tokenizer import load_tokenizer
@@ -431,22 +432,6 @@ def _converted(src, out, pre: str):
     return out
 
 
-def _keys(path) -> dict:
-    import gguf
-
-    reader, out = gguf.GGUFReader(path), {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        values = [field.parts[i] for i in field.data]
-        if field.types[-1] == gguf.GGUFValueType.STRING:
-            values = [bytes(v).decode() for v in values]
-        else:
-            values = [v.tolist()[0] for v in values]
-        out[key] = values if field.types[0] == gguf.GGUFValueType.ARRAY else values[0]
-    return out
-
-
 def test_every_key_and_tensor_of_llama_cpps_converter_is_in_our_f16_export(family_dir,
                                                                            tmp_path):
     """The same model directory through llama.cpp's convert_hf_to_gguf.py --outtype f16
@@ -459,8 +444,8 @@ def test_every_key_and_tensor_of_llama_cpps_converter_is_in_our_f16_export(famil
 
     ours = export_gguf(family_dir, tmp_path / "ours.gguf", "f16")
     theirs = _converted(family_dir, tmp_path / "theirs.gguf",
-                        _keys(ours)["tokenizer.ggml.pre"])
-    ours_keys, their_keys = _keys(ours), _keys(theirs)
+                        gguf_keys(ours)["tokenizer.ggml.pre"])
+    ours_keys, their_keys = gguf_keys(ours), gguf_keys(theirs)
     differing = {k for k in their_keys if ours_keys.get(k) != their_keys[k]}
     assert differing <= DIFFERENT_ON_PURPOSE, {k: (ours_keys.get(k), their_keys[k])
                                                for k in differing - DIFFERENT_ON_PURPOSE}
@@ -483,8 +468,8 @@ def test_a_smollm2_shaped_directory_gets_exactly_the_converters_metadata(tmp_pat
     src = tokenizer_model_dir(tmp_path / "SmolLM2-135M-Instruct", "smollm")
     (src / "README.md").write_text("---\nlicense: apache-2.0\nlanguage: [en]\n"
                                    "base_model: [HuggingFaceTB/SmolLM2-135M]\n---\n# card\n")
-    ours = _keys(export_gguf(src, tmp_path / "ours.gguf", "f16"))
-    theirs = _keys(_converted(src, tmp_path / "theirs.gguf", "smollm"))
+    ours = gguf_keys(export_gguf(src, tmp_path / "ours.gguf", "f16"))
+    theirs = gguf_keys(_converted(src, tmp_path / "theirs.gguf", "smollm"))
     assert {k: ours.get(k) for k in theirs} == theirs
     assert theirs["tokenizer.ggml.pre"] == "smollm"
     assert theirs["general.basename"] == "SmolLM2" and "general.base_model.count" in theirs

@@ -97,12 +97,19 @@ def hf_config_from_args(args: SparseArgs) -> dict:
 def hf_names(args: SparseArgs) -> dict[str, str]:
     """Our parameter name -> HF name (transformers 5's in-memory names: the checkpoint
     files' per-expert tensors are ``checkpoint_in``'s and ``checkpoint_out``'s)."""
-    names = llama_hf.hf_names(args)
+    return with_experts(llama_hf.hf_names(args), args)
+
+
+def with_experts(names: dict[str, str], args, layer_names: dict = _LAYER_NAMES) -> dict:
+    """``names`` (a dense stack's) with each sparse layer's MLP names replaced by its
+    MoE's, ``layer_names`` (ours -> HF's within a layer; Qwen3-Next's add the gated
+    shared expert)."""
+    names = dict(names)
     for i in args.sparse_layers:
         for proj in _DENSE:
             del names[f"layers.{i}.feed_forward.{proj}.weight"]
         names |= {f"layers.{i}.{ours}": f"model.layers.{i}.{theirs}"
-                  for ours, theirs in _LAYER_NAMES.items()}
+                  for ours, theirs in layer_names.items()}
     return names
 
 

@@ -19,6 +19,7 @@ from lmforge.models.mapping import HFCheckpointError, config_bool, config_float,
 from lmforge.models.moe_hf import check_top_k, checkpoint_from_hf, checkpoint_to_hf
 from lmforge.models.qwen3_5 import hf as qwen3_5_hf
 from lmforge.models.qwen3_moe.hf import _dense_layers as dense_layers  # transformers' rule
+from lmforge.models.qwen3_moe.hf import with_experts
 from lmforge.models.qwen3_next.model import HybridSparseArgs
 
 
@@ -43,7 +44,6 @@ _MOE_NAMES = {  # an MoE layer's tensors, ours -> Hugging Face's (transformers 5
        for p in ("gate_proj", "up_proj", "down_proj")},
     "feed_forward.shared_expert_gate.weight": "mlp.shared_expert_gate.weight",
 }
-_DENSE = ("gate_proj", "up_proj", "down_proj")
 _FUSED = ("in_proj_qkvz", "in_proj_ba")
 _MTP = "mtp."  # multi-token-prediction layers the released checkpoints hold; not built
 
@@ -98,13 +98,7 @@ def hf_names(args: HybridSparseArgs) -> dict[str, str]:
     """Our parameter name -> HF name (transformers 5's in-memory names: the checkpoint
     files' fused projections and per-expert tensors are ``checkpoint_in``'s and
     ``checkpoint_out``'s)."""
-    names = qwen3_5_hf.hf_names(args)
-    for i in args.sparse_layers:
-        for proj in _DENSE:
-            del names[f"layers.{i}.feed_forward.{proj}.weight"]
-        names |= {f"layers.{i}.{ours}": f"model.layers.{i}.{theirs}"
-                  for ours, theirs in _MOE_NAMES.items()}
-    return names
+    return with_experts(qwen3_5_hf.hf_names(args), args, _MOE_NAMES)
 
 
 def checkpoint_in(sd: dict, args: HybridSparseArgs, source: str) -> dict:
