@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from helpers.hf_models import hf_model_dir
-from helpers.llama_cpp_runs import gguf_keys
+from helpers.llama_cpp_runs import CONVERT, gguf_keys
 from helpers.runs import run_lmforge
 from lmforge.data.templates import get_template
 from lmforge.data.tokenizer import load_tokenizer
@@ -391,25 +391,6 @@ CONVERTER = Path(os.environ.get(
     "LMFORGE_LLAMA_CPP_CONVERTER",
     Path(os.environ.get("LMFORGE_WHEELS", Path.home() / ".cache/lmforge/wheels"))
     / f"llama.cpp-{llama_cpp.__version__}" / "converter"))
-# Run in its own process. The converter names a BPE pre-tokenizer by a hash of the ids a
-# published tokenizer gives its reference text; a test vocabulary is in none of its
-# lists, so it is handed the name ours found, and everything else is its own. It reaches
-# for sentencepiece (not in the pinned set; these directories hold no tokenizer.model)
-# before it reads tokenizer.json, and its Phi-3 reads tokenizer.json only for a
-# GPT2Tokenizer class: those two paths go straight to its tokenizer.json reader.
-CONVERT = """
-import runpy, sys
-root, pre = sys.argv.pop(1), sys.argv.pop(1)
-sys.path.insert(0, root)
-import conversion.base as base, conversion.phi as phi
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
-def no_sentencepiece(self, *args, **kwargs):
-    raise FileNotFoundError("no tokenizer.model")
-base.TextModel._set_vocab_sentencepiece = no_sentencepiece
-phi.Phi3MiniModel.set_vocab = base.TextModel._set_vocab_gpt2
-sys.argv[0] = root + "/convert_hf_to_gguf.py"
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
 # Where ours differs from the converter's on purpose, by key: EOS is the chat template's
 # end-of-turn token where there is a template (so that llama.cpp stops where the template
 # stops), and the converter writes two Phi-3 defaults that llama.cpp reads as absent

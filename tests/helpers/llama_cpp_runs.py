@@ -67,19 +67,22 @@ def converter_dir(version: str) -> Path:
                                wheels / f"llama.cpp-{version}" / "converter"))
 
 
-# The converter names a BPE pre-tokenizer by a hash of the ids a published tokenizer
-# gives its reference text; a test vocabulary is in none of its lists, so it is handed
-# the name ours found. It reaches for sentencepiece before it reads tokenizer.json
-# (these directories hold no tokenizer.model): that path goes to its tokenizer.json reader.
-_CONVERT = """
+# Run in its own process. The converter names a BPE pre-tokenizer by a hash of the ids a
+# published tokenizer gives its reference text; a test vocabulary is in none of its
+# lists, so it is handed the name ours found, and everything else is its own. It reaches
+# for sentencepiece (not in the pinned set; these directories hold no tokenizer.model)
+# before it reads tokenizer.json, and its Phi-3 reads tokenizer.json only for a
+# GPT2Tokenizer class: those two paths go straight to its tokenizer.json reader.
+CONVERT = """
 import runpy, sys
 root, pre = sys.argv.pop(1), sys.argv.pop(1)
 sys.path.insert(0, root)
-import conversion.base as base
+import conversion.base as base, conversion.phi as phi
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
 def no_sentencepiece(self, *args, **kwargs):
     raise FileNotFoundError("no tokenizer.model")
 base.TextModel._set_vocab_sentencepiece = no_sentencepiece
+phi.Phi3MiniModel.set_vocab = base.TextModel._set_vocab_gpt2
 sys.argv[0] = root + "/convert_hf_to_gguf.py"
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -87,7 +90,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 def converted(converter: Path, src, out, pre: str, *options: str) -> Path:
     """``src`` through llama.cpp's convert_hf_to_gguf.py (``options``: its own) to ``out``."""
-    done = subprocess.run([sys.executable, "-c", _CONVERT, str(converter), pre, str(src),
+    done = subprocess.run([sys.executable, "-c", CONVERT, str(converter), pre, str(src),
                            "--outfile", str(out), *options],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
