@@ -5,9 +5,10 @@ names are Qwen3's; a linear layer's ``attention`` is transformers' ``linear_attn
 same leaf names."""
 from __future__ import annotations
 
+from lmforge.config import show
 from lmforge.models.llama import hf as llama_hf
-from lmforge.models.mapping import (HFCheckpointError, config_float, config_int,
-                                    decoder_config_fields, decoder_hf_names)
+from lmforge.models.mapping import (HFCheckpointError, check_multiple, config_float,
+                                    config_int, decoder_config_fields, decoder_hf_names)
 from lmforge.models.qwen3_5 import vision
 from lmforge.models.qwen3_5.model import FULL, LAYER_TYPES, LINEAR, HybridArgs
 
@@ -53,7 +54,7 @@ def args_from_hf_config(cfg: dict, source: str = "config.json") -> HybridArgs:
     dim, n_heads, n_kv_heads, explicit = llama_hf._heads(cfg, source)
     n_layers = config_int(cfg, "num_hidden_layers", source)
     d = _DEFAULTS
-    return HybridArgs(
+    args = HybridArgs(
         dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
         vocab_size=config_int(cfg, "vocab_size", source),
         ffn_dim=config_int(cfg, "intermediate_size", source),
@@ -79,6 +80,22 @@ def args_from_hf_config(cfg: dict, source: str = "config.json") -> HybridArgs:
         linear_conv_kernel=config_int(cfg, "linear_conv_kernel_dim", source,
                                       d["linear_conv_kernel_dim"]),
         vision_from=vision.THIS_DIRECTORY if image_text else None)
+    _check_splits(args, source)
+    return args
+
+
+def _check_splits(args: HybridArgs, source: str) -> None:
+    """The heads a linear layer's convolution and rule can split (its channels are each
+    key head's q and k, then the v of the value heads it serves: a whole group per key
+    head), and a rotary share RoPE can take, named as config.json names them (the
+    presets' ``check_args`` names them as model.* keys)."""
+    check_multiple(source, "linear_num_value_heads", args.linear_value_heads,
+                   "linear_num_key_heads", args.linear_key_heads)
+    if args.partial_rotary_factor > 1 or args.rotary_dim % 2 or args.rotary_dim < 2:
+        raise HFCheckpointError(
+            f"{source}: partial_rotary_factor: {args.partial_rotary_factor!r} of head_dim "
+            f"{args.head_dim} rotates {args.head_dim * args.partial_rotary_factor:g} "
+            f"features; RoPE needs an even number, at least 2, at most head_dim")
 
 
 def _layer_types(cfg: dict, n_layers: int, source: str) -> tuple[str, ...]:
@@ -89,13 +106,16 @@ def _layer_types(cfg: dict, n_layers: int, source: str) -> tuple[str, ...]:
         every = config_int(cfg, "full_attention_interval", source,
                            _DEFAULTS["full_attention_interval"])
         return tuple(FULL if (i + 1) % every == 0 else LINEAR for i in range(n_layers))
-    if not isinstance(given, list) or len(given) != n_layers:
-        raise HFCheckpointError(f"{source}: layer_types: {len(given) if isinstance(given, list) else given!r} "
-                                f"entries for num_hidden_layers = {n_layers}; one per layer")
+    if not isinstance(given, list):
+        raise HFCheckpointError(f"{source}: layer_types: {show(given)} is not a list "
+                                f"(one entry per layer)")
+    if len(given) != n_layers:
+        raise HFCheckpointError(f"{source}: layer_types: {len(given)} entries for "
+                                f"num_hidden_layers = {n_layers}; one per layer")
     bad = [t for t in given if t not in LAYER_TYPES]
     if bad:
-        raise HFCheckpointError(f"{source}: layer_types: {bad[0]!r} is not one of "
-                                f"{', '.join(LAYER_TYPES)}")
+        raise HFCheckpointError(f"{source}: layer_types: {show(bad[0])} is not one of "
+                                f"{', '.join(LAYER_TYPES)} (entry {given.index(bad[0])})")
     return tuple(given)
 
 

@@ -50,7 +50,8 @@ def check_args(args: HybridArgs) -> None:
         raise ConfigError(f"model.linear_value_heads: {args.linear_value_heads} is not a "
                           f"multiple of model.linear_key_heads ({args.linear_key_heads}): "
                           f"each key head serves a group of value heads")
-    if args.rotary_dim % 2 or args.rotary_dim < 2:
+    if args.rotary_dim % 2 or args.rotary_dim < 2 or args.partial_rotary_factor > 1:
         raise ConfigError(f"model.partial_rotary_factor: {args.partial_rotary_factor} of "
                           f"head_dim {args.head_dim} leaves {args.rotary_dim} rotating "
-                          f"features; RoPE needs an even number")
+                          f"features; RoPE needs an even number, at least 2, at most "
+                          f"head_dim")
