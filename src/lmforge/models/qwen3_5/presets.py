@@ -1,5 +1,24 @@
 """Named sizes of Qwen3.5's language models, from the released config.json files
-(``text_config``), and a test size."""
+(``text_config``), and a test size.
+
+Where each value was checked (the Hub's config.json itself could not be read from here;
+every field below agrees across the sources named, none was changed):
+- shared by both (``_QWEN3_5``, and 256-wide heads, every fourth layer full, untied
+  embeddings): vocab_size 248320, rope_theta 1e7 (``rope_parameters``),
+  partial_rotary_factor 0.25, rms_norm_eps 1e-6, head_dim 256, linear_conv_kernel_dim 4,
+  linear_key/value_head_dim 128, full_attention_interval 4, tie_word_embeddings false:
+  the Megatron recipes that convert these checkpoints (radixark/miles and THUDM/slime,
+  scripts/models/qwen3.5-{9B,27B}.sh: --vocab-size, --rotary-base, --rotary-percent,
+  --norm-epsilon, --kv-channels, --untie-embeddings-and-output-weights, which their 4B
+  recipe, a tied model, leaves out); max_position_embeddings 262144: the model cards
+  ("262,144 natively") and copies of the 27B's text_config in public code.
+- qwen3.5-9b: hidden 4096, 32 layers, 16 heads / 4 KV, intermediate 12288 (miles'
+  qwen3.5-9B.sh); 16 key / 32 value linear heads (the model card: "32 for V and 16 for
+  QK"; transformers 5.24's Qwen3_5TextConfig defaults, which are this shape).
+- qwen3.5-27b: hidden 5120, 64 layers, 24 heads / 4 KV, intermediate 17408 (miles' and
+  slime's qwen3.5-27B.sh); 16 key / 48 value linear heads (text_config copies of
+  Qwen/Qwen3.5-27B in public code, which agree on every field above).
+"""
 from __future__ import annotations
 
 from lmforge.config import ConfigError
