@@ -1,8 +1,11 @@
 """Run under torchrun (2 processes, gloo): a tiny model's batched decoding sharded by
-FSDP2 and by tensor parallelism (tp=2) against the same model in one process. Writes
+FSDP2 and by tensor parallelism (tp=2) against the same model in one process; and a tiny
+Qwen3.5's (Gated DeltaNet layers, whose state tp splits by heads), also under sequence
+parallelism, whose one-token steps carry fillers that must stay out of the state. Writes
 OUT/decode-sharded.json on rank 0: per layout, whether every row's tokens are equal and
 the largest difference of the model log-probabilities."""
 import copy
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -12,7 +15,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from helpers.tiny_models import tiny_llama
+from lmforge.models.common import materialize
 from lmforge.models.generate import Sampling, generate
+from lmforge.models.registry import PRESETS, build_model
 from lmforge.parallel.fsdp import apply_fsdp
 from lmforge.parallel.tensor import apply_tensor_parallel
 
@@ -31,21 +36,30 @@ def compare(ours, reference) -> dict:
                                     for x, y in zip(a.model_logprobs, b.model_logprobs))}
 
 
-def main(out: Path) -> None:
-    dist.init_process_group("gloo")
+def model(name: str):
     torch.manual_seed(0)
-    base = tiny_llama(seed=4, vocab_size=64).eval()
+    if name == "llama":
+        return tiny_llama(seed=4, vocab_size=64).eval()
+    args = dataclasses.replace(PRESETS["qwen3.5-debug"], vocab_size=64)
+    return materialize(build_model(args), "cpu").eval()
+
+
+def main(out: Path, name: str) -> None:
+    dist.init_process_group("gloo")
+    base = model(name)
     reference = decode(base)
     mesh = init_device_mesh("cpu", (2,))
     fsdp = copy.deepcopy(base)
     apply_fsdp(fsdp, mesh, zero=3, param_dtype=None)
-    tp = copy.deepcopy(base)
-    apply_tensor_parallel(tp, mesh, sequence_parallel=False)
-    result = {"fsdp2": compare(decode(fsdp), reference), "tp2": compare(decode(tp), reference)}
+    result = {"fsdp2": compare(decode(fsdp), reference)}
+    for layout, sequence_parallel in (("tp2", False), ("tp2_sp", True)):
+        tp = copy.deepcopy(base)
+        apply_tensor_parallel(tp, mesh, sequence_parallel=sequence_parallel)
+        result[layout] = compare(decode(tp), reference)
     if dist.get_rank() == 0:
-        (out / "decode-sharded.json").write_text(json.dumps(result))
+        (out / f"decode-sharded-{name}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2])

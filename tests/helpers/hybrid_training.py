@@ -1,10 +1,11 @@
 """The hybrid families' share of ``family_training``: the same worker and data, with a
 tiny Qwen3.5 (three Gated DeltaNet layers, then a gated full-attention one), Qwen3-Next
 and Qwen3.5-MoE (the same stack with a mixture of experts and its gated shared expert)
-in the layouts a linear-attention model takes (tp, pp and cp are refused for it):
-FSDP2, LoRA on every linear (the DeltaNet's projections among them; an MoE's experts too)
-under it, and FSDP2 over rows of packed documents (each restarting the linear layers'
-state), each against one process, 3 steps.
+in the layouts a linear-attention model takes (pp and cp are refused for it): FSDP2,
+tensor parallelism (the linear layers split by heads) with and without sequence
+parallelism, LoRA on every linear (the DeltaNet's projections among them; an MoE's
+experts too) under FSDP2, and rows of packed documents (each restarting
+the linear layers' state) under both, each against one process, 3 steps.
 
 ``torchrun --nproc-per-node=2 hybrid_training.py OUT`` writes OUT/results-2.json as
 ``family_training`` does."""
@@ -28,13 +29,20 @@ FAMILIES = {name: dataclasses.replace(PRESETS[preset], vocab_size=97, max_seq_le
             for name, preset in (("qwen3_5", "qwen3.5-debug"),
                                  ("qwen3_next", "qwen3-next-debug"),
                                  ("qwen3_5_moe", "qwen3.5-moe-debug"))}
-LAYOUTS = {name: ft.LAYOUTS[name] for name in ("fsdp_dp2", "lora_fsdp_dp2",
-                                                "fsdp_dp2_documents")}
+_TP_SP = {"parallel.tp": 2, "parallel.sequence_parallel": True}
+LAYOUTS = {**{name: ft.LAYOUTS[name] for name in ("fsdp_dp2", "lora_fsdp_dp2",
+                                                  "fsdp_dp2_documents", "tp2_sp")},
+           # tensor parallelism splits the linear layers' heads (their state with them)
+           "tp2": (2, {"parallel.tp": 2}),
+           "tp2_sp_documents": (2, {**_TP_SP, ft.DOCUMENTS: True})}
+REFERENCE_OF = {name: "lora_single" if fields.get("lora.enabled") else
+                "documents_single" if fields.get(ft.DOCUMENTS) else "single"
+                for name, (_, fields) in LAYOUTS.items()}
 
 
 def use_hybrid_family() -> None:
     """Point the shared worker at the hybrid family, its layouts and step count."""
-    ft.FAMILIES, ft.LAYOUTS, ft.STEPS = FAMILIES, LAYOUTS, STEPS
+    ft.FAMILIES, ft.LAYOUTS, ft.STEPS, ft.REFERENCE_OF = FAMILIES, LAYOUTS, STEPS, REFERENCE_OF
 
 
 def _record(results: dict, key: str) -> dict:
@@ -47,7 +55,7 @@ def check_layout(results: dict, out: Path, family: str, layout: str) -> None:
     """``layout``'s run of ``family`` against one process's: per-step loss and grad norm
     to 1e-5 (relative), final weights to 1e-4 (a hundredth of the lr). Measured at most:
     losses 1.0e-7, grad norms 9.1e-7 (Qwen3.5-MoE's LoRA), weights 5.0e-5 (the same)."""
-    reference = ft.REFERENCE_OF[layout]
+    reference = REFERENCE_OF[layout]
     got = _record(results, f"{layout}/{family}")["history"]
     want = _record(results, f"{reference}/{family}")["history"]
     assert len(got) == len(want) == STEPS

@@ -97,9 +97,23 @@ class DecodeMask:
     NaN times a zero weight is still NaN in a real query's sum). Tensors only, no host
     values: one compiled decode step serves every position."""
 
-    def __init__(self, start: torch.Tensor, columns: torch.Tensor):
+    def __init__(self, start: torch.Tensor, columns: torch.Tensor,
+                 real: Optional[int] = None):
         self.start, self.columns = start, columns  # (batch,), (seq,)
+        # Only the first ``real`` columns hold tokens, the rest a sequence-parallel
+        # step's fillers (``models.decode_parallel.sharded_step``); None: every column.
+        # Attention needs no telling (a later step overwrites a filler's keys before any
+        # query sees them), a recurrent state does (``models.gated_deltanet``).
+        self.real = real
         self._built: dict = {}
+
+    def valid(self) -> torch.Tensor:
+        """(batch, seq) bool: which of this forward's positions are a row's tokens, not
+        its left padding nor a filler."""
+        valid = self.columns[None, :] >= self.start[:, None]
+        if self.real is not None:
+            valid = valid & (torch.arange(len(self.columns), device=valid.device) < self.real)
+        return valid
 
     def memo(self, key, make):
         """``make()`` once per forward (one DecodeMask per step), shared by the layers."""

@@ -49,10 +49,12 @@ def sharded_step(model, token, positions, start, column: int, caches, shards: in
     """One token's step under sequence parallelism: the token at ``column`` and
     ``shards - 1`` fillers after it, written to the cache at their columns (a filler's
     keys are overwritten by the next step's token before any query may see them: a
-    query sees columns up to its own); the logits of every column (the token's: 0)."""
+    query sees columns up to its own; a recurrent state leaves them out, ``real``); the
+    logits of every column (the token's: 0)."""
     offsets = torch.arange(shards, device=token.device)
     tokens = torch.cat([token[:, None], token.new_full((len(token), shards - 1), pad_id)], 1)
     columns = column + offsets
     for c in caches:
         c.columns = columns
-    return model(tokens, positions + offsets[None, :], DecodeMask(start, columns), caches)
+    return model(tokens, positions + offsets[None, :], DecodeMask(start, columns, real=1),
+                 caches)

@@ -21,10 +21,18 @@ Decoding keeps a ``GatedDeltaNetState`` per layer (the convolution's last inputs
 left-padded rows (a ``DecodeMask``, or ``valid``) leave padding out of both.
 
 Parameters are Qwen3.5's (transformers' ``Qwen3_5GatedDeltaNet``, the same leaf names):
-in_proj_qkv (q, k, v of every head, in that order), in_proj_z, in_proj_b, in_proj_a,
-conv1d, dt_bias, A_log, norm, out_proj. Qwen3-Next's checkpoints fuse the input
-projections per key head (in_proj_qkvz, in_proj_ba); ``from_qwen3_next`` and
-``to_qwen3_next`` convert, rows reordered only.
+in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, conv1d, dt_bias, A_log, norm, out_proj. In
+memory in_proj_qkv's rows, and conv1d's channels that follow them, are grouped per key
+head (``qkv_layout``: its q, its k, its value heads' v), so a tensor-parallel shard of
+whole key heads holds matching rows of all three; the checkpoints' order (every q, then
+every k, then every v) is restored on export (``models.hf``). Qwen3-Next's checkpoints
+fuse the input projections per key head (in_proj_qkvz, in_proj_ba); ``from_qwen3_next``
+and ``to_qwen3_next`` convert, rows reordered only (both in the checkpoints' order).
+
+Under tensor parallelism (``models.tp.linear_attention_plan``) each rank holds whole key
+heads with their value heads: its rows of the input projections, its channels of the
+convolution, its heads' dt_bias and A_log (read here as this rank's tensors, ``_local``)
+and its share of out_proj's inputs; its state holds its heads only.
 """
 from __future__ import annotations
 
@@ -35,11 +43,17 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lmforge.models.attention import ContextParallel, DecodeMask, DocumentMask
 from lmforge.models.delta_rule import (CHUNK_SIZE, chunk_gated_delta_rule, document_index,
                                        recurrent_gated_delta_rule)
+from lmforge.models.family import Fused
 from lmforge.models.llama.model import RMSNorm
+
+# The layer's linear layers by name (Qwen3.5's): the inputs' and the output's.
+INPUT_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+OUTPUT_PROJECTION = "out_proj"
 
 # FLA's (and transformers') L2 norm: x / sqrt(sum x^2 + eps), in fp32.
 L2_NORM_EPS = 1e-6
@@ -65,6 +79,20 @@ def _sizes(args) -> tuple[int, int, int]:
     return key_dim, value_dim, 2 * key_dim + value_dim
 
 
+def qkv_layout(args) -> Fused:
+    """in_proj_qkv's rows (and conv1d's channels) in memory: one group per key head, its
+    q, its k, then the v of the value heads it serves (Qwen3-Next's order within
+    in_proj_qkvz, less z)."""
+    key_dim, value_dim, _ = _sizes(args)
+    return Fused(parts=(("q", key_dim), ("k", key_dim), ("v", value_dim)),
+                 groups=args.linear_key_heads)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter tensor parallelism split (itself otherwise)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 # ------------------------------------------------------------------------ the layer
 
 @dataclass
@@ -75,14 +103,16 @@ class GatedDeltaNetState:
     recurrent: torch.Tensor  # (batch, value heads, key head dim, value head dim), fp32
 
     @classmethod
-    def empty(cls, args, batch: int, device=None, dtype=torch.float32
+    def empty(cls, args, batch: int, device=None, dtype=torch.float32, shards: int = 1
               ) -> "GatedDeltaNetState":
-        """A fresh state: zeros, which is what no past at all means to both parts."""
-        channels = _sizes(args)[2]
+        """A fresh state: zeros, which is what no past at all means to both parts;
+        ``shards``: a tensor-parallel rank's, of its 1 / shards of the heads."""
+        channels = _sizes(args)[2] // shards
         return cls(torch.zeros(batch, args.linear_conv_kernel - 1, channels, device=device,
                                dtype=dtype),
-                   torch.zeros(batch, args.linear_value_heads, args.linear_key_head_dim,
-                               args.linear_value_head_dim, device=device))
+                   torch.zeros(batch, args.linear_value_heads // shards,
+                               args.linear_key_head_dim, args.linear_value_head_dim,
+                               device=device))
 
     @staticmethod
     def bytes_per_row(args, dtype: torch.dtype) -> int:
@@ -114,7 +144,7 @@ class CausalConv1d(nn.Module):
         if history is None:
             history = x.new_zeros(batch, kernel - 1, channels)
         inputs = torch.cat([history.to(x.dtype), x], 1).float()  # (b, kernel - 1 + seq, ch)
-        weight = self.weight[:, 0].float()  # (channels, kernel)
+        weight = _local(self.weight)[:, 0].float()  # (channels, kernel)
         out = inputs[:, kernel - 1:] * weight[:, -1]
         for shift in range(1, kernel):
             past = inputs[:, kernel - 1 - shift:kernel - 1 - shift + seq]  # x[t - shift]
@@ -141,6 +171,9 @@ def l2_normalize(x: torch.Tensor) -> torch.Tensor:
 class GatedDeltaNet(nn.Module):
     """The Gated DeltaNet layer; a block calls it as it calls attention:
     ``forward(x, positions, mask, cache)``."""
+    # Into how many parts tensor parallelism split the heads (``models.tp``): this rank
+    # holds 1 / head_shards of them, and so does its decoding state.
+    head_shards = 1
 
     def __init__(self, args, chunk_size: int = CHUNK_SIZE):
         super().__init__()
@@ -168,7 +201,7 @@ class GatedDeltaNet(nn.Module):
         if isinstance(mask, DocumentMask):
             return self.mix(x, cache, segments=mask.segments)
         if isinstance(mask, DecodeMask):
-            return self.mix(x, cache, valid=mask.columns[None, :] >= mask.start[:, None])
+            return self.mix(x, cache, valid=mask.valid(), real=mask.real)
         if isinstance(mask, ContextParallel):
             raise ValueError("parallel.cp: a Gated DeltaNet layer has no context "
                              "parallelism (its state runs through the whole sequence)")
@@ -181,13 +214,13 @@ class GatedDeltaNet(nn.Module):
                 ) -> tuple[torch.Tensor, GatedDeltaNetState]:
         """The output over a prompt and the state after it. ``valid`` (batch, seq) bool:
         False at (left) padding, which leaves the state as it found it."""
-        state = GatedDeltaNetState.empty(self.args, x.shape[0], x.device, x.dtype)
+        state = self.new_cache(x.shape[0], x.shape[1], x.device, x.dtype)
         return self.mix(x, state, valid=valid), state
 
     def new_cache(self, batch: int, max_len: int, device, dtype) -> GatedDeltaNetState:
-        """The decoder's cache for this layer (``models.common.new_caches``): its state,
-        whatever ``max_len``."""
-        return GatedDeltaNetState.empty(self.args, batch, device, dtype)
+        """The decoder's cache for this layer (``models.common.new_caches``): its state
+        (this rank's heads'), whatever ``max_len``."""
+        return GatedDeltaNetState.empty(self.args, batch, device, dtype, self.head_shards)
 
     def step(self, x: torch.Tensor, state: GatedDeltaNetState) -> torch.Tensor:
         """The output of the next token(s) x (batch, seq, dim); advances ``state``."""
@@ -195,34 +228,39 @@ class GatedDeltaNet(nn.Module):
 
     def mix(self, x: torch.Tensor, state: Optional[GatedDeltaNetState] = None, *,
             segments: Optional[torch.Tensor] = None,
-            valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+            valid: Optional[torch.Tensor] = None, real: Optional[int] = None
+            ) -> torch.Tensor:
         """The layer: x (batch, seq, dim) -> (batch, seq, dim), reading and advancing
         ``state`` if any; ``segments`` (batch, seq) a packed row's documents; ``valid``
-        (batch, seq) bool, False where a position is padding."""
+        (batch, seq) bool, False where a position is padding; ``real``: only the first
+        ``real`` positions are tokens, the rest fillers (a sequence-parallel decode
+        step's), left out of the state."""
         args = self.args
         batch, seq, _ = x.shape
         if segments is not None and state is not None:
             raise ValueError("a packed batch's documents are for training, not decoding")
         documents = document_index(segments) if segments is not None else None
-        key_dim, value_dim, _ = _sizes(args)
-        qkv = self.in_proj_qkv(x)  # (batch, seq, channels)
+        qkv = self.in_proj_qkv(x)  # (batch, seq, channels), grouped per key head
         if valid is not None:  # padding's inputs are zeros: the window sees a fresh start
             qkv = qkv * valid[..., None].to(qkv.dtype)
         mixed = F.silu(self.conv1d(qkv, state.conv if state is not None else None, documents))
-        if state is not None:
-            state.conv.copy_(torch.cat([state.conv, qkv.to(state.conv.dtype)], 1)[:, seq:])
-        q, k, v = mixed.split([key_dim, key_dim, value_dim], -1)
+        if state is not None:  # the window's last inputs: the last real ones
+            tokens = seq if real is None else real
+            window = torch.cat([state.conv, qkv.to(state.conv.dtype)], 1)
+            state.conv.copy_(window[:, tokens:tokens + state.conv.shape[1]])
+        dk, dv = args.linear_key_head_dim, args.linear_value_head_dim
         group = args.linear_value_heads // args.linear_key_heads
-        # Each key head serves the ``group`` consecutive value heads after it.
-        q = l2_normalize(q.view(batch, seq, -1, args.linear_key_head_dim)).repeat_interleave(
-            group, 2)  # (batch, seq, value heads, key head dim)
-        k = l2_normalize(k.view(batch, seq, -1, args.linear_key_head_dim)).repeat_interleave(
-            group, 2)
-        v = v.view(batch, seq, -1, args.linear_value_head_dim)  # (b, s, heads, value dim)
+        # Per key head (``qkv_layout``) its q, its k, and the v of the ``group``
+        # consecutive value heads it serves.
+        q, k, v = mixed.view(batch, seq, -1, 2 * dk + group * dv).split(
+            [dk, dk, group * dv], -1)
+        q = l2_normalize(q).repeat_interleave(group, 2)  # (b, s, value heads, key head dim)
+        k = l2_normalize(k).repeat_interleave(group, 2)
+        v = v.reshape(batch, seq, -1, dv)  # (batch, seq, value heads, value head dim)
         beta = self.in_proj_b(x).float().sigmoid()  # (batch, seq, heads)
         # In fp32 whatever the weights' dtype: g's rounding compounds over every token.
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float()
-                                                   + self.dt_bias.float())
+        g = -_local(self.A_log).float().exp() * F.softplus(
+            self.in_proj_a(x).float() + _local(self.dt_bias).float())
         if valid is not None:  # padding neither decays the state nor writes to it
             beta, g = beta * valid[..., None], g * valid[..., None]
         initial = state.recurrent if state is not None else None

@@ -199,8 +199,9 @@ def check_layout_fits(cfg: JobConfig, args) -> None:
                                   f"of experts yet ({args.family}); use FSDP2 "
                                   f"(parallel.dp_shard, parallel.dp_replicate)")
     if family_of(args).block(args).linear_layers:
-        # (a Gated DeltaNet's state runs through the whole sequence and all of its heads)
-        for key, value in (("tp", tp), ("pp", cfg.parallel.pp), ("cp", cfg.parallel.cp)):
+        # (a Gated DeltaNet's state runs through the whole sequence; tensor parallelism
+        # splits its heads, as the fused check below requires)
+        for key, value in (("pp", cfg.parallel.pp), ("cp", cfg.parallel.cp)):
             if value > 1:
                 raise ConfigError(f"parallel.{key}: {value} is not supported for a model "
                                   f"with linear-attention layers yet ({args.family}); use "

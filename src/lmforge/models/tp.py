@@ -10,6 +10,7 @@ head stays vocab-sharded (with its bias) for the parallel loss.
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
@@ -21,6 +22,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lmforge.models.common import Projections
+from lmforge.models.gated_deltanet import INPUT_PROJECTIONS, OUTPUT_PROJECTION
 
 
 def megatron_block_plan(projections: Projections, norms: tuple[str, ...],
@@ -45,6 +47,26 @@ def megatron_block_plan(projections: Projections, norms: tuple[str, ...],
     if sequence_parallel:
         plan.update({norm: SequenceParallel() for norm in norms})
     return plan
+
+
+def linear_attention_plan(sequence_parallel: bool) -> dict:
+    """A linear-attention layer's (Gated DeltaNet's, ``models.gated_deltanet``) part of a
+    block's plan, in place of the attention's: split by its heads as attention is. Each
+    rank takes whole key heads with the value heads they serve: their rows of the input
+    projections (in_proj_qkv's grouped per key head for it) by columns, their channels of
+    the convolution, their dt_bias and A_log, and out_proj's matching inputs by rows. The
+    state is per head, so the recurrence needs no communication; the gated norm's one
+    weight serves every head and is summed over the ranks (``HeadShardedNorm``)."""
+    residual = Shard(1) if sequence_parallel else Replicate()
+    return {
+        "attention": LinearAttentionHeads(then=PrepareModuleInput(
+            input_layouts=(residual, None, None, None),
+            desired_input_layouts=(Replicate(), None, None, None))),
+        **{f"attention.{p}": ColwiseParallel() for p in INPUT_PROJECTIONS},
+        "attention.conv1d": ShardedParameters("weight"),
+        "attention.norm": HeadShardedNorm(),
+        f"attention.{OUTPUT_PROJECTION}": RowwiseParallel(output_layouts=residual),
+    }
 
 
 def model_plan(sequence_parallel: bool) -> dict:
@@ -110,3 +132,43 @@ class ShardedParameters(ParallelStyle):
             module.register_parameter(name, nn.Parameter(sharded, param.requires_grad))
         return self.then._apply(module, device_mesh) if self.then is not None else module
 
+
+
+class HeadShardedNorm(ParallelStyle):
+    """A norm over each head's features whose one weight serves every head, called on
+    this rank's heads (dim 2 of (batch, seq, heads, features)), with any number of
+    tensor inputs (Gated DeltaNet's gated norm takes its gate too, which torch's
+    ``SequenceParallel(sequence_dim=2)`` would drop): the weight replicated as a DTensor,
+    so its gradient is summed over the ranks (a plain weight would get this rank's heads'
+    share and the copies would drift), every input read as split by heads, the output
+    this rank's heads as a tensor."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            replicated = distribute_tensor(param.data, device_mesh, (Replicate(),))
+            module.register_parameter(name, nn.Parameter(replicated, param.requires_grad))
+
+        def by_heads(_, args):
+            return tuple(DTensor.from_local(a, device_mesh, (Shard(2),), run_check=False)
+                         if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a
+                         for a in args)
+
+        def local(_, args, output):
+            return output.to_local() if isinstance(output, DTensor) else output
+
+        module.register_forward_pre_hook(by_heads)
+        module.register_forward_hook(local)
+        return module
+
+
+class LinearAttentionHeads(ShardedParameters):
+    """A Gated DeltaNet's own per-head parameters (dt_bias, A_log) split as its heads,
+    and the layer told into how many parts (``head_shards``: its decoding state holds
+    this rank's heads; FSDP2 splits parameters too, so their local shapes cannot say)."""
+
+    def __init__(self, then: ParallelStyle):
+        super().__init__("dt_bias", "A_log", then=then)
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        module.head_shards = device_mesh.size()
+        return super()._apply(module, device_mesh)

@@ -14,9 +14,10 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
+from lmforge.models.gated_deltanet import GatedDeltaNet
 from lmforge.models.moe import MoE
 from lmforge.models.registry import family_of
-from lmforge.models.tp import ReplicatedMoE
+from lmforge.models.tp import ReplicatedMoE, linear_attention_plan
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
@@ -28,6 +29,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool) ->
     parallelize_module(model, tp_mesh, _present(model, family.model_plan(sequence_parallel)))
     for block in model.layers.values():
         plan = family.block_plan(sequence_parallel)
+        if isinstance(getattr(block, "attention", None), GatedDeltaNet):  # split by heads too
+            plan = {name: style for name, style in plan.items()
+                    if name.split(".")[0] != "attention"}
+            plan |= linear_attention_plan(sequence_parallel)
         if isinstance(getattr(block, "feed_forward", None), MoE):  # whole on every rank
             plan = {name: style for name, style in plan.items()
                     if name.split(".")[0] != "feed_forward"}

@@ -129,6 +129,30 @@ def test_presets_check_their_pattern():
                                            "layer_types": args.layer_types[:3]}))
 
 
+def test_tp_must_split_the_linear_layers_into_whole_key_heads_and_pp_cp_are_refused():
+    """Tensor parallelism splits a Gated DeltaNet by key heads (in_proj_qkv grouped per
+    key head): tp=4 cannot split 2 of them, though the full-attention heads (4 kv) would
+    allow it. pp and cp stay refused: the state runs through the whole sequence."""
+    import dataclasses
+    from lmforge.config import JobConfig
+    from lmforge.models.presets import check_layout_fits
+
+    args = dataclasses.replace(PRESETS["qwen3.5-debug"], n_heads=8, n_kv_heads=4)
+    cfg = JobConfig()
+    cfg.parallel.tp = 4
+    with pytest.raises(ConfigError, match=r"^parallel\.tp: 4 must divide the 2 groups of the "
+                                          r"fused in_proj_qkv \(q, k, v\)"):
+        check_layout_fits(cfg, args)
+    cfg.parallel.tp = 2
+    check_layout_fits(cfg, args)
+    for key in ("pp", "cp"):
+        cfg = JobConfig()
+        setattr(cfg.parallel, key, 2)
+        with pytest.raises(ConfigError, match=rf"^parallel\.{key}: 2 is not supported for a "
+                                              "model with linear-attention layers"):
+            check_layout_fits(cfg, args)
+
+
 # ------------------------------------------------------- the Hub's image-text layout
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,8 @@ from torch import nn
 from lmforge.models.attention import attend, per_forward
 from lmforge.models.common import DecoderStack, KVCache, PreNormBlock, Projections
 from lmforge.models.family import BlockSpec
-from lmforge.models.gated_deltanet import GatedDeltaNet
+from lmforge.models.gated_deltanet import (INPUT_PROJECTIONS, OUTPUT_PROJECTION, GatedDeltaNet,
+                                           qkv_layout)
 from lmforge.models.gemma3.model import RMSNorm as ZeroCenteredRMSNorm
 from lmforge.models.llama.model import FeedForward, Llama, LlamaArgs, block_spec as llama_spec
 from lmforge.models.phi3.model import apply_partial_rope
@@ -40,7 +41,7 @@ PROJECTIONS = Projections(
     aliases={"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
              "gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
     lora_default=("q_proj", "v_proj"),
-    linear_attention=("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"))
+    linear_attention=(*INPUT_PROJECTIONS, OUTPUT_PROJECTION))
 
 
 @dataclass(frozen=True)
@@ -158,13 +159,15 @@ class Hybrid(Llama):
 
 def block_spec(args: HybridArgs) -> BlockSpec:
     """Llama's spec with the gate in q_proj's rows and the partial rotary; the linear
-    layers' projections apart (LoRA reaches them; tensor parallelism and the performance
-    model do not yet)."""
+    layers' projections apart (``linear_attention_shapes``), in_proj_qkv and conv1d
+    grouped per key head (``fused``)."""
     shapes = dict(llama_spec(args).shapes)
     shapes["q_proj"] = (args.dim, 2 * args.n_heads * args.head_dim)
+    # in_proj_qkv's rows and the convolution's channels, grouped per key head in memory
+    layout = qkv_layout(args)
     return dataclasses.replace(
         llama_spec(args), shapes=shapes, norm="rms_one_plus", rotary_features=args.rotary_dim,
-        head_norms=True,
+        head_norms=True, fused={"in_proj_qkv": layout, "conv1d": layout},
         linear_layers=tuple(i for i in range(args.n_layers) if args.is_linear(i)),
         linear_attention_shapes=linear_attention_shapes(args))
 
