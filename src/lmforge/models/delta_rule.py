@@ -10,8 +10,14 @@ that compute the same thing:
 Each head keeps a state S (key dim x value dim); at each token S <- exp(g) S, then
 S <- S + beta k (v - S^T k)^T, and the output is S^T q * scale. A packed row's documents
 (``segments``, as a ``DocumentMask`` holds them) each start from an empty state. Pure
-PyTorch, in fp32; the arguments are FLA's (flash-linear-attention), whose kernels may
-replace these on a GPU.
+PyTorch, in fp32: the reference, and what runs wherever FLA does not.
+
+On a CUDA device with flash-linear-attention installed (an optional extra, ``pip install
+flash-linear-attention``: Triton kernels of both forms), ``rules`` gives FLA's kernels
+behind the same arguments (``FlaRules``): a packed batch's documents become FLA's
+variable-length sequences (``cu_seqlens``), q and k go in v's dtype (bf16 in a bf16 run),
+and FLA accumulates in fp32 inside; equal to these within bf16's tolerance
+(tests/gpu/test_fla_cuda.py).
 """
 from __future__ import annotations
 
@@ -182,3 +188,69 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         state = state + k[:, :, t, :, None] * delta[:, :, None, :]
         outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t], state))
     return torch.stack(outputs, 2).transpose(1, 2).to(dtype), state
+
+
+# ------------------------------------------------------------ FLA's kernels, if present
+
+def rules(device: torch.device):
+    """(chunked rule, recurrent rule) for tensors on ``device``: FLA's kernels on a CUDA
+    device where the package is installed, else this module's."""
+    if device.type == "cuda":
+        fla = _fla_module()
+        if fla is not None:
+            return FlaRules(fla).chunk, FlaRules(fla).recurrent
+    return chunk_gated_delta_rule, recurrent_gated_delta_rule
+
+
+@functools.cache
+def _fla_module():
+    """FLA's ``fla.ops.gated_delta_rule`` module, or None where it is not installed (or
+    fails to import: a Triton it cannot use, say)."""
+    try:
+        from fla.ops import gated_delta_rule
+    except Exception:  # (any import failure: the PyTorch rules serve)
+        return None
+    return gated_delta_rule
+
+
+class FlaRules:
+    """FLA's ``chunk_gated_delta_rule`` and ``fused_recurrent_gated_delta_rule`` with this
+    module's arguments and results (``module``: anything with those two functions and
+    FLA's signatures: q, k, v, g, beta, scale, initial_state, output_final_state,
+    cu_seqlens; tensors (batch, seq, heads, dim))."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def chunk(self, q, k, v, g, beta, *, chunk_size: int = CHUNK_SIZE,
+              scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
+              segments: Optional[torch.Tensor] = None):
+        """``chunk_gated_delta_rule``'s contract (FLA's chunk is its own: 64). With
+        ``segments`` the batch goes to FLA as one row of its documents (the final state,
+        which no caller reads for a packed batch, is None)."""
+        batch, seq = q.shape[:2]
+        q, k = q.to(v.dtype), k.to(v.dtype)
+        if segments is None:
+            return self.module.chunk_gated_delta_rule(
+                q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                output_final_state=True)
+        flat = lambda t: t.reshape(1, batch * seq, *t.shape[2:])  # noqa: E731
+        out, _ = self.module.chunk_gated_delta_rule(
+            flat(q), flat(k), flat(v), flat(g), flat(beta), scale=scale,
+            output_final_state=False, cu_seqlens=document_offsets(segments))
+        return out.reshape(batch, seq, *out.shape[2:]), None
+
+    def recurrent(self, q, k, v, g, beta, *, scale: Optional[float] = None,
+                  initial_state: Optional[torch.Tensor] = None):
+        return self.module.fused_recurrent_gated_delta_rule(
+            q.to(v.dtype), k.to(v.dtype), v, g, beta, scale=scale,
+            initial_state=initial_state, output_final_state=True)
+
+
+def document_offsets(segments: torch.Tensor) -> torch.Tensor:
+    """(documents + 1,) long: where each document of the flattened batch starts, then its
+    end (FLA's ``cu_seqlens``); a row's start always starts one."""
+    batch, seq = segments.shape
+    starts = F.pad(segments[:, 1:] != segments[:, :-1], (1, 0), value=True)
+    offsets = starts.reshape(-1).nonzero().squeeze(1)
+    return torch.cat([offsets, offsets.new_tensor([batch * seq])])

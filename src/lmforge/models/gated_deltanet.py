@@ -46,8 +46,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lmforge.models.attention import ContextParallel, DecodeMask, DocumentMask
-from lmforge.models.delta_rule import (CHUNK_SIZE, chunk_gated_delta_rule, document_index,
-                                       recurrent_gated_delta_rule)
+from lmforge.models.delta_rule import CHUNK_SIZE, document_index, rules
 from lmforge.models.family import Fused
 from lmforge.models.llama.model import RMSNorm
 
@@ -264,11 +263,12 @@ class GatedDeltaNet(nn.Module):
         if valid is not None:  # padding neither decays the state nor writes to it
             beta, g = beta * valid[..., None], g * valid[..., None]
         initial = state.recurrent if state is not None else None
+        chunk_rule, recurrent_rule = rules(x.device)  # (FLA's kernels on a GPU, if present)
         if state is not None and seq == 1:
-            out, final = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=initial)
+            out, final = recurrent_rule(q, k, v, g, beta, initial_state=initial)
         else:
-            out, final = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size,
-                                                initial_state=initial, segments=segments)
+            out, final = chunk_rule(q, k, v, g, beta, chunk_size=self.chunk_size,
+                                    initial_state=initial, segments=segments)
         if state is not None:
             state.recurrent.copy_(final)
         z = self.in_proj_z(x).view(batch, seq, -1, args.linear_value_head_dim)

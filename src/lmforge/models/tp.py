@@ -22,7 +22,6 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lmforge.models.common import Projections
-from lmforge.models.gated_deltanet import INPUT_PROJECTIONS, OUTPUT_PROJECTION
 
 
 def megatron_block_plan(projections: Projections, norms: tuple[str, ...],
@@ -57,6 +56,9 @@ def linear_attention_plan(sequence_parallel: bool) -> dict:
     the convolution, their dt_bias and A_log, and out_proj's matching inputs by rows. The
     state is per head, so the recurrence needs no communication; the gated norm's one
     weight serves every head and is summed over the ranks (``HeadShardedNorm``)."""
+    # (imported here: gated_deltanet imports Llama's norm, whose family imports this)
+    from lmforge.models.gated_deltanet import INPUT_PROJECTIONS, OUTPUT_PROJECTION
+
     residual = Shard(1) if sequence_parallel else Replicate()
     return {
         "attention": LinearAttentionHeads(then=PrepareModuleInput(
