@@ -216,8 +216,8 @@ def _fla_module():
 class FlaRules:
     """FLA's ``chunk_gated_delta_rule`` and ``fused_recurrent_gated_delta_rule`` with this
     module's arguments and results (``module``: anything with those two functions and
-    FLA's signatures: q, k, v, g, beta, scale, initial_state, output_final_state,
-    cu_seqlens; tensors (batch, seq, heads, dim))."""
+    FLA's signatures, 0.6's: q, k, v, then g, beta, scale, initial_state,
+    output_final_state, cu_seqlens by keyword; tensors (batch, seq, heads, dim))."""
 
     def __init__(self, module):
         self.module = module
@@ -232,18 +232,19 @@ class FlaRules:
         q, k = q.to(v.dtype), k.to(v.dtype)
         if segments is None:
             return self.module.chunk_gated_delta_rule(
-                q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
                 output_final_state=True)
         flat = lambda t: t.reshape(1, batch * seq, *t.shape[2:])  # noqa: E731
         out, _ = self.module.chunk_gated_delta_rule(
-            flat(q), flat(k), flat(v), flat(g), flat(beta), scale=scale,
+            flat(q), flat(k), flat(v), g=flat(g), beta=flat(beta), scale=scale,
             output_final_state=False, cu_seqlens=document_offsets(segments))
         return out.reshape(batch, seq, *out.shape[2:]), None
 
     def recurrent(self, q, k, v, g, beta, *, scale: Optional[float] = None,
                   initial_state: Optional[torch.Tensor] = None):
+        # (by keyword: FLA's recurrent rule takes other gates, gk and gv, before beta)
         return self.module.fused_recurrent_gated_delta_rule(
-            q.to(v.dtype), k.to(v.dtype), v, g, beta, scale=scale,
+            q.to(v.dtype), k.to(v.dtype), v, g=g, beta=beta, scale=scale,
             initial_state=initial_state, output_final_state=True)
 
 

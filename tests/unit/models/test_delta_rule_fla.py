@@ -14,11 +14,13 @@ from lmforge.models.gated_deltanet import l2_normalize
 
 
 class StandInFla:
-    """FLA's two functions by their signatures, computed by our recurrent rule."""
+    """FLA's two functions by their signatures (0.6's), computed by our recurrent rule."""
 
     @staticmethod
     def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
-                               output_final_state=False, cu_seqlens=None):
+                               output_final_state=False, use_qk_l2norm_in_kernel=False,
+                               use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                               state_v_first=False, cu_seqlens=None, **kwargs):
         if cu_seqlens is None:
             out, state = recurrent_gated_delta_rule(q, k, v, g, beta, scale=scale,
                                                     initial_state=initial_state)
@@ -30,7 +32,13 @@ class StandInFla:
                 for a, b in zip(bounds, bounds[1:])]
         return torch.cat(outs, 1), None
 
-    fused_recurrent_gated_delta_rule = chunk_gated_delta_rule
+    @staticmethod
+    def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None,
+                                         scale=None, initial_state=None,
+                                         output_final_state=False, **kwargs):
+        assert gk is None and gv is None
+        return StandInFla.chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state,
+                                                 output_final_state)
 
 
 def inputs(batch: int, seq: int, heads: int = 2, dk: int = 8, dv: int = 5):
