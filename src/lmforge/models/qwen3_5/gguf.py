@@ -33,6 +33,11 @@ alone, as the converter writes it (the vision tower goes to llama.cpp's separate
 projector file, which lmforge does not write). The convolution's kernel must be stored
 in f32 whatever the file type (ggml's ssm_conv reads f32 only), as the converter keeps
 it: export/gguf.py's ``F32_MATRICES`` decides that.
+
+llama.cpp's other hybrid architectures read these layers the same way, and their
+families' gguf.py use the parts here (``hybrid_unsupported``, ``write_hybrid_hparams``,
+``hybrid_tensors``): qwen35moe (Qwen3.5-MoE) as qwen35 with experts; qwen3next
+(Qwen3-Next) with its value heads grouped by key head, as stored, and no rope sections.
 """
 from __future__ import annotations
 
@@ -56,13 +61,19 @@ def architecture(args: HybridArgs) -> str:
 
 def unsupported(args: HybridArgs) -> str:
     """Why this model has no GGUF form ("" when it has one)."""
+    return hybrid_unsupported(args, "qwen35")
+
+
+def hybrid_unsupported(args: HybridArgs, arch: str) -> str:
+    """What llama.cpp's hybrid ``arch`` (qwen35, qwen35moe, qwen3next: the same linear
+    layers and cache) cannot run of a Qwen3.5-shaped model ("" when it runs it)."""
     if args.linear_key_head_dim != args.linear_value_head_dim:
         return (f"linear_value_head_dim ({args.linear_value_head_dim}) differs from "
-                f"linear_key_head_dim ({args.linear_key_head_dim}), and llama.cpp's qwen35 "
+                f"linear_key_head_dim ({args.linear_key_head_dim}), and llama.cpp's {arch} "
                 f"(llama-cpp-python {LLAMA_CPP_PYTHON}) sizes value heads as key heads")
     kinds = set(args.layer_types)
     if len(kinds) == 1:
-        return (f"layer_types: every layer is {next(iter(kinds))}, and llama.cpp's qwen35 "
+        return (f"layer_types: every layer is {next(iter(kinds))}, and llama.cpp's {arch} "
                 f"(llama-cpp-python {LLAMA_CPP_PYTHON}) needs both kinds (it aborts "
                 f"allocating the empty cache of the other)")
     return ""
@@ -70,6 +81,13 @@ def unsupported(args: HybridArgs) -> str:
 
 def write_hparams(writer, args: HybridArgs) -> None:
     """The keys llama.cpp's qwen35 reads (the converter's, in its order)."""
+    write_hybrid_hparams(writer, args)
+    writer.add_rope_dimension_sections(list(rope_sections(args)))
+
+
+def write_hybrid_hparams(writer, args: HybridArgs) -> None:
+    """The keys every hybrid architecture reads: the decoder's shape, the heads' width,
+    the linear layers' shape and which layers are linear."""
     write_gguf_shape(writer, args, args.rotary_dim)
     writer.add_key_length(args.head_dim)
     writer.add_value_length(args.head_dim)
@@ -84,7 +102,6 @@ def write_hparams(writer, args: HybridArgs) -> None:
     # (what the converter writes where config.json has none, as transformers saves it:
     # llama.cpp reads the per-layer list above first, and lmforge keeps only that)
     writer.add_full_attention_interval(DEFAULT_FULL_ATTENTION_INTERVAL)
-    writer.add_rope_dimension_sections(list(rope_sections(args)))
 
 
 def rope_sections(args: HybridArgs) -> tuple[int, int, int, int]:
@@ -112,22 +129,32 @@ def _rotates_plainly(sections, pairs: int, head_dim: int) -> bool:
 def tensors(hf_sd: dict, args: HybridArgs, name_map) -> Iterator[tuple[str, torch.Tensor]]:
     """(GGUF name, tensor) of every weight of the language model; ``name_map``: the gguf
     package's ``TensorNameMap`` for qwen35."""
+    return hybrid_tensors(hf_sd, args, name_map, tiled=True)
+
+
+def hybrid_tensors(hf_sd: dict, args: HybridArgs, name_map,
+                   tiled: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """``tensors`` for any hybrid architecture: ``tiled``, whether it reads the linear
+    layers' value heads tiled over the key heads (qwen35, qwen35moe) rather than grouped
+    by key head, as stored (qwen3next)."""
     for name, tensor in hf_sd.items():
         if name.startswith(VISION_PREFIX):
             continue  # (the projector file's, not the language model's)
         name = text_name(name)
         if name == "lm_head.weight" and args.tie_embeddings:
             continue  # llama.cpp reads a missing output as the token embedding
-        tensor = as_gguf(name, tensor, args)
+        if tiled and ".linear_attn." in name:
+            tensor = tiled_value_heads(name, tensor, args)
+        tensor = as_gguf(name, tensor)
         if name.endswith(".linear_attn.dt_bias"):  # (the gguf table's name for it)
             name = name.removesuffix("dt_bias") + "dt_proj.bias"
         yield gguf_name(name, name_map), tensor
 
 
-def as_gguf(name: str, tensor: torch.Tensor, args: HybridArgs) -> torch.Tensor:
-    """One tensor (HF name, as stored) as llama.cpp's qwen35 reads it."""
+def as_gguf(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """One tensor (HF name, its heads in the order the architecture reads) as llama.cpp's
+    hybrid architectures read it."""
     if ".linear_attn." in name:
-        tensor = tiled_value_heads(name, tensor, args)
         if name.endswith(".A_log"):
             return -torch.exp(tensor.float())
         if name.endswith(".conv1d.weight"):
@@ -179,14 +206,19 @@ def gguf_name(hf_name: str, name_map) -> str:
 
 
 def rows_as_gguf(hf_name: str, rows: torch.Tensor, args: HybridArgs) -> torch.Tensor:
-    """A LoRA adapter's B (output rows) in llama.cpp's order: a linear layer's input
-    projections' value-head rows tiled, as their weights' are. out_proj's value heads
-    are its input columns, a LoRA A's, which this hook never sees: where a key head
-    serves several value heads, an out_proj adapter is refused (a ValueError, reported
-    in one line) rather than written misplaced."""
+    """A LoRA adapter's B (output rows) in llama.cpp's qwen35 order (``tiled_rows``)."""
+    return tiled_rows(hf_name, rows, args, "qwen35")
+
+
+def tiled_rows(hf_name: str, rows: torch.Tensor, args: HybridArgs, arch: str) -> torch.Tensor:
+    """A LoRA adapter's B (output rows) in the order of ``arch``, which tiles value heads:
+    a linear layer's input projections' value-head rows tiled, as their weights' are.
+    out_proj's value heads are its input columns, a LoRA A's, which this hook never sees:
+    where a key head serves several value heads, an out_proj adapter is refused (a
+    ValueError, reported in one line) rather than written misplaced."""
     if ".linear_attn.out_proj." in hf_name and args.linear_value_heads > args.linear_key_heads:
         raise ValueError(
-            f"{hf_name}: no GGUF form of a LoRA adapter on out_proj: llama.cpp's qwen35 "
+            f"{hf_name}: no GGUF form of a LoRA adapter on out_proj: llama.cpp's {arch} "
             f"(llama-cpp-python {LLAMA_CPP_PYTHON}) reads the value heads tiled over the "
             f"{args.linear_key_heads} key heads, which reorders the adapter's A columns; "
             f"leave out_proj out of lora.targets, or merge the adapter (--format gguf)")
