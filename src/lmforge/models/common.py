@@ -39,6 +39,11 @@ class Projections:
     # order: LoRA reaches them as peft does, but they are no part of ``attention``, whose
     # names the tensor-parallel plan and the performance model read as q, k, v, output.
     linear_attention: tuple[str, ...] = ()
+    # Linear layers the checkpoint files, and so transformers' model and peft, hold fused
+    # where we keep the parts apart (Qwen3-Next's in_proj_qkvz: our in_proj_qkv and
+    # in_proj_z), each with its parts in the fused rows' order: a target naming one means
+    # its parts, and the parts' adapters cross to peft as one (``peft.adapters``).
+    fused_in_files: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def all(self) -> tuple[str, ...]:

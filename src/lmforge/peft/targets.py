@@ -14,6 +14,11 @@ surrounding spaces ignored:
   ``in_proj_qkv in_proj_z in_proj_b in_proj_a out_proj`` beside its full-attention
   layers' ``q_proj`` (whose rows hold each head's query and output gate: one adapter over
   both, as peft's) ``k_proj v_proj o_proj``;
+- a linear layer the family's files fuse where we keep its parts apart
+  (``Projections.fused_in_files``): Qwen3-Next's ``in_proj_qkvz`` (our ``in_proj_qkv``
+  and ``in_proj_z``) and ``in_proj_ba`` (``in_proj_b``, ``in_proj_a``), the names peft's
+  users write there: both parts, whose adapters peft reads as one on the fused layer. A
+  part alone is a target too (its adapter crosses with zero rows for the other part);
 - another name the family gives one: ``q k v o``; for Llama ``gate up down`` and Meta's
   ``wq wk wv wo w1`` (gate) ``w3`` (up) ``w2`` (down); for GPT-J ``out`` and ``o_proj``;
 - a module path ending in one of those (``attention.q_proj``, ``self_attn.q_proj``,
@@ -30,7 +35,8 @@ the MLP means the routed experts: ``all-linear`` is the attention and the expert
 the experts, and an MLP projection's name their matching weight (``gate_proj``,
 ``up_proj``: ``experts.gate_up_proj``, which holds both; ``down_proj``); so the experts are
 never left out silently, and every adapter is one peft loads. Dense layers' MLPs (Qwen3-MoE's
-``mlp_only_layers``) and the router take no adapters.
+``mlp_only_layers``), the router and the shared experts (DeepSeek-V3's; Qwen3-Next's and
+Qwen3.5-MoE's, and their gate) take no adapters.
 
 Refused with an error naming ``lora.targets``: anything else, an empty list, ``all``
 (it could be read to include the embedding and the head), and a path through one layer
@@ -81,6 +87,8 @@ def _resolve_one(item: Any, projections: Projections) -> tuple[str, ...]:
     if len(path) > 1 and path[-2] == "experts" and f"experts.{path[-1]}" in projections.experts:
         return (f"experts.{path[-1]}",)
     leaf = projections.aliases.get(path[-1], path[-1])
+    if leaf in projections.fused_in_files:
+        return projections.fused_in_files[leaf]
     expert = projections.experts_for.get(leaf)
     if expert is not None:  # an MLP projection's name: the experts' stacked weight
         return (expert,)
@@ -91,7 +99,8 @@ def _resolve_one(item: Any, projections: Projections) -> tuple[str, ...]:
     if leaf not in projections.all:
         raise ConfigError(f"lora.targets: unknown module {item!r} (known: "
                           f"{', '.join(projections.adaptable)}, other names for them "
-                          f"({', '.join(projections.aliases)}), paths ending in one, or the "
+                          f"({', '.join([*projections.aliases, *projections.fused_in_files])}"
+                          f"), paths ending in one, or the "
                           f"groups all-linear, attention, mlp)")
     return (leaf,)
 

@@ -2,9 +2,9 @@
 gated shared expert) against transformers' Qwen3NextForCausalLM on a tiny random model:
 equal logits, equal greedy decodes alone and left-padded in a batch, an export whose files
 hold the original tensors (the fused in_proj_qkvz / in_proj_ba, one tensor per expert) and
-that transformers loads with equal logits; an all-linear adapter that peft places; layer_types
-and dense layers read as given; a checkpoint missing a fused projection refused in one line
-naming it."""
+that transformers loads with equal logits; layer_types and dense layers read as given; a
+checkpoint missing a fused projection refused in one line naming it. Its adapters, peft's
+and merged: tests/unit/peft/test_qwen3_next_lora.py."""
 from __future__ import annotations
 
 import pytest
@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from helpers.hf_models import randomise_linear_attention, random_hf_causal_lm
 from helpers.hf_parity import (assert_export_round_trip, assert_greedy_decode_equal,
-                               assert_lora_round_trip, tokens)
+                               tokens)
 from lmforge.models.common import count_parameters
 from lmforge.models.hf import HFCheckpointError, load_hf_model, read_model_args
 from lmforge.models.presets import check_model_args
@@ -69,17 +69,6 @@ def test_export_holds_the_fused_and_per_expert_tensors_and_loads_in_transformers
             "model.layers.0.mlp.experts.7.down_proj.weight",
             "model.layers.0.mlp.shared_expert_gate.weight"} <= names
     assert read_model_args(tmp_path / "out") == read_model_args(path)
-
-
-@pytest.mark.long  # (10 s loaded, peft's import included)
-def test_an_all_linear_adapter_loads_in_peft_and_the_merged_export_agrees(hf_dir, tmp_path):
-    """LoRA reaches the Gated DeltaNet's out_proj but not its input projections, which
-    transformers fuses (in_proj_qkvz, in_proj_ba): peft could not place them."""
-    hf_model, path = hf_dir
-    adapted = assert_lora_round_trip(hf_model, path, tmp_path,
-                                     tokens(hf_model.config.vocab_size, 24))
-    assert "layers.1.attention.out_proj" in adapted
-    assert not any(".in_proj_" in name for name in adapted)
 
 
 def test_layer_types_and_dense_layers_are_read_as_given(hf_dir):

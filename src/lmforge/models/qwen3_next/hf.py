@@ -20,7 +20,7 @@ from lmforge.models.moe_hf import check_top_k, checkpoint_from_hf, checkpoint_to
 from lmforge.models.qwen3_5 import hf as qwen3_5_hf
 from lmforge.models.qwen3_moe.hf import _dense_layers as dense_layers  # transformers' rule
 from lmforge.models.qwen3_moe.hf import with_experts
-from lmforge.models.qwen3_next.model import HybridSparseArgs
+from lmforge.models.qwen3_next.model import FUSED_PROJECTIONS, HybridSparseArgs
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,6 @@ _MOE_NAMES = {  # an MoE layer's tensors, ours -> Hugging Face's (transformers 5
        for p in ("gate_proj", "up_proj", "down_proj")},
     "feed_forward.shared_expert_gate.weight": "mlp.shared_expert_gate.weight",
 }
-_FUSED = ("in_proj_qkvz", "in_proj_ba")
 _MTP = "mtp."  # multi-token-prediction layers the released checkpoints hold; not built
 
 
@@ -126,7 +125,7 @@ def _check_fused(sd: dict, args: HybridSparseArgs, source: str) -> None:
     rows = {"in_proj_qkvz": 2 * key_dim + 2 * value_dim,  # q, k, v, z
             "in_proj_ba": 2 * args.linear_value_heads}  # b, a: one each per value head
     for i in (i for i in range(args.n_layers) if args.is_linear(i)):
-        for name in _FUSED:
+        for name in FUSED_PROJECTIONS.fused_in_files:
             key = f"model.layers.{i}.linear_attn.{name}.weight"
             if key not in sd:
                 raise HFCheckpointError(f"{source}: missing: {key}")

@@ -25,10 +25,13 @@ from lmforge.models.qwen3_moe.model import SparseArgs
 # Qwen3.5's linear layers, and Qwen3-MoE's stacked experts beside them (Qwen3.5-MoE's).
 PROJECTIONS = dataclasses.replace(qwen3_5.PROJECTIONS, experts=qwen3_moe.PROJECTIONS.experts,
                                   experts_for=qwen3_moe.PROJECTIONS.experts_for)
-# Qwen3-Next's: its Gated DeltaNet's input projections are transformers' fused in_proj_qkvz
-# and in_proj_ba, which an adapter on our split ones could not name for peft; LoRA reaches
-# that layer's out_proj only.
-FUSED_PROJECTIONS = dataclasses.replace(PROJECTIONS, linear_attention=("out_proj",))
+# Qwen3-Next's: its files (and transformers' model) fuse each Gated DeltaNet's input
+# projections per key head, in_proj_qkvz and in_proj_ba, where we keep Qwen3.5's apart
+# (``gated_deltanet.from_qwen3_next``); LoRA on the parts crosses to peft as one adapter
+# on the fused layer, and the names peft's users write for them mean both parts.
+FUSED_PROJECTIONS = dataclasses.replace(
+    PROJECTIONS, fused_in_files={"in_proj_qkvz": ("in_proj_qkv", "in_proj_z"),
+                                 "in_proj_ba": ("in_proj_b", "in_proj_a")})
 
 
 @dataclass(frozen=True)
