@@ -104,6 +104,10 @@ class KVCache:
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]
 
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """What a compiled decode step reads and writes in place (static addresses)."""
+        return self.k, self.v
+
     @staticmethod
     def bytes_per_token(args, dtype: torch.dtype) -> int:
         """One row's keys and values of one position, over every layer."""

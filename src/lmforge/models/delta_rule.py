@@ -202,15 +202,20 @@ def rules(device: torch.device):
     return chunk_gated_delta_rule, recurrent_gated_delta_rule
 
 
-@functools.cache
+_FLA: list = []  # [the module or None], once looked for (a list, not functools.cache:
+# a compiled decode step reads it as a plain global; the eager prefill looks first)
+
+
 def _fla_module():
     """FLA's ``fla.ops.gated_delta_rule`` module, or None where it is not installed (or
     fails to import: a Triton it cannot use, say)."""
-    try:
-        from fla.ops import gated_delta_rule
-    except Exception:  # (any import failure: the PyTorch rules serve)
-        return None
-    return gated_delta_rule
+    if not _FLA:
+        try:
+            from fla.ops import gated_delta_rule
+        except Exception:  # (any import failure: the PyTorch rules serve)
+            gated_delta_rule = None
+        _FLA.append(gated_delta_rule)
+    return _FLA[0]
 
 
 class FlaRules:

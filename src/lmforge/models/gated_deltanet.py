@@ -113,6 +113,10 @@ class GatedDeltaNetState:
                                args.linear_key_head_dim, args.linear_value_head_dim,
                                device=device))
 
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """What a compiled decode step reads and writes in place (static addresses)."""
+        return self.conv, self.recurrent
+
     @staticmethod
     def bytes_per_row(args, dtype: torch.dtype) -> int:
         """One row's state, whatever the sequence's length (the KV cache's counterpart)."""

@@ -199,7 +199,7 @@ def _decode(model, prompts, limits, sampling, stops, seeds, compile, sync_every,
         model, rows, cache_len)
     logits = _prefill(model, block.to(device), start, caches, static=compile,
                       whole=shards > 1)
-    step = _CompiledStep(model, caches, start) if compile else None
+    step = _CompiledStep(model, caches, start, cache_len) if compile else None
 
     limit = torch.tensor(limits, device=device)
     stop_table = torch.tensor([s + [-1] * (max(map(len, stops)) - len(s)) for s in stops]
@@ -345,13 +345,13 @@ class _CompiledStep:
     shapes never change while a batch decodes; on CUDA, ``reduce-overhead`` replays it
     as a CUDA graph."""
 
-    def __init__(self, model, caches: list[KVCache], start: torch.Tensor):
+    def __init__(self, model, caches: list, start: torch.Tensor, cache_len: int):
         self.model, self.caches, self.start = model, caches, start
         self.columns = torch.zeros(1, dtype=torch.long, device=start.device)
         for c in caches:  # (after the prefill, which may have sized them: see KVCache)
-            torch._dynamo.mark_static_address(c.k)
-            torch._dynamo.mark_static_address(c.v)
-        _SHAPES.add((len(start), caches[0].k.shape[2], start.device.type))
+            for buffer in c.buffers():  # (a KVCache's keys and values, a linear layer's
+                torch._dynamo.mark_static_address(buffer)  # state)
+        _SHAPES.add((len(start), cache_len, start.device.type))
         self.fn = _compiled(start.device.type)
 
     def __call__(self, token, positions, column: int) -> torch.Tensor:

@@ -179,6 +179,25 @@ def test_the_compiled_step_decodes_what_the_eager_one_does():
     assert compiled_shapes() == before + 1
 
 
+@pytest.mark.long  # (make test-long: inductor compiles a hybrid step, about a minute)
+def test_the_compiled_step_decodes_a_hybrid_model_as_the_eager_one_does():
+    """A Qwen3.5's linear layers carry a Gated DeltaNet state as their static cache
+    (``buffers``: the convolution window and S, advanced in place)."""
+    import dataclasses
+    from lmforge.models.common import materialize
+    from lmforge.models.registry import PRESETS, build_model
+
+    torch.manual_seed(0)
+    args = dataclasses.replace(PRESETS["qwen3.5-debug"], vocab_size=64)
+    model = materialize(build_model(args), "cpu").eval()
+    prompts = [[p % 64 for p in prompt] for prompt in PROMPTS[:3]]
+    eager = generate(model, prompts, 5)
+    compiled = generate(model, prompts, 5, compile=True)
+    assert [c.ids for c in compiled] == [c.ids for c in eager]
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(b.model_logprobs, a.model_logprobs, rtol=0, atol=1e-5)
+
+
 def test_a_cache_that_cannot_fit_is_refused_before_allocating(monkeypatch):
     import lmforge.models.generate as G
 
