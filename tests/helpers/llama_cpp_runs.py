@@ -95,3 +95,135 @@ def converted(converter: Path, src, out, pre: str, *options: str) -> Path:
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return Path(out)
+
+
+# The hybrid families' deploy tests (Qwen3-Next, Qwen3.5-MoE): their prompts, what an f16
+# file holds of lmforge's model, and the near tie an f16 run may flip.
+
+# lmforge's names of the matrices export/gguf.py keeps in f32 whatever the file type
+# (F32_MATRICES: the convolution's kernel, the routers)
+KEPT_F32 = ("conv1d.weight", "feed_forward.gate.weight", "shared_expert_gate.weight")
+
+
+def prompts(vocab: int, lengths=(1, 6, 70)) -> list[list[int]]:
+    """Seeded random prompts of ``lengths`` tokens (70: past a 64-token chunk)."""
+    import torch
+
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, vocab - 10, (n,), generator=g).tolist() for n in lengths]
+
+
+def transformers_greedy(model_dir, prompt: list[int], n: int) -> list[int]:
+    """transformers' ``n`` greedy tokens after ``prompt`` (the reference model, f32)."""
+    import torch
+
+    from helpers.hf_models import load_reference
+
+    model = load_reference(model_dir)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def as_stored(model, dtype: str):
+    """``model`` with the weights an f16 file holds in f16 rounded so (matrices but
+    ``KEPT_F32``; every vector stays f32)."""
+    import torch
+
+    if dtype == "f32":
+        return model
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and not name.endswith(KEPT_F32):
+                p.copy_(p.to(torch.float16).float())
+    return model
+
+
+def near_tie(model, prompt: list[int], want: list[int], got: list[int], margin: float,
+             router_margin: float = 0.0) -> bool:
+    """Whether, where ``got`` first leaves ``want``, its token's logit after the same
+    prefix is within ``margin`` of the top one's in ``model``, or (an MoE model) a router
+    along that prefix chose its last expert within ``router_margin`` (probability) of the
+    first one it left out: rounding that flips an expert changes the logits wholesale."""
+    import torch
+
+    from lmforge.models.moe import Router
+
+    first = next(i for i, (a, b) in enumerate(zip(want, got)) if a != b)
+    gaps = [float("inf")]
+
+    def router_gap(module, inputs, routing):
+        k = routing.indices.shape[-1]
+        probs = routing.logits.softmax(-1).topk(k + 1, dim=-1).values
+        gaps.append(float((probs[:, k - 1] - probs[:, k]).min()))
+
+    hooks = [m.register_forward_hook(router_gap) for m in model.modules()
+             if isinstance(m, Router)]
+    try:
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + want[:first]]))[0, -1]
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return (float(logits[want[first]] - logits[got[first]]) < margin
+            or min(gaps) < router_margin)
+
+
+def hybrid_dir(root, model_type: str, **config):
+    """``root`` holding the chatml test tokenizer and a tiny random transformers
+    ``model_type`` model (``helpers.hf_models``) sized to its vocabulary, its linear
+    layers' constants and norms perturbed; returns ``root``."""
+    from helpers.hf_models import randomise_linear_attention, random_hf_causal_lm
+    from helpers.real_tokenizers import save_tokenizer
+    from lmforge.data.tokenizer import load_tokenizer
+
+    save_tokenizer("chatml", root)
+    vocab = load_tokenizer(root).vocab_size
+    model = random_hf_causal_lm(model_type, seed=3, vocab_size=vocab, **config)
+    randomise_linear_attention(model).save_pretrained(root)
+    return root
+
+
+def lmforge_export(src, out, dtype: str):
+    """``lmforge export SRC OUT --format gguf --gguf-dtype DTYPE``, as a user runs it."""
+    done = subprocess.run([sys.executable, "-m", "lmforge.cli", "export", str(src), str(out),
+                           "--format", "gguf", "--gguf-dtype", dtype],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return Path(out)
+
+
+def assert_as_converted(model_dir, tmp_path, arch: str, different_on_purpose=()) -> None:
+    """lmforge's f32 export of ``model_dir`` against llama.cpp's converter's
+    (--outtype f32 --no-mtp: lmforge's models have no multi-token-prediction layers):
+    every key of the converter's in ours with its value but EOS (the chat template's
+    end-of-turn token in ours, as for every family) and ``different_on_purpose``; the
+    same tensors, byte for byte. Skipped where the converter is not kept."""
+    import gguf
+    import numpy as np
+    import pytest
+
+    from lmforge.export.gguf import export_gguf
+
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    converter = converter_dir(llama_cpp.__version__)
+    if not (converter / "convert_hf_to_gguf.py").is_file():
+        pytest.skip(f"llama.cpp's converter is not at {converter} (make test-deploy keeps "
+                    f"it there)")
+    ours = export_gguf(model_dir, tmp_path / "ours.gguf", "f32")
+    ours_keys = gguf_keys(ours)
+    assert ours_keys["general.architecture"] == arch
+    theirs = converted(converter, model_dir, tmp_path / "theirs.gguf",
+                       ours_keys["tokenizer.ggml.pre"], "--outtype", "f32", "--no-mtp")
+    their_keys = gguf_keys(theirs)
+    allowed = {"tokenizer.ggml.eos_token_id", *different_on_purpose}
+    differing = {k for k in their_keys if ours_keys.get(k) != their_keys[k]}
+    assert differing <= allowed, {k: (ours_keys.get(k), their_keys[k])
+                                  for k in differing - allowed}
+    ours_t = {t.name: t for t in gguf.GGUFReader(ours).tensors}
+    theirs_t = {t.name: t for t in gguf.GGUFReader(theirs).tensors}
+    assert ours_t.keys() == theirs_t.keys()
+    for name, t in theirs_t.items():
+        assert ours_t[name].tensor_type == t.tensor_type, name
+        assert np.array_equal(ours_t[name].data, t.data), name

@@ -325,11 +325,28 @@ def gguf_family(model_dir: Path):
     if why:
         raise GGUFError(f"{model_dir}: no GGUF export of this model: {why}; export to HF "
                         f"instead")
+    _arch_enum(_gguf(), family.gguf.architecture(args))  # (refused before anything is read)
     return args, family
 
 
 def _arch_enum(gguf, arch: str):
-    return next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+    """The gguf package's member for llama.cpp's architecture ``arch``, refused in one
+    line where the installed package is older than the architecture."""
+    for member, name in gguf.MODEL_ARCH_NAMES.items():
+        if name == arch:
+            return member
+    raise GGUFError(f"--format gguf: the installed gguf package ({_version('gguf')}) does "
+                    f"not know llama.cpp's {arch} architecture, which this model needs; "
+                    f"upgrade it (pip install -U gguf)")
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "version unknown"
 
 
 def _file_type(gguf, dtype: str) -> int:

@@ -4,15 +4,14 @@ input projections."""
 import dataclasses
 
 from lmforge.models.family import from_folder
-from lmforge.models.qwen3_next import hf, model, plan, presets  # the family's parts
+from lmforge.models.qwen3_next import gguf, hf, model, plan, presets  # the family's parts
 from lmforge.models.qwen3_next.model import HybridSparse, HybridSparseArgs, HybridSparseBlock
 
 FAMILY = dataclasses.replace(
     from_folder(model, hf, plan, presets, name="qwen3_next", model_types=("qwen3_next",),
                 build=HybridSparse, args_from_dict=HybridSparseArgs.from_dict,
                 checkpoint_in=hf.checkpoint_in, checkpoint_out=hf.checkpoint_out,
-                gguf="lmforge writes no GGUF for Qwen3-Next's hybrid layers yet "
-                     "(llama.cpp's qwen3next architecture)"),
+                gguf=gguf),
     projections=model.FUSED_PROJECTIONS)
 
 __all__ = ["FAMILY", "HybridSparse", "HybridSparseArgs", "HybridSparseBlock"]
