@@ -15,7 +15,8 @@ HF_LAYOUTS = ("fused", "gpt_oss", "per_expert")
 _PER_EXPERT = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
-_LAYER_MLP = re.compile(r"(model\.layers\.\d+\.mlp\.)(.+)")
+# (an image-text model's language model sits under model.language_model.: Qwen3.5-MoE's)
+_LAYER_MLP = re.compile(r"(model\.(?:language_model\.)?layers\.\d+\.mlp\.)(.+)")
 
 
 def check_top_k(top_k: int, n_experts: int, source: str,

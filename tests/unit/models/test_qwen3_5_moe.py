@@ -3,7 +3,9 @@ separate linear-layer projections and its own config fields) against transformer
 Qwen3_5MoeForCausalLM on a tiny random model: equal logits, equal greedy decodes alone and
 left-padded in a batch, an export whose files hold the original tensors and that
 transformers loads with equal logits; layer_types read as given; a checkpoint missing a
-linear layer's tensor, and an image-text directory, refused in one line."""
+linear layer's tensor refused in one line; the Hub's image-text directories
+(Qwen3_5MoeForConditionalGeneration): the language model trained, the vision tower written
+back bit for bit on export."""
 from __future__ import annotations
 
 import json
@@ -82,14 +84,47 @@ def test_a_checkpoint_missing_a_linear_layers_tensor_is_refused_naming_it(hf_dir
     assert "\n" not in str(refused.value)
 
 
-def test_an_image_text_directory_is_refused_naming_what_loads(hf_dir, tmp_path):
-    _, path = hf_dir
-    config = json.loads((path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"model_type": "qwen3_5_moe", "text_config": config, "vision_config": {}}))
-    with pytest.raises(HFCheckpointError, match=r"Qwen3_5MoeForConditionalGeneration "
-                                                r"directory.*qwen3_5_moe_text"):
-        read_model_args(tmp_path)
+@torch.no_grad()
+def test_an_image_text_directory_trains_its_language_model_and_exports_the_whole(tmp_path):
+    """The Hub's Qwen3.5-MoE checkpoints are Qwen3_5MoeForConditionalGeneration: the
+    language model (experts under model.language_model.) loads with transformers' logits,
+    the export holds every tensor of the original, the vision tower's bit for bit, with
+    its config, and transformers loads the image-text model again with equal logits."""
+    import transformers
+
+    from lmforge.models.hf import save_hf_model
+
+    torch.manual_seed(3)
+    text = {k: v for k, v in CONFIG.items() if k != "intermediate_size"} | dict(
+        vocab_size=97, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=128)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                  out_hidden_size=64, patch_size=4, temporal_patch_size=2,
+                  spatial_merge_size=2, num_position_embeddings=16)
+    config = transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision)
+    hf_model = transformers.Qwen3_5MoeForConditionalGeneration(config).eval()
+    randomise_linear_attention(hf_model)
+    path = tmp_path / "image-text"
+    hf_model.save_pretrained(path)
+    x = tokens(97, 24)
+    want = hf_model(input_ids=x).logits
+    ours = load_hf_model(path).eval()
+    assert ours.args.vision_from == str(path.resolve())
+    assert (ours(x) - want).abs().max() <= 1e-5 * want.abs().max()
+    save_hf_model(ours, tmp_path / "out")
+    original = load_file(path / "model.safetensors")
+    exported = load_file(tmp_path / "out" / "model.safetensors")
+    assert original.keys() == exported.keys()
+    assert any(k.startswith("model.visual.") for k in exported)
+    assert all(torch.equal(original[k], exported[k]) for k in original)
+    before = json.loads((path / "config.json").read_text())
+    after = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert after["vision_config"] == before["vision_config"]
+    assert after["text_config"] == before["text_config"]
+    assert after["architectures"] == ["Qwen3_5MoeForConditionalGeneration"]
+    reloaded = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(
+        tmp_path / "out").eval()
+    assert torch.equal(reloaded(input_ids=x).logits, want)
 
 
 def test_presets_check_and_the_35b_has_35b_parameters():

@@ -29,7 +29,10 @@ def text_config(cfg: dict, source: str) -> tuple[dict, bool]:
         raise HFCheckpointError(f"{source}: text_config without vision_config: not a "
                                 f"{ARCHITECTURE} config")
     text = dict(cfg["text_config"])
-    text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+    if "tie_word_embeddings" in cfg:  # (the whole model's: transformers ties by it, over
+        # text_config's, measured: a top-level false with a text_config true is untied)
+        text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    text.setdefault("tie_word_embeddings", False)
     return text, True
 
 
@@ -73,9 +76,14 @@ def conditional_config(args, text: dict) -> dict:
     if args.vision_from is None:
         return text
     original = read_json(_source(args) / "config.json", "the image-text model's config")
-    kept = {k: v for k, v in original.get("text_config", {}).items() if k not in text}
-    return original | {"text_config": kept | text,
-                       "tie_word_embeddings": text["tie_word_embeddings"]}
+    text_config = original.get("text_config", {})
+    # (tying is the whole model's field: text_config's own, which transformers does not
+    # read, stays as it was)
+    tied = {"tie_word_embeddings": text["tie_word_embeddings"]}
+    if "tie_word_embeddings" in text_config:
+        text = {k: v for k, v in text.items() if k != "tie_word_embeddings"}
+    kept = {k: v for k, v in text_config.items() if k not in text}
+    return original | {"text_config": kept | text} | tied
 
 
 def _source(args) -> Path:

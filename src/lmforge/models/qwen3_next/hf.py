@@ -1,5 +1,7 @@
 """Hugging Face's Qwen3-Next (``qwen3_next``, ``Qwen3NextForCausalLM``) and Qwen3.5-MoE
-(``qwen3_5_moe_text``, ``Qwen3_5MoeForCausalLM``) <-> lmforge's ``HybridSparse``.
+(``qwen3_5_moe_text``, ``Qwen3_5MoeForCausalLM``; the Hub's image-text
+``Qwen3_5MoeForConditionalGeneration`` directories too, their vision tower kept as
+Qwen3.5's, ``models/qwen3_5/vision.py``) <-> lmforge's ``HybridSparse``.
 
 The attention, linear layers and norms read and write as Qwen3.5's (``models/qwen3_5/hf.py``);
 the experts' fields and names are added here, Qwen3-MoE's plus the gated shared expert
@@ -18,6 +20,7 @@ from lmforge.models.gated_deltanet import from_qwen3_next, to_qwen3_next
 from lmforge.models.mapping import HFCheckpointError, config_bool, config_float, config_int
 from lmforge.models.moe_hf import check_top_k, checkpoint_from_hf, checkpoint_to_hf
 from lmforge.models.qwen3_5 import hf as qwen3_5_hf
+from lmforge.models.qwen3_5 import vision
 from lmforge.models.qwen3_moe.hf import _dense_layers as dense_layers  # transformers' rule
 from lmforge.models.qwen3_moe.hf import with_experts
 from lmforge.models.qwen3_next.model import FUSED_PROJECTIONS, HybridSparseArgs
@@ -51,19 +54,20 @@ def args_from_hf_config(cfg: dict, source: str = "config.json") -> HybridSparseA
     """A transformers Qwen3-Next or Qwen3.5-MoE text config dict -> ``HybridSparseArgs``:
     the hybrid layers as Qwen3.5's reader reads them, then the experts; refused, naming
     the field, whatever our model would compute otherwise."""
-    if isinstance(cfg.get("text_config"), dict):
-        raise HFCheckpointError(f"{source}: a Qwen3_5MoeForConditionalGeneration directory "
-                                f"(text_config and vision_config) is not loaded yet; a "
-                                f"Qwen3_5MoeForCausalLM one (model_type qwen3_5_moe_text) is")
-    model_type = cfg.get("model_type", "qwen3_next")
+    # (a Qwen3_5MoeForConditionalGeneration's language model: its text_config, ``vision``)
+    text, image_text = vision.text_config(cfg, source)
+    where = f"{source}: text_config" if image_text else source
+    model_type = text.get("model_type", "qwen3_next")
     variant = VARIANTS[model_type]
-    expert_width = config_int(cfg, "moe_intermediate_size", source)
+    expert_width = config_int(text, "moe_intermediate_size", where)
     if not variant.dense_layer_keys:  # no dense layers: ffn_dim is an expert's (Mixtral's way)
-        cfg = {**cfg, "intermediate_size": expert_width}
-    base = qwen3_5_hf.args_from_hf_config(cfg, source)
-    n_experts = config_int(cfg, "num_experts", source)
-    top_k = config_int(cfg, "num_experts_per_tok", source)
-    check_top_k(top_k, n_experts, source)
+        text = {**text, "intermediate_size": expert_width}
+    base = qwen3_5_hf.args_from_hf_config(cfg | {"text_config": text} if image_text else text,
+                                          source)
+    n_experts = config_int(text, "num_experts", where)
+    top_k = config_int(text, "num_experts_per_tok", where)
+    check_top_k(top_k, n_experts, where)
+    cfg, source = text, where
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
     dense = variant.dense_layer_keys
     return HybridSparseArgs(
@@ -78,33 +82,39 @@ def args_from_hf_config(cfg: dict, source: str = "config.json") -> HybridSparseA
 
 
 def hf_config_from_args(args: HybridSparseArgs) -> dict:
-    """``HybridSparseArgs`` -> a config.json dict that transformers 5 loads."""
+    """``HybridSparseArgs`` -> a config.json dict that transformers 5 loads (an image-text
+    source's own config with these as its text_config: ``vision.conditional_config``)."""
     variant = VARIANTS[args.family]
-    cfg = qwen3_5_hf.hf_config_from_args(args) | {
+    cfg = qwen3_5_hf.hf_config_from_args(dataclasses.replace(args, vision_from=None)) | {
         "architectures": [variant.architecture], "model_type": args.family,
         "num_experts": args.n_experts, "num_experts_per_tok": args.top_k,
         "moe_intermediate_size": args.moe_ffn_dim,
         "shared_expert_intermediate_size": args.shared_ffn_dim,
         "router_aux_loss_coef": args.router_aux_loss_coef, "output_router_logits": False}
     if variant.dense_layer_keys:
-        return cfg | {"norm_topk_prob": args.norm_topk_prob, "decoder_sparse_step": 1,
-                      "mlp_only_layers": list(args.dense_layers)}
-    del cfg["intermediate_size"]  # (Qwen3.5-MoE's config has none)
-    return cfg
+        cfg |= {"norm_topk_prob": args.norm_topk_prob, "decoder_sparse_step": 1,
+                "mlp_only_layers": list(args.dense_layers)}
+    else:
+        del cfg["intermediate_size"]  # (Qwen3.5-MoE's config has none)
+    if args.vision_from is not None:  # (the image-text model's own, written back)
+        del cfg["architectures"], cfg["torch_dtype"]
+    return vision.conditional_config(args, cfg)
 
 
 def hf_names(args: HybridSparseArgs) -> dict[str, str]:
     """Our parameter name -> HF name (transformers 5's in-memory names: the checkpoint
     files' fused projections and per-expert tensors are ``checkpoint_in``'s and
     ``checkpoint_out``'s)."""
-    return with_experts(qwen3_5_hf.hf_names(args), args, _MOE_NAMES)
+    text_only = dataclasses.replace(args, vision_from=None)
+    names = with_experts(qwen3_5_hf.hf_names(text_only), args, _MOE_NAMES)
+    return {ours: vision.hf_name(theirs, args) for ours, theirs in names.items()}
 
 
 def checkpoint_in(sd: dict, args: HybridSparseArgs, source: str) -> dict:
     """A checkpoint's tensors in ``hf_names``' names: the multi-token-prediction layers
     dropped (as transformers does), Qwen3-Next's fused projections split (each checked
     first, so that a missing one is named as the file has it), the experts stacked."""
-    sd = {k: v for k, v in sd.items() if not k.startswith(_MTP)}
+    sd = {k: v for k, v in vision.drop_vision(sd, args).items() if not k.startswith(_MTP)}
     if VARIANTS[args.family].fused_linear:
         _check_fused(sd, args, source)
         sd = from_qwen3_next(sd, args)
@@ -115,7 +125,8 @@ def checkpoint_out(sd: dict, args: HybridSparseArgs) -> dict:
     """``checkpoint_in``'s inverse: the released checkpoints' (and ``save_pretrained``'s)
     per-expert tensors and, for Qwen3-Next, fused projections."""
     sd = checkpoint_to_hf(sd, "per_expert")
-    return to_qwen3_next(sd, args) if VARIANTS[args.family].fused_linear else sd
+    sd = to_qwen3_next(sd, args) if VARIANTS[args.family].fused_linear else sd
+    return vision.add_vision(sd, args)
 
 
 def _check_fused(sd: dict, args: HybridSparseArgs, source: str) -> None:
