@@ -6,10 +6,11 @@ after prompts of 1, 6 and 70 tokens equal lmforge's and transformers' from the f
 made by `lmforge export`, and lmforge's from the f16 one (up to a near tie, of the logits
 or of a router's choice, that llama.cpp's f16 rounding of activations flips); the f32
 file's tensors are the converter's, byte for byte, and its keys too but EOS and, under a
-32-feature head, the rope sections; a LoRA GGUF on its base's gives the adapted model's
-tokens; what llama.cpp's qwen35moe cannot compute (or the export cannot place: an
-out_proj adapter) is refused in one line naming the architecture and llama.cpp's
-version."""
+32-feature head, the rope sections; a Hub-shaped image-text directory's language model
+runs alone, its multi-token-prediction layers left out; a LoRA GGUF on its base's gives
+the adapted model's tokens; what llama.cpp's qwen35moe cannot compute (or the export
+cannot place: an out_proj adapter) is refused in one line naming the architecture and
+llama.cpp's version."""
 from __future__ import annotations
 
 import json
@@ -111,6 +112,47 @@ def test_what_llama_cpp_cannot_compute_is_refused_in_one_line(tmp_path, fields, 
     text = str(refused.value)
     assert f"llama-cpp-python {LLAMA_CPP_PYTHON}" in text and "\n" not in text
     assert not (tmp_path / "model.gguf").exists()
+
+
+def test_a_hub_shaped_image_text_directorys_language_model_runs_in_llama_cpp(tmp_path):
+    """A Hub-shaped Qwen3_5MoeForConditionalGeneration directory (the language model
+    under model.language_model., a vision tower under model.visual., and the
+    multi-token-prediction layers the released checkpoints hold, mtp.*, which lmforge does
+    not build): its language model alone in the file, as the converter writes it with
+    --no-mtp, with lmforge's greedy tokens."""
+    import gguf
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from helpers.hf_models import randomise_linear_attention
+    from helpers.real_tokenizers import save_tokenizer
+    from lmforge.data.tokenizer import load_tokenizer
+
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    src = tmp_path / "model"
+    save_tokenizer("chatml", src)
+    text = SPARSE | dict(vocab_size=load_tokenizer(src).vocab_size, hidden_size=64,
+                         num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=128, initializer_range=0.2)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                  out_hidden_size=64, patch_size=4, temporal_patch_size=2,
+                  spatial_merge_size=2, num_position_embeddings=16)
+    torch.manual_seed(3)
+    model = transformers.Qwen3_5MoeForConditionalGeneration(
+        transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision)).eval()
+    randomise_linear_attention(model).save_pretrained(src)
+    weights = load_file(src / "model.safetensors")
+    mtp = {"mtp.fc.weight": torch.randn(64, 128), "mtp.norm.weight": torch.randn(64),
+           "mtp.layers.0.input_layernorm.weight": torch.randn(64)}
+    save_file(weights | mtp, src / "model.safetensors", metadata={"format": "pt"})
+    out = export_gguf(src, tmp_path / "model.gguf", "f32")
+    names = {t.name for t in gguf.GGUFReader(out).tensors}
+    assert {n.split(".")[0] for n in names} == {"token_embd", "blk", "output_norm", "output"}
+    assert {n.split(".")[1] for n in names if n.startswith("blk.")} == {"0", "1", "2", "3"}
+    ours = load_hf_model(src)
+    asked = prompts(ours.args.vocab_size)[:2]
+    expected = [generate(ours, [p], NEW_TOKENS)[0].ids for p in asked]
+    assert greedy_tokens(out, asked, NEW_TOKENS) == expected
 
 
 @pytest.fixture

@@ -6,9 +6,11 @@ constants): llama.cpp's greedy tokens after prompts of 1, 6 and 70 tokens (the l
 64-token chunk, fed in ubatches of 32) equal lmforge's and transformers' from the f32
 export made by `lmforge export`, and lmforge's from the f16 one (up to a near tie, of the
 logits or of a router's choice, that llama.cpp's f16 rounding of activations flips); the
-f32 file's tensors are the converter's, byte for byte, and its keys too but EOS; what
-llama.cpp's qwen3next cannot compute, or a gguf package too old to name it, is refused in
-one line naming the architecture and the version."""
+f32 file's tensors are the converter's, byte for byte, and its keys too but EOS; the
+checkpoints' multi-token-prediction layers are left out; a LoRA GGUF on its base's gives
+the adapted model's tokens; what llama.cpp's qwen3next cannot compute (or a LoRA GGUF
+cannot place: an in_proj_qkvz adapter), or a gguf package too old to name it, is refused
+in one line naming the architecture and the version."""
 from __future__ import annotations
 
 import pytest
@@ -79,6 +81,31 @@ def test_every_key_and_tensor_of_llama_cpps_converter_is_in_our_export(model_dir
     tensors (in_proj_qkvz split into attn_qkv and attn_gate, the experts stacked), byte
     for byte."""
     assert_as_converted(model_dir, tmp_path, "qwen3next")
+
+
+def test_the_multi_token_prediction_layers_are_left_out(tmp_path):
+    """The released checkpoints hold multi-token-prediction layers (mtp.*), which lmforge
+    does not build: the export of a directory with them is the export without them, byte
+    for byte (the converter's --no-mtp)."""
+    import shutil
+
+    import gguf
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = hybrid_dir(tmp_path / "model", "qwen3_next", **SPARSE)
+    with_mtp = tmp_path / "with-mtp"
+    shutil.copytree(src, with_mtp)
+    weights = load_file(src / "model.safetensors")
+    mtp = {"mtp.fc.weight": torch.randn(64, 128), "mtp.norm.weight": torch.randn(64),
+           "mtp.layers.0.mlp.experts.0.up_proj.weight": torch.randn(24, 64)}
+    save_file(weights | mtp, with_mtp / "model.safetensors", metadata={"format": "pt"})
+    plain = gguf.GGUFReader(export_gguf(src, tmp_path / "plain.gguf", "f32")).tensors
+    ours = {t.name: t for t in gguf.GGUFReader(
+        export_gguf(with_mtp, tmp_path / "with-mtp.gguf", "f32")).tensors}
+    assert ours.keys() == {t.name for t in plain}
+    assert all(np.array_equal(ours[t.name].data, t.data) for t in plain)
 
 
 @pytest.mark.parametrize("fields, message", [

@@ -2,7 +2,9 @@
 Qwen3.5's form (``models/qwen3_5/gguf.py``: the same transforms, value heads tiled, rope
 sections and refusals) with the experts' keys and tensors as Qwen3-Next writes them
 (``models/qwen3_next/gguf.py``: each layer's experts stacked, the gated shared expert),
-as llama.cpp's own converter writes them.
+as llama.cpp's own converter writes them. An image-text directory's language model is
+written alone, as the converter writes it, and the multi-token-prediction layers the
+released checkpoints hold are left out, as lmforge leaves them out on load.
 """
 from __future__ import annotations
 
@@ -11,7 +13,6 @@ from typing import Iterator
 import torch
 
 from lmforge.models.qwen3_5 import gguf as qwen3_5_gguf
-from lmforge.models.qwen3_moe import gguf as qwen3_moe_gguf
 from lmforge.models.qwen3_next import gguf as qwen3_next_gguf
 from lmforge.models.qwen3_next.model import HybridSparseArgs
 
@@ -39,8 +40,8 @@ def write_hparams(writer, args: HybridSparseArgs) -> None:
 def tensors(hf_sd: dict, args: HybridSparseArgs, name_map) -> Iterator[tuple[str, torch.Tensor]]:
     """(GGUF name, tensor) of every weight; ``name_map``: the gguf package's
     ``TensorNameMap`` for qwen35moe."""
-    stacked = dict(qwen3_moe_gguf.with_experts_stacked(hf_sd))
-    return qwen3_5_gguf.hybrid_tensors(stacked, args, name_map, tiled=True)
+    return qwen3_5_gguf.hybrid_tensors(qwen3_next_gguf.language_model(hf_sd), args, name_map,
+                                       tiled=True)
 
 
 gguf_name = qwen3_5_gguf.gguf_name  # (what export/gguf.py asks a family for)

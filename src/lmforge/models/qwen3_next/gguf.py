@@ -10,7 +10,9 @@ checkpoint fuses per key head ([q, k, v, z] of key head 0, then of key head 1...
 llama.cpp reads it as two tensors, q, k and v (``attn_qkv``, the convolution's channel
 order) and z (``attn_gate``), as the converter splits it. qwen3next repeats each key
 head over its value heads in place (the checkpoint's order), so no value head moves;
-in_proj_ba stays fused (``ssm_ba``: [b, a] per key head, as llama.cpp splits it).
+in_proj_ba stays fused (``ssm_ba``: [b, a] per key head, as llama.cpp splits it). The
+multi-token-prediction layers the released checkpoints hold are left out, as lmforge
+leaves them out on load (the converter's --no-mtp).
 
 llama.cpp's qwen3next puts experts in every layer and always rescales the chosen
 experts' weights to sum to 1, sizes a value head as a key head and needs layers of both
@@ -25,7 +27,9 @@ import torch
 from lmforge.models.mapping import gguf_tensor_name
 from lmforge.models.qwen3_5 import gguf as qwen3_5_gguf
 from lmforge.models.qwen3_5.gguf import LLAMA_CPP_PYTHON
+from lmforge.models.qwen3_5.vision import VISION_PREFIX
 from lmforge.models.qwen3_moe import gguf as qwen3_moe_gguf
+from lmforge.models.qwen3_next.hf import _MTP as MTP_PREFIX  # (dropped on load too)
 from lmforge.models.qwen3_next.model import HybridSparseArgs
 
 ARCH = "qwen3next"
@@ -62,13 +66,22 @@ def tensors(hf_sd: dict, args: HybridSparseArgs, name_map) -> Iterator[tuple[str
     """(GGUF name, tensor) of every weight; ``name_map``: the gguf package's
     ``TensorNameMap`` for qwen3next."""
     split = {}
-    for name, tensor in qwen3_moe_gguf.with_experts_stacked(hf_sd):
+    for name, tensor in language_model(hf_sd).items():
         if name.endswith(".linear_attn.in_proj_qkvz.weight"):
             prefix = name.removesuffix("qkvz.weight")
             split[f"{prefix}qkv.weight"], split[f"{prefix}z.weight"] = split_qkvz(tensor, args)
         else:
             split[name] = tensor
     return qwen3_5_gguf.hybrid_tensors(split, args, name_map, tiled=False)
+
+
+def language_model(hf_sd: dict) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors of the model lmforge builds, under text-only names, each
+    layer's experts stacked: without the multi-token-prediction layers (as the
+    converter's --no-mtp) or an image-text checkpoint's vision tower."""
+    kept = {qwen3_5_gguf.text_name(name): tensor for name, tensor in hf_sd.items()
+            if not name.startswith((MTP_PREFIX, VISION_PREFIX))}
+    return dict(qwen3_moe_gguf.with_experts_stacked(kept))
 
 
 def split_qkvz(tensor: torch.Tensor, args: HybridSparseArgs) -> tuple[torch.Tensor, torch.Tensor]:
