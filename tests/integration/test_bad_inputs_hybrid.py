@@ -197,9 +197,11 @@ MISSING = [
     *(row for family in FAMILIES for leaf in ("A_log", "dt_bias", "conv1d.weight")
       for row in missing(family, leaf, ("train",),
                          long_unless(family == "qwen3_5" or leaf == "A_log"))),
-    *(row for family in ("qwen3_5", "image_text")  # (no GGUF of the MoE families)
+    *(row for family in ("qwen3_5", "image_text")
       for leaf in ("A_log", "dt_bias", "conv1d.weight")
       for row in missing(family, leaf, ("gguf",))),
+    *missing("qwen3_next", "A_log", ("gguf",)),  # (the MoE families' GGUF forms too)
+    *missing("qwen3_5_moe", "conv1d.weight", ("gguf",)),
     *missing("qwen3_next", "A_log", ("generate",)),
     *missing("qwen3_5_moe", "dt_bias", ("generate",)),
     *missing("qwen3_next", "in_proj_qkvz.weight", ("train",)),  # (fused, checked first)

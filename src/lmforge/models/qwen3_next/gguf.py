@@ -29,7 +29,7 @@ from lmforge.models.qwen3_5 import gguf as qwen3_5_gguf
 from lmforge.models.qwen3_5.gguf import LLAMA_CPP_PYTHON
 from lmforge.models.qwen3_5.vision import VISION_PREFIX
 from lmforge.models.qwen3_moe import gguf as qwen3_moe_gguf
-from lmforge.models.qwen3_next.hf import _MTP as MTP_PREFIX  # (dropped on load too)
+from lmforge.models.qwen3_next.hf import MTP_PREFIX  # (dropped on load too)
 from lmforge.models.qwen3_next.model import HybridSparseArgs
 
 ARCH = "qwen3next"

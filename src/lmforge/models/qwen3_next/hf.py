@@ -47,7 +47,7 @@ _MOE_NAMES = {  # an MoE layer's tensors, ours -> Hugging Face's (transformers 5
        for p in ("gate_proj", "up_proj", "down_proj")},
     "feed_forward.shared_expert_gate.weight": "mlp.shared_expert_gate.weight",
 }
-_MTP = "mtp."  # multi-token-prediction layers the released checkpoints hold; not built
+MTP_PREFIX = "mtp."  # multi-token-prediction layers the released checkpoints hold; not built
 
 
 def args_from_hf_config(cfg: dict, source: str = "config.json") -> HybridSparseArgs:
@@ -114,7 +114,7 @@ def checkpoint_in(sd: dict, args: HybridSparseArgs, source: str) -> dict:
     """A checkpoint's tensors in ``hf_names``' names: the multi-token-prediction layers
     dropped (as transformers does), Qwen3-Next's fused projections split (each checked
     first, so that a missing one is named as the file has it), the experts stacked."""
-    sd = {k: v for k, v in vision.drop_vision(sd, args).items() if not k.startswith(_MTP)}
+    sd = {k: v for k, v in vision.drop_vision(sd, args).items() if not k.startswith(MTP_PREFIX)}
     if VARIANTS[args.family].fused_linear:
         _check_fused(sd, args, source)
         sd = from_qwen3_next(sd, args)
