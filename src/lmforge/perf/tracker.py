@@ -7,6 +7,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -101,7 +102,12 @@ class TensorMemoryTracker(TorchDispatchMode):
 def _owner(t: torch.Tensor):
     """What holds ``t``'s bytes: its storage, or the tensor itself for an opaque one
     (oneDNN's packed weights, ``models/packed_linear.py``, expose no storage); a
-    DTensor's, its local tensor's (FSDP's shards, expert parallelism's experts)."""
+    DTensor's, its local tensor's (FSDP's shards, expert parallelism's experts); a
+    functional collective's result not yet waited on (``AsyncCollectiveTensor``: tensor
+    parallelism's row-parallel outputs), the result's: neither wrapper holds memory of
+    its own, and each view of one would count again."""
+    if isinstance(t, AsyncCollectiveTensor):
+        t = t.elem
     if isinstance(t, DTensor):
         t = t.to_local()
     return t if t.is_mkldnn else t.untyped_storage()
