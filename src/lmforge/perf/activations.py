@@ -8,6 +8,7 @@ micro-batches it holds at once, activation checkpointing)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from lmforge.models.fused_loss import FUSED_CHUNK_TOKENS
 from lmforge.parallel.offload import MIN_OFFLOAD_BYTES
@@ -145,21 +146,47 @@ def _linear_block_buffers(setup: Setup, walker: BlockWalk, layer_id: int,
                           terms: list) -> float:
     """A linear layer's block peaks inside its rule's backward, beside the incoming
     gradient, its MLP's saved tensors gone; or, checkpointed, inside its recompute's
-    rule, before its MLP has saved anything (``terms``: the block's). (The caller adds the freed MLP-output input back: the phases take it off.)"""
+    forward (its rule, or an adapter's sum in its MLP), whose output is never kept
+    (``terms``: the block's). (The caller adds the freed MLP-output input back: the
+    phases take it off.)"""
     names, trainable = linear_attention.LINEAR_PROJECTIONS, setup.trainable
     trained = tuple(n for n in names if trainable.trains(n) or trainable.rank(n))
     others = trainable.norms or any(trainable.trains(n) or trainable.rank(n)
                                     for n in walker.names.mlp)
     forward, backward = linear_attention.block_backward_bytes_per_token(
-        setup.args, layer_id, setup.micro_batch, setup.local_seq, walker.residual_bytes,
-        setup.autocast, trained, others, linear_lora_key(setup))
+        setup.args, setup.layout.tp, layer_id, setup.micro_batch, setup.local_seq,
+        walker.residual_bytes, setup.autocast, trained, others, linear_lora_key(setup))
+    mlp = linear_attention.keeps_feed_forward(setup.args, layer_id)
     if setup.cfg.train.activation_checkpointing != "none":
-        backward = max(backward, forward)
+        backward = max(backward, forward + (_recompute_start(setup, walker) if mlp else 0.0))
     feed_forward = 0.0  # (an MoE left out of the count: its saved tensors, which the
-    if not linear_attention.keeps_feed_forward(setup.args, layer_id):  # blocks count)
+    if not mlp:  # blocks count)
         mixer = next(i for i, t in enumerate(terms) if t.name.startswith("gated"))
         feed_forward = per_device(terms[mixer + 1:], setup)
     return walker.residual_bytes * _dim_per_device(setup) + backward - feed_forward
+
+
+def _recompute_start(setup: Setup, walker: BlockWalk) -> float:
+    """What a checkpointed block's backward holds beside its output's gradient when it
+    first asks for a saved tensor, which starts the recompute: the ops after the MLP's
+    output projection save nothing, so that gradient reaches the projection first, cast
+    to the compute dtype where the residual stream is wider, gathered under sequence
+    parallelism (``_gathered_output_gradient``), and with an adapter there its scaled
+    update's gradient too (measured: 256 B per token of a 64-wide bf16 LoRA block)."""
+    c = walker.matmul_bytes
+    cast = c * _dim_per_device(setup) if c != walker.residual_bytes else 0.0
+    adapter = c * setup.args.dim if setup.trainable.rank(walker.names.mlp_output) else 0.0
+    return cast + _gathered_output_gradient(setup, walker) + adapter
+
+
+def _gathered_output_gradient(setup: Setup, walker: BlockWalk) -> float:
+    """Under sequence parallelism a row-parallel output projection's result is
+    reduce-scattered over the sequence, so its backward first gathers the gradient it
+    receives: the whole sequence's, in the compute dtype, beside the block's own (the
+    MLP's output projection's, alive through its backward)."""
+    if not (setup.cfg.parallel.sequence_parallel and setup.layout.tp > 1):
+        return 0.0
+    return walker.matmul_bytes * setup.args.dim
 
 
 def _no_grad_layers(setup: Setup, walker: BlockWalk, output_needs_grad: bool,
@@ -177,8 +204,8 @@ def _no_grad_layers(setup: Setup, walker: BlockWalk, output_needs_grad: bool,
     idle = [i for i, saved in {0: first_saved, **out}.items()
             if saved == 0.0 and is_linear(args, i)]
     peak = max((linear_attention.block_backward_bytes_per_token(
-        args, i, setup.micro_batch, setup.local_seq, walker.residual_bytes, setup.autocast,
-        (), False, (), False)[0] for i in idle), default=0.0)
+        args, setup.layout.tp, i, setup.micro_batch, setup.local_seq, walker.residual_bytes,
+        setup.autocast, (), False, (), False)[0] for i in idle), default=0.0)
     return out, peak
 
 
@@ -197,9 +224,11 @@ def _backward_buffers(setup: Setup, walker: BlockWalk) -> float:
     """The peak inside a block's backward, beside the incoming residual gradient: at the
     MLP's activation, with its hidden gradients alive (SwiGLU's silu(g) * u: d(m),
     d(silu(g)) and d(u); GELU: d(gelu(h)) and d(h)) and the output projection's saved
-    input just freed. A checkpointed block recomputed with a LoRA adapter on the MLP's
-    last input projection may peak before, at that adapter's sum: the base output, the
-    update and the scaled update, three f-sized tensors beside the saved ones."""
+    input just freed, and under sequence parallelism the output's gathered gradient
+    (``_gathered_output_gradient``). A checkpointed block recomputed with a LoRA adapter
+    on the MLP's last input projection may peak before, at that adapter's sum: the base
+    output, the update and the scaled update, three f-sized tensors beside the saved
+    ones."""
     hidden = (3 if walker.block.gated else 2) * setup.args.ffn_dim
     last_input = walker.names.mlp_inputs[-1]
     # (selective checkpointing recomputes block 0, so some block is recomputed)
@@ -207,6 +236,7 @@ def _backward_buffers(setup: Setup, walker: BlockWalk) -> float:
         # the adapter's sum spans the projection's whole output (a fused gate_up: 2 f)
         hidden = max(hidden, 3 * walker.block.shapes[last_input][1])
     return (walker.residual_bytes * _dim_per_device(setup)
+            + _gathered_output_gradient(setup, walker)
             + walker.matmul_bytes * hidden / setup.layout.tp)
 
 
@@ -254,8 +284,16 @@ class StageActivations:
     pending_heads: float = 0.0
     masks: float = 0.0  # the dense attention masks of the micro-batches in flight
     # inside the forward of a linear layer that saves nothing (Activations.idle_forward),
-    # its input and output beside it; 0 if none
+    # its input beside it; 0 if none
     idle_forward: float = 0.0
+    # A hybrid's last checkpointed linear-attention block when a block of another kind
+    # ends the stage (Qwen3.5's last is a full one): its recompute, a linear block's,
+    # runs beside the inputs the blocks before it keep, more than at either end. Its
+    # place in the stage (None: no such block), what the blocks hold at its backward,
+    # and what its recompute adds.
+    last_linear: Optional[int] = None
+    blocks_at_last_linear: float = 0.0
+    recomputed_last_linear: float = 0.0
 
     @property
     def at_forward_end(self) -> float:
@@ -271,6 +309,11 @@ class StageActivations:
         return (self.blocks_at_first_block + self.recomputed_first_block + self.stage_input
                 - self.freed_mlp_out_input + self.pending_heads + self.masks)
 
+    @property
+    def at_last_linear(self) -> float:
+        return (self.blocks_at_last_linear + self.recomputed_last_linear + self.stage_input
+                - self.freed_mlp_out_input + self.pending_heads + self.masks)
+
 
 def stage_activations(setup: Setup, act: Activations, stage: int) -> StageActivations:
     """A checkpointed block keeps its input until its backward, which recomputes the rest,
@@ -281,24 +324,32 @@ def stage_activations(setup: Setup, act: Activations, stage: int) -> StageActiva
     ids, first, last = stage_layer_ids(setup, stage), stage == 0, stage == setup.layout.pp - 1
     held = in_flight(setup, stage)
     kept = [kept_by_block(setup, act, i) for i in ids]
-    blocks, blocks_at_first_block = held * sum(kept), kept[0] + (held - 1) * sum(kept)
-    host = 0.0
-    if setup.cfg.train.activation_offload:
-        # On the device: the block whose tensors are being copied out (forward) or back
-        # ahead of use (backward), and the one computing; the others wait on the host.
-        moved = sum(offloaded_per_layer(setup, act, setup.checkpointed(i)) for i in ids[:-2])
-        host = held * moved
-        blocks -= host
-        blocks_at_first_block -= (held - 1) * moved
+    # On the device with activation offload: the block whose tensors are being copied out
+    # (forward) or back ahead of use (backward), and the one computing; the others wait
+    # on the host.
+    moved = [offloaded_per_layer(setup, act, setup.checkpointed(i))
+             if setup.cfg.train.activation_offload else 0.0 for i in ids]
+    host = held * sum(moved[:-2])
+    blocks = held * sum(kept) - host
+    blocks_at_first_block = kept[0] + (held - 1) * (sum(kept) - sum(moved[:-2]))
+    linear = [k for k, i in enumerate(ids) if is_linear(setup.args, i) and setup.checkpointed(i)]
+    last_linear = linear[-1] if linear and 0 < linear[-1] < len(ids) - 1 else None
+    blocks_at_last_linear = 0.0
+    if last_linear is not None:  # (the blocks after it done; those before it held)
+        blocks_at_last_linear = (sum(kept[:last_linear + 1]) - sum(moved[:last_linear - 1])
+                                 + (held - 1) * (sum(kept) - sum(moved[:-2])))
     bf16_logits = compute_bytes(setup) == 2
     pending = (held - 1) * (act.head_inputs + act.logits + act.log_softmax) if last else 0.0
     return StageActivations(
         pending_heads=pending, masks=held * act.masks,
-        idle_forward=(act.batch_inputs + act.idle_forward + 2 * act.layer_input
+        idle_forward=(act.batch_inputs + act.idle_forward + act.layer_input
                       if first and act.idle_forward else 0.0),
         host=host, blocks=blocks, blocks_at_first_block=blocks_at_first_block,
         recomputed_last_block=recomputed_by_block(setup, act, ids[-1]),
         recomputed_first_block=recomputed_by_block(setup, act, ids[0]),
+        last_linear=last_linear, blocks_at_last_linear=blocks_at_last_linear,
+        recomputed_last_linear=(0.0 if last_linear is None
+                                else recomputed_by_block(setup, act, ids[last_linear])),
         # a later stage receives its input activations
         stage_input=act.batch_inputs * held if first else held * act.layer_input,
         head=act.head_inputs if last else 0.0, logits=act.logits if last else 0.0,

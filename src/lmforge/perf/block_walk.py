@@ -44,7 +44,6 @@ class BlockWalk:
         self.adapter_bytes = adapter_bytes(setup)
         self.dropout = setup.lora is not None and setup.lora.dropout > 0
         self.terms: list[Term] = []
-        self.linear_backward = 0.0  # bytes per token (``_linear_attention``)
 
     def add(self, name: str, nbytes: float, split: str = "heads") -> None:
         if nbytes:
@@ -96,13 +95,13 @@ class BlockWalk:
         names = linear_attention.LINEAR_PROJECTIONS
         trained = tuple(n for n in names if self.trainable.trains(n) or self.trainable.rank(n))
         others = self.trainable.norms
-        counted = (self.args, self.setup.micro_batch, self.setup.local_seq,
-                   self.residual_bytes, self.autocast, normed_needs_grad, trained, others,
-                   linear_lora_key(self.setup))
-        # what its backward allocates beside what it saved (activation_model's buffers)
-        self.linear_backward = linear_attention.backward_bytes_per_token(*counted)
+        # (this tensor-parallel rank's heads: a count per device, split no further)
+        saved = linear_attention.saved_bytes_per_token(
+            self.args, self.setup.layout.tp, self.setup.micro_batch, self.setup.local_seq,
+            self.residual_bytes, self.autocast, normed_needs_grad, trained, others,
+            linear_lora_key(self.setup))
         self.add("gated deltanet (its input, projections and chunked rule; fake-tensor count)",
-                 linear_attention.saved_bytes_per_token(*counted), "none")
+                 saved, "none")
         return normed_needs_grad or bool(trained) or others
 
     @property

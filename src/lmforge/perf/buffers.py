@@ -69,7 +69,8 @@ def stage_gradients(setup: Setup, weights: Weights, stage: int) -> Gradients:
 class AutocastCopies:
     """autocast's bf16 copies of fp32 weights: trainable ones cached until the forward
     ends, frozen ones made per use; either is kept by its matmul for backward, except
-    inside checkpointed blocks (recomputed there, one block at a time). The head's copy
+    inside checkpointed blocks (recomputed there, one block at a time: a recompute ends
+    holding all of its block's, the MLP output projection's among them). The head's copy
     is kept either way, but made per chunk with a chunked loss."""
     trainable_cache: float
     frozen: float  # the frozen ones of the blocks that are not checkpointed
@@ -79,6 +80,7 @@ class AutocastCopies:
     head: float
     head_in_forward: float  # none with a chunked loss (made per chunk)
     last_block_recomputed: bool  # the stage's last block is checkpointed
+    first_block_recomputed: bool = False  # ... and its first
 
     @property
     def at_forward_end(self) -> float:
@@ -95,6 +97,8 @@ class AutocastCopies:
 
     @property
     def at_first_block(self) -> float:
+        if self.first_block_recomputed:
+            return self.one_layer
         return max(self.one_layer - self.mlp_out, 0.0)
 
 
@@ -112,7 +116,8 @@ def autocast_copies(setup: Setup, weights: Weights, stage: int) -> AutocastCopie
         mlp_out=weights.mlp_out_copy, head=weights.head_copy,
         head_in_forward=(0.0 if setup.cfg.train.loss_chunk_tokens or setup.cfg.train.fused_loss
                          else weights.head_copy),
-        last_block_recomputed=bool(ids) and setup.checkpointed(ids[-1]))
+        last_block_recomputed=bool(ids) and setup.checkpointed(ids[-1]),
+        first_block_recomputed=bool(ids) and setup.checkpointed(ids[0]))
 
 
 @dataclass

@@ -170,7 +170,26 @@ def step_phases(t: StageTerms) -> dict[str, dict[str, float]]:
         "optimizer step": {
             "gradients": grads.total,
             "optimizer temporaries": t.optimizer_temporaries},
-    }
+    } | _last_linear_phase(t)
+
+
+def _last_linear_phase(t: StageTerms) -> dict[str, dict[str, float]]:
+    """A hybrid's last checkpointed linear-attention block, recomputed in backward with
+    the inputs of the blocks before it still kept and the gradients of those after it
+    done (``StageActivations.last_linear``); none without one."""
+    act, grads = t.activations, t.gradients
+    if act.last_linear is None:
+        return {}
+    after = t.layers - 1 - act.last_linear
+    return {"backward: last linear block": {
+        "activations": t.tokens * act.at_last_linear,
+        "autocast weight copies": t.copies.at_last_block,
+        "gradients": grads.in_block_backward(
+            grads.before_blocks + after * grads.per_block + grads.mlp_out),
+        "backward buffers": t.tokens * act.backward_buffers,
+        "dequantization scratch": t.dequantization_scratch,
+        "FSDP unsharded parameters": t.fsdp.params_in_blocks,
+        "FSDP gradient buffers": t.fsdp.gradients_first_block}}
 
 
 def step_in_backward_phases(setup: Setup, phases: dict[str, dict[str, float]]) -> None:
@@ -188,7 +207,10 @@ def step_in_backward_phases(setup: Setup, phases: dict[str, dict[str, float]]) -
     tied = args.tie_embeddings and setup.layout.pp == 1
     waiting = grad_bytes * table if tied and trainable.embedding else 0.0
     del phases["optimizer step"]
-    for name in ("backward: last block", "backward: first block"):
+    for name in ("backward: last block", "backward: first block",
+                 "backward: last linear block"):
+        if name not in phases:
+            continue
         phases[name]["gradients"] = waiting + grad_bytes * largest_projection
         phases[name]["optimizer temporaries"] = step_bytes * largest_projection
     if trainable.head and not tied:

@@ -184,12 +184,12 @@ def compute_bytes(setup: Setup) -> int:
 
 def residual_bytes(setup: Setup) -> int:
     """R in docs/estimate.md: bytes of the residual stream, the embedding's output dtype.
-    Autocast leaves the lookup alone, so under autocast it is the embedding's storage."""
-    if not setup.half:
-        return 4
-    if setup.fsdp or setup.cfg.train.param_dtype == "bf16":
+    Autocast leaves the lookup alone, so under autocast it is the embedding's storage:
+    fp32, trained or frozen (a LoRA run's bf16 base is its projections alone,
+    ``frozen_linears_to_bf16``); bf16 where every weight is, or FSDP2 gathers it so."""
+    if setup.half and (setup.fsdp or setup.cfg.train.param_dtype == "bf16"):
         return 2
-    return 4 if setup.trainable.embedding else DTYPE_BYTES[frozen_weight_dtype(setup)]
+    return 4
 
 
 def adapter_bytes(setup: Setup) -> int:

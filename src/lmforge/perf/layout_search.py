@@ -13,6 +13,7 @@ from typing import Iterator, Optional
 from lmforge.config import ConfigError, JobConfig, set_field
 from lmforge.models.registry import family_of
 from lmforge.perf.estimate import GiB, estimate_memory
+from lmforge.perf.linear_attention import linear_layers
 from lmforge.perf.rollout import rollout_changes
 from lmforge.perf.estimate_setup import Setup, setup_from_config
 from lmforge.perf.timing import Device, StepTime, step_time
@@ -66,16 +67,19 @@ def global_batch(cfg: JobConfig, gpus: int) -> int:
 
 def meshes(args, gpus: int, per_node: int, seq_len: int = 0) -> Iterator[dict]:
     """(dp_replicate, dp_shard, cp, tp, pp) with product ``gpus``: tp inside a node and
-    dividing both head counts, pp dividing the layers, cp with tp inside a node (its
-    gathers run every layer) and splitting ``seq_len`` into 2 cp chunks (none without
-    one). A mixture of experts: data parallelism only (the trainer refuses pp and cp for
-    one: ``models.presets.check_layout_fits``; tp would run every expert whole on each tp
-    rank, which the step time does not model), each mesh without ep and with every ep
-    ``expert_parallel`` allows. The trainer's validation drops the rest (cp with pp, for
-    one)."""
+    dividing both head counts (and a hybrid's linear-attention key heads: a rank holds
+    whole ones, ``models.tp.linear_attention_plan``), pp dividing the layers, cp with tp
+    inside a node (its gathers run every layer) and splitting ``seq_len`` into 2 cp
+    chunks (none without one). A mixture of experts: data parallelism only (the trainer
+    refuses pp and cp for one: ``models.presets.check_layout_fits``; tp would run every
+    expert whole on each tp rank, which the step time does not model), each mesh without
+    ep and with every ep ``expert_parallel`` allows. The trainer's validation drops the
+    rest (cp with pp, for one)."""
     moe = family_of(args).block(args).moe is not None
+    hybrid = bool(linear_layers(args))
     for tp in divisors(min(gpus, per_node)):
-        if gpus % tp or args.n_heads % tp or args.n_kv_heads % tp or moe and tp > 1:
+        if (gpus % tp or args.n_heads % tp or args.n_kv_heads % tp
+                or hybrid and args.linear_key_heads % tp or moe and tp > 1):
             continue
         for cp in divisors(per_node // tp if per_node % tp == 0 else 1):
             if gpus % (tp * cp) or cp > 1 and (not seq_len or seq_len % (2 * cp) or moe):

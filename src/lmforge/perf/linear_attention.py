@@ -12,6 +12,12 @@ attention, ``models/gated_deltanet.py``) in the performance model (docs/estimate
   v and their chunked copies, the solved system, one state per chunk); a walk op by op
   would restate ``delta_rule.py``, so the estimate asks the code itself. The count is
   linear in the number of chunks, so it is taken at two short lengths and extended;
+- tensor parallelism (``models.tp.linear_attention_plan``): each rank holds whole key
+  heads with their value heads, so its projections, convolution, dt_bias and A_log are
+  1 / tp of the layer's (the gated norm's weight whole), its fake runs are of
+  ``rank_args`` (1 / tp of the heads and of the MLP's width, the input whole: every
+  rank reads the whole sequence, gathered under sequence parallelism), and so is its
+  decoding state;
 - FLOPs: the projections as matmuls, and the rule itself (``forward_flops_per_token``,
   its chunk products and triangular solve, plus the convolution's taps) as the layer's
   "attention" FLOPs, backward counted as twice the forward;
@@ -21,6 +27,7 @@ attention, ``models/gated_deltanet.py``) in the performance model (docs/estimate
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import torch
@@ -57,12 +64,24 @@ def projection_shapes(args) -> dict[str, tuple[int, int]]:
             "in_proj_a": (args.dim, heads), "out_proj": (value_dim, args.dim)}
 
 
-def other_parameters(args) -> int:
-    """A linear layer's parameters beside its projections: the convolution (a kernel per
-    channel), dt_bias and A_log (one per value head) and the gated norm's weight."""
+def other_parameters(args, tp: int = 1) -> int:
+    """A linear layer's parameters beside its projections on one of ``tp`` ranks: the
+    convolution (a kernel per channel), dt_bias and A_log (one per value head), split
+    with the heads, and the gated norm's weight (one for every head: replicated)."""
     channels = projection_shapes(args)["in_proj_qkv"][1]
-    return (channels * args.linear_conv_kernel + 2 * args.linear_value_heads
+    return ((channels * args.linear_conv_kernel + 2 * args.linear_value_heads) // tp
             + args.linear_value_head_dim)
+
+
+def rank_args(args, tp: int):
+    """``args`` as one of ``tp`` tensor-parallel ranks runs a linear-attention block: 1 /
+    tp of the key heads, each with its value heads, and of the MLP's width (column- then
+    row-parallel); the model's width whole. Without ``vision_from`` (where an image-text
+    model came from, a path): the fake runs are cached on these args, whatever the
+    directory."""
+    return dataclasses.replace(args, linear_key_heads=args.linear_key_heads // tp,
+                               linear_value_heads=args.linear_value_heads // tp,
+                               ffn_dim=args.ffn_dim // tp, vision_from=None)
 
 
 def full_attention_layers(args) -> int:
@@ -70,11 +89,12 @@ def full_attention_layers(args) -> int:
     return args.n_layers - len(linear_layers(args))
 
 
-def decode_state_bytes_per_row(args, dtype: torch.dtype) -> int:
-    """What the decoder keeps per row for all the linear layers: each one's
-    ``GatedDeltaNetState`` (its convolution window in ``dtype``, its fp32 state)."""
+def decode_state_bytes_per_row(args, dtype: torch.dtype, tp: int = 1) -> int:
+    """What the decoder keeps per row for all the linear layers on one of ``tp`` ranks:
+    each one's ``GatedDeltaNetState`` of this rank's heads (its convolution window in
+    ``dtype``, its fp32 state)."""
     layers = len(linear_layers(args))
-    return layers and layers * GatedDeltaNetState.bytes_per_row(args, dtype)
+    return layers and layers * GatedDeltaNetState.bytes_per_row(rank_args(args, tp), dtype)
 
 
 # ---------------------------------------------------------------------------- FLOPs
@@ -114,49 +134,49 @@ def matmul_params(args) -> int:
 
 # ---------------------------------------------------------------------- activations
 
-def saved_bytes_per_token(args, rows: int, seq_len: int, input_bytes: int, autocast: bool,
-                          input_needs_grad: bool, trained: tuple[str, ...],
+def saved_bytes_per_token(args, tp: int, rows: int, seq_len: int, input_bytes: int,
+                          autocast: bool, input_needs_grad: bool, trained: tuple[str, ...],
                           others_train: bool, lora: tuple = ()) -> float:
-    """Bytes per token one linear layer saves for backward, its input (the norm's output,
-    ``input_bytes`` per element) included when something keeps it. ``rows``: the
-    micro-batch's (counted at 1 or 2: a row alone skips copies that more rows make, and
-    beyond 2 the count per token stays within 0.3%, measured); ``autocast``: bf16
-    autocast; ``trained``: the projections whose weight trains (or carries an adapter);
-    ``others_train``: the convolution, dt_bias, A_log and norm weight."""
-    return _per_token(args, min(rows, 2), seq_len, input_bytes, autocast, input_needs_grad,
-                      trained, others_train, lora)[0]
+    """Bytes per token one linear layer saves for backward on one of ``tp`` ranks, its
+    input (the norm's output, ``input_bytes`` per element, the whole sequence) included
+    when something keeps it. ``rows``: the micro-batch's (counted at 1 or 2: a row alone
+    skips copies that more rows make, and beyond 2 the count per token stays within
+    0.3%, measured); ``autocast``: bf16 autocast; ``trained``: the projections whose
+    weight trains (or carries an adapter); ``others_train``: the convolution, dt_bias,
+    A_log and norm weight."""
+    args, rows = rank_args(args, tp), min(rows, 2)
+    rest = (input_bytes, autocast, input_needs_grad, trained, others_train, lora)
+    return _extended(lambda length: (_fake_saved(args, rows, length, *rest),), seq_len,
+                     rows)[0]
 
 
-def backward_bytes_per_token(args, rows: int, seq_len: int, input_bytes: int, autocast: bool,
-                             input_needs_grad: bool, trained: tuple[str, ...],
-                             others_train: bool, lora: tuple = ()) -> float:
-    """Bytes per token the layer's backward allocates beyond what its forward saved and
-    the gradient it receives, at its peak (the rule's gradients, chunk by chunk)."""
-    return _per_token(args, min(rows, 2), seq_len, input_bytes, autocast, input_needs_grad,
-                      trained, others_train, lora)[1]
-
-
-def _per_token(args, rows: int, seq_len: int, *rest) -> tuple[float, float]:
-    """(saved, backward) per token: counted on fake tensors at two lengths short of
-    ``seq_len`` with its remainder modulo the chunk, and extended by the chunks between
-    (both counts are linear in them)."""
+def _extended(count, seq_len: int, rows: int) -> tuple[float, ...]:
+    """Per token, the counts ``count(length)`` makes of ``rows`` rows: at ``seq_len``
+    itself when short, else at two lengths short of it with its remainder modulo the
+    chunk, extended by the chunks between (every count is linear in them)."""
     c = CHUNK_SIZE
     if seq_len <= 3 * c:
-        return tuple(n / (rows * seq_len) for n in _fake_step(args, rows, seq_len, *rest))
+        return tuple(n / (rows * seq_len) for n in count(seq_len))
     short = 2 * c + seq_len % c
-    at_short = _fake_step(args, rows, short, *rest)
-    at_longer = _fake_step(args, rows, short + c, *rest)
+    at_short, at_longer = count(short), count(short + c)
     return tuple((a + (seq_len - short) / c * (b - a)) / (rows * seq_len)
                  for a, b in zip(at_short, at_longer))
 
 
+def _input(rows: int, seq_len: int, args, dtype: torch.dtype,
+           needs_grad: bool) -> torch.Tensor:
+    """A fake layer's or block's input: an op's output, as in the model, not a leaf
+    (autocast caches its bf16 copy of a leaf that requires grad, as it does a weight's,
+    and the projections would share one copy where the model makes one each)."""
+    return torch.empty(rows, seq_len, args.dim, dtype=dtype).requires_grad_(needs_grad) * 1
+
+
 @functools.lru_cache(maxsize=256)
-def _fake_step(args, rows: int, seq_len: int, input_bytes: int, autocast: bool,
-               input_needs_grad: bool, trained: tuple[str, ...], others_train: bool,
-               lora: tuple) -> tuple[int, int]:
-    """One layer's forward and backward over ``rows`` rows of ``seq_len`` tokens on fake
-    tensors: (bytes of the distinct storages its forward saves for backward, parameters
-    left out; the most its backward allocates beyond the live bytes it starts with)."""
+def _fake_saved(args, rows: int, seq_len: int, input_bytes: int, autocast: bool,
+                input_needs_grad: bool, trained: tuple[str, ...], others_train: bool,
+                lora: tuple) -> int:
+    """Bytes of the distinct storages one layer's forward over ``rows`` rows of
+    ``seq_len`` tokens saves for backward (parameters left out), on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode  # (torch's private module)
     dtype = {4: torch.float32, 2: torch.bfloat16}[input_bytes]
     with FakeTensorMode():
@@ -165,7 +185,7 @@ def _fake_step(args, rows: int, seq_len: int, input_bytes: int, autocast: bool,
             _to_bf16(layer)
         _prepare(layer, trained, others_train, lora)
         params = {p.untyped_storage()._cdata for p in layer.parameters()}
-        x = torch.empty(rows, seq_len, args.dim, dtype=dtype).requires_grad_(input_needs_grad)
+        x = _input(rows, seq_len, args, dtype, input_needs_grad)
         seen: dict[int, int] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -176,16 +196,9 @@ def _fake_step(args, rows: int, seq_len: int, input_bytes: int, autocast: bool,
 
         cast = (torch.autocast("cpu", torch.bfloat16) if autocast
                 else contextlib.nullcontext())
-        tracker = TensorMemoryTracker()
-        with tracker:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast:
-                out = layer(x)
-            if not out.requires_grad:  # nothing will run backward through it
-                return 0, 0
-            grad = torch.empty_like(out)
-            start = tracker.peak = tracker.live
-            out.backward(grad)
-    return sum(seen.values()), tracker.peak - start
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast:
+            out = layer(x)
+    return sum(seen.values()) if out.requires_grad else 0
 
 
 def keeps_feed_forward(args, layer_id: int) -> bool:
@@ -197,37 +210,33 @@ def keeps_feed_forward(args, layer_id: int) -> bool:
     return block.moe is None or layer_id not in (block.sparse_layers or ())
 
 
-def block_backward_bytes_per_token(args, layer_id: int, rows: int, seq_len: int,
+def block_backward_bytes_per_token(args, tp: int, layer_id: int, rows: int, seq_len: int,
                                    input_bytes: int, autocast: bool,
                                    trained: tuple[str, ...], others_train: bool,
                                    lora: tuple = (), input_needs_grad: bool = True
                                    ) -> tuple[float, float]:
-    """Bytes per token of a linear layer's block (its feed-forward as
-    ``keeps_feed_forward`` says): (its forward's peak over what it keeps at the end,
-    which a checkpointed block's recompute reaches, or, with ``input_needs_grad`` False
-    and nothing trained, its forward's peak alone; what its backward allocates beyond
-    what the forward saved and the gradient it receives, at its peak inside the rule).
-    Counted on fake tensors as ``saved_bytes_per_token`` (``others_train``: the block's
-    other weights)."""
-    rows, c = min(rows, 2), CHUNK_SIZE
+    """Bytes per token of a linear layer's block on one of ``tp`` ranks (its
+    feed-forward as ``keeps_feed_forward`` says): (the most its forward holds beyond
+    what it saves for backward, which a checkpointed block's recompute reaches, its
+    output not being kept; with ``input_needs_grad`` False and nothing trained, the
+    most its forward holds; what its backward allocates beyond what the forward saved
+    and the gradient it receives, at its peak inside the rule). Counted on fake tensors
+    as ``saved_bytes_per_token`` (``others_train``: the block's other weights), over the
+    whole sequence and width (under sequence parallelism the block's norms run on 1 /
+    tp of the tokens: a little over)."""
+    args, rows = rank_args(args, tp), min(rows, 2)
     rest = (input_bytes, autocast, trained, others_train, lora, input_needs_grad)
-    if seq_len <= 3 * c:
-        return tuple(n / (rows * seq_len)
-                     for n in _fake_block_step(args, layer_id, rows, seq_len, *rest))
-    short = 2 * c + seq_len % c
-    at_short = _fake_block_step(args, layer_id, rows, short, *rest)
-    at_longer = _fake_block_step(args, layer_id, rows, short + c, *rest)
-    return tuple((a + (seq_len - short) / c * (b - a)) / (rows * seq_len)
-                 for a, b in zip(at_short, at_longer))
+    return _extended(lambda length: _fake_block_step(args, layer_id, rows, length, *rest),
+                     seq_len, rows)
 
 
 @functools.lru_cache(maxsize=256)
 def _fake_block_step(args, layer_id: int, rows: int, seq_len: int, input_bytes: int,
                      autocast: bool, trained: tuple[str, ...], others_train: bool,
                      lora: tuple, input_needs_grad: bool) -> tuple[int, int]:
-    """(forward's peak over its end, backward's over its start) of block ``layer_id``
-    (an MoE left out), over ``rows`` x ``seq_len`` tokens on fake tensors (the
-    model built fake: no memory, its layers' own code)."""
+    """(forward's peak over what it saves, backward's over its start) of block
+    ``layer_id`` (an MoE left out), over ``rows`` x ``seq_len`` tokens on fake tensors
+    (the model built fake: no memory, its layers' own code)."""
     from torch._subclasses.fake_tensor import FakeTensorMode  # (torch's private module)
     dtype = {4: torch.float32, 2: torch.bfloat16}[input_bytes]
     with FakeTensorMode():
@@ -237,14 +246,15 @@ def _fake_block_step(args, layer_id: int, rows: int, seq_len: int, input_bytes: 
         if input_bytes == 2 and not autocast:
             _to_bf16(block)
         _prepare(block, trained, others_train, lora)
-        x = torch.empty(rows, seq_len, args.dim, dtype=dtype).requires_grad_(input_needs_grad)
+        x = _input(rows, seq_len, args, dtype, input_needs_grad)
         cast = (torch.autocast("cpu", torch.bfloat16) if autocast
                 else contextlib.nullcontext())
         tracker = TensorMemoryTracker()
         with tracker:
             with cast:
                 out = block(x)
-            forward_excess = tracker.peak - tracker.live
+            saved = tracker.live - out.untyped_storage().nbytes()
+            forward_excess = tracker.peak - saved
             if not out.requires_grad:
                 return forward_excess, 0
             grad = torch.empty_like(out)

@@ -58,9 +58,10 @@ def kv_cache_bytes_per_token(setup: Setup) -> int:
 
 def decode_state_bytes(setup: Setup) -> int:
     """What generating holds per row, whatever its length: each linear-attention layer's
-    ``GatedDeltaNetState`` (0 without such layers)."""
+    ``GatedDeltaNetState`` (0 without such layers; under tp each rank's holds its
+    heads)."""
     return linear_attention.decode_state_bytes_per_row(
-        setup.args, TORCH_DTYPES[setup.cfg.train.param_dtype])
+        setup.args, TORCH_DTYPES[setup.cfg.train.param_dtype], setup.layout.tp)
 
 
 def rollout_rows(setup: Setup) -> int:

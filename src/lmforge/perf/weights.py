@@ -230,8 +230,8 @@ def _add_block(tally: _Tally, setup: Setup, layer_id: int) -> None:
     # under tensor parallelism)
     head_norms = 2 * setup.args.head_dim if family.block(setup.args).head_norms else 0
     if linear:  # no q/k norms; the convolution, dt_bias, A_log and the gated norm (which
-        # train with the norms: no LoRA target, frozen under LoRA)
-        head_norms = linear_attention.other_parameters(setup.args)
+        # train with the norms: no LoRA target, frozen under LoRA), split with the heads
+        head_norms = linear_attention.other_parameters(setup.args, tp)
     mla = latent_attention(setup.args)  # MLA's q and kv latent norms
     latent_norms = mla.latent_norm_params if mla is not None else 0
     tally.add(norms * norm_params(family.block(setup.args), setup.args.dim) + head_norms
@@ -299,11 +299,14 @@ def active_parameters(args) -> int:
 
 
 def largest_trained_matrix(setup: Setup) -> float:
-    """The largest trained weight of a block on one device: a projection, or an MoE's
-    stacked experts (one parameter of experts x out x in)."""
+    """The largest trained weight of a block on one device: a projection (a linear
+    layer's too), or an MoE's stacked experts (one parameter of experts x out x in)."""
     trainable, args = setup.trainable, setup.args
+    shapes = projection_shapes(args)
+    if linear_attention.linear_layers(args):
+        shapes |= linear_attention.projection_shapes(args)
     sizes = [n_in * n_out / setup.layout.tp for name, (n_in, n_out)
-             in projection_shapes(args).items() if trainable.trains(name)]
+             in shapes.items() if trainable.trains(name)]
     moe = family_of(args).block(args).moe
     if moe is not None:
         gate_up, down = family_of(args).projections.experts
