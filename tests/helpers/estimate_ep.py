@@ -5,10 +5,16 @@ over 2 processes dp_shard=2 (ep=2 and none, full training and LoRA on the attent
 the experts), over 4 ep=2 below dp_shard=4 and with HSDP (dp_replicate=2 x dp_shard=2);
 TensorMemoryTracker records each rank's peak of live tensor storage over step 2 (step 1
 creates the optimizer state), FSDP2's unsharded parameters included (storages it resizes
-in place, which no dispatched op shows).
+in place, which no dispatched op shows). Under expert parallelism it also records, per
+MoE forward of step 2, the routed rows this rank received as a multiple of its balanced
+share (top_k per token of its own micro-batch), from the all-to-all of the counts that
+``parallel/expert.py`` sends before the rows: the test estimates at that share, which is
+what the estimate's ``EP_IMBALANCE`` allowance stands in for.
 
 ``torchrun --nproc-per-node=N estimate_ep.py OUT`` (N = 2 or 4) writes
-OUT/peaks-RANK.json: layout -> measured peak bytes, for the layouts of N processes."""
+OUT/peaks-RANK.json: {"peaks": layout -> measured peak bytes, "shares": layout -> the
+received shares, one per MoE forward (empty without ep)}, for the layouts of N
+processes."""
 from __future__ import annotations
 
 import contextlib
@@ -24,6 +30,7 @@ import torch.distributed as dist
 from lmforge.config import JobConfig
 from lmforge.job import resolve
 from lmforge.models.registry import PRESETS
+from lmforge.parallel import expert
 from lmforge.parallel.mesh import build_parallel_dims
 from lmforge.perf.tracker import TensorMemoryTracker
 from lmforge.train.loop import Runtime, train_step
@@ -63,7 +70,28 @@ def job_config(fields: dict, world: int = WORLD) -> JobConfig:
     return cfg
 
 
-def measure(fields: dict) -> int:
+@contextlib.contextmanager
+def received_shares():
+    """Yields a list that gets, per expert-parallel MoE forward, the rows this rank
+    received over the rows it routed (its own tokens x top_k: the balanced share). Wraps
+    ``expert._exchange_counts``, which the forward looks up by name on each call; sums on
+    the host (``tolist``), so the tracker sees no storage of it."""
+    shares, exchange = [], expert._exchange_counts
+
+    def recording(counts, group):
+        arriving = exchange(counts, group)
+        shares.append(sum(arriving.flatten().tolist()) / sum(counts.tolist()))
+        return arriving
+
+    expert._exchange_counts = recording
+    try:
+        yield shares
+    finally:
+        expert._exchange_counts = exchange
+
+
+def measure(fields: dict) -> tuple[int, list[float]]:
+    """The rank's peak over step 2 and its received shares in that step."""
     world = dist.get_world_size()
     cfg = job_config(fields, world).validate(world_size=world, distributed=True)
     dims = build_parallel_dims(cfg.parallel, world, "cpu")
@@ -81,18 +109,20 @@ def measure(fields: dict) -> int:
     tracker.track(params + [ids, batch["labels"]])
     tracker.track(t for opt in optimizers.optimizers for state in opt.state.values()
                   for t in state.values())
-    with tracker:
+    with received_shares() as shares, tracker:
         train_step(cfg, rt, model, optimizers, [batch], 2)
     del model, optimizers
     gc.collect()
-    return tracker.peak
+    return tracker.peak, shares
 
 
 def main(out: Path) -> None:
     dist.init_process_group("gloo")
     layouts = BY_WORLD[dist.get_world_size()]
-    peaks = {name: measure(fields) for name, fields in layouts.items()}
-    (out / f"peaks-{dist.get_rank()}.json").write_text(json.dumps(peaks))
+    runs = {name: measure(fields) for name, fields in layouts.items()}
+    result = {"peaks": {name: peak for name, (peak, _) in runs.items()},
+              "shares": {name: shares for name, (_, shares) in runs.items()}}
+    (out / f"peaks-{dist.get_rank()}.json").write_text(json.dumps(result))
     gc.collect()
     dist.destroy_process_group()
 
