@@ -148,6 +148,8 @@ class CausalConv1d(nn.Module):
             history = x.new_zeros(batch, kernel - 1, channels)
         inputs = torch.cat([history.to(x.dtype), x], 1).float()  # (b, kernel - 1 + seq, ch)
         weight = _local(self.weight)[:, 0].float()  # (channels, kernel)
+        if seq == 1:  # a decode step: its one window in one product (not kernel of them)
+            return (inputs * weight.T).sum(1, keepdim=True).to(x.dtype)
         out = inputs[:, kernel - 1:] * weight[:, -1]
         for shift in range(1, kernel):
             past = inputs[:, kernel - 1 - shift:kernel - 1 - shift + seq]  # x[t - shift]
@@ -204,7 +206,7 @@ class GatedDeltaNet(nn.Module):
         if isinstance(mask, DocumentMask):
             return self.mix(x, cache, segments=mask.segments)
         if isinstance(mask, DecodeMask):
-            return self.mix(x, cache, valid=mask.valid(), real=mask.real)
+            return self.mix(x, cache, valid=mask.memo("valid", mask.valid), real=mask.real)
         if isinstance(mask, ContextParallel):
             raise ValueError("parallel.cp: a Gated DeltaNet layer has no context "
                              "parallelism (its state runs through the whole sequence)")
@@ -255,10 +257,10 @@ class GatedDeltaNet(nn.Module):
         group = args.linear_value_heads // args.linear_key_heads
         # Per key head (``qkv_layout``) its q, its k, and the v of the ``group``
         # consecutive value heads it serves.
-        q, k, v = mixed.view(batch, seq, -1, 2 * dk + group * dv).split(
-            [dk, dk, group * dv], -1)
-        q = l2_normalize(q).repeat_interleave(group, 2)  # (b, s, value heads, key head dim)
-        k = l2_normalize(k).repeat_interleave(group, 2)
+        qk, v = mixed.view(batch, seq, -1, 2 * dk + group * dv).split([2 * dk, group * dv], -1)
+        # q and k normalised and repeated together (half the ops of a decode step's pair)
+        qk = l2_normalize(qk.unflatten(-1, (2, dk))).repeat_interleave(group, 2)
+        q, k = qk.unbind(3)  # (batch, seq, value heads, key head dim) each
         v = v.reshape(batch, seq, -1, dv)  # (batch, seq, value heads, value head dim)
         beta = self.in_proj_b(x).float().sigmoid()  # (batch, seq, heads)
         # In fp32 whatever the weights' dtype: g's rounding compounds over every token.
@@ -268,12 +270,13 @@ class GatedDeltaNet(nn.Module):
             beta, g = beta * valid[..., None], g * valid[..., None]
         initial = state.recurrent if state is not None else None
         chunk_rule, recurrent_rule = rules(x.device)  # (FLA's kernels on a GPU, if present)
-        if state is not None and seq == 1:
-            out, final = recurrent_rule(q, k, v, g, beta, initial_state=initial)
+        if state is not None and seq == 1:  # (decoding: the state advanced in place)
+            out, final = recurrent_rule(q, k, v, g, beta, initial_state=initial,
+                                        inplace=not torch.is_grad_enabled())
         else:
             out, final = chunk_rule(q, k, v, g, beta, chunk_size=self.chunk_size,
                                     initial_state=initial, segments=segments)
-        if state is not None:
+        if state is not None and final is not state.recurrent:
             state.recurrent.copy_(final)
         z = self.in_proj_z(x).view(batch, seq, -1, args.linear_value_head_dim)
         out = self.norm(out, z)  # (batch, seq, value heads, value head dim)

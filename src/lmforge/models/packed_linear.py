@@ -9,7 +9,7 @@ matrices took 25 ms packed against 45 ms plain at one row, 23 ms against 70 ms a
 
 ``packed_linears`` packs each plain ``nn.Linear``'s weight for the length of one decode and
 puts the plain forward back after; sibling projections of one input (q, k and v; gate and
-up) are packed as one matrix, one product the siblings take their columns of. A mixture
+up; a Gated DeltaNet's four input projections) are packed as one matrix, one product the siblings take their columns of. A mixture
 of experts' stacked weights are packed expert by expert, and each decoding step runs only
 the experts its tokens chose (``torch._grouped_mm`` on the CPU walks every expert, empty
 or not: 1.4x slower per MoE layer at one token, 64 experts, top-8). The packed copy is a snapshot: nothing may change the
@@ -91,7 +91,9 @@ def _pack_experts(experts: GroupedExperts, rows: int, dtype: torch.dtype) -> Non
 
 # sibling projections that read the same input: packed as one product (one larger matrix
 # is read faster than two or three smaller ones, and it is one call instead of several)
-SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"),
+            # a Gated DeltaNet's input projections (models/gated_deltanet.py)
+            ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
 
 
 @contextlib.contextmanager

@@ -139,6 +139,18 @@ def test_a_document_that_decays_hundreds_of_nats_leaves_the_next_chunk_finite():
     assert_close(ours_state, alone_state)
 
 
+def test_the_in_place_step_advances_the_state_it_is_given_as_the_rule_does():
+    """The decoder's one-token step updates its state tensor itself (``inplace``)."""
+    q, k, v, g, beta, state = rule_inputs(2, 3)
+    want, want_state = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state)
+    held = state.clone()
+    got, got_state = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=held,
+                                                inplace=True)
+    assert got_state is held
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(got_state, want_state, atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_both_rules_compute_in_fp32_under_autocast(dtype):
     """A bf16 or fp16 run's autocast leaves the rules in fp32: the same results as
