@@ -30,6 +30,13 @@ to set beside it, FSDP2 alone (``parallel.dp_shard=8``); tokens/s per GPU, to co
 with torchtitan's default all-to-all at ep=8 (9,930 tokens/s per GPU, docs/benchmarks.md).
 With fewer GPUs visible such a step is skipped with one line (and a ``"rc": "skipped"``
 record); it takes none of the budget.
+
+The hybrid rows (``hybrid-9b-*``): Qwen3.5-9B with the recipe's LoRA at seq 4096, lmforge
+against transformers + peft, first with both on their PyTorch delta rules, then with
+flash-linear-attention's kernels installed for the step (``.whl/fla_core*.whl`` and
+``einops*.whl``, pure Python: ``pip download --no-deps -d .whl fla-core==0.6.0 einops``),
+both on its Triton kernels.
+``--only hybrid`` runs them first.
 """
 from __future__ import annotations
 
@@ -49,6 +56,18 @@ ONE_B = ["--preset", "llama3.2-1b", "--compile", "--fused-loss"]
 MOE_30B_LORA = ["--preset", "qwen3-30b-a3b", "--method", "lora", "--lora-rank", "16",
                 "--lora-targets", "all-linear", "--base-dtype", "bf16", "--random-weights",
                 "--seq-len", "2048", "--batch", "1", "--steps", "4", "--warmup", "2"]
+BNB = ("bitsandbytes",)
+# flash-linear-attention's kernels: fla-core (pure Python: its Triton kernels compile on
+# use) and its one dependency, einops; fla.ops needs nothing of the layers' package
+FLA = ("fla_core", "einops")
+# Qwen3.5-9B (24 Gated DeltaNet layers, 8 gated full-attention ones) with the recipe's
+# LoRA (configs/qwen3.5-9b-lora.yaml: all-linear rank 16, a bf16 base, every block
+# checkpointed) at seq 4096, lmforge against transformers + peft, each side's own random
+# weights: without FLA both run their PyTorch delta rules, with its wheels both its kernels
+HYBRID_9B_LORA = ["--preset", "qwen3.5-9b", "--method", "lora", "--lora-rank", "16",
+                  "--lora-targets", "all-linear", "--base-dtype", "bf16", "--random-weights",
+                  "--seq-len", "4096", "--batch", "1", "--activation-checkpointing",
+                  "--steps", "4", "--warmup", "2"]
 EP_GPUS = 8
 MOE_30B_EP = ["--device", "cuda", "--nproc", str(EP_GPUS), "--preset", "qwen3-30b-a3b",
               "--shape", "preset", "--seq-len", "4096", "--batch", "2", "--steps", "6",
@@ -60,7 +79,8 @@ class Step:
     name: str
     argv: tuple  # after the python executable, from the repository root
     expect_s: int  # what it should take on an H100/H200 (compiles included)
-    bitsandbytes: bool = False
+    # packages whose wheels under .whl/ it installs first (the GPU image lacks them)
+    wheels: tuple[str, ...] = ()
     gpus: int = 1  # GPUs it needs visible (more: torchrun inside the step)
 
 
@@ -85,15 +105,19 @@ def steps(out: str) -> list[Step]:
                *flags, "--json", f"{out}/compile-{tag}.json"), 120)
           for tag, flags in (("blocks", ("--compile",)), ("whole", ("--compile-whole",)),
                              ("foreach-adamw", ("--compile", "--adamw", "foreach")))],
-        Step("7b-qlora", seven_b + ("--rows", "qlora"), 300, bitsandbytes=True),
+        Step("7b-qlora", seven_b + ("--rows", "qlora"), 300, wheels=BNB),
         Step("7b-int8-b1-b4", seven_b + ("--rows", "int8-b1", "int8-b4", "--budget-s", "300"),
-             330, bitsandbytes=True),
-        Step("7b-int8-b7", seven_b + ("--rows", "int8-b7"), 240, bitsandbytes=True),
+             330, wheels=BNB),
+        Step("7b-int8-b7", seven_b + ("--rows", "int8-b7"), 240, wheels=BNB),
         Step("7b-full-low-memory", seven_b + ("--rows", "full-low-memory"), 300),
         # the MoE issue's GPU rows: run them with --only moe-30b
         *[Step(f"moe-30b-lora-2048{tag}", train_step + (*MOE_30B_LORA, *flags, "--json",
                f"{out}/moe-30b-lora-2048{tag}.json"), 420)
           for tag, flags in (("", ()), ("-ac", ("--activation-checkpointing",)))],
+        # the hybrid issue's GPU rows (Qwen3.5): the PyTorch rules, then FLA's kernels
+        *[Step(f"hybrid-9b-lora-4096{tag}", train_step + (*HYBRID_9B_LORA, "--json",
+               f"{out}/hybrid-9b-lora-4096{tag}.json"), 360, wheels=wheels)
+          for tag, wheels in (("", ()), ("-fla", FLA))],
         # expert parallelism against FSDP2 alone on 8 GPUs (skipped with fewer)
         *[Step(f"moe-30b-{name}", (f"{BENCH}/ep_bench.py", *MOE_30B_EP, "--layouts", layout,
                "--json", f"{out}/moe-30b-{name}.json"), 300, gpus=EP_GPUS)
@@ -138,14 +162,15 @@ def done_before(path) -> set[str]:
     return {r["name"] for r in lines if r.get("rc") == 0}
 
 
-def step_env(bitsandbytes: bool) -> dict:
+def step_env(packages: tuple[str, ...]) -> dict:
     """The environment of a step: lmforge's sources on PYTHONPATH, and for a step that
-    needs bitsandbytes its wheel from ``.whl/`` installed into a private folder first
-    (nothing if there is none: it may be importable already)."""
+    needs packages (bitsandbytes, flash-linear-attention) their wheels from ``.whl/``
+    installed into a private folder first (nothing if there are none: they may be
+    importable already)."""
     path = [str(ROOT / "src"), os.environ.get("PYTHONPATH")]
-    wheels = sorted((ROOT / ".whl").glob("bitsandbytes*.whl")) if bitsandbytes else []
+    wheels = sorted(w for package in packages for w in (ROOT / ".whl").glob(f"{package}*.whl"))
     if wheels:
-        target = "/tmp/speed_gpu_site"
+        target = "/tmp/speed_gpu_site-" + "-".join(packages)
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index",
                         "--no-deps", "--target", target, *map(str, wheels)], check=False)
         path.insert(0, target)
@@ -153,7 +178,7 @@ def step_env(bitsandbytes: bool) -> dict:
 
 
 def run(step: Step, out: Path, seconds_left: float) -> dict:
-    env = step_env(step.bitsandbytes)
+    env = step_env(step.wheels)
     argv = [sys.executable, *step.argv]
     began = time.perf_counter()
     with open(out / f"{step.name}.log", "w") as log:

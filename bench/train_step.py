@@ -237,8 +237,10 @@ def build_reference(args, model_args: LlamaArgs, device):
     if args.method != "full":
         import peft
 
+        targets = args.lora_targets.split(",")  # (peft takes all-linear as a string only)
         lcfg = peft.LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
-                               target_modules=args.lora_targets.split(","), lora_dropout=0.0)
+                               target_modules="all-linear" if targets == ["all-linear"]
+                               else targets, lora_dropout=0.0)
         model = peft.get_peft_model(model, lcfg)
     forward = torch.compile(model) if args.reference_compile else model
 

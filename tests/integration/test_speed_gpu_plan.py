@@ -62,6 +62,27 @@ def test_the_moe_rows_are_planned_and_only_selects_them():
     assert SPEED.only(SPEED.steps("/tmp/out"), None) == SPEED.steps("/tmp/out")
 
 
+def test_the_hybrid_rows_run_the_recipe_without_and_with_flas_wheels(tmp_path, monkeypatch):
+    """Qwen3.5-9B with the recipe's LoRA, both sides on their PyTorch delta rules, then with
+    flash-linear-attention's kernel wheels put on the step's path from .whl/."""
+    plain, fla = SPEED.only(SPEED.steps("/tmp/out"), ["hybrid"])
+    assert (plain.name, fla.name) == ("hybrid-9b-lora-4096", "hybrid-9b-lora-4096-fla")
+    assert plain.wheels == () and fla.wheels == ("fla_core", "einops")
+    assert "qwen3.5-9b" in plain.argv and plain.argv[1:-2] == fla.argv[1:-2]
+    installed = []
+    monkeypatch.setattr(SPEED, "ROOT", tmp_path)
+    monkeypatch.setattr(SPEED.subprocess, "run", lambda argv, **kw: installed.append(argv))
+    (tmp_path / ".whl").mkdir()
+    for wheel in ("fla_core-0.6.0-py3-none-any.whl", "einops-0.8.1-py3-none-any.whl",
+                  "bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl"):
+        (tmp_path / ".whl" / wheel).touch()
+    env = SPEED.step_env(fla.wheels)
+    assert [Path(w).name for w in installed[0][-2:]] == [
+        "einops-0.8.1-py3-none-any.whl", "fla_core-0.6.0-py3-none-any.whl"]
+    assert env["PYTHONPATH"].split(":")[0] == "/tmp/speed_gpu_site-fla_core-einops"
+    assert SPEED.step_env(())["PYTHONPATH"].split(":")[0] == str(tmp_path / "src")
+
+
 def test_the_expert_parallel_rows_ask_for_8_gpus_and_fit_a_device_call():
     """Qwen3-30B-A3B's own shape at ep=8 (and FSDP2 alone), torchrun over 8 processes by
     ep_bench, each within what one call of the device machine allows."""
