@@ -105,6 +105,7 @@ def test_tied_model_pipelined_1f1b_matches_single_process(tied_reference, tmp_pa
     _assert_same_run(losses, weights, reference)
 
 
+@pytest.mark.long  # (make test-long: 15 s)
 def test_tied_model_interleaved_with_tp_matches_and_resumes_in_one_process(
         tied_reference, tmp_path):
     """Steps 1-2 interleaved over pp=2 ranks x 2 stages, each stage over tp=2 (the

@@ -57,7 +57,8 @@ def test_fsdp2_over_two_ranks_equals_one_process(inputs, tmp_path, case, extra):
     _close(read_metrics(two), read_metrics(one))
 
 
-@pytest.mark.parametrize("pack", [False, True])
+# (pack=False: make test-long, 14 s; tp with SP over packed rows stays in make test)
+@pytest.mark.parametrize("pack", [pytest.param(False, marks=pytest.mark.long), True])
 def test_tensor_and_sequence_parallel_over_two_ranks_equals_one_process(inputs, tmp_path,
                                                                         pack):
     extra = [f"data.pack={str(pack).lower()}"]
@@ -84,6 +85,7 @@ def test_a_preference_run_stopped_and_resumed_logs_the_uninterrupted_losses(inpu
                                                           for r in want]
 
 
+@pytest.mark.long  # (make test-long: 11 s; the stopped-and-resumed run stays)
 def test_a_preference_run_killed_mid_run_and_requeued_logs_the_uninterrupted_losses(
         inputs, tmp_path):
     """kill -9 after step 3 (the step-2 checkpoint committed): step 3 is lost, and the

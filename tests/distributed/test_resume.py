@@ -35,6 +35,7 @@ def test_resume_is_bit_exact(tiny_corpus, tmp_path, nproc, layout):
     assert weights_digest(straight) == weights_digest(split)
 
 
+@pytest.mark.long  # (make test-long: 18 s; test_checkpoint's interrupted writes stay)
 def test_sigkill_during_checkpoint_write_keeps_the_previous_one(tiny_corpus, tmp_path):
     base = tiny_overrides(tiny_corpus, 6) + ["train.checkpoint_every=2",
                                              "train.deterministic=true", "train.keep_last=5"]

@@ -167,6 +167,7 @@ def test_check_sampling_names_the_options_of_its_caller():
 
 
 @pytest.mark.slow
+@pytest.mark.long  # (make test-long: 20 s of inductor compiling on a fresh clone)
 def test_the_compiled_step_decodes_what_the_eager_one_does():
     model = _model()
     eager = generate(model, PROMPTS[:3], 5)
