@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from helpers.hf_models import random_hf_causal_lm
-from helpers.hf_parity import assert_export_round_trip, assert_greedy_decode_equal, tokens
+from helpers.hf_parity import (assert_export_round_trip, assert_greedy_decode_equal,
+                                assert_image_text_round_trip, tokens)
 from lmforge.config import ConfigError
 from lmforge.models.attention import DocumentMask
 from lmforge.models.hf import HFCheckpointError, load_hf_model, read_model_args
@@ -181,31 +182,8 @@ def test_an_image_text_directory_trains_its_language_model_and_exports_the_whole
     """Its language model loads (transformers' text-only logits), and the export holds
     every tensor of the original, the vision tower's bit for bit, with its config, so
     transformers loads the image-text model again with equal logits."""
-    import transformers
-    from safetensors.torch import load_file
-
-    from lmforge.models.hf import save_hf_model
-
     hf_model, path = image_text_dir
-    x = tokens(97, 24)
-    want = hf_model(input_ids=x).logits
-    ours = load_hf_model(path).eval()
-    assert ours.args.vision_from == str(path.resolve())
-    assert (ours(x) - want).abs().max() <= 1e-5 * want.abs().max()
-    save_hf_model(ours, tmp_path / "out")
-    original = load_file(path / "model.safetensors")
-    exported = load_file(tmp_path / "out" / "model.safetensors")
-    assert original.keys() == exported.keys()
-    assert any(k.startswith("model.visual.") for k in exported)
-    assert all(torch.equal(original[k], exported[k]) for k in original)
-    before = json.loads((path / "config.json").read_text())
-    after = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert after["vision_config"] == before["vision_config"]
-    assert after["text_config"] == before["text_config"]
-    assert after["architectures"] == ["Qwen3_5ForConditionalGeneration"]
-    reloaded = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(
-        tmp_path / "out").eval()
-    assert torch.equal(reloaded(input_ids=x).logits, want)
+    assert_image_text_round_trip(hf_model, path, tmp_path / "out", tokens(97, 24))
 
 
 def test_an_image_text_export_whose_source_moved_is_refused_in_one_line(image_text_dir,

@@ -8,14 +8,13 @@ linear layer's tensor refused in one line; the Hub's image-text directories
 back bit for bit on export."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from helpers.hf_models import randomise_linear_attention, random_hf_causal_lm
-from helpers.hf_parity import assert_export_round_trip, assert_greedy_decode_equal, tokens
+from helpers.hf_parity import (assert_export_round_trip, assert_greedy_decode_equal,
+                                assert_image_text_round_trip, tokens)
 from lmforge.models.common import count_parameters
 from lmforge.models.hf import HFCheckpointError, load_hf_model, read_model_args
 from lmforge.models.presets import check_model_args
@@ -92,8 +91,6 @@ def test_an_image_text_directory_trains_its_language_model_and_exports_the_whole
     its config, and transformers loads the image-text model again with equal logits."""
     import transformers
 
-    from lmforge.models.hf import save_hf_model
-
     torch.manual_seed(3)
     text = {k: v for k, v in CONFIG.items() if k != "intermediate_size"} | dict(
         vocab_size=97, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -106,25 +103,7 @@ def test_an_image_text_directory_trains_its_language_model_and_exports_the_whole
     randomise_linear_attention(hf_model)
     path = tmp_path / "image-text"
     hf_model.save_pretrained(path)
-    x = tokens(97, 24)
-    want = hf_model(input_ids=x).logits
-    ours = load_hf_model(path).eval()
-    assert ours.args.vision_from == str(path.resolve())
-    assert (ours(x) - want).abs().max() <= 1e-5 * want.abs().max()
-    save_hf_model(ours, tmp_path / "out")
-    original = load_file(path / "model.safetensors")
-    exported = load_file(tmp_path / "out" / "model.safetensors")
-    assert original.keys() == exported.keys()
-    assert any(k.startswith("model.visual.") for k in exported)
-    assert all(torch.equal(original[k], exported[k]) for k in original)
-    before = json.loads((path / "config.json").read_text())
-    after = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert after["vision_config"] == before["vision_config"]
-    assert after["text_config"] == before["text_config"]
-    assert after["architectures"] == ["Qwen3_5MoeForConditionalGeneration"]
-    reloaded = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(
-        tmp_path / "out").eval()
-    assert torch.equal(reloaded(input_ids=x).logits, want)
+    assert_image_text_round_trip(hf_model, path, tmp_path / "out", tokens(97, 24))
 
 
 def test_presets_check_and_the_35b_has_35b_parameters():
