@@ -15,8 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.hf_models import hf_model_dir, load_reference
-from helpers.llama_cpp_runs import converted, converter_dir, gguf_keys, greedy_tokens
+from helpers.hf_models import hf_model_dir
+from helpers.llama_cpp_runs import (as_stored, converted, converter_dir, gguf_keys,
+                                    greedy_tokens, near_tie, transformers_greedy)
+from helpers.llama_cpp_runs import prompts as seeded_prompts
 from lmforge.export.gguf import GGUFError, export_gguf
 from lmforge.models.generate import generate
 from lmforge.models.hf import load_hf_model
@@ -62,46 +64,21 @@ def model_dir(request, tmp_path_factory):
     return _perturbed(hf_model_dir(root, "qwen3_5_text", seed=3, **CASES[request.param]))
 
 
-def _prompts(vocab: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(5)
-    return [torch.randint(0, vocab - 10, (n,), generator=g).tolist() for n in (1, 6, 70)]
-
-
-def as_stored(model, dtype: str):
-    """``model`` with the weights the file holds in f16 rounded so (matrices; the
-    convolution's kernel and every vector stay f32)."""
-    if dtype == "f32":
-        return model
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2 and not name.endswith("conv1d.weight"):
-                p.copy_(p.to(torch.float16).float())
-    return model
-
-
-def _transformers_greedy(model_dir, prompt: list[int], n: int) -> list[int]:
-    model = load_reference(model_dir)
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
 def test_llama_cpp_greedy_tokens_equal_lmforges_and_transformers(model_dir, tmp_path, dtype):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed "
                         "(make test-deploy installs it)")
     out = export_gguf(model_dir, tmp_path / "model.gguf", dtype)
     ours = as_stored(load_hf_model(model_dir), dtype)
-    prompts = _prompts(ours.args.vocab_size)
+    prompts = seeded_prompts(ours.args.vocab_size)
     expected = [generate(ours, [p], NEW_TOKENS)[0].ids for p in prompts]
     if dtype == "f32":
-        assert expected == [_transformers_greedy(model_dir, p, NEW_TOKENS) for p in prompts]
+        assert expected == [transformers_greedy(model_dir, p, NEW_TOKENS) for p in prompts]
     got = greedy_tokens(out, prompts, NEW_TOKENS, n_batch=32, n_ubatch=32)
     if dtype == "f32":
         assert got == expected
     for prompt, want, tokens in zip(prompts, expected, got):
-        assert tokens == want or _near_tie(ours, prompt, want, tokens), (tokens, want)
+        assert tokens == want or near_tie(ours, prompt, want, tokens, NEAR_TIE), (tokens, want)
 
 
 # llama.cpp's f16 matmul rounds the activations to f16 too, and a linear layer's state
@@ -110,15 +87,6 @@ def test_llama_cpp_greedy_tokens_equal_lmforges_and_transformers(model_dir, tmp_
 # tokens, each where lmforge's top two logits were 0.0003 and 0.031 apart (the 6-token
 # prompt's 22nd token, the 70-token prompt's 21st); the other seven: all 24 tokens equal
 NEAR_TIE = 0.05
-
-
-def _near_tie(model, prompt: list[int], want: list[int], got: list[int]) -> bool:
-    """Whether, where ``got`` first leaves ``want``, its token's logit after the same
-    prefix is within ``NEAR_TIE`` of the top one's in ``model``."""
-    first = next(i for i, (a, b) in enumerate(zip(want, got)) if a != b)
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + want[:first]]))[0, -1]
-    return float(logits[want[first]] - logits[got[first]]) < NEAR_TIE
 
 
 # Where ours differs from the converter's on purpose: EOS is the chat template's
@@ -205,7 +173,7 @@ def test_an_image_text_directorys_language_model_runs_in_llama_cpp(tmp_path):
     names = {t.name for t in gguf.GGUFReader(out).tensors}
     assert {n.split(".")[0] for n in names} == {"token_embd", "blk", "output_norm", "output"}
     ours = load_hf_model(src)
-    prompts = _prompts(ours.args.vocab_size)[:2]
+    prompts = seeded_prompts(ours.args.vocab_size)[:2]
     expected = [generate(ours, [p], NEW_TOKENS)[0].ids for p in prompts]
     assert greedy_tokens(out, prompts, NEW_TOKENS) == expected
 
@@ -241,7 +209,7 @@ def test_a_lora_gguf_on_its_base_gives_the_adapted_models_tokens(lora_model, tmp
     adapter = save_adapter(model, tmp_path / "adapter", base_model_path=str(base))
     base_gguf = export_gguf(base, tmp_path / "base.gguf", "f32")
     lora_gguf = export_gguf_lora(adapter, base, tmp_path / "lora.gguf")
-    prompts = _prompts(model.args.vocab_size)[:2]
+    prompts = seeded_prompts(model.args.vocab_size)[:2]
     expected = [generate(model, [p], NEW_TOKENS)[0].ids for p in prompts]
     unadapted = load_hf_model(base)
     assert expected != [generate(unadapted, [p], NEW_TOKENS)[0].ids for p in prompts]
