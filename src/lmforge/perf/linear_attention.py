@@ -33,7 +33,8 @@ import functools
 import torch
 
 from lmforge.models.delta_rule import CHUNK_SIZE
-from lmforge.models.gated_deltanet import (GatedDeltaNet, GatedDeltaNetState,
+from lmforge.models.gated_deltanet import (INPUT_PROJECTIONS, OUTPUT_PROJECTION,
+                                           GatedDeltaNet, GatedDeltaNetState,
                                            forward_flops_per_token)
 from lmforge.config import LoraConfig
 from lmforge.models.registry import family_of
@@ -41,8 +42,8 @@ from lmforge.peft.lora import apply_lora
 from lmforge.perf.tracker import TensorMemoryTracker
 
 # The layer's projections as LoRA targets and Trainability name them, in model order.
-LINEAR_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
-LINEAR_INPUTS, LINEAR_OUTPUT = LINEAR_PROJECTIONS[:-1], LINEAR_PROJECTIONS[-1]
+LINEAR_INPUTS, LINEAR_OUTPUT = INPUT_PROJECTIONS, OUTPUT_PROJECTION
+LINEAR_PROJECTIONS = (*LINEAR_INPUTS, LINEAR_OUTPUT)
 
 
 def linear_layers(args) -> tuple[int, ...]:
