@@ -94,3 +94,34 @@ def randomise_linear_attention(model):
             if name.endswith(("A_log", "dt_bias", "norm.weight", "layernorm.weight")):
                 p.add_(0.1 * torch.randn_like(p))
     return model
+
+
+_HYBRID_HEADS = dict(head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8,
+                     linear_num_key_heads=2, linear_num_value_heads=4,
+                     linear_conv_kernel_dim=4, num_hidden_layers=4, num_experts=8,
+                     num_experts_per_tok=2, moe_intermediate_size=24,
+                     shared_expert_intermediate_size=40, initializer_range=0.1)
+# The hybrid MoE families' tiny models, which their parity and adapter tests share.
+# Qwen3-Next: full attention first, two linear layers in a row, layer 1's MLP dense
+# (mlp_only_layers), raw top-k weights. Qwen3.5-MoE: transformers' default pattern (three
+# linear layers, then a full one), every layer sparse, tied embeddings. initializer_range
+# 0.1: at 0.2 the experts' outputs (scale 18) magnify the Gated DeltaNet's summation-order
+# differences to up to 4e-5 of the logits' scale (measured, 3 seeds; 2-5e-6 at 0.1, as the
+# dense Qwen3.5's at 0.2).
+HYBRID_MOE_CONFIGS = {
+    "qwen3_next": dict(_HYBRID_HEADS, mlp_only_layers=[1], norm_topk_prob=False,
+                       layer_types=["full_attention", "linear_attention",
+                                    "linear_attention", "full_attention"]),
+    "qwen3_5_moe_text": dict(_HYBRID_HEADS, tie_word_embeddings=True,
+                             intermediate_size=None),
+}
+
+
+def saved_hybrid_moe(root, model_type: str):
+    """(transformers' model, the directory it is saved in) of ``HYBRID_MOE_CONFIGS``'
+    ``model_type``, seed 1, its linear layers' constants perturbed."""
+    model = randomise_linear_attention(
+        random_hf_causal_lm(model_type, seed=1, **HYBRID_MOE_CONFIGS[model_type]))
+    model.save_pretrained(root)
+    return model, root
+

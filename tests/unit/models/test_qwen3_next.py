@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers.hf_models import randomise_linear_attention, random_hf_causal_lm
+from helpers.hf_models import saved_hybrid_moe
 from helpers.hf_parity import (assert_export_round_trip, assert_greedy_decode_equal,
                                tokens)
 from lmforge.models.common import count_parameters
@@ -19,26 +19,10 @@ from lmforge.models.hf import HFCheckpointError, load_hf_model, read_model_args
 from lmforge.models.presets import check_model_args
 from lmforge.models.registry import PRESETS, build_model
 
-# Full attention first, two linear layers in a row; layer 1's MLP dense (mlp_only_layers);
-# raw top-k weights. initializer_range 0.1: at 0.2 the experts' outputs (scale 18) magnify
-# the Gated DeltaNet's summation-order differences to up to 4e-5 of the logits' scale
-# (measured, 3 seeds; 2-5e-6 at 0.1, as the dense Qwen3.5's at 0.2).
-CONFIG = dict(head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8,
-              linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=4,
-              num_hidden_layers=4, num_experts=8, num_experts_per_tok=2,
-              moe_intermediate_size=24, shared_expert_intermediate_size=40,
-              mlp_only_layers=[1], norm_topk_prob=False, initializer_range=0.1,
-              layer_types=["full_attention", "linear_attention", "linear_attention",
-                           "full_attention"])
-
-
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    model = randomise_linear_attention(random_hf_causal_lm("qwen3_next", seed=1, **CONFIG))
-    path = tmp_path_factory.mktemp("qwen3_next")
-    model.save_pretrained(path)
-    return model, path
+    return saved_hybrid_moe(tmp_path_factory.mktemp("qwen3_next"), "qwen3_next")
 
 
 @torch.no_grad()

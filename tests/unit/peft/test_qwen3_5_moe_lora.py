@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from helpers.hf_models import randomise_linear_attention, random_hf_causal_lm
+from helpers.hf_models import HYBRID_MOE_CONFIGS, random_hf_causal_lm, saved_hybrid_moe
 from helpers.hf_parity import assert_lora_round_trip, tokens
 from lmforge.models.hf import hf_names, load_hf_model, read_model_args
 from lmforge.peft import load_adapter
@@ -21,21 +21,12 @@ from lmforge.peft.lora import lora_layers
 
 peft = pytest.importorskip("peft")
 LINEAR_ATTENTION = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
-# test_qwen3_5_moe's model: three linear layers, then a full one, every layer sparse.
-CONFIG = dict(head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8,
-              linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=4,
-              num_hidden_layers=4, num_experts=8, num_experts_per_tok=2,
-              moe_intermediate_size=24, shared_expert_intermediate_size=40,
-              tie_word_embeddings=True, initializer_range=0.1, intermediate_size=None)
+CONFIG = HYBRID_MOE_CONFIGS["qwen3_5_moe_text"]
 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    model = randomise_linear_attention(random_hf_causal_lm("qwen3_5_moe_text", seed=1,
-                                                           **CONFIG))
-    path = tmp_path_factory.mktemp("qwen3_5_moe")
-    model.save_pretrained(path)
-    return model, path
+    return saved_hybrid_moe(tmp_path_factory.mktemp("qwen3_5_moe"), "qwen3_5_moe_text")
 
 
 def test_all_linear_adapts_both_attentions_and_the_experts_and_loads_in_peft(hf_dir,

@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from helpers.hf_models import randomise_linear_attention, random_hf_causal_lm
+from helpers.hf_models import HYBRID_MOE_CONFIGS, random_hf_causal_lm, saved_hybrid_moe
 from helpers.hf_parity import assert_lora_round_trip, tokens
 from lmforge.config import ConfigError, LoraConfig
 from lmforge.models.hf import load_hf_model
@@ -24,23 +24,12 @@ from lmforge.peft.targets import resolve_targets
 
 peft = pytest.importorskip("peft")
 PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
-# test_qwen3_next's model: a full-attention layer, two linear ones (the second sparse, the
-# first dense), a full one.
-CONFIG = dict(head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8,
-              linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=4,
-              num_hidden_layers=4, num_experts=8, num_experts_per_tok=2,
-              moe_intermediate_size=24, shared_expert_intermediate_size=40,
-              mlp_only_layers=[1], norm_topk_prob=False, initializer_range=0.1,
-              layer_types=["full_attention", "linear_attention", "linear_attention",
-                           "full_attention"])
+CONFIG = HYBRID_MOE_CONFIGS["qwen3_next"]
 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    model = randomise_linear_attention(random_hf_causal_lm("qwen3_next", seed=1, **CONFIG))
-    path = tmp_path_factory.mktemp("qwen3_next")
-    model.save_pretrained(path)
-    return model, path
+    return saved_hybrid_moe(tmp_path_factory.mktemp("qwen3_next"), "qwen3_next")
 
 
 def _with_lora(path, targets, rank: int = 4):
