@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from helpers.hf_models import hf_model_dir
-from helpers.llama_cpp_runs import (as_stored, converted, converter_dir, gguf_keys,
-                                    greedy_tokens, near_tie, transformers_greedy)
+from helpers.llama_cpp_runs import (assert_as_converted, assert_greedy_as_lmforge,
+                                    greedy_tokens)
 from helpers.llama_cpp_runs import prompts as seeded_prompts
 from lmforge.export.gguf import GGUFError, export_gguf
 from lmforge.models.generate import generate
@@ -69,16 +69,7 @@ def test_llama_cpp_greedy_tokens_equal_lmforges_and_transformers(model_dir, tmp_
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed "
                         "(make test-deploy installs it)")
     out = export_gguf(model_dir, tmp_path / "model.gguf", dtype)
-    ours = as_stored(load_hf_model(model_dir), dtype)
-    prompts = seeded_prompts(ours.args.vocab_size)
-    expected = [generate(ours, [p], NEW_TOKENS)[0].ids for p in prompts]
-    if dtype == "f32":
-        assert expected == [transformers_greedy(model_dir, p, NEW_TOKENS) for p in prompts]
-    got = greedy_tokens(out, prompts, NEW_TOKENS, n_batch=32, n_ubatch=32)
-    if dtype == "f32":
-        assert got == expected
-    for prompt, want, tokens in zip(prompts, expected, got):
-        assert tokens == want or near_tie(ours, prompt, want, tokens, NEAR_TIE), (tokens, want)
+    assert_greedy_as_lmforge(model_dir, out, dtype, NEW_TOKENS, NEAR_TIE)
 
 
 # llama.cpp's f16 matmul rounds the activations to f16 too, and a linear layer's state
@@ -97,33 +88,12 @@ DIFFERENT_ON_PURPOSE = {"tokenizer.ggml.eos_token_id", "qwen35.rope.dimension_se
 
 def test_every_key_and_tensor_of_llama_cpps_converter_is_in_our_export(model_dir, tmp_path):
     """The same directory through llama.cpp's convert_hf_to_gguf.py --outtype f32
-    --no-mtp (lmforge's models have no multi-token-prediction layers) and lmforge:
-    every key of the converter's in ours with its value (but DIFFERENT_ON_PURPOSE), and
-    the same tensors, byte for byte."""
-    import gguf
-    import numpy as np
-
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
-    converter = converter_dir(llama_cpp.__version__)
-    if not (converter / "convert_hf_to_gguf.py").is_file():
-        pytest.skip(f"llama.cpp's converter is not at {converter} (make test-deploy keeps "
-                    f"it there)")
-    ours = export_gguf(model_dir, tmp_path / "ours.gguf", "f32")
-    ours_keys = gguf_keys(ours)
-    theirs = converted(converter, model_dir, tmp_path / "theirs.gguf",
-                       ours_keys["tokenizer.ggml.pre"], "--outtype", "f32", "--no-mtp")
-    their_keys = gguf_keys(theirs)
-    differing = {k for k in their_keys if ours_keys.get(k) != their_keys[k]}
-    assert differing <= DIFFERENT_ON_PURPOSE, {k: (ours_keys.get(k), their_keys[k])
-                                               for k in differing - DIFFERENT_ON_PURPOSE}
-    if ours_keys["qwen35.attention.key_length"] >= 32:
+    --no-mtp and lmforge (``assert_as_converted``): every key of the converter's in ours
+    with its value (but DIFFERENT_ON_PURPOSE; the rope sections only under a 32-feature
+    head), and the same tensors, byte for byte."""
+    keys, differing = assert_as_converted(model_dir, tmp_path, "qwen35", DIFFERENT_ON_PURPOSE)
+    if keys["qwen35.attention.key_length"] >= 32:
         assert "qwen35.rope.dimension_sections" not in differing
-    ours_t = {t.name: t for t in gguf.GGUFReader(ours).tensors}
-    theirs_t = {t.name: t for t in gguf.GGUFReader(theirs).tensors}
-    assert ours_t.keys() == theirs_t.keys()
-    for name, t in theirs_t.items():
-        assert ours_t[name].tensor_type == t.tensor_type, name
-        assert np.array_equal(ours_t[name].data, t.data), name
 
 
 @pytest.mark.parametrize("fields, message", [

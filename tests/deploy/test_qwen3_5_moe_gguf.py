@@ -18,8 +18,8 @@ import json
 import pytest
 import torch
 
-from helpers.llama_cpp_runs import (as_stored, assert_as_converted, greedy_tokens, hybrid_dir,
-                                    lmforge_export, near_tie, prompts, transformers_greedy)
+from helpers.llama_cpp_runs import (assert_as_converted, assert_greedy_as_lmforge,
+                                    greedy_tokens, hybrid_dir, lmforge_export, prompts)
 from lmforge.export.gguf import GGUFError, export_gguf, export_gguf_lora
 from lmforge.models.generate import generate
 from lmforge.models.hf import load_hf_model
@@ -74,17 +74,7 @@ def test_llama_cpp_greedy_tokens_equal_lmforges_and_transformers(model_dir, tmp_
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed "
                         "(make test-deploy installs it)")
     out = lmforge_export(model_dir, tmp_path / "model.gguf", dtype)
-    ours = as_stored(load_hf_model(model_dir), dtype)
-    asked = prompts(ours.args.vocab_size)
-    expected = [generate(ours, [p], NEW_TOKENS)[0].ids for p in asked]
-    if dtype == "f32":
-        assert expected == [transformers_greedy(model_dir, p, NEW_TOKENS) for p in asked]
-    got = greedy_tokens(out, asked, NEW_TOKENS, n_batch=32, n_ubatch=32)
-    if dtype == "f32":
-        assert got == expected
-    for prompt, want, tokens in zip(asked, expected, got):
-        assert tokens == want or near_tie(ours, prompt, want, tokens, NEAR_TIE, ROUTER_TIE), \
-            (tokens, want)
+    assert_greedy_as_lmforge(model_dir, out, dtype, NEW_TOKENS, NEAR_TIE, ROUTER_TIE)
 
 
 def test_every_key_and_tensor_of_llama_cpps_converter_is_in_our_export(model_dir, tmp_path):

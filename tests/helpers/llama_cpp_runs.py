@@ -194,12 +194,35 @@ def lmforge_export(src, out, dtype: str):
     return Path(out)
 
 
-def assert_as_converted(model_dir, tmp_path, arch: str, different_on_purpose=()) -> None:
+def assert_greedy_as_lmforge(model_dir, out, dtype: str, n: int, margin: float,
+                             router_margin: float = 0.0) -> None:
+    """llama.cpp's ``n`` greedy tokens from ``out`` (``model_dir`` exported in ``dtype``)
+    after ``prompts``: lmforge's (and, from an f32 file, transformers' too); from an f16
+    file, lmforge's with its weights as the file holds them, up to a ``near_tie``."""
+    from lmforge.models.generate import generate
+    from lmforge.models.hf import load_hf_model
+
+    ours = as_stored(load_hf_model(model_dir), dtype)
+    asked = prompts(ours.args.vocab_size)
+    expected = [generate(ours, [p], n)[0].ids for p in asked]
+    if dtype == "f32":
+        assert expected == [transformers_greedy(model_dir, p, n) for p in asked]
+    got = greedy_tokens(out, asked, n, n_batch=32, n_ubatch=32)
+    if dtype == "f32":
+        assert got == expected
+    for prompt, want, tokens in zip(asked, expected, got):
+        assert tokens == want or near_tie(ours, prompt, want, tokens, margin,
+                                          router_margin), (tokens, want)
+
+
+def assert_as_converted(model_dir, tmp_path, arch: str, different_on_purpose=()
+                        ) -> tuple[dict, set]:
     """lmforge's f32 export of ``model_dir`` against llama.cpp's converter's
     (--outtype f32 --no-mtp: lmforge's models have no multi-token-prediction layers):
     every key of the converter's in ours with its value but EOS (the chat template's
     end-of-turn token in ours, as for every family) and ``different_on_purpose``; the
-    same tensors, byte for byte. Skipped where the converter is not kept."""
+    same tensors, byte for byte. Skipped where the converter is not kept. Returns our
+    keys and those that differed."""
     import gguf
     import numpy as np
     import pytest
@@ -227,3 +250,4 @@ def assert_as_converted(model_dir, tmp_path, arch: str, different_on_purpose=())
     for name, t in theirs_t.items():
         assert ours_t[name].tensor_type == t.tensor_type, name
         assert np.array_equal(ours_t[name].data, t.data), name
+    return ours_keys, differing
