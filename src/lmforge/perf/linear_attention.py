@@ -56,13 +56,9 @@ def is_linear(args, layer_id: int) -> bool:
 
 
 def projection_shapes(args) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of a linear layer's projections."""
-    key_dim = args.linear_key_heads * args.linear_key_head_dim
-    value_dim = args.linear_value_heads * args.linear_value_head_dim
-    heads = args.linear_value_heads
-    return {"in_proj_qkv": (args.dim, 2 * key_dim + value_dim),
-            "in_proj_z": (args.dim, value_dim), "in_proj_b": (args.dim, heads),
-            "in_proj_a": (args.dim, heads), "out_proj": (value_dim, args.dim)}
+    """(in_features, out_features) of a linear layer's projections, as the family's block
+    spec gives them (``BlockSpec.linear_attention_shapes``)."""
+    return dict(family_of(args).block(args).linear_attention_shapes)
 
 
 def other_parameters(args, tp: int = 1) -> int:
